@@ -1,0 +1,344 @@
+package ratelimit
+
+import (
+	"fmt"
+	"strconv"
+	"strings"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+	"github.com/caddyserver/caddy/v2/caddyconfig/httpcaddyfile"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+)
+
+func init() {
+	httpcaddyfile.RegisterHandlerDirective("rate_limit", parseCaddyfile)
+	// After forward_auth (and so basic_auth): {http.auth.user.id} and the
+	// headers forward_auth copies are there to key on.
+	httpcaddyfile.RegisterDirectiveOrder("rate_limit", httpcaddyfile.After, "forward_auth")
+}
+
+func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error) {
+	rl := new(Handler)
+	err := rl.UnmarshalCaddyfile(h.Dispenser)
+	return rl, err
+}
+
+// UnmarshalCaddyfile sets up the handler from Caddyfile tokens. Syntax:
+//
+//	rate_limit [<matcher>] {
+//	    redis {
+//	        address    <host:port> [<host:port>...]
+//	        cluster
+//	        sentinel   <master_name>
+//	        username   <user>
+//	        password   <password>
+//	        db         <n>
+//	        tls        [insecure_skip_verify]
+//	        timeout    <duration>
+//	        pool_size  <n>
+//	        key_prefix <prefix>
+//	    }
+//	    key_secret <secret>
+//	    on_error   fail_open|fail_closed|local
+//	    jitter     <percent>
+//	    headers    draft|off
+//	    shadow
+//
+//	    policy <name> {
+//	        match { <request matchers> }
+//	        key      <template>
+//	        rate     <N>/<duration>
+//	        burst    <n>
+//	        cost     <n | {placeholder}> [max <n>]
+//	        on_error fail_open|fail_closed|local
+//	        shadow
+//	    }
+//	}
+//
+// Values are checked here, so that `caddy adapt` reports a mistake with its
+// line.
+func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
+	d.Next() // directive name
+	if d.NextArg() {
+		return d.ArgErr()
+	}
+	seen := map[string]int{}
+	for d.NextBlock(0) {
+		switch sub := d.Val(); sub {
+		case "redis":
+			if h.Redis != nil {
+				return d.Errf("redis: defined twice (first at line %d)", seen["redis"])
+			}
+			seen["redis"] = d.Line()
+			h.Redis = new(RedisConfig)
+			if err := h.Redis.unmarshalCaddyfile(d); err != nil {
+				return err
+			}
+		case "key_secret":
+			if err := oneArg(d, &h.KeySecret); err != nil {
+				return err
+			}
+		case "on_error":
+			if err := onErrorArg(d, &h.OnError); err != nil {
+				return err
+			}
+		case "jitter":
+			var s string
+			if err := oneArg(d, &s); err != nil {
+				return err
+			}
+			j, err := parseJitter(s)
+			if err != nil {
+				return d.Errf("jitter: %v", err)
+			}
+			h.Jitter = &j
+		case "headers":
+			if err := oneArg(d, &h.Headers); err != nil {
+				return err
+			}
+			if h.Headers != "draft" && h.Headers != "off" {
+				return d.Errf("headers: %q is not draft or off", h.Headers)
+			}
+		case "shadow":
+			if d.NextArg() {
+				return d.ArgErr()
+			}
+			h.Shadow = true
+		case "policy":
+			p, err := unmarshalPolicy(d)
+			if err != nil {
+				return err
+			}
+			if line, dup := seen["policy "+p.Name]; dup {
+				return d.Errf("policy %q: defined twice (first at line %d)", p.Name, line)
+			}
+			seen["policy "+p.Name] = d.Line()
+			h.Policies = append(h.Policies, p)
+		default:
+			return d.Errf("unrecognized subdirective %q", sub)
+		}
+	}
+	if len(h.Policies) == 0 {
+		return d.Err("at least one policy is required")
+	}
+	return nil
+}
+
+func (c *RedisConfig) unmarshalCaddyfile(d *caddyfile.Dispenser) error {
+	if d.NextArg() {
+		return d.ArgErr()
+	}
+	for nesting := d.Nesting(); d.NextBlock(nesting); {
+		switch sub := d.Val(); sub {
+		case "address":
+			c.Addresses = append(c.Addresses, d.RemainingArgs()...)
+			if len(c.Addresses) == 0 {
+				return d.Errf("redis: address: at least one host:port is required")
+			}
+		case "cluster":
+			if d.NextArg() {
+				return d.ArgErr()
+			}
+			c.Cluster = true
+		case "sentinel":
+			if err := oneArg(d, &c.Sentinel); err != nil {
+				return err
+			}
+		case "username":
+			if err := oneArg(d, &c.Username); err != nil {
+				return err
+			}
+		case "password":
+			if err := oneArg(d, &c.Password); err != nil {
+				return err
+			}
+		case "db":
+			if err := intArg(d, &c.DB, 0); err != nil {
+				return err
+			}
+		case "tls":
+			c.TLS = new(RedisTLS)
+			for d.NextArg() {
+				if d.Val() != "insecure_skip_verify" {
+					return d.Errf("redis: tls: unknown option %q", d.Val())
+				}
+				c.TLS.InsecureSkipVerify = true
+			}
+		case "timeout":
+			var s string
+			if err := oneArg(d, &s); err != nil {
+				return err
+			}
+			dur, err := caddy.ParseDuration(s)
+			if err != nil || dur <= 0 {
+				return d.Errf("redis: timeout: %q is not a positive duration", s)
+			}
+			c.Timeout = caddy.Duration(dur)
+		case "pool_size":
+			if err := intArg(d, &c.PoolSize, 1); err != nil {
+				return err
+			}
+		case "key_prefix":
+			if err := oneArg(d, &c.KeyPrefix); err != nil {
+				return err
+			}
+		default:
+			return d.Errf("redis: unrecognized subdirective %q", sub)
+		}
+	}
+	if len(c.Addresses) == 0 {
+		return d.Err("redis: address is required")
+	}
+	if c.Cluster && c.Sentinel != "" {
+		return d.Err("redis: cluster and sentinel exclude each other")
+	}
+	return nil
+}
+
+func unmarshalPolicy(d *caddyfile.Dispenser) (*Policy, error) {
+	p := new(Policy)
+	if !d.NextArg() {
+		return nil, d.Err("policy: a name is required")
+	}
+	p.Name = d.Val()
+	if !policyName.MatchString(p.Name) {
+		return nil, d.Errf("policy %q: the name must be 1 to 64 letters, digits, '_', '-' or '.'", p.Name)
+	}
+	if d.NextArg() {
+		return nil, d.ArgErr()
+	}
+	fail := func(field, format string, args ...any) error {
+		return d.Errf("policy %q: %s: %s", p.Name, field, fmt.Sprintf(format, args...))
+	}
+	for nesting := d.Nesting(); d.NextBlock(nesting); {
+		switch sub := d.Val(); sub {
+		case "match":
+			if p.MatchRaw != nil {
+				return nil, fail("match", "defined twice")
+			}
+			set, err := caddyhttp.ParseCaddyfileNestedMatcherSet(d)
+			if err != nil {
+				return nil, fail("match", "%v", err)
+			}
+			p.MatchRaw = set
+		case "key":
+			if err := oneArg(d, &p.Key); err != nil {
+				return nil, err
+			}
+		case "rate":
+			if err := oneArg(d, &p.Rate); err != nil {
+				return nil, err
+			}
+			if _, _, err := parseRate(p.Rate); err != nil {
+				return nil, fail("rate", "%v", err)
+			}
+		case "burst":
+			var s string
+			if err := oneArg(d, &s); err != nil {
+				return nil, err
+			}
+			n, err := strconv.ParseInt(s, 10, 64)
+			if err != nil || n < 1 {
+				return nil, fail("burst", "%q must be a positive integer", s)
+			}
+			p.Burst = n
+		case "cost":
+			args := d.RemainingArgs()
+			if len(args) != 1 && len(args) != 3 || len(args) == 3 && args[1] != "max" {
+				return nil, fail("cost", "expected cost <n | {placeholder}> [max <n>]")
+			}
+			if _, _, err := parseCost(args[0]); err != nil {
+				return nil, fail("cost", "%v", err)
+			}
+			p.Cost = args[0]
+			if len(args) == 3 {
+				n, err := strconv.ParseInt(args[2], 10, 64)
+				if err != nil || n < 1 {
+					return nil, fail("cost", "max %q must be a positive integer", args[2])
+				}
+				p.MaxCost = n
+			}
+		case "on_error":
+			if err := onErrorArg(d, &p.OnError); err != nil {
+				return nil, err
+			}
+		case "shadow":
+			if d.NextArg() {
+				return nil, d.ArgErr()
+			}
+			p.Shadow = true
+		default:
+			return nil, d.Errf("policy %q: unrecognized subdirective %q", p.Name, sub)
+		}
+	}
+	switch {
+	case p.Key == "":
+		return nil, fail("key", "required (e.g. {client_ip}, {http.auth.user.id} or global)")
+	case p.Rate == "":
+		return nil, fail("rate", "required (e.g. 100/1m)")
+	}
+	return p, nil
+}
+
+// parseJitter accepts a percentage (20%) or, as mholt/caddy-ratelimit's
+// `jitter 0.2`, a bare fraction.
+func parseJitter(s string) (float64, error) {
+	num, pct := strings.CutSuffix(s, "%")
+	v, err := strconv.ParseFloat(num, 64)
+	if err != nil || v < 0 || v != v {
+		return 0, errNotJitter(s)
+	}
+	if pct {
+		v /= 100
+	}
+	if v > 10 {
+		return 0, errNotJitter(s)
+	}
+	return v, nil
+}
+
+func oneArg(d *caddyfile.Dispenser, dst *string) error {
+	sub := d.Val()
+	if !d.NextArg() {
+		return d.Errf("%s: a value is required", sub)
+	}
+	*dst = d.Val()
+	if d.NextArg() {
+		return d.Errf("%s: one value expected, got another: %q", sub, d.Val())
+	}
+	return nil
+}
+
+func intArg(d *caddyfile.Dispenser, dst *int, least int) error {
+	sub := d.Val()
+	var s string
+	if err := oneArg(d, &s); err != nil {
+		return err
+	}
+	n, err := strconv.Atoi(s)
+	if err != nil || n < least {
+		return d.Errf("%s: %q must be an integer of at least %d", sub, s, least)
+	}
+	*dst = n
+	return nil
+}
+
+func onErrorArg(d *caddyfile.Dispenser, dst *string) error {
+	if err := oneArg(d, dst); err != nil {
+		return err
+	}
+	if !validOnError(*dst) {
+		return d.Errf("on_error: %q is not fail_open, fail_closed or local", *dst)
+	}
+	return nil
+}
+
+// Interface guard.
+var _ caddyfile.Unmarshaler = (*Handler)(nil)
+
+type errNotJitter string
+
+func (e errNotJitter) Error() string {
+	return strconv.Quote(string(e)) + " is not a percentage such as 20% (or a fraction such as 0.2) of at most 1000%"
+}

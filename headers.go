@@ -1,0 +1,136 @@
+package ratelimit
+
+import (
+	"encoding/json"
+	"math"
+	"math/rand/v2"
+	"net/http"
+	"strconv"
+	"strings"
+	"time"
+)
+
+// The response side of the contract: the RateLimit-Policy and RateLimit
+// fields of draft-ietf-httpapi-ratelimit-headers-11, Retry-After, and the
+// RFC 9457 problem bodies of 429 and 503. The draft is still moving: its
+// serialisation lives in policyMember and limitMember and nowhere else.
+
+const (
+	problemQuotaExceeded   = "https://iana.org/assignments/http-problem-types#quota-exceeded"
+	problemReducedCapacity = "https://iana.org/assignments/http-problem-types#temporary-reduced-capacity"
+)
+
+// fieldQuota is a policy as the RateLimit-Policy field states it: q units
+// per w seconds. w must be a whole, non-zero number of seconds, so a
+// sub-second or fractional period becomes the quota of the next whole
+// number of seconds, rounded down (10/100ms is q=100;w=1).
+func fieldQuota(events int64, period time.Duration) (q, w int64) {
+	w = int64((period + time.Second - 1) / time.Second)
+	q = int64(float64(events) * float64(w) * float64(time.Second) / float64(period))
+	return q, w
+}
+
+// policyMember is one member of RateLimit-Policy: "name";q=100;w=60.
+func policyMember(b []byte, name string, q, w int64) []byte {
+	b = appendSFString(b, name)
+	b = append(b, ";q="...)
+	b = strconv.AppendInt(b, q, 10)
+	b = append(b, ";w="...)
+	return strconv.AppendInt(b, w, 10)
+}
+
+// limitMember is one member of RateLimit: "name";r=0;t=3, where r is the
+// whole tokens left and t the seconds (rounded up) until the next token, or
+// on a denial until the request would fit; 0 when the bucket is full. A
+// request that can never fit (cost above burst) gets no t.
+func limitMember(b []byte, name string, remaining, waitUS int64) []byte {
+	b = appendSFString(b, name)
+	b = append(b, ";r="...)
+	b = strconv.AppendInt(b, remaining, 10)
+	if waitUS == neverWait {
+		return b
+	}
+	b = append(b, ";t="...)
+	return strconv.AppendInt(b, ceilSeconds(waitUS), 10)
+}
+
+// appendSFString serialises an RFC 9651 sf-String. Policy names are
+// validated to printable ASCII at provisioning; only " and \ need escaping.
+func appendSFString(b []byte, s string) []byte {
+	b = append(b, '"')
+	for i := 0; i < len(s); i++ {
+		if s[i] == '"' || s[i] == '\\' {
+			b = append(b, '\\')
+		}
+		b = append(b, s[i])
+	}
+	return append(b, '"')
+}
+
+// ceilSeconds rounds a wait in µs up to whole seconds.
+func ceilSeconds(us int64) int64 {
+	if us <= 0 {
+		return 0
+	}
+	return (us + 999_999) / 1_000_000
+}
+
+// retryAfter is the Retry-After of a denial whose true wait is waitUS:
+// whole seconds, at least 1, never below the wait rounded up, and spread
+// upward by up to jitter (a fraction) so denied clients do not all return
+// in the same second.
+func retryAfter(waitUS int64, jitter float64) int64 {
+	secs := float64(waitUS) / 1e6
+	if jitter > 0 {
+		secs *= 1 + jitter*rand.Float64()
+	}
+	ra := int64(math.Ceil(secs))
+	return max(ra, ceilSeconds(waitUS), 1)
+}
+
+type problem struct {
+	Type             string   `json:"type"`
+	Title            string   `json:"title"`
+	Status           int      `json:"status"`
+	Detail           string   `json:"detail"`
+	ViolatedPolicies []string `json:"violated-policies,omitempty"`
+}
+
+// writeProblem writes an RFC 9457 problem response. Rate-limit responses
+// are about this client at this moment: never cache them.
+func writeProblem(w http.ResponseWriter, p problem) error {
+	body, err := json.Marshal(p)
+	if err != nil {
+		return err
+	}
+	h := w.Header()
+	h.Set("Content-Type", "application/problem+json")
+	h.Set("Cache-Control", "no-store")
+	h.Set("Content-Length", strconv.Itoa(len(body)))
+	w.WriteHeader(p.Status)
+	_, err = w.Write(body)
+	return err
+}
+
+func quotaExceeded(violated []string) problem {
+	noun := "policy"
+	if len(violated) > 1 {
+		noun = "policies"
+	}
+	return problem{
+		Type:             problemQuotaExceeded,
+		Title:            "Quota Exceeded",
+		Status:           http.StatusTooManyRequests,
+		Detail:           "Rate limit exceeded for " + noun + " " + strings.Join(violated, ", ") + ".",
+		ViolatedPolicies: violated,
+	}
+}
+
+func reducedCapacity() problem {
+	return problem{
+		Type:   problemReducedCapacity,
+		Title:  "Temporary Reduced Capacity",
+		Status: http.StatusServiceUnavailable,
+		Detail: "The rate limiter is unavailable; try again shortly.",
+	}
+}

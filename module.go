@@ -1,0 +1,381 @@
+// Package ratelimit is a Caddy HTTP handler that enforces rate limits shared
+// by every Caddy instance of a deployment: token buckets kept in Redis and
+// decided by one atomic Lua script, so that four instances allowing
+// "100 per minute" allow 100 per minute together, not 400.
+package ratelimit
+
+import (
+	"context"
+	"fmt"
+	"net/http"
+	"strconv"
+	"sync/atomic"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"go.uber.org/zap"
+)
+
+func init() {
+	caddy.RegisterModule(Handler{})
+}
+
+// Handler limits the rate of requests with token buckets shared by every
+// Caddy instance through Redis (or kept in this process without a `redis`
+// block). Each request is checked against every policy whose matcher it
+// matches, in one atomic decision. A denied request gets a 429
+// `application/problem+json` response with `Retry-After`; every response
+// carries the `RateLimit-Policy` and `RateLimit` fields of the IETF draft.
+//
+// The handler sets placeholders for later handlers and access logs:
+// `{http.rate_limit.decision}` (allowed, denied, shadow_denied, fail_open,
+// fail_closed, local_allowed or local_denied), `{http.rate_limit.policy}`
+// (the denying policy, or the one with the fewest tokens left),
+// `{http.rate_limit.remaining}` and `{http.rate_limit.retry_after}`.
+//
+// Keys accept placeholders. Identities are stored only as keyed hashes.
+type Handler struct {
+	// Redis shares the buckets between all Caddy instances that point at the
+	// same Redis. Without it, buckets live in this process only.
+	Redis *RedisConfig `json:"redis,omitempty"`
+
+	// KeySecret keys the HMAC-SHA-256 hash that stands for each identity in
+	// storage keys. Set it (e.g. `{env.RATE_LIMIT_SECRET}`) so that keys
+	// cannot be linked to known identities; without it, plain SHA-256.
+	KeySecret string `json:"key_secret,omitempty"`
+
+	// OnError is what policies do when Redis cannot decide in time:
+	// `fail_open` admits the request, `fail_closed` answers 503, `local`
+	// decides with an in-process bucket. Default `fail_open`.
+	OnError string `json:"on_error,omitempty"`
+
+	// Jitter spreads Retry-After upward by up to this fraction (0.2 = 20%)
+	// of the true wait, so denied clients do not all return at once. It is
+	// never below the true wait. Default 0.2; 0 disables it.
+	Jitter *float64 `json:"jitter,omitempty"`
+
+	// Headers selects the RateLimit fields sent on responses: `draft`
+	// (RateLimit-Policy and RateLimit, draft-ietf-httpapi-ratelimit-headers)
+	// or `off`. Retry-After is sent on denials either way. Default `draft`.
+	Headers string `json:"headers,omitempty"`
+
+	// Shadow evaluates and reports every policy without rejecting any
+	// request or adding response fields: a dry run for rolling out limits.
+	Shadow bool `json:"shadow,omitempty"`
+
+	// Policies are the budgets. Every policy that matches a request takes
+	// part in its decision.
+	Policies []*Policy `json:"policies,omitempty"`
+
+	store     store
+	poolKey   string // in redisClients, when Redis is used
+	keyPrefix string
+	hasher    *keyHasher
+	jitter    float64
+	headers   bool
+	logger    *zap.Logger
+	lastWarn  *atomic.Int64 // unix nanoseconds of the last store-failure warning
+}
+
+// CaddyModule returns the Caddy module information.
+func (Handler) CaddyModule() caddy.ModuleInfo {
+	return caddy.ModuleInfo{
+		ID:  "http.handlers.rate_limit",
+		New: func() caddy.Module { return new(Handler) },
+	}
+}
+
+const defaultJitter = 0.2
+
+// Provision sets up the handler.
+func (h *Handler) Provision(ctx caddy.Context) error {
+	h.logger = ctx.Logger()
+	h.lastWarn = new(atomic.Int64)
+	if h.OnError == "" {
+		h.OnError = failOpen
+	}
+	h.jitter = defaultJitter
+	if h.Jitter != nil {
+		h.jitter = *h.Jitter
+	}
+	h.headers = h.Headers != "off"
+	h.keyPrefix = defaultKeyPrefix
+	if h.Redis != nil && h.Redis.KeyPrefix != "" {
+		h.keyPrefix = h.Redis.KeyPrefix
+	}
+	h.hasher = newKeyHasher(caddy.NewReplacer().ReplaceAll(h.KeySecret, ""))
+	if err := h.checkConfig(); err != nil {
+		return err
+	}
+	for _, p := range h.Policies {
+		if err := p.provision(ctx, h); err != nil {
+			return fmt.Errorf("policy %q: %v", p.Name, err)
+		}
+	}
+
+	h.store = processMemory
+	if h.Redis != nil {
+		rc := h.Redis.resolved()
+		h.poolKey = rc.poolKey()
+		// Caddy must start and reload while Redis is unreachable: the client
+		// connects lazily and each decision bounds its own wait.
+		v, _, err := redisClients.LoadOrNew(h.poolKey, func() (caddy.Destructor, error) {
+			return pooledClient{rc.newClient()}, nil
+		})
+		if err != nil {
+			h.poolKey = ""
+			return fmt.Errorf("redis: %v", err)
+		}
+		h.store = &redisStore{client: v.(pooledClient).UniversalClient, timeout: time.Duration(rc.Timeout)}
+	}
+	return nil
+}
+
+// checkConfig checks what provisioning the policies does not, so that a
+// JSON mistake fails `caddy validate` naming the field.
+func (h *Handler) checkConfig() error {
+	if !validOnError(h.OnError) {
+		return fmt.Errorf("on_error: %q is not fail_open, fail_closed or local", h.OnError)
+	}
+	if h.jitter < 0 || h.jitter > 10 {
+		return fmt.Errorf("jitter: %v must be between 0 and 10 (1000%%)", h.jitter)
+	}
+	if h.Headers != "" && h.Headers != "draft" && h.Headers != "off" {
+		return fmt.Errorf("headers: %q is not draft or off", h.Headers)
+	}
+	if h.Redis != nil {
+		if len(h.Redis.Addresses) == 0 {
+			return fmt.Errorf("redis: at least one address is required")
+		}
+		if h.Redis.Cluster && h.Redis.Sentinel != "" {
+			return fmt.Errorf("redis: cluster and sentinel exclude each other")
+		}
+		if h.Redis.Timeout < 0 || h.Redis.PoolSize < 0 || h.Redis.DB < 0 {
+			return fmt.Errorf("redis: timeout, pool_size and db must not be negative")
+		}
+	}
+	if len(h.Policies) == 0 {
+		return fmt.Errorf("at least one policy is required")
+	}
+	seen := make(map[string]bool, len(h.Policies))
+	for i, p := range h.Policies {
+		if p == nil {
+			return fmt.Errorf("policies[%d]: empty", i)
+		}
+		if seen[p.Name] {
+			return fmt.Errorf("policy %q: defined twice", p.Name)
+		}
+		seen[p.Name] = true
+	}
+	return nil
+}
+
+// Validate is done by Provision, which needs the parsed numbers; this keeps
+// the interface for tools that only validate.
+func (h *Handler) Validate() error { return nil }
+
+// Cleanup releases this config's reference to its Redis client; the client
+// is closed when no loaded config uses it any more.
+func (h *Handler) Cleanup() error {
+	if h.poolKey == "" {
+		return nil
+	}
+	_, err := redisClients.Delete(h.poolKey)
+	h.poolKey = ""
+	return err
+}
+
+// Outcomes of a decision, as {http.rate_limit.decision} reports them.
+const (
+	outcomeAllowed      = "allowed"
+	outcomeDenied       = "denied"
+	outcomeShadowDenied = "shadow_denied"
+	outcomeFailOpen     = "fail_open"
+	outcomeFailClosed   = "fail_closed"
+	outcomeLocalAllowed = "local_allowed"
+	outcomeLocalDenied  = "local_denied"
+)
+
+// ServeHTTP decides the request against every matching policy.
+func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
+	repl := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
+
+	var pbuf [4]*Policy
+	var rbuf [4]bucketRequest
+	policies, reqs := pbuf[:0], rbuf[:0]
+	for _, p := range h.Policies {
+		ok, err := p.matches(r)
+		if err != nil {
+			return caddyhttp.Error(http.StatusInternalServerError, fmt.Errorf("rate_limit: policy %s: matching: %w", p.Name, err))
+		}
+		if !ok {
+			continue
+		}
+		policies = append(policies, p)
+		reqs = append(reqs, bucketRequest{
+			key:    p.storageKey(h.hasher, repl.ReplaceAll(p.Key, "")),
+			limit:  p.limit,
+			cost:   p.cost(repl),
+			shadow: p.shadow,
+		})
+	}
+	if len(reqs) == 0 {
+		return next.ServeHTTP(w, r)
+	}
+
+	d, err := h.store.decide(r.Context(), reqs)
+	outcome := outcomeAllowed
+	if err != nil {
+		h.warnStoreFailure(err)
+		var done bool
+		if policies, d, outcome, done, err = h.decideWithoutStore(w, repl, policies, reqs); done || err != nil {
+			return err
+		}
+	}
+	if !d.admitted {
+		if outcome == outcomeAllowed {
+			outcome = outcomeDenied
+		}
+		return h.deny(w, repl, policies, d, outcome)
+	}
+	if outcome == outcomeAllowed {
+		for i, v := range d.verdicts {
+			if !v.allowed {
+				outcome = outcomeShadowDenied
+				h.logger.Debug("shadow policy would deny", zap.String("policy", policies[i].Name))
+			}
+		}
+	}
+	h.report(w, repl, policies, d, outcome, 0)
+	return next.ServeHTTP(w, r)
+}
+
+// decideWithoutStore applies each policy's on_error when the store failed.
+// It returns the policies it decided (the `local` ones) with their decision;
+// done means the response has been written (fail_closed).
+func (h *Handler) decideWithoutStore(w http.ResponseWriter, repl *caddy.Replacer, policies []*Policy, reqs []bucketRequest) (decided []*Policy, d decision, outcome string, done bool, err error) {
+	var local []bucketRequest
+	var localPolicies []*Policy
+	for i, p := range policies {
+		switch {
+		case p.onError == failClosed && !p.shadow:
+			repl.Set("http.rate_limit.decision", outcomeFailClosed)
+			repl.Set("http.rate_limit.policy", p.Name)
+			ra := retryAfter(1_000_000, h.jitter)
+			repl.Set("http.rate_limit.retry_after", strconv.FormatInt(ra, 10))
+			w.Header().Set("Retry-After", strconv.FormatInt(ra, 10))
+			return nil, decision{}, outcomeFailClosed, true, writeProblem(w, reducedCapacity())
+		case p.onError == failLocal:
+			local = append(local, reqs[i])
+			localPolicies = append(localPolicies, p)
+		}
+	}
+	if len(local) == 0 {
+		return nil, decision{admitted: true}, outcomeFailOpen, false, nil
+	}
+	d, _ = processMemory.decide(context.Background(), local)
+	outcome = outcomeLocalAllowed
+	if !d.admitted {
+		outcome = outcomeLocalDenied
+	}
+	return localPolicies, d, outcome, false, nil
+}
+
+// deny writes the 429 response of a denied request.
+func (h *Handler) deny(w http.ResponseWriter, repl *caddy.Replacer, policies []*Policy, d decision, outcome string) error {
+	var violated []string
+	var wait int64
+	for i, v := range d.verdicts {
+		if v.allowed || policies[i].shadow {
+			continue
+		}
+		violated = append(violated, policies[i].Name)
+		if v.wait == neverWait || wait == neverWait {
+			wait = neverWait
+		} else {
+			wait = max(wait, v.wait)
+		}
+	}
+	var ra int64
+	if wait != neverWait {
+		ra = retryAfter(wait, h.jitter)
+		w.Header().Set("Retry-After", strconv.FormatInt(ra, 10))
+	}
+	h.report(w, repl, policies, d, outcome, ra)
+	h.logger.Debug("rate limit exceeded", zap.Strings("policies", violated), zap.Int64("retry_after", ra))
+	return writeProblem(w, quotaExceeded(violated))
+}
+
+// report sets the RateLimit fields and the placeholders.
+func (h *Handler) report(w http.ResponseWriter, repl *caddy.Replacer, policies []*Policy, d decision, outcome string, retryAfter int64) {
+	repl.Set("http.rate_limit.decision", outcome)
+	repl.Set("http.rate_limit.retry_after", strconv.FormatInt(retryAfter, 10))
+	verdicts := d.verdicts
+	if len(verdicts) == 0 { // fail_open: nothing was decided
+		return
+	}
+	tightest := -1
+	for i, v := range verdicts {
+		if policies[i].shadow {
+			continue
+		}
+		if tightest < 0 || tighter(v, verdicts[tightest]) {
+			tightest = i
+		}
+	}
+	if tightest < 0 { // only shadow policies: the response stays untouched
+		return
+	}
+	repl.Set("http.rate_limit.policy", policies[tightest].Name)
+	repl.Set("http.rate_limit.remaining", strconv.FormatInt(verdicts[tightest].remaining, 10))
+	if !h.headers {
+		return
+	}
+	var pol, lim []byte
+	for i, v := range verdicts {
+		if policies[i].shadow {
+			continue
+		}
+		if len(pol) > 0 {
+			pol = append(pol, ", "...)
+			lim = append(lim, ", "...)
+		}
+		pol = append(pol, policies[i].policyHdr...)
+		lim = limitMember(lim, policies[i].Name, v.remaining, v.wait)
+	}
+	hdr := w.Header()
+	hdr["Ratelimit-Policy"] = []string{string(pol)}
+	hdr["Ratelimit"] = []string{string(lim)}
+}
+
+// tighter orders verdicts for {http.rate_limit.policy}: a denial before an
+// admission, then the longer wait, then the fewer tokens left.
+func tighter(a, b verdict) bool {
+	if a.allowed != b.allowed {
+		return !a.allowed
+	}
+	if !a.allowed {
+		return a.wait == neverWait || (b.wait != neverWait && a.wait > b.wait)
+	}
+	return a.remaining < b.remaining
+}
+
+// warnStoreFailure logs a store failure at most once every 10 seconds:
+// when Redis is down every request fails the same way.
+func (h *Handler) warnStoreFailure(err error) {
+	now := time.Now().UnixNano()
+	last := h.lastWarn.Load()
+	if now-last < int64(10*time.Second) || !h.lastWarn.CompareAndSwap(last, now) {
+		return
+	}
+	h.logger.Warn("rate limit store unavailable; policies follow on_error", zap.Error(err))
+}
+
+// Interface guards.
+var (
+	_ caddy.Provisioner           = (*Handler)(nil)
+	_ caddy.Validator             = (*Handler)(nil)
+	_ caddy.CleanerUpper          = (*Handler)(nil)
+	_ caddyhttp.MiddlewareHandler = (*Handler)(nil)
+)

@@ -1,0 +1,207 @@
+package ratelimit
+
+import (
+	"fmt"
+	"net/http"
+	"regexp"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+)
+
+// Policy is one named budget: requests that match it are counted, per
+// resolved key, in a token bucket of `burst` tokens that refills at `rate`.
+// Every policy that matches a request is decided with the others in one
+// atomic step: the request is admitted and charged by all of them, or
+// denied and charged by none.
+type Policy struct {
+	// Name identifies the policy in storage keys, response fields, metrics
+	// and logs. Letters, digits, `_`, `-` and `.`; unique in the handler.
+	Name string `json:"name"`
+
+	// MatchRaw limits the policy to requests that match all these request
+	// matchers (a route class). Default: every request.
+	MatchRaw caddy.ModuleMap `json:"match,omitempty" caddy:"namespace=http.matchers"`
+
+	// Key partitions the budget: one bucket per distinct value. Accepts
+	// placeholders, e.g. `{http.auth.user.id}` or `{client_ip}`; a fixed
+	// string such as `global` makes one bucket for everyone. Requests whose
+	// key resolves to the empty string share one bucket. Required.
+	Key string `json:"key"`
+
+	// Rate is `N/duration`: N tokens (a positive integer) per duration, e.g.
+	// `100/1m` or `10/1s`. Required.
+	Rate string `json:"rate"`
+
+	// Burst is the bucket's capacity: how many unit requests may pass at once
+	// after a quiet period. Default: N of the rate.
+	Burst int64 `json:"burst,omitempty"`
+
+	// Cost is the tokens one request takes: an integer or a placeholder such
+	// as `{http.request.header.X-Cost}`. A value that does not resolve to a
+	// positive integer, or resolves above `max_cost`, is charged at
+	// `max_cost`. A request that costs more than `burst` can never pass.
+	// Default 1.
+	Cost string `json:"cost,omitempty"`
+
+	// MaxCost caps a request's cost. Default: burst.
+	MaxCost int64 `json:"max_cost,omitempty"`
+
+	// OnError is what this policy does when the shared store cannot decide
+	// (Redis down or slow): `fail_open`, `fail_closed` or `local`.
+	// Default: the handler's `on_error`.
+	OnError string `json:"on_error,omitempty"`
+
+	// Shadow evaluates and reports this policy without ever rejecting for it.
+	Shadow bool `json:"shadow,omitempty"`
+
+	// Provisioned state.
+	matchers  caddyhttp.MatcherSet
+	events    int64
+	period    time.Duration
+	limit     limit
+	fixedCost int64 // 0 when Cost holds a placeholder
+	onError   string
+	shadow    bool
+	keyPrefix string // <key_prefix><name>:
+	policyHdr []byte // this policy's RateLimit-Policy member
+}
+
+var policyName = regexp.MustCompile(`^[A-Za-z0-9_.-]{1,64}$`)
+
+// Failure modes, for on_error.
+const (
+	failOpen   = "fail_open"
+	failClosed = "fail_closed"
+	failLocal  = "local"
+)
+
+func validOnError(s string) bool { return s == failOpen || s == failClosed || s == failLocal }
+
+// parseRate parses `N/duration`.
+func parseRate(s string) (events int64, period time.Duration, err error) {
+	n, d, ok := strings.Cut(s, "/")
+	if !ok {
+		return 0, 0, fmt.Errorf("%q is not N/duration, e.g. 100/1m", s)
+	}
+	events, err = strconv.ParseInt(n, 10, 64)
+	if err != nil || events < 1 || strings.HasPrefix(n, "+") {
+		return 0, 0, fmt.Errorf("%q: N must be a positive integer", s)
+	}
+	period, err = caddy.ParseDuration(d)
+	if err != nil {
+		return 0, 0, fmt.Errorf("%q: bad duration: %v", s, err)
+	}
+	if period <= 0 {
+		return 0, 0, fmt.Errorf("%q: duration must be positive", s)
+	}
+	if period/time.Duration(events) < time.Microsecond {
+		return 0, 0, fmt.Errorf("%q: at most one token per microsecond", s)
+	}
+	return events, period, nil
+}
+
+// parseCost parses a fixed cost; ok is false for a placeholder.
+func parseCost(s string) (cost int64, fixed bool, err error) {
+	if strings.Contains(s, "{") {
+		return 0, false, nil
+	}
+	cost, err = strconv.ParseInt(s, 10, 64)
+	if err != nil || cost < 1 {
+		return 0, true, fmt.Errorf("%q must be a positive integer or a placeholder", s)
+	}
+	return cost, true, nil
+}
+
+// provision checks the policy and fills in its defaults. Errors name the
+// field; the caller names the policy.
+func (p *Policy) provision(ctx caddy.Context, h *Handler) error {
+	if !policyName.MatchString(p.Name) {
+		return fmt.Errorf("name %q: use 1 to 64 letters, digits, '_', '-' or '.'", p.Name)
+	}
+	if p.Key == "" {
+		return fmt.Errorf("key is required (e.g. {client_ip}, {http.auth.user.id} or global)")
+	}
+	var err error
+	if p.events, p.period, err = parseRate(p.Rate); err != nil {
+		return fmt.Errorf("rate: %v", err)
+	}
+	burst := p.Burst
+	if burst == 0 {
+		burst = p.events
+	}
+	if burst < 1 {
+		return fmt.Errorf("burst: %d must be at least 1", p.Burst)
+	}
+	interval := int64(p.period / time.Microsecond / time.Duration(p.events))
+	if burst > maxBucketSpan/interval {
+		return fmt.Errorf("burst: %d tokens take too long to refill at %s", burst, p.Rate)
+	}
+	p.limit = limit{interval: interval, burst: burst}
+	if p.MaxCost < 0 {
+		return fmt.Errorf("max_cost: %d must be at least 1", p.MaxCost)
+	}
+	if p.MaxCost == 0 {
+		p.MaxCost = burst
+	}
+	cost := p.Cost
+	if cost == "" {
+		cost = "1"
+	}
+	var fixed bool
+	if p.fixedCost, fixed, err = parseCost(cost); err != nil {
+		return fmt.Errorf("cost: %v", err)
+	}
+	if fixed && p.fixedCost > p.MaxCost {
+		p.fixedCost = p.MaxCost
+	}
+	p.onError = p.OnError
+	if p.onError == "" {
+		p.onError = h.OnError
+	}
+	if !validOnError(p.onError) {
+		return fmt.Errorf("on_error: %q is not fail_open, fail_closed or local", p.OnError)
+	}
+	p.shadow = p.Shadow || h.Shadow
+	p.keyPrefix = h.keyPrefix + p.Name + ":"
+	q, w := fieldQuota(p.events, p.period)
+	p.policyHdr = policyMember(nil, p.Name, q, w)
+
+	if p.MatchRaw != nil {
+		mods, err := ctx.LoadModule(p, "MatchRaw")
+		if err != nil {
+			return fmt.Errorf("match: %v", err)
+		}
+		for name, m := range mods.(map[string]any) {
+			switch m.(type) {
+			case caddyhttp.RequestMatcherWithError, caddyhttp.RequestMatcher:
+				p.matchers = append(p.matchers, m)
+			default:
+				return fmt.Errorf("match: %s is not a request matcher", name)
+			}
+		}
+	}
+	return nil
+}
+
+// cost resolves what this request costs under the policy.
+func (p *Policy) cost(repl *caddy.Replacer) int64 {
+	if p.fixedCost > 0 {
+		return p.fixedCost
+	}
+	v, err := strconv.ParseInt(repl.ReplaceAll(p.Cost, ""), 10, 64)
+	if err != nil || v < 1 || v > p.MaxCost {
+		return p.MaxCost
+	}
+	return v
+}
+
+func (p *Policy) matches(r *http.Request) (bool, error) {
+	if p.matchers == nil {
+		return true, nil
+	}
+	return p.matchers.MatchWithError(r)
+}
