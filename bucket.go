@@ -74,6 +74,9 @@ func (l limit) fits(base, now, cost int64) bool {
 // more (0 when full).
 func (l limit) tokens(base, now int64) (n, next int64) {
 	avail := now + l.tau() - base
+	if avail < 0 { // TAT ahead of a clock that went backwards
+		return 0, l.interval - avail
+	}
 	n = avail / l.interval
 	if n >= l.burst {
 		return l.burst, 0

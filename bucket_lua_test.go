@@ -1,0 +1,168 @@
+package ratelimit
+
+import (
+	"context"
+	"fmt"
+	"math/rand/v2"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/testredis"
+)
+
+func newTestRedis(t *testing.T) (*testredis.Server, *redis.Client, *redisStore) {
+	t.Helper()
+	srv := testredis.Start(t)
+	client := redis.NewClient(&redis.Options{Addr: srv.Addr})
+	t.Cleanup(func() { client.Close() })
+	return srv, client, &redisStore{client: client, timeout: 2 * time.Second}
+}
+
+// TestLuaMatchesGoBucket drives the same random request sequences through
+// lua/decide.lua on a real Redis and through the Go algorithm (fed the
+// script's own clock), and requires identical decisions, stored state,
+// remaining tokens and waits.
+func TestLuaMatchesGoBucket(t *testing.T) {
+	_, client, _ := newTestRedis(t)
+	ctx := context.Background()
+	rng := rand.New(rand.NewPCG(1, 2))
+
+	limits := []limit{
+		{interval: 1000, burst: 5},           // 1000/1s, burst 5
+		{interval: 20_000, burst: 3},         // 50/1s
+		{interval: 333_333, burst: 10},       // 3/1s, burst 10
+		{interval: 600_000, burst: 100},      // 100/1m
+		{interval: 1, burst: 1_000_000},      // the fastest allowed
+		{interval: 86_400_000_000, burst: 1}, // 1/1d
+	}
+	model := map[string]int64{} // the Go side's own state
+	var admitted, denied int
+	for step := range 3000 {
+		n := 1 + rng.IntN(3)
+		var reqs []bucketRequest
+		used := map[string]bool{}
+		for len(reqs) < n {
+			li := rng.IntN(len(limits))
+			key := fmt.Sprintf("rl:p%d:{id%d}", li, rng.IntN(3))
+			if used[key] {
+				continue
+			}
+			used[key] = true
+			l := limits[li]
+			cost := 1 + rng.Int64N(3)
+			if rng.IntN(20) == 0 {
+				cost = l.burst + 1 // can never pass
+			}
+			reqs = append(reqs, bucketRequest{key: key, limit: l, cost: cost, shadow: rng.IntN(5) == 0})
+		}
+		keys := make([]string, len(reqs))
+		var args []any
+		for i, rq := range reqs {
+			keys[i] = rq.key
+			sh := "0"
+			if rq.shadow {
+				sh = "1"
+			}
+			args = append(args, rq.limit.interval, rq.limit.burst, rq.cost, sh)
+		}
+		res, err := decideScript.Run(ctx, client, keys, args...).Int64Slice()
+		if err != nil {
+			t.Fatalf("step %d: script: %v", step, err)
+		}
+		now := res[1]
+		tats := make([]int64, len(reqs))
+		for i, rq := range reqs {
+			tats[i] = model[rq.key]
+			if got := start(res[3+2*i], now); got != start(tats[i], now) {
+				t.Fatalf("step %d: bucket %s: Redis held TAT %d, Go %d (now %d)", step, rq.key, res[3+2*i], tats[i], now)
+			}
+		}
+		want, next := decideBuckets(tats, now, reqs)
+		if want.admitted != (res[0] == 1) {
+			t.Fatalf("step %d: Lua admitted=%d, Go %v", step, res[0], want.admitted)
+		}
+		got, err := decisionFromScript(res, reqs)
+		if err != nil {
+			t.Fatalf("step %d: %v", step, err)
+		}
+		for i, rq := range reqs {
+			if got.verdicts[i] != want.verdicts[i] {
+				t.Fatalf("step %d: bucket %s: Lua-state verdict %+v, Go %+v", step, rq.key, got.verdicts[i], want.verdicts[i])
+			}
+			model[rq.key] = next[i]
+			stored, err := client.Get(ctx, rq.key).Int64()
+			if err == redis.Nil {
+				stored = 0
+			} else if err != nil {
+				t.Fatal(err)
+			}
+			if start(stored, now) != start(next[i], now) {
+				t.Fatalf("step %d: bucket %s: Redis stored %d after the decision, Go %d", step, rq.key, stored, next[i])
+			}
+		}
+		if want.admitted {
+			admitted++
+		} else {
+			denied++
+		}
+		if rng.IntN(50) == 0 {
+			time.Sleep(time.Duration(rng.IntN(30)) * time.Millisecond) // let buckets refill
+		}
+	}
+	if admitted < 300 || denied < 300 {
+		t.Fatalf("sequence exercised too little: %d admitted, %d denied", admitted, denied)
+	}
+	t.Logf("3000 decisions: %d admitted, %d denied, identical in Lua and Go", admitted, denied)
+}
+
+// TestRedisStoreKeys checks what lands in Redis: hashed identities under
+// <prefix><policy>:{hash}, a TTL that ends when the bucket is full again,
+// and no trace of the raw identity.
+func TestRedisStoreKeys(t *testing.T) {
+	_, client, rs := newTestRedis(t)
+	ctx := context.Background()
+	p := &Policy{Name: "per_user", keyPrefix: "rl:per_user:"}
+	kh := newKeyHasher("s3cret")
+	identity := "alice@example.com"
+	key := p.storageKey(kh, identity)
+	if !strings.HasPrefix(key, "rl:per_user:{") || strings.Contains(key, "alice") || len(key) != len("rl:per_user:{}")+2*hashLen {
+		t.Fatalf("storage key %q", key)
+	}
+	if key == p.storageKey(newKeyHasher("other"), identity) {
+		t.Fatal("changing key_secret did not change the key")
+	}
+	d, err := rs.decide(ctx, []bucketRequest{{key: key, limit: limit{interval: 600_000, burst: 100}, cost: 3}})
+	if err != nil || !d.admitted || d.verdicts[0].remaining != 97 {
+		t.Fatalf("decide: %+v %v", d, err)
+	}
+	ttl, err := client.PTTL(ctx, key).Result()
+	if err != nil || ttl <= 1700*time.Millisecond || ttl > 1800*time.Millisecond {
+		t.Fatalf("TTL %v (%v), want 1.8s: 3 tokens at 600ms each", ttl, err)
+	}
+	keys, _ := client.Keys(ctx, "*").Result()
+	for _, k := range keys {
+		v, _ := client.Get(ctx, k).Result()
+		if strings.Contains(k+v, "alice") {
+			t.Fatalf("raw identity in Redis: %s = %s", k, v)
+		}
+	}
+}
+
+// TestRedisStoreReloadsFlushedScript: after SCRIPT FLUSH (or a restarted
+// Redis) EVALSHA answers NOSCRIPT and the store loads the script again.
+func TestRedisStoreReloadsFlushedScript(t *testing.T) {
+	srv, _, rs := newTestRedis(t)
+	ctx := context.Background()
+	r := []bucketRequest{{key: "rl:p:{x}", limit: limit{interval: 1000, burst: 10}, cost: 1}}
+	for i := range 3 {
+		if _, err := srv.Do("SCRIPT", "FLUSH"); err != nil {
+			t.Fatal(err)
+		}
+		if d, err := rs.decide(ctx, r); err != nil || !d.admitted {
+			t.Fatalf("decision %d after SCRIPT FLUSH: %+v %v", i, d, err)
+		}
+	}
+}

@@ -1,0 +1,173 @@
+package ratelimit
+
+import (
+	"context"
+	"strconv"
+	"testing"
+)
+
+const sec = int64(1_000_000) // µs
+
+// clock is an injected µs clock for the in-process store.
+type clock struct{ t int64 }
+
+func (c *clock) now() int64 { return c.t }
+
+func req(key string, interval, burst, cost int64) bucketRequest {
+	return bucketRequest{key: key, limit: limit{interval: interval, burst: burst}, cost: cost}
+}
+
+func mustDecide(t *testing.T, m *memoryStore, reqs ...bucketRequest) decision {
+	t.Helper()
+	d, err := m.decide(context.Background(), reqs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return d
+}
+
+func TestBucketBurstThenRate(t *testing.T) {
+	c := &clock{t: 1000 * sec}
+	m := newMemoryStore(c.now)
+	r := req("k", sec/10, 5, 1) // 10/1s, burst 5
+	for i := range 5 {
+		d := mustDecide(t, m, r)
+		if !d.admitted || d.verdicts[0].remaining != int64(4-i) {
+			t.Fatalf("request %d of a full bucket: admitted=%v remaining=%d", i, d.admitted, d.verdicts[0].remaining)
+		}
+	}
+	d := mustDecide(t, m, r)
+	if d.admitted || d.verdicts[0].wait != sec/10 || d.verdicts[0].remaining != 0 {
+		t.Fatalf("empty bucket: admitted=%v wait=%d remaining=%d, want denied, wait 100ms", d.admitted, d.verdicts[0].wait, d.verdicts[0].remaining)
+	}
+	// Over 2 s, 20 more: one per 100 ms, never two in one step.
+	admitted := 0
+	for range 200 {
+		c.t += sec / 100
+		if mustDecide(t, m, r).admitted {
+			admitted++
+		}
+	}
+	if admitted != 20 {
+		t.Fatalf("admitted %d in 2s at 10/s, want 20", admitted)
+	}
+}
+
+func TestBucketWaitsAndNextToken(t *testing.T) {
+	c := &clock{t: 50 * sec}
+	m := newMemoryStore(c.now)
+	r := req("k", sec, 2, 1) // 1/1s, burst 2
+	d := mustDecide(t, m, r)
+	if v := d.verdicts[0]; v.remaining != 1 || v.wait != sec {
+		t.Fatalf("after 1 of 2: remaining=%d next token in %dµs, want 1 and 1s", v.remaining, v.wait)
+	}
+	c.t += sec / 4
+	d = mustDecide(t, m, r)
+	if v := d.verdicts[0]; !d.admitted || v.remaining != 0 || v.wait != sec/4*3 {
+		t.Fatalf("after 2 of 2: %+v, want remaining 0, next token in 750ms", v)
+	}
+	c.t += sec / 4
+	d = mustDecide(t, m, r)
+	if v := d.verdicts[0]; d.admitted || v.wait != sec/2 {
+		t.Fatalf("empty: admitted=%v %+v, want denied with wait 500ms", d.admitted, v)
+	}
+	c.t += 10 * sec
+	d = mustDecide(t, m, req("k", sec, 2, 2))
+	if v := d.verdicts[0]; !d.admitted || v.remaining != 0 {
+		t.Fatalf("cost 2 of a refilled bucket of 2: admitted=%v %+v", d.admitted, v)
+	}
+	d = mustDecide(t, m, req("other", sec, 2, 1))
+	c.t += 10 * sec
+	if d = mustDecide(t, m, req("other", sec, 2, 0+1)); d.verdicts[0].wait != sec {
+		t.Fatalf("refilled bucket after 1: next token in %dµs, want 1s", d.verdicts[0].wait)
+	}
+}
+
+func TestBucketCostAboveBurstNeverPasses(t *testing.T) {
+	c := &clock{t: sec}
+	m := newMemoryStore(c.now)
+	d := mustDecide(t, m, req("k", sec, 3, 4))
+	if d.admitted || d.verdicts[0].wait != neverWait || d.verdicts[0].remaining != 3 {
+		t.Fatalf("cost 4 > burst 3: %+v, want denied, never, 3 left", d)
+	}
+}
+
+func TestBucketAllOrNothing(t *testing.T) {
+	c := &clock{t: sec}
+	m := newMemoryStore(c.now)
+	wide := req("wide", sec, 10, 1)
+	narrow := req("narrow", sec, 1, 1)
+	if d := mustDecide(t, m, wide, narrow); !d.admitted {
+		t.Fatal("first request denied")
+	}
+	d := mustDecide(t, m, wide, narrow)
+	if d.admitted || !d.verdicts[0].allowed || d.verdicts[1].allowed {
+		t.Fatalf("second request: %+v, want denied by narrow only", d)
+	}
+	if d.verdicts[0].remaining != 9 {
+		t.Fatalf("wide charged by a denied request: %d left, want 9", d.verdicts[0].remaining)
+	}
+	if d := mustDecide(t, m, wide); d.verdicts[0].remaining != 8 {
+		t.Fatalf("wide alone: %d left, want 8", d.verdicts[0].remaining)
+	}
+}
+
+func TestBucketShadow(t *testing.T) {
+	c := &clock{t: sec}
+	m := newMemoryStore(c.now)
+	enforced := req("enforced", sec, 2, 1)
+	shadow := req("shadow", sec, 1, 1)
+	shadow.shadow = true
+	d := mustDecide(t, m, enforced, shadow)
+	if !d.admitted || d.verdicts[1].remaining != 0 {
+		t.Fatalf("first: %+v, want admitted and shadow charged", d)
+	}
+	d = mustDecide(t, m, enforced, shadow)
+	if !d.admitted || d.verdicts[1].allowed {
+		t.Fatalf("second: %+v, want admitted although the shadow policy denies", d)
+	}
+	d = mustDecide(t, m, enforced, shadow)
+	if d.admitted {
+		t.Fatal("third: enforced policy should deny")
+	}
+	c.t += sec // shadow refills to 1; enforced to 1
+	d = mustDecide(t, m, req("enforced", sec, 2, 2), shadow)
+	if d.admitted || !d.verdicts[1].allowed {
+		t.Fatalf("fourth: %+v, want denied by enforced, shadow would allow", d)
+	}
+	if d := mustDecide(t, m, shadow); d.verdicts[0].remaining != 0 || !d.admitted {
+		t.Fatalf("a denied request must not charge the shadow bucket: %+v", d)
+	}
+}
+
+func TestBucketClockBackwardsNeverRefills(t *testing.T) {
+	c := &clock{t: 100 * sec}
+	m := newMemoryStore(c.now)
+	r := req("k", sec, 3, 3)
+	if !mustDecide(t, m, r).admitted {
+		t.Fatal("full bucket denied")
+	}
+	c.t -= 50 * sec
+	d := mustDecide(t, m, req("k", sec, 3, 1))
+	if d.admitted || d.verdicts[0].remaining != 0 {
+		t.Fatalf("after the clock went back: %+v, want still empty", d)
+	}
+}
+
+func TestMemoryStoreSweepsFullBuckets(t *testing.T) {
+	c := &clock{t: sec}
+	m := newMemoryStore(c.now)
+	for i := range 100_000 {
+		mustDecide(t, m, req(strconv.Itoa(i), sec, 10, 1))
+		if i%1000 == 0 {
+			c.t += 10 * sec // everything so far is full again
+		}
+	}
+	n := 0
+	for i := range m.shards {
+		n += len(m.shards[i].tats)
+	}
+	if n > 2*memoryShards*minSweep {
+		t.Fatalf("%d buckets kept for at most 1000 live ones", n)
+	}
+}

@@ -1,0 +1,97 @@
+// Package testredis starts real redis-server processes for tests, on free
+// loopback ports, and stops them when the test ends.
+package testredis
+
+import (
+	"bufio"
+	"context"
+	"fmt"
+	"net"
+	"os/exec"
+	"strconv"
+	"testing"
+	"time"
+)
+
+// Server is one redis-server process.
+type Server struct {
+	Addr string // 127.0.0.1:port
+	cmd  *exec.Cmd
+}
+
+// Start runs redis-server without persistence on a free loopback port and
+// waits (at most 10 s) until it answers PING. It fails the test when
+// redis-server is missing: `make test` installs it.
+func Start(t testing.TB) *Server {
+	t.Helper()
+	bin, err := exec.LookPath("redis-server")
+	if err != nil {
+		t.Fatalf("redis-server not found (run `make test`, which installs it): %v", err)
+	}
+	port := FreePort(t)
+	cmd := exec.Command(bin, "--port", strconv.Itoa(port), "--bind", "127.0.0.1",
+		"--save", "", "--appendonly", "no", "--dir", t.TempDir())
+	if err := cmd.Start(); err != nil {
+		t.Fatalf("starting redis-server: %v", err)
+	}
+	s := &Server{Addr: net.JoinHostPort("127.0.0.1", strconv.Itoa(port)), cmd: cmd}
+	t.Cleanup(s.Stop)
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		if _, err := s.Do("PING"); err == nil {
+			return s
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("redis-server on %s did not answer PING within 10s", s.Addr)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// Stop kills the server; it is safe to call twice.
+func (s *Server) Stop() {
+	if s.cmd.Process != nil && s.cmd.ProcessState == nil {
+		_ = s.cmd.Process.Kill()
+		_ = s.cmd.Wait()
+	}
+}
+
+// Do sends one command over a fresh connection and returns the reply's
+// first line (enough for PING, FLUSHALL, DBSIZE and the like).
+func (s *Server) Do(args ...string) (string, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+	defer cancel()
+	var d net.Dialer
+	c, err := d.DialContext(ctx, "tcp", s.Addr)
+	if err != nil {
+		return "", err
+	}
+	defer c.Close()
+	_ = c.SetDeadline(time.Now().Add(2 * time.Second))
+	req := fmt.Sprintf("*%d\r\n", len(args))
+	for _, a := range args {
+		req += fmt.Sprintf("$%d\r\n%s\r\n", len(a), a)
+	}
+	if _, err := c.Write([]byte(req)); err != nil {
+		return "", err
+	}
+	line, err := bufio.NewReader(c).ReadString('\n')
+	if err != nil {
+		return "", err
+	}
+	if len(line) > 0 && line[0] == '-' {
+		return "", fmt.Errorf("redis: %s", line[1:len(line)-2])
+	}
+	return line[1 : len(line)-2], nil
+}
+
+// FreePort returns a loopback TCP port that was free a moment ago.
+func FreePort(t testing.TB) int {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatalf("finding a free port: %v", err)
+	}
+	defer l.Close()
+	return l.Addr().(*net.TCPAddr).Port
+}
