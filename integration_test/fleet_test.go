@@ -1,0 +1,124 @@
+package integration_test
+
+import (
+	"io"
+	"math"
+	"net/http"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/testredis"
+)
+
+// The fleet: four Caddy instances, one budget of burst 10 then 20 per
+// second, a client spreading its requests across all four.
+const (
+	fleetSize  = 4
+	fleetBurst = 10
+	fleetRate  = 20 // per second
+	fleetRun   = 5 * time.Second
+)
+
+// fleetResult is what a client sees across the fleet.
+type fleetResult struct {
+	admitted, denied, other int
+	elapsed                 time.Duration
+}
+
+// budget is what one shared bucket admits over the run: the full burst at
+// the first request, then the rate for the time that followed.
+func (r fleetResult) budget() float64 {
+	return fleetBurst + fleetRate*r.elapsed.Seconds()
+}
+
+// hammer sends requests as fast as 8 workers can, round-robin over the
+// instances, for fleetRun (and at most 100,000 requests).
+func hammer(t *testing.T, fleet []*instance) fleetResult {
+	t.Helper()
+	client := newClient()
+	var admitted, denied, other, sent atomic.Int64
+	var wg sync.WaitGroup
+	start := time.Now()
+	stop := start.Add(fleetRun)
+	for w := range 8 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := w; time.Now().Before(stop) && sent.Add(1) <= 100_000; i++ {
+				req, _ := http.NewRequest("GET", fleet[i%len(fleet)].URL+"/", nil)
+				req.Header.Set("X-Api-Key", "tenant-42")
+				resp, err := client.Do(req)
+				if err != nil {
+					other.Add(1)
+					continue
+				}
+				_, _ = io.Copy(io.Discard, resp.Body)
+				resp.Body.Close()
+				switch resp.StatusCode {
+				case http.StatusOK:
+					admitted.Add(1)
+				case http.StatusTooManyRequests:
+					denied.Add(1)
+				default:
+					other.Add(1)
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	return fleetResult{int(admitted.Load()), int(denied.Load()), int(other.Load()), time.Since(start)}
+}
+
+func fleetLimiter(redisAddr string) map[string]any {
+	h := map[string]any{
+		"handler": "rate_limit",
+		"policies": []any{map[string]any{
+			"name":  "per_key",
+			"key":   "{http.request.header.X-Api-Key}",
+			"rate":  "20/1s",
+			"burst": fleetBurst,
+		}},
+	}
+	if redisAddr != "" {
+		h["redis"] = map[string]any{"addresses": []string{redisAddr}, "timeout": "2s"}
+	}
+	return h
+}
+
+// TestFleetSharesOneBudget is the reason this module exists: four
+// instances sharing Redis admit one budget between them; four instances
+// with in-process buckets admit about four budgets.
+func TestFleetSharesOneBudget(t *testing.T) {
+	srv := testredis.Start(t)
+
+	var shared, local []*instance
+	for range fleetSize {
+		shared = append(shared, startCaddy(t, fleetLimiter(srv.Addr), respond()))
+		local = append(local, startCaddy(t, fleetLimiter(""), respond()))
+	}
+
+	r := hammer(t, shared)
+	t.Logf("Redis store, %d instances: admitted %d of a budget of %.1f (burst %d + %d/s × %.2fs); %d denied, %d other",
+		fleetSize, r.admitted, r.budget(), fleetBurst, fleetRate, r.elapsed.Seconds(), r.denied, r.other)
+	if r.other != 0 {
+		t.Errorf("Redis store: %d responses were neither 200 nor 429", r.other)
+	}
+	if math.Abs(float64(r.admitted)-r.budget()) > 2 {
+		t.Errorf("Redis store: admitted %d, want %.1f ± 2", r.admitted, r.budget())
+	}
+	if r.denied < 10*r.admitted {
+		t.Errorf("Redis store: only %d denials for %d admissions: the client did not saturate the budget", r.denied, r.admitted)
+	}
+
+	l := hammer(t, local)
+	t.Logf("In-process store, %d instances: admitted %d = %.2f × the budget of %.1f; %d denied, %d other",
+		fleetSize, l.admitted, float64(l.admitted)/l.budget(), l.budget(), l.denied, l.other)
+	if l.other != 0 {
+		t.Errorf("in-process store: %d responses were neither 200 nor 429", l.other)
+	}
+	if want := fleetSize * l.budget(); math.Abs(float64(l.admitted)-want) > 2*fleetSize {
+		t.Errorf("in-process store: admitted %d, want about %d × %.1f = %.1f (± %d)", l.admitted, fleetSize, l.budget(), want, 2*fleetSize)
+	}
+}
