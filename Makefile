@@ -1,0 +1,33 @@
+# The two commands of the README: `make run` and `make test`.
+GO ?= go
+
+.PHONY: run build test redis-server check
+
+# Build Caddy with the module and serve Caddyfile.example on
+# http://localhost:8080 (in-process buckets: no Redis needed).
+run:
+	$(GO) run ./cmd/caddy run --config Caddyfile.example --adapter caddyfile
+
+# A Caddy binary with the module, as xcaddy would build it.
+build:
+	$(GO) build -o bin/caddy ./cmd/caddy
+
+# Every test: formatting, vet, the package under the race detector, and the
+# integration tests that run the built Caddy against real redis-server
+# processes (started by the tests on free loopback ports).
+test: redis-server check
+	$(GO) test -race -count=1 ./...
+
+check:
+	@unformatted="$$(gofmt -l .)"; if [ -n "$$unformatted" ]; then echo "gofmt needed: $$unformatted"; exit 1; fi
+	$(GO) vet ./...
+
+# The tests start their own redis-server processes; install the binary
+# from Debian's packages when it is missing (root only).
+redis-server:
+	@command -v redis-server >/dev/null 2>&1 || { \
+		if [ "$$(id -u)" != 0 ]; then echo "redis-server is missing: install it (e.g. apt-get install redis-server) or run make test as root"; exit 1; fi; \
+		echo "installing redis-server from Debian's packages"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server redis-tools >/dev/null; \
+	}
+	@redis-server --version
