@@ -262,6 +262,7 @@ func (h *Handler) decideWithoutStore(w http.ResponseWriter, repl *caddy.Replacer
 		case p.onError == failClosed && !p.shadow:
 			repl.Set("http.rate_limit.decision", outcomeFailClosed)
 			repl.Set("http.rate_limit.policy", p.Name)
+			repl.Set("http.rate_limit.remaining", "")
 			ra := retryAfter(1_000_000, h.jitter)
 			repl.Set("http.rate_limit.retry_after", strconv.FormatInt(ra, 10))
 			w.Header().Set("Retry-After", strconv.FormatInt(ra, 10))
@@ -307,33 +308,32 @@ func (h *Handler) deny(w http.ResponseWriter, repl *caddy.Replacer, policies []*
 	return writeProblem(w, quotaExceeded(violated))
 }
 
-// report sets the RateLimit fields and the placeholders.
+// report sets the placeholders and the RateLimit fields. Every placeholder
+// is set (possibly empty), so access logs never show a raw placeholder.
 func (h *Handler) report(w http.ResponseWriter, repl *caddy.Replacer, policies []*Policy, d decision, outcome string, retryAfter int64) {
 	repl.Set("http.rate_limit.decision", outcome)
 	repl.Set("http.rate_limit.retry_after", strconv.FormatInt(retryAfter, 10))
-	verdicts := d.verdicts
-	if len(verdicts) == 0 { // fail_open: nothing was decided
-		return
-	}
-	tightest := -1
-	for i, v := range verdicts {
-		if policies[i].shadow {
-			continue
-		}
-		if tightest < 0 || tighter(v, verdicts[tightest]) {
-			tightest = i
+	// The tightest enforced policy; among shadow ones only when no policy is
+	// enforced, so a dry run still says which policy would deny.
+	tightest, enforced := -1, false
+	for i, v := range d.verdicts {
+		e := !policies[i].shadow
+		if tightest < 0 || e && !enforced || e == enforced && tighter(v, d.verdicts[tightest]) {
+			tightest, enforced = i, e
 		}
 	}
-	if tightest < 0 { // only shadow policies: the response stays untouched
+	if tightest < 0 { // fail_open: nothing was decided
+		repl.Set("http.rate_limit.policy", "")
+		repl.Set("http.rate_limit.remaining", "")
 		return
 	}
 	repl.Set("http.rate_limit.policy", policies[tightest].Name)
-	repl.Set("http.rate_limit.remaining", strconv.FormatInt(verdicts[tightest].remaining, 10))
-	if !h.headers {
+	repl.Set("http.rate_limit.remaining", strconv.FormatInt(d.verdicts[tightest].remaining, 10))
+	if !h.headers || !enforced { // shadow policies never show in responses
 		return
 	}
 	var pol, lim []byte
-	for i, v := range verdicts {
+	for i, v := range d.verdicts {
 		if policies[i].shadow {
 			continue
 		}
