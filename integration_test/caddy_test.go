@@ -3,8 +3,10 @@
 package integration_test
 
 import (
+	"bytes"
 	"encoding/json"
 	"fmt"
+	"io"
 	"net"
 	"net/http"
 	"os"
@@ -44,6 +46,39 @@ type instance struct {
 	URL   string // http://127.0.0.1:port
 	Admin string // http://127.0.0.1:port of the admin API
 	cmd   *exec.Cmd
+
+	port, adminPort int
+}
+
+// caddyConfig is a JSON config with one server whose one route runs the
+// handlers.
+func caddyConfig(port, adminPort int, handlers []map[string]any) []byte {
+	cfg := map[string]any{
+		"admin":   map[string]any{"listen": "127.0.0.1:" + strconv.Itoa(adminPort), "config": map[string]any{"persist": false}},
+		"logging": map[string]any{"logs": map[string]any{"default": map[string]any{"level": "WARN"}}},
+		"apps": map[string]any{"http": map[string]any{"servers": map[string]any{"test": map[string]any{
+			"listen":          []string{"127.0.0.1:" + strconv.Itoa(port)},
+			"automatic_https": map[string]any{"disable": true},
+			"routes":          []any{map[string]any{"handle": handlers}},
+		}}}},
+	}
+	raw, _ := json.Marshal(cfg)
+	return raw
+}
+
+// reload replaces the running config through the admin API, as
+// `caddy reload` does.
+func (in *instance) reload(t *testing.T, handlers ...map[string]any) {
+	t.Helper()
+	resp, err := http.Post(in.Admin+"/load", "application/json", bytes.NewReader(caddyConfig(in.port, in.adminPort, handlers)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != 200 {
+		body, _ := io.ReadAll(resp.Body)
+		t.Fatalf("reload: %d %s", resp.StatusCode, body)
+	}
 }
 
 // startCaddy runs the binary with a JSON config whose handlers are given;
@@ -77,7 +112,7 @@ func startCaddy(t *testing.T, handlers ...map[string]any) *instance {
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
-	in := &instance{URL: fmt.Sprintf("http://127.0.0.1:%d", port), Admin: fmt.Sprintf("http://127.0.0.1:%d", adminPort), cmd: cmd}
+	in := &instance{URL: fmt.Sprintf("http://127.0.0.1:%d", port), Admin: fmt.Sprintf("http://127.0.0.1:%d", adminPort), cmd: cmd, port: port, adminPort: adminPort}
 	t.Cleanup(func() {
 		_ = cmd.Process.Signal(syscall.SIGTERM)
 		done := make(chan struct{})
