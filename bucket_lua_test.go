@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/redis/go-redis/v9"
+	"go.uber.org/zap"
 
 	"github.com/ratelimit-caddy/caddy-ratelimit/internal/testredis"
 )
@@ -18,7 +19,9 @@ func newTestRedis(t *testing.T) (*testredis.Server, *redis.Client, *redisStore) 
 	srv := testredis.Start(t)
 	client := redis.NewClient(&redis.Options{Addr: srv.Addr})
 	t.Cleanup(func() { client.Close() })
-	return srv, client, &redisStore{client: client, timeout: 2 * time.Second}
+	conn := newRedisConn(RedisConfig{Addresses: []string{srv.Addr}}, zap.NewNop())
+	t.Cleanup(func() { conn.Destruct() })
+	return srv, client, &redisStore{conn: conn, timeout: 2 * time.Second}
 }
 
 // TestLuaMatchesGoBucket drives the same random request sequences through

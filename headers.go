@@ -106,7 +106,6 @@ func writeProblem(w http.ResponseWriter, p problem) error {
 	h := w.Header()
 	h.Set("Content-Type", "application/problem+json")
 	h.Set("Cache-Control", "no-store")
-	h.Set("Content-Length", strconv.Itoa(len(body)))
 	w.WriteHeader(p.Status)
 	_, err = w.Write(body)
 	return err

@@ -5,7 +5,7 @@
 package ratelimit
 
 import (
-	"context"
+	"errors"
 	"fmt"
 	"net/http"
 	"strconv"
@@ -64,6 +64,13 @@ type Handler struct {
 	// request or adding response fields: a dry run for rolling out limits.
 	Shadow bool `json:"shadow,omitempty"`
 
+	// Instances is how many Caddy instances share these limits. It matters
+	// only to the `local` failure mode: while Redis is away each instance
+	// decides alone, with 1/instances of every policy's rate and burst (at
+	// least one token), so that the fleet together stays within the budget.
+	// Default 1.
+	Instances int `json:"instances,omitempty"`
+
 	// Policies are the budgets. Every policy that matches a request takes
 	// part in its decision.
 	Policies []*Policy `json:"policies,omitempty"`
@@ -91,6 +98,9 @@ const defaultJitter = 0.2
 // Provision sets up the handler.
 func (h *Handler) Provision(ctx caddy.Context) error {
 	h.logger = ctx.Logger()
+	if err := registerMetrics(ctx); err != nil {
+		return err
+	}
 	h.lastWarn = new(atomic.Int64)
 	if h.OnError == "" {
 		h.OnError = failOpen
@@ -121,13 +131,13 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		// Caddy must start and reload while Redis is unreachable: the client
 		// connects lazily and each decision bounds its own wait.
 		v, _, err := redisClients.LoadOrNew(h.poolKey, func() (caddy.Destructor, error) {
-			return pooledClient{rc.newClient()}, nil
+			return newRedisConn(rc, h.logger), nil
 		})
 		if err != nil {
 			h.poolKey = ""
 			return fmt.Errorf("redis: %v", err)
 		}
-		h.store = &redisStore{client: v.(pooledClient).UniversalClient, timeout: time.Duration(rc.Timeout)}
+		h.store = &redisStore{conn: v.(*redisConn), timeout: time.Duration(rc.Timeout)}
 	}
 	return nil
 }
@@ -137,6 +147,9 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 func (h *Handler) checkConfig() error {
 	if !validOnError(h.OnError) {
 		return fmt.Errorf("on_error: %q is not fail_open, fail_closed or local", h.OnError)
+	}
+	if h.Instances < 0 {
+		return fmt.Errorf("instances: %d must be at least 1", h.Instances)
 	}
 	if h.jitter < 0 || h.jitter > 10 {
 		return fmt.Errorf("jitter: %v must be between 0 and 10 (1000%%)", h.jitter)
@@ -186,17 +199,6 @@ func (h *Handler) Cleanup() error {
 	return err
 }
 
-// Outcomes of a decision, as {http.rate_limit.decision} reports them.
-const (
-	outcomeAllowed      = "allowed"
-	outcomeDenied       = "denied"
-	outcomeShadowDenied = "shadow_denied"
-	outcomeFailOpen     = "fail_open"
-	outcomeFailClosed   = "fail_closed"
-	outcomeLocalAllowed = "local_allowed"
-	outcomeLocalDenied  = "local_denied"
-)
-
 // ServeHTTP decides the request against every matching policy.
 func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
 	repl := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
@@ -225,66 +227,95 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	}
 
 	d, err := h.store.decide(r.Context(), reqs)
-	outcome := outcomeAllowed
 	if err != nil {
 		h.warnStoreFailure(err)
-		var done bool
-		if policies, d, outcome, done, err = h.decideWithoutStore(w, repl, policies, reqs); done || err != nil {
-			return err
-		}
+		return h.serveWithoutStore(w, r, next, repl, policies, reqs)
 	}
+	count(policies, d, outcomeAllowed, outcomeDenied)
 	if !d.admitted {
-		if outcome == outcomeAllowed {
-			outcome = outcomeDenied
-		}
-		return h.deny(w, repl, policies, d, outcome)
+		return h.deny(w, repl, policies, d, outcomeDenied)
 	}
-	if outcome == outcomeAllowed {
-		for i, v := range d.verdicts {
-			if !v.allowed {
-				outcome = outcomeShadowDenied
-				h.logger.Debug("shadow policy would deny", zap.String("policy", policies[i].Name))
-			}
+	outcome := outcomeAllowed
+	for i, v := range d.verdicts {
+		if !v.allowed {
+			outcome = outcomeShadowDenied
+			h.logger.Debug("shadow policy would deny", zap.String("policy", policies[i].Name))
 		}
 	}
 	h.report(w, repl, policies, d, outcome, 0)
 	return next.ServeHTTP(w, r)
 }
 
-// decideWithoutStore applies each policy's on_error when the store failed.
-// It returns the policies it decided (the `local` ones) with their decision;
-// done means the response has been written (fail_closed).
-func (h *Handler) decideWithoutStore(w http.ResponseWriter, repl *caddy.Replacer, policies []*Policy, reqs []bucketRequest) (decided []*Policy, d decision, outcome string, done bool, err error) {
+// serveWithoutStore applies each policy's on_error when Redis could not
+// decide: one fail_closed policy answers 503 for the request; local
+// policies are decided by in-process buckets; fail_open policies admit.
+func (h *Handler) serveWithoutStore(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, repl *caddy.Replacer, policies []*Policy, reqs []bucketRequest) error {
 	var local []bucketRequest
 	var localPolicies []*Policy
 	for i, p := range policies {
 		switch {
 		case p.onError == failClosed && !p.shadow:
-			repl.Set("http.rate_limit.decision", outcomeFailClosed)
+			p.decisions[outcomeFailClosed].Inc()
+			ra := strconv.FormatInt(retryAfter(time.Second.Microseconds(), h.jitter), 10)
+			repl.Set("http.rate_limit.decision", outcomeNames[outcomeFailClosed])
 			repl.Set("http.rate_limit.policy", p.Name)
 			repl.Set("http.rate_limit.remaining", "")
-			ra := retryAfter(1_000_000, h.jitter)
-			repl.Set("http.rate_limit.retry_after", strconv.FormatInt(ra, 10))
-			w.Header().Set("Retry-After", strconv.FormatInt(ra, 10))
-			return nil, decision{}, outcomeFailClosed, true, writeProblem(w, reducedCapacity())
+			repl.Set("http.rate_limit.retry_after", ra)
+			w.Header().Set("Retry-After", ra)
+			return writeProblem(w, reducedCapacity())
 		case p.onError == failLocal:
-			local = append(local, reqs[i])
+			local = append(local, h.localRequest(reqs[i]))
 			localPolicies = append(localPolicies, p)
 		}
 	}
-	if len(local) == 0 {
-		return nil, decision{admitted: true}, outcomeFailOpen, false, nil
+	d := decision{admitted: true}
+	outcome := outcomeFailOpen
+	if len(local) > 0 {
+		d, _ = processMemory.decide(r.Context(), local)
+		count(localPolicies, d, outcomeLocalAllowed, outcomeLocalDenied)
+		if !d.admitted {
+			return h.deny(w, repl, localPolicies, d, outcomeLocalDenied)
+		}
+		outcome = outcomeLocalAllowed
 	}
-	d, _ = processMemory.decide(context.Background(), local)
-	outcome = outcomeLocalAllowed
-	if !d.admitted {
-		outcome = outcomeLocalDenied
+	for _, p := range policies {
+		if p.onError != failLocal {
+			p.decisions[outcomeFailOpen].Inc()
+		}
 	}
-	return localPolicies, d, outcome, false, nil
+	h.report(w, repl, localPolicies, d, outcome, 0)
+	return next.ServeHTTP(w, r)
+}
+
+// localRequest is a policy's request to its in-process fallback bucket,
+// which holds 1/instances of the policy's budget.
+func (h *Handler) localRequest(rq bucketRequest) bucketRequest {
+	if n := int64(h.Instances); n > 1 {
+		rq.limit.interval *= n
+		rq.limit.burst = max(1, rq.limit.burst/n)
+	}
+	return rq
+}
+
+// count adds a decision to each policy's decisions_total: a policy that
+// denied counts as denied (shadow_denied for a shadow policy); one that
+// admitted counts as allowed when the request was admitted and it was
+// charged, and not at all when another policy denied the request.
+func count(policies []*Policy, d decision, allowed, denied outcome) {
+	for i, v := range d.verdicts {
+		switch {
+		case !v.allowed && policies[i].shadow:
+			policies[i].decisions[outcomeShadowDenied].Inc()
+		case !v.allowed:
+			policies[i].decisions[denied].Inc()
+		case d.admitted:
+			policies[i].decisions[allowed].Inc()
+		}
+	}
 }
 
 // deny writes the 429 response of a denied request.
-func (h *Handler) deny(w http.ResponseWriter, repl *caddy.Replacer, policies []*Policy, d decision, outcome string) error {
+func (h *Handler) deny(w http.ResponseWriter, repl *caddy.Replacer, policies []*Policy, d decision, outcome outcome) error {
 	var violated []string
 	var wait int64
 	for i, v := range d.verdicts {
@@ -310,8 +341,8 @@ func (h *Handler) deny(w http.ResponseWriter, repl *caddy.Replacer, policies []*
 
 // report sets the placeholders and the RateLimit fields. Every placeholder
 // is set (possibly empty), so access logs never show a raw placeholder.
-func (h *Handler) report(w http.ResponseWriter, repl *caddy.Replacer, policies []*Policy, d decision, outcome string, retryAfter int64) {
-	repl.Set("http.rate_limit.decision", outcome)
+func (h *Handler) report(w http.ResponseWriter, repl *caddy.Replacer, policies []*Policy, d decision, outcome outcome, retryAfter int64) {
+	repl.Set("http.rate_limit.decision", outcomeNames[outcome])
 	repl.Set("http.rate_limit.retry_after", strconv.FormatInt(retryAfter, 10))
 	// The tightest enforced policy; among shadow ones only when no policy is
 	// enforced, so a dry run still says which policy would deny.
@@ -364,6 +395,9 @@ func tighter(a, b verdict) bool {
 // warnStoreFailure logs a store failure at most once every 10 seconds:
 // when Redis is down every request fails the same way.
 func (h *Handler) warnStoreFailure(err error) {
+	if errors.Is(err, errCircuitOpen) { // the breaker logs its own transitions
+		return
+	}
 	now := time.Now().UnixNano()
 	last := h.lastWarn.Load()
 	if now-last < int64(10*time.Second) || !h.lastWarn.CompareAndSwap(last, now) {

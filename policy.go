@@ -10,6 +10,7 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"github.com/prometheus/client_golang/prometheus"
 )
 
 // Policy is one named budget: requests that match it are counted, per
@@ -68,6 +69,7 @@ type Policy struct {
 	shadow    bool
 	keyPrefix string // <key_prefix><name>:
 	policyHdr []byte // this policy's RateLimit-Policy member
+	decisions [numOutcomes]prometheus.Counter
 }
 
 var policyName = regexp.MustCompile(`^[A-Za-z0-9_.-]{1,64}$`)
@@ -155,8 +157,8 @@ func (p *Policy) provision(ctx caddy.Context, h *Handler) error {
 	if p.fixedCost, fixed, err = parseCost(cost); err != nil {
 		return fmt.Errorf("cost: %v", err)
 	}
-	if fixed && p.fixedCost > p.MaxCost {
-		p.fixedCost = p.MaxCost
+	if fixed && p.fixedCost > min(p.MaxCost, burst) {
+		return fmt.Errorf("cost: %d is more than max_cost %d or burst %d: no request could ever pass", p.fixedCost, p.MaxCost, burst)
 	}
 	p.onError = p.OnError
 	if p.onError == "" {
@@ -169,6 +171,7 @@ func (p *Policy) provision(ctx caddy.Context, h *Handler) error {
 	p.keyPrefix = h.keyPrefix + p.Name + ":"
 	q, w := fieldQuota(p.events, p.period)
 	p.policyHdr = policyMember(nil, p.Name, q, w)
+	p.decisions = policyCounters(p.Name)
 
 	if p.MatchRaw != nil {
 		mods, err := ctx.LoadModule(p, "MatchRaw")

@@ -5,12 +5,15 @@ import (
 	"crypto/tls"
 	_ "embed"
 	"encoding/json"
+	"errors"
 	"fmt"
-	"strconv"
+	"strings"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/redis/go-redis/v9"
+	"github.com/sony/gobreaker/v2"
+	"go.uber.org/zap"
 )
 
 // RedisConfig points the limiter at Redis, where every Caddy instance of a
@@ -120,40 +123,98 @@ func (c RedisConfig) newClient() redis.UniversalClient {
 
 // redisClients shares Redis clients across config loads: Caddy provisions a
 // new config before it cleans up the old one, so a reload reuses the open
-// connections instead of dropping and redialling them.
+// connections (and the circuit breaker's state) instead of redialling.
 var redisClients = caddy.NewUsagePool()
 
-type pooledClient struct{ redis.UniversalClient }
+// redisConn is one pooled Redis client with the circuit breaker that
+// guards it.
+type redisConn struct {
+	client  redis.UniversalClient
+	breaker *gobreaker.CircuitBreaker[[]int64]
+}
 
-func (p pooledClient) Destruct() error { return p.Close() }
+func (c *redisConn) Destruct() error { return c.client.Close() }
+
+// Circuit breaker settings: after breakerFailures consecutive failed
+// decisions, decisions skip Redis (and follow on_error at once) for
+// breakerCooldown; then one probe at a time tests whether Redis is back.
+const (
+	breakerFailures = 5
+	breakerCooldown = 500 * time.Millisecond
+)
+
+func newRedisConn(c RedisConfig, logger *zap.Logger) *redisConn {
+	return &redisConn{
+		client: c.newClient(),
+		breaker: gobreaker.NewCircuitBreaker[[]int64](gobreaker.Settings{
+			Name:        strings.Join(c.Addresses, ","),
+			MaxRequests: 1,
+			Timeout:     breakerCooldown,
+			ReadyToTrip: func(n gobreaker.Counts) bool { return n.ConsecutiveFailures >= breakerFailures },
+			// A client that went away says nothing about Redis.
+			IsExcluded: func(err error) bool { return errors.Is(err, context.Canceled) },
+			// Our own script disagreeing with bucket.go is not an outage.
+			IsSuccessful: func(err error) bool { return err == nil || errors.Is(err, errScriptReply) },
+			OnStateChange: func(name string, from, to gobreaker.State) {
+				switch {
+				case to == gobreaker.StateOpen && from == gobreaker.StateClosed:
+					circuitOpen.Inc()
+					logger.Warn("Redis unavailable: circuit open, decisions follow on_error until a probe succeeds",
+						zap.String("redis", name), zap.Duration("probe_every", breakerCooldown))
+				case to == gobreaker.StateClosed:
+					circuitOpen.Dec()
+					logger.Info("Redis available again: circuit closed", zap.String("redis", name))
+				default:
+					logger.Debug("circuit breaker", zap.String("redis", name), zap.Stringer("from", from), zap.Stringer("to", to))
+				}
+			},
+		}),
+	}
+}
 
 //go:embed lua/decide.lua
 var decideLua string
 
 var decideScript = redis.NewScript(decideLua)
 
+var (
+	// errCircuitOpen: the decision skipped Redis, which recently failed.
+	errCircuitOpen = errors.New("rate limit store: circuit open after repeated Redis failures")
+	// errScriptReply: the script's reply is not what bucket.go expects.
+	errScriptReply = errors.New("rate limit script reply")
+)
+
 // redisStore decides against buckets in Redis with one script call.
 type redisStore struct {
-	client  redis.UniversalClient
+	conn    *redisConn
 	timeout time.Duration
 }
 
 func (s *redisStore) decide(ctx context.Context, reqs []bucketRequest) (decision, error) {
-	ctx, cancel := context.WithTimeout(ctx, s.timeout)
-	defer cancel()
-	keys := make([]string, len(reqs))
-	args := make([]any, 0, 4*len(reqs))
-	for i, rq := range reqs {
-		keys[i] = rq.key
-		shadow := "0"
-		if rq.shadow {
-			shadow = "1"
+	res, err := s.conn.breaker.Execute(func() ([]int64, error) {
+		ctx, cancel := context.WithTimeout(ctx, s.timeout)
+		defer cancel()
+		keys := make([]string, len(reqs))
+		args := make([]any, 0, 4*len(reqs))
+		for i, rq := range reqs {
+			keys[i] = rq.key
+			shadow := "0"
+			if rq.shadow {
+				shadow = "1"
+			}
+			args = append(args, rq.limit.interval, rq.limit.burst, rq.cost, shadow)
 		}
-		args = append(args, rq.limit.interval, rq.limit.burst, rq.cost, shadow)
+		start := time.Now()
+		// Run sends EVALSHA and falls back to EVAL after NOSCRIPT (a
+		// restarted or flushed Redis), which loads the script again.
+		res, err := decideScript.Run(ctx, s.conn.client, keys, args...).Int64Slice()
+		observeStore(start, err)
+		return res, err
+	})
+	if errors.Is(err, gobreaker.ErrOpenState) || errors.Is(err, gobreaker.ErrTooManyRequests) {
+		storeErrors.WithLabelValues("circuit_open").Inc()
+		return decision{}, errCircuitOpen
 	}
-	// Run sends EVALSHA and falls back to EVAL after NOSCRIPT (a restarted or
-	// flushed Redis), which loads the script again.
-	res, err := decideScript.Run(ctx, s.client, keys, args...).Int64Slice()
 	if err != nil {
 		return decision{}, err
 	}
@@ -164,7 +225,7 @@ func (s *redisStore) decide(ctx context.Context, reqs []bucketRequest) (decision
 // remaining tokens and waits from the stored state with the Go algorithm.
 func decisionFromScript(res []int64, reqs []bucketRequest) (decision, error) {
 	if len(res) != 2+2*len(reqs) {
-		return decision{}, fmt.Errorf("rate limit script: reply of %d numbers for %d buckets", len(res), len(reqs))
+		return decision{}, fmt.Errorf("%w: %d numbers for %d buckets", errScriptReply, len(res), len(reqs))
 	}
 	now := res[1]
 	tats := make([]int64, len(reqs))
@@ -175,11 +236,11 @@ func decisionFromScript(res []int64, reqs []bucketRequest) (decision, error) {
 	// Redis's own verdict is the one that was charged; the Go algorithm is the
 	// same one, so they agree unless the script and bucket.go drift apart.
 	if d.admitted != (res[0] == 1) {
-		return decision{}, fmt.Errorf("rate limit script and Go bucket disagree (admitted %d); is lua/decide.lua in step with bucket.go?", res[0])
+		return decision{}, fmt.Errorf("%w: Lua and Go disagree (admitted %d); is lua/decide.lua in step with bucket.go?", errScriptReply, res[0])
 	}
 	for i := range reqs {
 		if d.verdicts[i].allowed != (res[2+2*i] == 1) {
-			return decision{}, fmt.Errorf("rate limit script and Go bucket disagree on bucket %d (%s)", i, strconv.FormatInt(res[2+2*i], 10))
+			return decision{}, fmt.Errorf("%w: Lua and Go disagree on bucket %d", errScriptReply, i)
 		}
 	}
 	return d, nil
