@@ -98,7 +98,15 @@ func TestLuaMatchesGoBucket(t *testing.T) {
 			model[rq.key] = next[i]
 			stored, err := client.Get(ctx, rq.key).Int64()
 			if err == redis.Nil {
-				stored = 0
+				// Expired since: Redis expires a key no earlier than its TAT.
+				after, err := client.Time(ctx).Result()
+				if err != nil {
+					t.Fatal(err)
+				}
+				if next[i] > after.UnixMicro() {
+					t.Fatalf("step %d: bucket %s: gone at %d, before its TAT %d", step, rq.key, after.UnixMicro(), next[i])
+				}
+				continue
 			} else if err != nil {
 				t.Fatal(err)
 			}

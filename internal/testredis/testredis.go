@@ -6,9 +6,11 @@ import (
 	"bufio"
 	"context"
 	"fmt"
+	"io"
 	"net"
 	"os/exec"
 	"strconv"
+	"syscall"
 	"testing"
 	"time"
 )
@@ -17,6 +19,8 @@ import (
 type Server struct {
 	Addr string // 127.0.0.1:port
 	cmd  *exec.Cmd
+	bin  string
+	args []string
 }
 
 // Start runs redis-server without persistence on a free loopback port and
@@ -29,17 +33,39 @@ func Start(t testing.TB) *Server {
 		t.Fatalf("redis-server not found (run `make test`, which installs it): %v", err)
 	}
 	port := FreePort(t)
-	cmd := exec.Command(bin, "--port", strconv.Itoa(port), "--bind", "127.0.0.1",
-		"--save", "", "--appendonly", "no", "--dir", t.TempDir())
-	if err := cmd.Start(); err != nil {
+	s := &Server{
+		Addr: net.JoinHostPort("127.0.0.1", strconv.Itoa(port)),
+		bin:  bin,
+		args: []string{"--port", strconv.Itoa(port), "--bind", "127.0.0.1",
+			"--save", "", "--appendonly", "no", "--dir", t.TempDir(), "--enable-debug-command", "local"},
+	}
+	t.Cleanup(s.Stop)
+	s.start(t)
+	return s
+}
+
+// Restart starts the server again on the same port, empty, after Stop.
+func (s *Server) Restart(t testing.TB) {
+	t.Helper()
+	s.Stop()
+	s.start(t)
+}
+
+// Pause freezes the process (SIGSTOP): connections hang as with a dead or
+// unreachable host. Resume undoes it.
+func (s *Server) Pause() error  { return s.cmd.Process.Signal(syscall.SIGSTOP) }
+func (s *Server) Resume() error { return s.cmd.Process.Signal(syscall.SIGCONT) }
+
+func (s *Server) start(t testing.TB) {
+	t.Helper()
+	s.cmd = exec.Command(s.bin, s.args...)
+	if err := s.cmd.Start(); err != nil {
 		t.Fatalf("starting redis-server: %v", err)
 	}
-	s := &Server{Addr: net.JoinHostPort("127.0.0.1", strconv.Itoa(port)), cmd: cmd}
-	t.Cleanup(s.Stop)
 	deadline := time.Now().Add(10 * time.Second)
 	for {
 		if _, err := s.Do("PING"); err == nil {
-			return s
+			return
 		}
 		if time.Now().After(deadline) {
 			t.Fatalf("redis-server on %s did not answer PING within 10s", s.Addr)
@@ -50,14 +76,14 @@ func Start(t testing.TB) *Server {
 
 // Stop kills the server; it is safe to call twice.
 func (s *Server) Stop() {
-	if s.cmd.Process != nil && s.cmd.ProcessState == nil {
+	if s.cmd != nil && s.cmd.Process != nil && s.cmd.ProcessState == nil {
 		_ = s.cmd.Process.Kill()
 		_ = s.cmd.Wait()
 	}
 }
 
-// Do sends one command over a fresh connection and returns the reply's
-// first line (enough for PING, FLUSHALL, DBSIZE and the like).
+// Do sends one command over a fresh connection and returns a simple,
+// integer or bulk-string reply (PING, FLUSHALL, DBSIZE, INFO, CLIENT LIST).
 func (s *Server) Do(args ...string) (string, error) {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
 	defer cancel()
@@ -75,12 +101,27 @@ func (s *Server) Do(args ...string) (string, error) {
 	if _, err := c.Write([]byte(req)); err != nil {
 		return "", err
 	}
-	line, err := bufio.NewReader(c).ReadString('\n')
+	br := bufio.NewReader(c)
+	line, err := br.ReadString('\n')
 	if err != nil {
 		return "", err
 	}
-	if len(line) > 0 && line[0] == '-' {
+	if len(line) < 3 {
+		return "", fmt.Errorf("redis: short reply %q", line)
+	}
+	switch line[0] {
+	case '-':
 		return "", fmt.Errorf("redis: %s", line[1:len(line)-2])
+	case '$':
+		n, err := strconv.Atoi(line[1 : len(line)-2])
+		if err != nil || n < 0 {
+			return "", err
+		}
+		buf := make([]byte, n+2)
+		if _, err := io.ReadFull(br, buf); err != nil {
+			return "", err
+		}
+		return string(buf[:n]), nil
 	}
 	return line[1 : len(line)-2], nil
 }
