@@ -103,22 +103,35 @@ func (c RedisConfig) newClient() redis.UniversalClient {
 		return redis.NewClusterClient(&redis.ClusterOptions{
 			Addrs: c.Addresses, Username: c.Username, Password: c.Password, TLSConfig: tlsConfig,
 			DialTimeout: timeout, ReadTimeout: timeout, WriteTimeout: timeout,
-			ContextTimeoutEnabled: true, PoolSize: c.PoolSize, MaxRetries: -1,
+			ContextTimeoutEnabled: true, PoolSize: c.PoolSize, MaxRetries: -1, DialerRetries: 1,
 		})
 	case c.Sentinel != "":
 		return redis.NewFailoverClient(&redis.FailoverOptions{
 			MasterName: c.Sentinel, SentinelAddrs: c.Addresses, Username: c.Username, Password: c.Password,
 			DB: c.DB, TLSConfig: tlsConfig,
 			DialTimeout: timeout, ReadTimeout: timeout, WriteTimeout: timeout,
-			ContextTimeoutEnabled: true, PoolSize: c.PoolSize, MaxRetries: -1,
+			ContextTimeoutEnabled: true, PoolSize: c.PoolSize, MaxRetries: -1, DialerRetries: 1,
 		})
 	default:
 		return redis.NewClient(&redis.Options{
 			Addr: c.Addresses[0], Username: c.Username, Password: c.Password, DB: c.DB, TLSConfig: tlsConfig,
 			DialTimeout: timeout, ReadTimeout: timeout, WriteTimeout: timeout,
-			ContextTimeoutEnabled: true, PoolSize: c.PoolSize, MaxRetries: -1,
+			ContextTimeoutEnabled: true, PoolSize: c.PoolSize, MaxRetries: -1, DialerRetries: 1,
 		})
 	}
+}
+
+func init() {
+	// go-redis logs to stderr by default; its reports (mostly failed dials,
+	// which the circuit breaker and metrics already cover) go to Caddy's log
+	// at DEBUG instead.
+	redis.SetLogger(redisLog{})
+}
+
+type redisLog struct{}
+
+func (redisLog) Printf(_ context.Context, format string, v ...any) {
+	caddy.Log().Named("http.handlers.rate_limit.redis").Debug(fmt.Sprintf(format, v...))
 }
 
 // redisClients shares Redis clients across config loads: Caddy provisions a

@@ -1,11 +1,7 @@
 package integration_test
 
 import (
-	"io"
 	"math"
-	"net/http"
-	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
 
@@ -33,42 +29,12 @@ func (r fleetResult) budget() float64 {
 	return fleetBurst + fleetRate*r.elapsed.Seconds()
 }
 
-// hammer sends requests as fast as 8 workers can, round-robin over the
-// instances, for fleetRun (and at most 100,000 requests).
+// hammer drives 8 workers over the fleet for fleetRun with one tenant's key.
 func hammer(t *testing.T, fleet []*instance) fleetResult {
 	t.Helper()
-	client := newClient()
-	var admitted, denied, other, sent atomic.Int64
-	var wg sync.WaitGroup
-	start := time.Now()
-	stop := start.Add(fleetRun)
-	for w := range 8 {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for i := w; time.Now().Before(stop) && sent.Add(1) <= 100_000; i++ {
-				req, _ := http.NewRequest("GET", fleet[i%len(fleet)].URL+"/", nil)
-				req.Header.Set("X-Api-Key", "tenant-42")
-				resp, err := client.Do(req)
-				if err != nil {
-					other.Add(1)
-					continue
-				}
-				_, _ = io.Copy(io.Discard, resp.Body)
-				resp.Body.Close()
-				switch resp.StatusCode {
-				case http.StatusOK:
-					admitted.Add(1)
-				case http.StatusTooManyRequests:
-					denied.Add(1)
-				default:
-					other.Add(1)
-				}
-			}
-		}()
-	}
-	wg.Wait()
-	return fleetResult{int(admitted.Load()), int(denied.Load()), int(other.Load()), time.Since(start)}
+	tl := drive(t, fleet, 8, fleetRun, "X-Api-Key", "tenant-42")
+	st := tl.statuses()
+	return fleetResult{st[200], st[429], len(tl.shots) - st[200] - st[429], tl.elapsed}
 }
 
 func fleetLimiter(redisAddr string) map[string]any {
