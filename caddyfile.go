@@ -44,6 +44,7 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //	    jitter     <percent>
 //	    headers    draft|off
 //	    shadow
+//	    instances  <n>
 //
 //	    policy <name> {
 //	        match { <request matchers> }
@@ -60,8 +61,10 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 // line.
 func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	d.Next() // directive name
+	// The directive's position, for errors found after its block.
+	directive := *d
 	if d.NextArg() {
-		return d.ArgErr()
+		return d.Errf("unexpected argument %q: expected rate_limit [<matcher>] { ... }", d.Val())
 	}
 	seen := map[string]int{}
 	for d.NextBlock(0) {
@@ -101,44 +104,57 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return d.Errf("headers: %q is not draft or off", h.Headers)
 			}
 		case "shadow":
-			if d.NextArg() {
-				return d.ArgErr()
+			if err := noArg(d); err != nil {
+				return err
 			}
 			h.Shadow = true
+		case "instances":
+			if err := intArg(d, &h.Instances, 1); err != nil {
+				return err
+			}
 		case "policy":
+			at := *d // the policy's line
 			p, err := unmarshalPolicy(d)
 			if err != nil {
 				return err
 			}
 			if line, dup := seen["policy "+p.Name]; dup {
-				return d.Errf("policy %q: defined twice (first at line %d)", p.Name, line)
+				return at.Errf("policy %q: defined twice (first at line %d)", p.Name, line)
 			}
-			seen["policy "+p.Name] = d.Line()
+			seen["policy "+p.Name] = at.Line()
 			h.Policies = append(h.Policies, p)
 		default:
 			return d.Errf("unrecognized subdirective %q", sub)
 		}
 	}
 	if len(h.Policies) == 0 {
-		return d.Err("at least one policy is required")
+		return directive.Err("at least one policy is required")
 	}
 	return nil
 }
 
-func (c *RedisConfig) unmarshalCaddyfile(d *caddyfile.Dispenser) error {
+func (c *RedisConfig) unmarshalCaddyfile(d *caddyfile.Dispenser) (err error) {
+	block := *d // the redis line, for errors found after its block
+	// Errors of the shared helpers name the subdirective; say it is redis's.
+	defer func() {
+		if err != nil && !strings.HasPrefix(err.Error(), "redis: ") {
+			err = fmt.Errorf("redis: %w", err)
+		}
+	}()
 	if d.NextArg() {
-		return d.ArgErr()
+		return d.Errf("unexpected argument %q: the addresses go in the block, as address <host:port>...", d.Val())
 	}
 	for nesting := d.Nesting(); d.NextBlock(nesting); {
 		switch sub := d.Val(); sub {
 		case "address":
-			c.Addresses = append(c.Addresses, d.RemainingArgs()...)
-			if len(c.Addresses) == 0 {
+			addrs := d.RemainingArgs()
+			if len(addrs) == 0 {
 				return d.Errf("redis: address: at least one host:port is required")
 			}
+			c.Addresses = append(c.Addresses, addrs...)
 		case "cluster":
-			if d.NextArg() {
-				return d.ArgErr()
+			if err := noArg(d); err != nil {
+				return err
 			}
 			c.Cluster = true
 		case "sentinel":
@@ -188,25 +204,33 @@ func (c *RedisConfig) unmarshalCaddyfile(d *caddyfile.Dispenser) error {
 		}
 	}
 	if len(c.Addresses) == 0 {
-		return d.Err("redis: address is required")
+		return block.Err("redis: address is required")
 	}
 	if c.Cluster && c.Sentinel != "" {
-		return d.Err("redis: cluster and sentinel exclude each other")
+		return block.Err("redis: cluster and sentinel exclude each other")
 	}
 	return nil
 }
 
-func unmarshalPolicy(d *caddyfile.Dispenser) (*Policy, error) {
+func unmarshalPolicy(d *caddyfile.Dispenser) (_ *Policy, err error) {
 	p := new(Policy)
 	if !d.NextArg() {
-		return nil, d.Err("policy: a name is required")
+		return nil, d.Err("policy: a name is required, as in policy <name> { ... }")
 	}
 	p.Name = d.Val()
 	if !policyName.MatchString(p.Name) {
 		return nil, d.Errf("policy %q: the name must be 1 to 64 letters, digits, '_', '-' or '.'", p.Name)
 	}
+	at := *d // the policy's line, for errors found after its block
+	// Errors of the shared helpers name the subdirective; add the policy.
+	prefix := fmt.Sprintf("policy %q: ", p.Name)
+	defer func() {
+		if err != nil && !strings.HasPrefix(err.Error(), prefix) {
+			err = fmt.Errorf("%s%w", prefix, err)
+		}
+	}()
 	if d.NextArg() {
-		return nil, d.ArgErr()
+		return nil, d.Errf("unexpected argument %q: expected policy <name> { ... }", d.Val())
 	}
 	fail := func(field, format string, args ...any) error {
 		return d.Errf("policy %q: %s: %s", p.Name, field, fmt.Sprintf(format, args...))
@@ -218,8 +242,8 @@ func unmarshalPolicy(d *caddyfile.Dispenser) (*Policy, error) {
 				return nil, fail("match", "defined twice")
 			}
 			set, err := caddyhttp.ParseCaddyfileNestedMatcherSet(d)
-			if err != nil {
-				return nil, fail("match", "%v", err)
+			if err != nil { // it has the line already
+				return nil, fmt.Errorf("policy %q: match: %w", p.Name, err)
 			}
 			p.MatchRaw = set
 		case "key":
@@ -264,19 +288,17 @@ func unmarshalPolicy(d *caddyfile.Dispenser) (*Policy, error) {
 				return nil, err
 			}
 		case "shadow":
-			if d.NextArg() {
-				return nil, d.ArgErr()
+			if err := noArg(d); err != nil {
+				return nil, err
 			}
 			p.Shadow = true
 		default:
 			return nil, d.Errf("policy %q: unrecognized subdirective %q", p.Name, sub)
 		}
 	}
-	switch {
-	case p.Key == "":
-		return nil, fail("key", "required (e.g. {client_ip}, {http.auth.user.id} or global)")
-	case p.Rate == "":
-		return nil, fail("rate", "required (e.g. 100/1m)")
+	// The checks loading the JSON makes, such as a cost above burst.
+	if err := p.settle(); err != nil {
+		return nil, at.Errf("policy %q: %v", p.Name, err)
 	}
 	return p, nil
 }
@@ -291,6 +313,8 @@ func parseJitter(s string) (float64, error) {
 	}
 	if pct {
 		v /= 100
+	} else if v > 1 {
+		return 0, fmt.Errorf("%q: a bare number is a fraction from 0 to 1; for percent, write %s%%", s, s)
 	}
 	if v > 10 {
 		return 0, errNotJitter(s)
@@ -306,6 +330,14 @@ func oneArg(d *caddyfile.Dispenser, dst *string) error {
 	*dst = d.Val()
 	if d.NextArg() {
 		return d.Errf("%s: one value expected, got another: %q", sub, d.Val())
+	}
+	return nil
+}
+
+func noArg(d *caddyfile.Dispenser) error {
+	sub := d.Val()
+	if d.NextArg() {
+		return d.Errf("%s: takes no value, got %q", sub, d.Val())
 	}
 	return nil
 }
@@ -340,5 +372,5 @@ var _ caddyfile.Unmarshaler = (*Handler)(nil)
 type errNotJitter string
 
 func (e errNotJitter) Error() string {
-	return strconv.Quote(string(e)) + " is not a percentage such as 20% (or a fraction such as 0.2) of at most 1000%"
+	return strconv.Quote(string(e)) + " is not a percentage from 0% to 1000% such as 20% (or a fraction such as 0.2)"
 }

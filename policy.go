@@ -65,6 +65,7 @@ type Policy struct {
 	period    time.Duration
 	limit     limit
 	fixedCost int64 // 0 when Cost holds a placeholder
+	maxCost   int64
 	onError   string
 	shadow    bool
 	keyPrefix string // <key_prefix><name>:
@@ -118,14 +119,18 @@ func parseCost(s string) (cost int64, fixed bool, err error) {
 	return cost, true, nil
 }
 
-// provision checks the policy and fills in its defaults. Errors name the
-// field; the caller names the policy.
-func (p *Policy) provision(ctx caddy.Context, h *Handler) error {
+// settle checks the policy's own fields and derives its bucket: all that
+// needs no Caddy context, so that `caddy adapt` reports the same mistakes
+// as loading the JSON. Errors name the field; the caller names the policy.
+func (p *Policy) settle() error {
 	if !policyName.MatchString(p.Name) {
 		return fmt.Errorf("name %q: use 1 to 64 letters, digits, '_', '-' or '.'", p.Name)
 	}
 	if p.Key == "" {
-		return fmt.Errorf("key is required (e.g. {client_ip}, {http.auth.user.id} or global)")
+		return fmt.Errorf("key: required (e.g. {client_ip}, {http.auth.user.id} or global)")
+	}
+	if p.Rate == "" {
+		return fmt.Errorf("rate: required (e.g. 100/1m)")
 	}
 	var err error
 	if p.events, p.period, err = parseRate(p.Rate); err != nil {
@@ -146,8 +151,9 @@ func (p *Policy) provision(ctx caddy.Context, h *Handler) error {
 	if p.MaxCost < 0 {
 		return fmt.Errorf("max_cost: %d must be at least 1", p.MaxCost)
 	}
-	if p.MaxCost == 0 {
-		p.MaxCost = burst
+	p.maxCost = p.MaxCost
+	if p.maxCost == 0 {
+		p.maxCost = burst
 	}
 	cost := p.Cost
 	if cost == "" {
@@ -157,8 +163,16 @@ func (p *Policy) provision(ctx caddy.Context, h *Handler) error {
 	if p.fixedCost, fixed, err = parseCost(cost); err != nil {
 		return fmt.Errorf("cost: %v", err)
 	}
-	if fixed && p.fixedCost > min(p.MaxCost, burst) {
-		return fmt.Errorf("cost: %d is more than max_cost %d or burst %d: no request could ever pass", p.fixedCost, p.MaxCost, burst)
+	if fixed && p.fixedCost > min(p.maxCost, burst) {
+		return fmt.Errorf("cost: %d is more than max %d or burst %d: no request could ever pass", p.fixedCost, p.maxCost, burst)
+	}
+	return nil
+}
+
+// provision checks the policy and fills in its defaults.
+func (p *Policy) provision(ctx caddy.Context, h *Handler) error {
+	if err := p.settle(); err != nil {
+		return err
 	}
 	p.onError = p.OnError
 	if p.onError == "" {
@@ -196,8 +210,8 @@ func (p *Policy) cost(repl *caddy.Replacer) int64 {
 		return p.fixedCost
 	}
 	v, err := strconv.ParseInt(repl.ReplaceAll(p.Cost, ""), 10, 64)
-	if err != nil || v < 1 || v > p.MaxCost {
-		return p.MaxCost
+	if err != nil || v < 1 || v > p.maxCost {
+		return p.maxCost
 	}
 	return v
 }

@@ -45,14 +45,16 @@ func TestMain(m *testing.M) {
 type instance struct {
 	URL   string // http://127.0.0.1:port
 	Admin string // http://127.0.0.1:port of the admin API
+	Log   string // the file holding Caddy's stdout and stderr
 	cmd   *exec.Cmd
 
 	port, adminPort int
+	tune            func(cfg map[string]any)
 }
 
 // caddyConfig is a JSON config with one server whose one route runs the
 // handlers.
-func caddyConfig(port, adminPort int, handlers []map[string]any) []byte {
+func caddyConfig(port, adminPort int, tune func(map[string]any), handlers []map[string]any) []byte {
 	cfg := map[string]any{
 		"admin":   map[string]any{"listen": "127.0.0.1:" + strconv.Itoa(adminPort), "config": map[string]any{"persist": false}},
 		"logging": map[string]any{"logs": map[string]any{"default": map[string]any{"level": "WARN"}}},
@@ -62,6 +64,9 @@ func caddyConfig(port, adminPort int, handlers []map[string]any) []byte {
 			"routes":          []any{map[string]any{"handle": handlers}},
 		}}}},
 	}
+	if tune != nil {
+		tune(cfg)
+	}
 	raw, _ := json.Marshal(cfg)
 	return raw
 }
@@ -70,7 +75,7 @@ func caddyConfig(port, adminPort int, handlers []map[string]any) []byte {
 // `caddy reload` does.
 func (in *instance) reload(t *testing.T, handlers ...map[string]any) {
 	t.Helper()
-	resp, err := http.Post(in.Admin+"/load", "application/json", bytes.NewReader(caddyConfig(in.port, in.adminPort, handlers)))
+	resp, err := http.Post(in.Admin+"/load", "application/json", bytes.NewReader(caddyConfig(in.port, in.adminPort, in.tune, handlers)))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -85,6 +90,13 @@ func (in *instance) reload(t *testing.T, handlers ...map[string]any) {
 // each instance has its own ports and XDG directories (Caddy's identity and
 // storage). The process is stopped when the test ends.
 func startCaddy(t *testing.T, handlers ...map[string]any) *instance {
+	t.Helper()
+	return startCaddyTuned(t, nil, handlers...)
+}
+
+// startCaddyTuned is startCaddy with a function that adjusts the whole
+// config (logging, server options) before it is loaded, and on reloads.
+func startCaddyTuned(t *testing.T, tune func(cfg map[string]any), handlers ...map[string]any) *instance {
 	t.Helper()
 	port, adminPort := testredis.FreePort(t), testredis.FreePort(t)
 	cfg := map[string]any{
@@ -112,7 +124,7 @@ func startCaddy(t *testing.T, handlers ...map[string]any) *instance {
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
-	in := &instance{URL: fmt.Sprintf("http://127.0.0.1:%d", port), Admin: fmt.Sprintf("http://127.0.0.1:%d", adminPort), cmd: cmd, port: port, adminPort: adminPort}
+	in := &instance{URL: fmt.Sprintf("http://127.0.0.1:%d", port), Admin: fmt.Sprintf("http://127.0.0.1:%d", adminPort), cmd: cmd, port: port, adminPort: adminPort, tune: tune, Log: logFile.Name()}
 	t.Cleanup(func() {
 		_ = cmd.Process.Signal(syscall.SIGTERM)
 		done := make(chan struct{})
