@@ -99,17 +99,8 @@ func startCaddy(t *testing.T, handlers ...map[string]any) *instance {
 func startCaddyTuned(t *testing.T, tune func(cfg map[string]any), handlers ...map[string]any) *instance {
 	t.Helper()
 	port, adminPort := testredis.FreePort(t), testredis.FreePort(t)
-	cfg := map[string]any{
-		"admin":   map[string]any{"listen": "127.0.0.1:" + strconv.Itoa(adminPort), "config": map[string]any{"persist": false}},
-		"logging": map[string]any{"logs": map[string]any{"default": map[string]any{"level": "WARN"}}},
-		"apps": map[string]any{"http": map[string]any{"servers": map[string]any{"test": map[string]any{
-			"listen":          []string{"127.0.0.1:" + strconv.Itoa(port)},
-			"automatic_https": map[string]any{"disable": true},
-			"routes":          []any{map[string]any{"handle": handlers}},
-		}}}},
-	}
 	dir := t.TempDir()
-	raw, _ := json.Marshal(cfg)
+	raw := caddyConfig(port, adminPort, tune, handlers)
 	cfgPath := filepath.Join(dir, "caddy.json")
 	if err := os.WriteFile(cfgPath, raw, 0o600); err != nil {
 		t.Fatal(err)

@@ -20,6 +20,9 @@ type shot struct {
 	decision string
 }
 
+// maxShots bounds a load run's requests (and the memory to record them).
+const maxShots = 400_000
+
 // tally is the outcome of a load run.
 type tally struct {
 	shots   []shot
@@ -27,7 +30,7 @@ type tally struct {
 }
 
 // drive sends requests from workers goroutines, round-robin over the
-// instances, as fast as they are answered, for d (and at most 100,000
+// instances, as fast as they are answered, for d (and at most maxShots
 // requests). The first word of each body is the decision placeholder (see
 // echo); header pairs are added to every request.
 func drive(t *testing.T, fleet []*instance, workers int, d time.Duration, header ...string) *tally {
@@ -58,7 +61,7 @@ func drive(t *testing.T, fleet []*instance, workers int, d time.Duration, header
 				s.latency = time.Since(sent)
 				s.at = time.Since(start)
 				mu.Lock()
-				full := len(tl.shots) >= 100_000
+				full := len(tl.shots) >= maxShots
 				if !full {
 					tl.shots = append(tl.shots, s)
 				}
