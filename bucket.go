@@ -34,6 +34,9 @@ type bucketRequest struct {
 	limit  limit
 	cost   int64
 	shadow bool // decided apart: never changes whether the request is admitted
+	// wait: µs a request may be held for its reserved slot (policy `wait`);
+	// 0 for a policy that admits now or never.
+	wait int64
 }
 
 // verdict is one policy's part of a decision.
@@ -46,12 +49,16 @@ type verdict struct {
 	// wait in µs: on a bucket that would deny, until its cost fits (neverWait
 	// when it never can); otherwise until one more token, 0 when full.
 	wait int64
+	// delay in µs: until the slot this request reserved (policy `wait`);
+	// 0 when it passes now.
+	delay int64
 }
 
 // decision is the outcome of one request across all its buckets.
 type decision struct {
 	admitted bool
 	now      int64 // the store's clock, µs
+	delay    int64 // µs to hold an admitted request: the latest reserved slot
 	verdicts []verdict
 }
 
@@ -64,10 +71,10 @@ func start(tat, now int64) int64 {
 	return tat
 }
 
-// fits reports whether cost tokens are in the bucket at now, given the
-// starting TAT base (see start).
-func (l limit) fits(base, now, cost int64) bool {
-	return cost <= l.burst && base+cost*l.interval-now <= l.tau()
+// fits reports whether cost tokens are in the bucket at now, or will be
+// within wait µs, given the starting TAT base (see start).
+func (l limit) fits(base, now, cost, wait int64) bool {
+	return cost <= l.burst && base+cost*l.interval-now <= l.tau()+wait
 }
 
 // tokens returns the whole tokens in the bucket at now and the µs until one
@@ -91,7 +98,7 @@ func (l limit) tokens(base, now int64) (n, next int64) {
 func decideBuckets(tats []int64, now int64, reqs []bucketRequest) (decision, []int64) {
 	d := decision{admitted: true, now: now, verdicts: make([]verdict, len(reqs))}
 	for i, rq := range reqs {
-		d.verdicts[i].allowed = rq.limit.fits(start(tats[i], now), now, rq.cost)
+		d.verdicts[i].allowed = rq.limit.fits(start(tats[i], now), now, rq.cost, rq.wait)
 		if !d.verdicts[i].allowed && !rq.shadow {
 			d.admitted = false
 		}
@@ -103,6 +110,10 @@ func decideBuckets(tats []int64, now int64, reqs []bucketRequest) (decision, []i
 		if d.admitted && v.allowed {
 			base += rq.cost * rq.limit.interval
 			next[i] = base
+			// A slot beyond the bucket's capacity now is a reservation: the
+			// request is held until then.
+			v.delay = max(0, base-rq.limit.tau()-now)
+			d.delay = max(d.delay, v.delay)
 		}
 		v.remaining, v.wait = rq.limit.tokens(base, now)
 		if !v.allowed {

@@ -59,18 +59,13 @@ func TestLuaMatchesGoBucket(t *testing.T) {
 			if rng.IntN(20) == 0 {
 				cost = l.burst + 1 // can never pass
 			}
-			reqs = append(reqs, bucketRequest{key: key, limit: l, cost: cost, shadow: rng.IntN(5) == 0})
-		}
-		keys := make([]string, len(reqs))
-		var args []any
-		for i, rq := range reqs {
-			keys[i] = rq.key
-			sh := "0"
-			if rq.shadow {
-				sh = "1"
+			rq := bucketRequest{key: key, limit: l, cost: cost, shadow: rng.IntN(5) == 0}
+			if !rq.shadow && rng.IntN(4) == 0 {
+				rq.wait = rng.Int64N(4 * l.interval) // may reserve a future slot
 			}
-			args = append(args, rq.limit.interval, rq.limit.burst, rq.cost, sh)
+			reqs = append(reqs, rq)
 		}
+		keys, args := scriptArgs(reqs)
 		res, err := decideScript.Run(ctx, client, keys, args...).Int64Slice()
 		if err != nil {
 			t.Fatalf("step %d: script: %v", step, err)

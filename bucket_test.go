@@ -171,3 +171,38 @@ func TestMemoryStoreSweepsFullBuckets(t *testing.T) {
 		t.Fatalf("%d buckets kept for at most 1000 live ones", n)
 	}
 }
+
+func TestBucketWaitReservesSlots(t *testing.T) {
+	c := &clock{t: 10 * sec}
+	m := newMemoryStore(c.now)
+	r := req("k", sec, 1, 1) // 1/1s, burst 1
+	r.wait = 3 * sec
+	for i := range 4 {
+		d := mustDecide(t, m, r)
+		if !d.admitted || d.delay != int64(i)*sec || d.verdicts[0].delay != d.delay {
+			t.Fatalf("request %d: admitted=%v delay=%dµs, want held %ds", i, d.admitted, d.delay, i)
+		}
+	}
+	d := mustDecide(t, m, r)
+	if d.admitted || d.verdicts[0].wait != 4*sec {
+		t.Fatalf("5th request: %+v, want denied: its slot is 4s away, beyond wait 3s", d)
+	}
+	c.t += sec / 2 // the queue moves on: the next slot is now 3.5s away
+	if d := mustDecide(t, m, r); d.admitted {
+		t.Fatalf("after 0.5s: %+v, want still denied", d)
+	}
+	c.t += sec / 2
+	if d := mustDecide(t, m, r); !d.admitted || d.delay != 3*sec {
+		t.Fatalf("after 1s: %+v, want held 3s", d)
+	}
+	// A policy without wait beside it: all or nothing still holds.
+	strict := req("strict", sec, 1, 1)
+	if d := mustDecide(t, m, req("k2", sec, 1, 1), strict); !d.admitted {
+		t.Fatal("fresh buckets denied")
+	}
+	r2 := req("k2", sec, 1, 1)
+	r2.wait = 5 * sec
+	if d := mustDecide(t, m, r2, strict); d.admitted || d.verdicts[0].remaining != 0 {
+		t.Fatalf("strict policy denies: %+v, and the waiting bucket must not be charged", d)
+	}
+}

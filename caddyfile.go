@@ -54,6 +54,7 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //	        cost     <n | {placeholder}> [max <n>]
 //	        on_error fail_open|fail_closed|local
 //	        shadow
+//	        wait     <duration> [<max_held>]
 //	    }
 //	}
 //
@@ -292,6 +293,23 @@ func unmarshalPolicy(d *caddyfile.Dispenser) (_ *Policy, err error) {
 				return nil, err
 			}
 			p.Shadow = true
+		case "wait":
+			args := d.RemainingArgs()
+			if len(args) < 1 || len(args) > 2 {
+				return nil, fail("wait", "expected wait <duration> [<max_held>]")
+			}
+			dur, err := caddy.ParseDuration(args[0])
+			if err != nil || dur <= 0 {
+				return nil, fail("wait", "%q is not a positive duration", args[0])
+			}
+			p.Wait = caddy.Duration(dur)
+			if len(args) == 2 {
+				n, err := strconv.Atoi(args[1])
+				if err != nil || n < 1 {
+					return nil, fail("wait", "max_held %q must be a positive integer", args[1])
+				}
+				p.MaxHeld = n
+			}
 		default:
 			return nil, d.Errf("policy %q: unrecognized subdirective %q", p.Name, sub)
 		}

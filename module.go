@@ -225,14 +225,30 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	if len(reqs) == 0 {
 		return next.ServeHTTP(w, r)
 	}
+	// A policy with `wait` may reserve a future slot only while it has room
+	// to hold the request until then.
+	var hbuf [4]int
+	held := hbuf[:0]
+	for i, p := range policies {
+		if p.hold() {
+			reqs[i].wait = p.waitUS
+			held = append(held, i)
+		}
+	}
 
 	d, err := h.store.decide(r.Context(), reqs)
 	if err != nil {
+		for _, i := range held {
+			policies[i].release()
+		}
 		h.warnStoreFailure(err)
 		return h.serveWithoutStore(w, r, next, repl, policies, reqs)
 	}
 	count(policies, d, outcomeAllowed, outcomeDenied)
 	if !d.admitted {
+		for _, i := range held {
+			policies[i].release()
+		}
 		return h.deny(w, repl, policies, d, outcomeDenied)
 	}
 	outcome := outcomeAllowed
@@ -242,8 +258,46 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 			h.logger.Debug("shadow policy would deny", zap.String("policy", policies[i].Name))
 		}
 	}
+	if d.delay > 0 {
+		outcome = outcomeDelayed
+	}
 	h.report(w, repl, policies, d, outcome, 0)
+	if !h.holdForSlot(r, policies, held, d) {
+		return nil // the client went away; its slot stays consumed
+	}
 	return next.ServeHTTP(w, r)
+}
+
+// holdForSlot holds an admitted request until the slot it reserved, and
+// frees the places it took in its policies. It returns false when the
+// client went away first.
+func (h *Handler) holdForSlot(r *http.Request, policies []*Policy, held []int, d decision) bool {
+	var waiting []*Policy
+	for _, i := range held {
+		if d.verdicts[i].delay > 0 {
+			waiting = append(waiting, policies[i])
+			policies[i].waiting.Inc()
+		} else {
+			policies[i].release()
+		}
+	}
+	if len(waiting) == 0 {
+		return true
+	}
+	defer func() {
+		for _, p := range waiting {
+			p.waiting.Dec()
+			p.release()
+		}
+	}()
+	timer := time.NewTimer(time.Duration(d.delay) * time.Microsecond)
+	defer timer.Stop()
+	select {
+	case <-timer.C:
+		return true
+	case <-r.Context().Done():
+		return false
+	}
 }
 
 // serveWithoutStore applies each policy's on_error when Redis could not
@@ -288,8 +342,10 @@ func (h *Handler) serveWithoutStore(w http.ResponseWriter, r *http.Request, next
 }
 
 // localRequest is a policy's request to its in-process fallback bucket,
-// which holds 1/instances of the policy's budget.
+// which holds 1/instances of the policy's budget. It never waits: while
+// Redis is away, a request that does not fit now is denied.
 func (h *Handler) localRequest(rq bucketRequest) bucketRequest {
+	rq.wait = 0
 	if n := int64(h.Instances); n > 1 {
 		rq.limit.interval *= n
 		rq.limit.burst = max(1, rq.limit.burst/n)
@@ -308,6 +364,8 @@ func count(policies []*Policy, d decision, allowed, denied outcome) {
 			policies[i].decisions[outcomeShadowDenied].Inc()
 		case !v.allowed:
 			policies[i].decisions[denied].Inc()
+		case d.admitted && v.delay > 0:
+			policies[i].decisions[outcomeDelayed].Inc()
 		case d.admitted:
 			policies[i].decisions[allowed].Inc()
 		}

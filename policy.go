@@ -6,6 +6,7 @@ import (
 	"regexp"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
@@ -59,6 +60,19 @@ type Policy struct {
 	// Shadow evaluates and reports this policy without ever rejecting for it.
 	Shadow bool `json:"shadow,omitempty"`
 
+	// Wait delays instead of rejecting: a request that cannot pass now but
+	// could within this duration reserves its slot (atomically, across all
+	// instances) and is held until then, as NGINX `limit_req` without
+	// `nodelay`. Beyond it, the request is denied as usual. A request whose
+	// client goes away while held keeps its slot consumed: refunding it could
+	// admit more than the budget. Default 0: never wait.
+	Wait caddy.Duration `json:"wait,omitempty"`
+
+	// MaxHeld bounds the requests this policy holds at once on this instance
+	// (with `wait`); beyond it, requests that would have to wait are denied.
+	// Default 1024.
+	MaxHeld int `json:"max_held,omitempty"`
+
 	// Provisioned state.
 	matchers  caddyhttp.MatcherSet
 	events    int64
@@ -71,6 +85,9 @@ type Policy struct {
 	keyPrefix string // <key_prefix><name>:
 	policyHdr []byte // this policy's RateLimit-Policy member
 	decisions [numOutcomes]prometheus.Counter
+	waitUS    int64         // Wait in µs
+	held      *atomic.Int64 // requests held by Wait right now
+	waiting   prometheus.Gauge
 }
 
 var policyName = regexp.MustCompile(`^[A-Za-z0-9_.-]{1,64}$`)
@@ -166,8 +183,20 @@ func (p *Policy) settle() error {
 	if fixed && p.fixedCost > min(p.maxCost, burst) {
 		return fmt.Errorf("cost: %d is more than max %d or burst %d: no request could ever pass", p.fixedCost, p.maxCost, burst)
 	}
+	if p.Wait < 0 || time.Duration(p.Wait) > maxWait {
+		return fmt.Errorf("wait: %s must be between 0 and %s", time.Duration(p.Wait), maxWait)
+	}
+	if p.MaxHeld < 0 {
+		return fmt.Errorf("max_held: %d must be at least 1", p.MaxHeld)
+	}
+	p.waitUS = int64(time.Duration(p.Wait) / time.Microsecond)
 	return nil
 }
+
+// maxWait bounds how far ahead a request may reserve a slot.
+const maxWait = 24 * time.Hour
+
+const defaultMaxHeld = 1024
 
 // provision checks the policy and fills in its defaults.
 func (p *Policy) provision(ctx caddy.Context, h *Handler) error {
@@ -186,6 +215,11 @@ func (p *Policy) provision(ctx caddy.Context, h *Handler) error {
 	q, w := fieldQuota(p.events, p.period)
 	p.policyHdr = policyMember(nil, p.Name, q, w)
 	p.decisions = policyCounters(p.Name)
+	p.held = new(atomic.Int64)
+	p.waiting = waiting.WithLabelValues(p.Name)
+	if p.MaxHeld == 0 {
+		p.MaxHeld = defaultMaxHeld
+	}
 
 	if p.MatchRaw != nil {
 		mods, err := ctx.LoadModule(p, "MatchRaw")
@@ -222,3 +256,19 @@ func (p *Policy) matches(r *http.Request) (bool, error) {
 	}
 	return p.matchers.MatchWithError(r)
 }
+
+// hold takes one of the policy's places for a held request: false when all
+// MaxHeld are taken, or when the policy never waits.
+func (p *Policy) hold() bool {
+	if p.waitUS == 0 || p.shadow {
+		return false
+	}
+	if p.held.Add(1) > int64(p.MaxHeld) {
+		p.held.Add(-1)
+		return false
+	}
+	return true
+}
+
+// release gives back a place taken by hold.
+func (p *Policy) release() { p.held.Add(-1) }

@@ -212,16 +212,7 @@ func (s *redisStore) decide(ctx context.Context, reqs []bucketRequest) (decision
 	res, err := s.conn.breaker.Execute(func() ([]int64, error) {
 		ctx, cancel := context.WithTimeout(ctx, s.timeout)
 		defer cancel()
-		keys := make([]string, len(reqs))
-		args := make([]any, 0, 4*len(reqs))
-		for i, rq := range reqs {
-			keys[i] = rq.key
-			shadow := "0"
-			if rq.shadow {
-				shadow = "1"
-			}
-			args = append(args, rq.limit.interval, rq.limit.burst, rq.cost, shadow)
-		}
+		keys, args := scriptArgs(reqs)
 		start := time.Now()
 		// Run sends EVALSHA and falls back to EVAL after NOSCRIPT (a
 		// restarted or flushed Redis), which loads the script again.
@@ -237,6 +228,21 @@ func (s *redisStore) decide(ctx context.Context, reqs []bucketRequest) (decision
 		return decision{}, err
 	}
 	return decisionFromScript(res, reqs)
+}
+
+// scriptArgs lays out the buckets of a request for lua/decide.lua.
+func scriptArgs(reqs []bucketRequest) (keys []string, args []any) {
+	keys = make([]string, len(reqs))
+	args = make([]any, 0, 5*len(reqs))
+	for i, rq := range reqs {
+		keys[i] = rq.key
+		shadow := 0
+		if rq.shadow {
+			shadow = 1
+		}
+		args = append(args, rq.limit.interval, rq.limit.burst, rq.cost, rq.wait, shadow)
+	}
+	return keys, args
 }
 
 // decisionFromScript turns the script's reply into a decision, computing the
