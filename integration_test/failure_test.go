@@ -41,6 +41,8 @@ func TestOutageFailureModes(t *testing.T) {
 		}
 	}
 	srv.Stop()
+	// Caddy reloads while Redis is unreachable.
+	open.reload(t, redisLimiter(srv.Addr, "100ms", map[string]any{"jitter": 0.5}, policy20()), echo())
 
 	c := drive(t, []*instance{closed}, 4, 2*time.Second, "X-Api-Key", "k")
 	st := c.statuses()

@@ -161,3 +161,78 @@ func TestWaitSharesAnOutboundBudget(t *testing.T) {
 		}
 	}
 }
+
+// TestWaitIsBounded: at most max_held requests are held at once; beyond
+// that, a request whose slot is within the wait is denied; a client that
+// gives up frees its place (its slot stays consumed).
+func TestWaitIsBounded(t *testing.T) {
+	in := startCaddy(t, limiter("", nil, map[string]any{
+		"name": "slow", "key": "global", "rate": "1/10s", "burst": 1, "wait": "30s", "max_held": 2,
+	}), echo())
+	if r := get(t, in.URL); r.status != 200 || string(r.body) != "allowed slow 0" {
+		t.Fatalf("first request: %d %q", r.status, r.body)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	held := make(chan int, 2)
+	for range 2 {
+		go func() {
+			req, _ := http.NewRequestWithContext(ctx, "GET", in.URL, nil)
+			resp, err := newClient().Do(req)
+			if err != nil {
+				held <- 0
+				return
+			}
+			resp.Body.Close()
+			held <- resp.StatusCode
+		}()
+	}
+	waitingIs := func(want float64) {
+		t.Helper()
+		deadline := time.Now().Add(5 * time.Second)
+		for {
+			mfs, _ := scrape(t, in)
+			var got float64
+			for _, m := range mfs["caddy_rate_limit_waiting"].GetMetric() {
+				got += m.GetGauge().GetValue()
+			}
+			if got == want {
+				return
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("caddy_rate_limit_waiting = %v, want %v", got, want)
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+	}
+	waitingIs(2)
+	r := get(t, in.URL)
+	if r.status != 429 {
+		t.Fatalf("with 2 of max_held 2 held: %d, want 429 although the slot (30s) is within the wait", r.status)
+	}
+	cancel() // both held clients give up
+	for range 2 {
+		if code := <-held; code != 0 {
+			t.Fatalf("a held request finished with %d before its slot", code)
+		}
+	}
+	waitingIs(0)
+	// Their places are free again, their slots stay consumed: one more
+	// request is held (for the slot 30s away), and the next is denied, its
+	// slot 40s away. Had the slots been refunded, both would be held.
+	ctx2, cancel2 := context.WithCancel(context.Background())
+	defer cancel2()
+	go func() {
+		req, _ := http.NewRequestWithContext(ctx2, "GET", in.URL, nil)
+		if resp, err := newClient().Do(req); err == nil {
+			resp.Body.Close()
+		}
+	}()
+	waitingIs(1)
+	r = get(t, in.URL)
+	lim := parseFields(t, r.header, "RateLimit")
+	if r.status != 429 || len(lim) != 1 || lim[0].params["t"] < 39 {
+		t.Fatalf("after the held clients left: %d %+v, want 429 with t=40 (their slots stay consumed)", r.status, lim)
+	}
+	cancel2()
+	waitingIs(0)
+}
