@@ -19,7 +19,10 @@ func newTestRedis(t *testing.T) (*testredis.Server, *redis.Client, *redisStore) 
 	srv := testredis.Start(t)
 	client := redis.NewClient(&redis.Options{Addr: srv.Addr})
 	t.Cleanup(func() { client.Close() })
-	conn := newRedisConn(RedisConfig{Addresses: []string{srv.Addr}}, zap.NewNop())
+	conn, err := newRedisConn(RedisConfig{Addresses: []string{srv.Addr}}, zap.NewNop())
+	if err != nil {
+		t.Fatal(err)
+	}
 	t.Cleanup(func() { conn.Destruct() })
 	return srv, client, &redisStore{conn: conn, timeout: 2 * time.Second}
 }

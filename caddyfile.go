@@ -34,7 +34,7 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //	        username   <user>
 //	        password   <password>
 //	        db         <n>
-//	        tls        [insecure_skip_verify]
+//	        tls        [ca <pem_file>] [server_name <name>] [insecure_skip_verify]
 //	        timeout    <duration>
 //	        pool_size  <n>
 //	        key_prefix <prefix>
@@ -177,10 +177,21 @@ func (c *RedisConfig) unmarshalCaddyfile(d *caddyfile.Dispenser) (err error) {
 		case "tls":
 			c.TLS = new(RedisTLS)
 			for d.NextArg() {
-				if d.Val() != "insecure_skip_verify" {
-					return d.Errf("redis: tls: unknown option %q", d.Val())
+				switch opt := d.Val(); opt {
+				case "insecure_skip_verify":
+					c.TLS.InsecureSkipVerify = true
+				case "ca", "server_name":
+					if !d.NextArg() {
+						return d.Errf("redis: tls: %s: a value is required", opt)
+					}
+					if opt == "ca" {
+						c.TLS.CA = d.Val()
+					} else {
+						c.TLS.ServerName = d.Val()
+					}
+				default:
+					return d.Errf("redis: tls: unknown option %q (insecure_skip_verify, ca <pem_file>, server_name <name>)", opt)
 				}
-				c.TLS.InsecureSkipVerify = true
 			}
 		case "timeout":
 			var s string

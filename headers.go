@@ -25,9 +25,12 @@ const (
 // sub-second or fractional period becomes the quota of the next whole
 // number of seconds, rounded down (10/100ms is q=100;w=1).
 func fieldQuota(events int64, period time.Duration) (q, w int64) {
-	w = int64((period + time.Second - 1) / time.Second)
+	w = int64(period / time.Second)
+	if period%time.Second != 0 {
+		w++ // (period + time.Second - 1) could overflow
+	}
 	q = int64(float64(events) * float64(w) * float64(time.Second) / float64(period))
-	return q, w
+	return min(q, maxSFInteger), min(w, maxSFInteger)
 }
 
 // policyMember is one member of RateLimit-Policy: "name";q=100;w=60.
@@ -46,13 +49,17 @@ func policyMember(b []byte, name string, q, w int64) []byte {
 func limitMember(b []byte, name string, remaining, waitUS int64) []byte {
 	b = appendSFString(b, name)
 	b = append(b, ";r="...)
-	b = strconv.AppendInt(b, remaining, 10)
+	b = strconv.AppendInt(b, min(remaining, maxSFInteger), 10)
 	if waitUS == neverWait {
 		return b
 	}
 	b = append(b, ";t="...)
 	return strconv.AppendInt(b, ceilSeconds(waitUS), 10)
 }
+
+// maxSFInteger is the largest RFC 9651 sf-Integer (15 digits). Larger
+// values are lowered to it, which the draft allows.
+const maxSFInteger = 999_999_999_999_999
 
 // appendSFString serialises an RFC 9651 sf-String. Policy names are
 // validated to printable ASCII at provisioning; only " and \ need escaping.

@@ -131,7 +131,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		// Caddy must start and reload while Redis is unreachable: the client
 		// connects lazily and each decision bounds its own wait.
 		v, _, err := redisClients.LoadOrNew(h.poolKey, func() (caddy.Destructor, error) {
-			return newRedisConn(rc, h.logger), nil
+			return newRedisConn(rc, h.logger)
 		})
 		if err != nil {
 			h.poolKey = ""

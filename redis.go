@@ -3,10 +3,12 @@ package ratelimit
 import (
 	"context"
 	"crypto/tls"
+	"crypto/x509"
 	_ "embed"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"os"
 	"strings"
 	"time"
 
@@ -58,6 +60,14 @@ type RedisConfig struct {
 
 // RedisTLS configures TLS to Redis.
 type RedisTLS struct {
+	// CA is a PEM file of the certificate authorities that Redis's
+	// certificate must chain to. Default: the system's roots.
+	CA string `json:"ca,omitempty"`
+
+	// ServerName is the name to verify Redis's certificate against.
+	// Default: the host of the address.
+	ServerName string `json:"server_name,omitempty"`
+
 	// InsecureSkipVerify disables verification of the server's certificate.
 	// For testing only.
 	InsecureSkipVerify bool `json:"insecure_skip_verify,omitempty"`
@@ -92,10 +102,20 @@ func (c RedisConfig) poolKey() string {
 	return string(b)
 }
 
-func (c RedisConfig) newClient() redis.UniversalClient {
+func (c RedisConfig) newClient() (redis.UniversalClient, error) {
 	var tlsConfig *tls.Config
 	if c.TLS != nil {
-		tlsConfig = &tls.Config{InsecureSkipVerify: c.TLS.InsecureSkipVerify, MinVersion: tls.VersionTLS12}
+		tlsConfig = &tls.Config{InsecureSkipVerify: c.TLS.InsecureSkipVerify, ServerName: c.TLS.ServerName, MinVersion: tls.VersionTLS12}
+		if c.TLS.CA != "" {
+			pem, err := os.ReadFile(c.TLS.CA)
+			if err != nil {
+				return nil, fmt.Errorf("tls: ca: %v", err)
+			}
+			tlsConfig.RootCAs = x509.NewCertPool()
+			if !tlsConfig.RootCAs.AppendCertsFromPEM(pem) {
+				return nil, fmt.Errorf("tls: ca: no PEM certificate in %s", c.TLS.CA)
+			}
+		}
 	}
 	timeout := time.Duration(c.Timeout)
 	// One dial attempt and one retry, all within the decision's timeout: a
@@ -109,20 +129,20 @@ func (c RedisConfig) newClient() redis.UniversalClient {
 			Addrs: c.Addresses, Username: c.Username, Password: c.Password, TLSConfig: tlsConfig,
 			DialTimeout: timeout, ReadTimeout: timeout, WriteTimeout: timeout,
 			ContextTimeoutEnabled: true, PoolSize: c.PoolSize, MaxRetries: 1, DialerRetries: 1,
-		})
+		}), nil
 	case c.Sentinel != "":
 		return redis.NewFailoverClient(&redis.FailoverOptions{
 			MasterName: c.Sentinel, SentinelAddrs: c.Addresses, Username: c.Username, Password: c.Password,
 			DB: c.DB, TLSConfig: tlsConfig,
 			DialTimeout: timeout, ReadTimeout: timeout, WriteTimeout: timeout,
 			ContextTimeoutEnabled: true, PoolSize: c.PoolSize, MaxRetries: 1, DialerRetries: 1,
-		})
+		}), nil
 	default:
 		return redis.NewClient(&redis.Options{
 			Addr: c.Addresses[0], Username: c.Username, Password: c.Password, DB: c.DB, TLSConfig: tlsConfig,
 			DialTimeout: timeout, ReadTimeout: timeout, WriteTimeout: timeout,
 			ContextTimeoutEnabled: true, PoolSize: c.PoolSize, MaxRetries: 1, DialerRetries: 1,
-		})
+		}), nil
 	}
 }
 
@@ -161,9 +181,13 @@ const (
 	breakerCooldown = 500 * time.Millisecond
 )
 
-func newRedisConn(c RedisConfig, logger *zap.Logger) *redisConn {
+func newRedisConn(c RedisConfig, logger *zap.Logger) (*redisConn, error) {
+	client, err := c.newClient()
+	if err != nil {
+		return nil, err
+	}
 	return &redisConn{
-		client: c.newClient(),
+		client: client,
 		breaker: gobreaker.NewCircuitBreaker[[]int64](gobreaker.Settings{
 			Name:        strings.Join(c.Addresses, ","),
 			MaxRequests: 1,
@@ -187,7 +211,7 @@ func newRedisConn(c RedisConfig, logger *zap.Logger) *redisConn {
 				}
 			},
 		}),
-	}
+	}, nil
 }
 
 //go:embed lua/decide.lua
