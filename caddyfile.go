@@ -110,7 +110,7 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			}
 			h.Shadow = true
 		case "instances":
-			if err := intArg(d, &h.Instances, 1); err != nil {
+			if err := intArg(d, &h.Instances, 1, maxInstances); err != nil {
 				return err
 			}
 		case "policy":
@@ -171,7 +171,7 @@ func (c *RedisConfig) unmarshalCaddyfile(d *caddyfile.Dispenser) (err error) {
 				return err
 			}
 		case "db":
-			if err := intArg(d, &c.DB, 0); err != nil {
+			if err := intArg(d, &c.DB, 0, maxDB); err != nil {
 				return err
 			}
 		case "tls":
@@ -204,7 +204,7 @@ func (c *RedisConfig) unmarshalCaddyfile(d *caddyfile.Dispenser) (err error) {
 			}
 			c.Timeout = caddy.Duration(dur)
 		case "pool_size":
-			if err := intArg(d, &c.PoolSize, 1); err != nil {
+			if err := intArg(d, &c.PoolSize, 1, maxPoolSize); err != nil {
 				return err
 			}
 		case "key_prefix":
@@ -313,6 +313,9 @@ func unmarshalPolicy(d *caddyfile.Dispenser) (_ *Policy, err error) {
 			if err != nil || dur <= 0 {
 				return nil, fail("wait", "%q is not a positive duration", args[0])
 			}
+			if dur > maxWait {
+				return nil, fail("wait", "%s must be between 0 and %s", dur, maxWait)
+			}
 			p.Wait = caddy.Duration(dur)
 			if len(args) == 2 {
 				n, err := strconv.Atoi(args[1])
@@ -371,15 +374,15 @@ func noArg(d *caddyfile.Dispenser) error {
 	return nil
 }
 
-func intArg(d *caddyfile.Dispenser, dst *int, least int) error {
+func intArg(d *caddyfile.Dispenser, dst *int, least, most int) error {
 	sub := d.Val()
 	var s string
 	if err := oneArg(d, &s); err != nil {
 		return err
 	}
 	n, err := strconv.Atoi(s)
-	if err != nil || n < least {
-		return d.Errf("%s: %q must be an integer of at least %d", sub, s, least)
+	if err != nil || n < least || n > most {
+		return d.Errf("%s: %q must be an integer from %d to %d", sub, s, least, most)
 	}
 	*dst = n
 	return nil

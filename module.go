@@ -95,6 +95,13 @@ func (Handler) CaddyModule() caddy.ModuleInfo {
 
 const defaultJitter = 0.2
 
+// Bounds of numeric settings, well beyond any real deployment.
+const (
+	maxInstances = 10_000
+	maxPoolSize  = 10_000
+	maxDB        = 1_000_000
+)
+
 // Provision sets up the handler.
 func (h *Handler) Provision(ctx caddy.Context) error {
 	h.logger = ctx.Logger()
@@ -148,8 +155,8 @@ func (h *Handler) checkConfig() error {
 	if !validOnError(h.OnError) {
 		return fmt.Errorf("on_error: %q is not fail_open, fail_closed or local", h.OnError)
 	}
-	if h.Instances < 0 {
-		return fmt.Errorf("instances: %d must be at least 1", h.Instances)
+	if h.Instances < 0 || h.Instances > maxInstances {
+		return fmt.Errorf("instances: %d must be from 1 to %d", h.Instances, maxInstances)
 	}
 	if h.jitter < 0 || h.jitter > 10 {
 		return fmt.Errorf("jitter: %v must be between 0 and 10 (1000%%)", h.jitter)
@@ -164,8 +171,14 @@ func (h *Handler) checkConfig() error {
 		if h.Redis.Cluster && h.Redis.Sentinel != "" {
 			return fmt.Errorf("redis: cluster and sentinel exclude each other")
 		}
-		if h.Redis.Timeout < 0 || h.Redis.PoolSize < 0 || h.Redis.DB < 0 {
-			return fmt.Errorf("redis: timeout, pool_size and db must not be negative")
+		if h.Redis.Timeout < 0 {
+			return fmt.Errorf("redis: timeout: must not be negative")
+		}
+		if h.Redis.PoolSize < 0 || h.Redis.PoolSize > maxPoolSize {
+			return fmt.Errorf("redis: pool_size: %d must be from 1 to %d", h.Redis.PoolSize, maxPoolSize)
+		}
+		if h.Redis.DB < 0 || h.Redis.DB > maxDB {
+			return fmt.Errorf("redis: db: %d must be from 0 to %d", h.Redis.DB, maxDB)
 		}
 	}
 	if len(h.Policies) == 0 {
@@ -347,7 +360,7 @@ func (h *Handler) serveWithoutStore(w http.ResponseWriter, r *http.Request, next
 func (h *Handler) localRequest(rq bucketRequest) bucketRequest {
 	rq.wait = 0
 	if n := int64(h.Instances); n > 1 {
-		rq.limit.interval *= n
+		rq.limit.interval = min(rq.limit.interval, maxBucketSpan/n) * n
 		rq.limit.burst = max(1, rq.limit.burst/n)
 	}
 	return rq
