@@ -144,7 +144,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 			h.poolKey = ""
 			return fmt.Errorf("redis: %v", err)
 		}
-		h.store = &redisStore{conn: v.(*redisConn), timeout: time.Duration(rc.Timeout)}
+		h.store = &redisStore{conn: v.(*redisConn), timeout: time.Duration(rc.Timeout), cluster: rc.Cluster}
 	}
 	return nil
 }

@@ -168,7 +168,7 @@ var redisClients = caddy.NewUsagePool()
 // guards it.
 type redisConn struct {
 	client  redis.UniversalClient
-	breaker *gobreaker.CircuitBreaker[[]int64]
+	breaker *gobreaker.CircuitBreaker[decision]
 }
 
 func (c *redisConn) Destruct() error { return c.client.Close() }
@@ -188,7 +188,7 @@ func newRedisConn(c RedisConfig, logger *zap.Logger) (*redisConn, error) {
 	}
 	return &redisConn{
 		client: client,
-		breaker: gobreaker.NewCircuitBreaker[[]int64](gobreaker.Settings{
+		breaker: gobreaker.NewCircuitBreaker[decision](gobreaker.Settings{
 			Name:        strings.Join(c.Addresses, ","),
 			MaxRequests: 1,
 			Timeout:     breakerCooldown,
@@ -230,24 +230,36 @@ var (
 type redisStore struct {
 	conn    *redisConn
 	timeout time.Duration
+	cluster bool // keys in several slots take one script call per slot
 }
 
 func (s *redisStore) decide(ctx context.Context, reqs []bucketRequest) (decision, error) {
-	res, err := s.conn.breaker.Execute(func() ([]int64, error) {
+	d, err := s.conn.breaker.Execute(func() (decision, error) {
 		ctx, cancel := context.WithTimeout(ctx, s.timeout)
 		defer cancel()
-		keys, args := scriptArgs(reqs)
-		start := time.Now()
-		// Run sends EVALSHA and falls back to EVAL after NOSCRIPT (a
-		// restarted or flushed Redis), which loads the script again.
-		res, err := decideScript.Run(ctx, s.conn.client, keys, args...).Int64Slice()
-		observeStore(start, err)
-		return res, err
+		if s.cluster {
+			if groups := slotGroups(reqs); len(groups) > 1 {
+				return s.decideAcrossSlots(ctx, reqs, groups)
+			}
+		}
+		return s.decideOnce(ctx, reqs)
 	})
 	if errors.Is(err, gobreaker.ErrOpenState) || errors.Is(err, gobreaker.ErrTooManyRequests) {
 		storeErrors.WithLabelValues("circuit_open").Inc()
 		return decision{}, errCircuitOpen
 	}
+	return d, err
+}
+
+// decideOnce decides buckets that one script call can reach: a single
+// Redis, or one Redis Cluster slot.
+func (s *redisStore) decideOnce(ctx context.Context, reqs []bucketRequest) (decision, error) {
+	keys, args := scriptArgs(reqs)
+	start := time.Now()
+	// Run sends EVALSHA and falls back to EVAL after NOSCRIPT (a restarted
+	// or flushed Redis), which loads the script again.
+	res, err := decideScript.Run(ctx, s.conn.client, keys, args...).Int64Slice()
+	observeStore(start, err)
 	if err != nil {
 		return decision{}, err
 	}

@@ -28,6 +28,12 @@ type Server struct {
 // redis-server is missing: `make test` installs it.
 func Start(t testing.TB) *Server {
 	t.Helper()
+	return start(t)
+}
+
+// start runs a redis-server with extra arguments.
+func start(t testing.TB, extra ...string) *Server {
+	t.Helper()
 	bin, err := exec.LookPath("redis-server")
 	if err != nil {
 		t.Fatalf("redis-server not found (run `make test`, which installs it): %v", err)
@@ -36,8 +42,8 @@ func Start(t testing.TB) *Server {
 	s := &Server{
 		Addr: net.JoinHostPort("127.0.0.1", strconv.Itoa(port)),
 		bin:  bin,
-		args: []string{"--port", strconv.Itoa(port), "--bind", "127.0.0.1",
-			"--save", "", "--appendonly", "no", "--dir", t.TempDir(), "--enable-debug-command", "local"},
+		args: append([]string{"--port", strconv.Itoa(port), "--bind", "127.0.0.1",
+			"--save", "", "--appendonly", "no", "--dir", t.TempDir(), "--enable-debug-command", "local"}, extra...),
 	}
 	t.Cleanup(s.Stop)
 	s.start(t)

@@ -1,0 +1,156 @@
+package testredis
+
+import (
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+)
+
+// Cluster is a Redis Cluster of real redis-server processes on loopback.
+type Cluster struct {
+	Masters, Replicas []*Server
+}
+
+// Addrs are the seed addresses of every node.
+func (c *Cluster) Addrs() []string {
+	var a []string
+	for _, s := range append(append([]*Server(nil), c.Masters...), c.Replicas...) {
+		a = append(a, s.Addr)
+	}
+	return a
+}
+
+// StartCluster starts masters and as many replicas (one per master when
+// replicas is true), joins them with `redis-cli --cluster create`, and waits
+// (at most 30 s) until every node reports cluster_state:ok.
+func StartCluster(t testing.TB, masters int, replicas bool) *Cluster {
+	t.Helper()
+	cli, err := exec.LookPath("redis-cli")
+	if err != nil {
+		t.Fatalf("redis-cli not found (run `make test`, which installs redis-tools): %v", err)
+	}
+	n := masters
+	if replicas {
+		n *= 2
+	}
+	var nodes []*Server
+	for range n {
+		nodes = append(nodes, start(t, "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+			"--cluster-node-timeout", "1000", "--cluster-replica-validity-factor", "0"))
+	}
+	args := []string{"--cluster", "create"}
+	for _, s := range nodes {
+		args = append(args, s.Addr)
+	}
+	if replicas {
+		args = append(args, "--cluster-replicas", "1")
+	}
+	args = append(args, "--cluster-yes")
+	if out, err := exec.Command(cli, args...).CombinedOutput(); err != nil {
+		t.Fatalf("redis-cli --cluster create: %v\n%s", err, out)
+	}
+	c := &Cluster{}
+	deadline := time.Now().Add(30 * time.Second)
+	for _, s := range nodes {
+		for {
+			info, err := s.Do("CLUSTER", "INFO")
+			if err == nil && strings.Contains(info, "cluster_state:ok") {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("cluster node %s not ready within 30s: %v %s", s.Addr, err, info)
+			}
+			time.Sleep(50 * time.Millisecond)
+		}
+		role, _ := s.Role()
+		if role == "master" {
+			c.Masters = append(c.Masters, s)
+		} else {
+			c.Replicas = append(c.Replicas, s)
+		}
+	}
+	return c
+}
+
+// Role is "master", "slave" or "sentinel", from ROLE... read through INFO
+// replication, which Do can return as one bulk string.
+func (s *Server) Role() (string, error) {
+	info, err := s.Do("INFO", "replication")
+	if err != nil {
+		return "", err
+	}
+	for _, line := range strings.Split(info, "\r\n") {
+		if v, ok := strings.CutPrefix(line, "role:"); ok {
+			return v, nil
+		}
+	}
+	return "", fmt.Errorf("no role in %q", info)
+}
+
+// Sentinels is a master, a replica and three sentinels watching them
+// under the master name "limiter".
+type Sentinels struct {
+	Master, Replica *Server
+	Sentinels       []*Server
+}
+
+// MasterName is what the sentinels call the master.
+const MasterName = "limiter"
+
+// Addrs are the sentinels' addresses.
+func (sn *Sentinels) Addrs() []string {
+	var a []string
+	for _, s := range sn.Sentinels {
+		a = append(a, s.Addr)
+	}
+	return a
+}
+
+// StartSentinels starts the master, its replica and three sentinels that
+// declare the master down after 1 s, and waits (at most 30 s) until the
+// sentinels agree on the master and see each other.
+func StartSentinels(t testing.TB) *Sentinels {
+	t.Helper()
+	sn := &Sentinels{Master: start(t)}
+	sn.Replica = start(t, "--replicaof", "127.0.0.1", strconv.Itoa(sn.Master.port()))
+	for range 3 {
+		port := FreePort(t)
+		dir := t.TempDir()
+		conf := filepath.Join(dir, "sentinel.conf")
+		body := fmt.Sprintf("port %d\nbind 127.0.0.1\ndir %s\nsentinel monitor %s 127.0.0.1 %d 2\n"+
+			"sentinel down-after-milliseconds %s 1000\nsentinel failover-timeout %s 5000\nsentinel parallel-syncs %s 1\n",
+			port, dir, MasterName, sn.Master.port(), MasterName, MasterName, MasterName)
+		if err := os.WriteFile(conf, []byte(body), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		s := &Server{Addr: "127.0.0.1:" + strconv.Itoa(port), bin: sn.Master.bin, args: []string{conf, "--sentinel"}}
+		t.Cleanup(s.Stop)
+		s.start(t)
+		sn.Sentinels = append(sn.Sentinels, s)
+	}
+	deadline := time.Now().Add(30 * time.Second)
+	for _, s := range sn.Sentinels {
+		for {
+			info, err := s.Do("INFO", "sentinel")
+			if err == nil && strings.Contains(info, "status=ok") && strings.Contains(info, "sentinels=3") {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("sentinel %s not ready within 30s: %v %s", s.Addr, err, info)
+			}
+			time.Sleep(100 * time.Millisecond)
+		}
+	}
+	return sn
+}
+
+func (s *Server) port() int {
+	_, p, _ := strings.Cut(s.Addr, ":")
+	n, _ := strconv.Atoi(p)
+	return n
+}

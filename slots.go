@@ -1,0 +1,141 @@
+package ratelimit
+
+import (
+	"context"
+	_ "embed"
+	"errors"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+)
+
+// Decisions across Redis Cluster slots. A script call can only touch keys of
+// one slot. The policies of one identity share a slot (the hash tag in their
+// keys), but policies keyed on different identities, such as a global
+// guardrail beside a per-user limit, do not. Such a request is decided with
+// one script call per slot, all at once; if any slot denies it (or fails),
+// the slots that admitted and charged it are refunded. Charging before
+// knowing never admits beyond any budget; its cost is transient
+// over-denial: between a charge and its refund, other requests see those
+// tokens gone.
+
+//go:embed lua/refund.lua
+var refundLua string
+
+var refundScript = redis.NewScript(refundLua)
+
+const clusterSlots = 16384
+
+// slotOf is the Redis Cluster slot of a key: CRC16 (XMODEM) of its hash
+// tag, the text between the first { and the next }.
+func slotOf(key string) int {
+	if i := strings.IndexByte(key, '{'); i >= 0 {
+		if j := strings.IndexByte(key[i+1:], '}'); j > 0 {
+			key = key[i+1 : i+1+j]
+		}
+	}
+	var crc uint16
+	for k := 0; k < len(key); k++ {
+		crc ^= uint16(key[k]) << 8
+		for range 8 {
+			if crc&0x8000 != 0 {
+				crc = crc<<1 ^ 0x1021
+			} else {
+				crc <<= 1
+			}
+		}
+	}
+	return int(crc) % clusterSlots
+}
+
+// slotGroups splits a request's buckets by slot, as indexes into reqs, in
+// the order the slots first appear.
+func slotGroups(reqs []bucketRequest) [][]int {
+	var groups [][]int
+	var slots []int
+	for i, rq := range reqs {
+		slot := slotOf(rq.key)
+		found := false
+		for g, s := range slots {
+			if s == slot {
+				groups[g] = append(groups[g], i)
+				found = true
+				break
+			}
+		}
+		if !found {
+			slots = append(slots, slot)
+			groups = append(groups, []int{i})
+		}
+	}
+	return groups
+}
+
+// decideAcrossSlots decides a request whose buckets span several slots.
+func (s *redisStore) decideAcrossSlots(ctx context.Context, reqs []bucketRequest, groups [][]int) (decision, error) {
+	parts := make([]decision, len(groups))
+	errs := make([]error, len(groups))
+	var wg sync.WaitGroup
+	for g, idx := range groups {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			sub := make([]bucketRequest, len(idx))
+			for k, i := range idx {
+				sub[k] = reqs[i]
+			}
+			parts[g], errs[g] = s.decideOnce(ctx, sub)
+		}()
+	}
+	wg.Wait()
+
+	d := decision{admitted: true, verdicts: make([]verdict, len(reqs))}
+	failed := errors.Join(errs...)
+	for g, idx := range groups {
+		if errs[g] != nil {
+			continue
+		}
+		d.admitted = d.admitted && parts[g].admitted
+		d.now = max(d.now, parts[g].now)
+		d.delay = max(d.delay, parts[g].delay)
+		for k, i := range idx {
+			d.verdicts[i] = parts[g].verdicts[k]
+		}
+	}
+	if failed == nil && d.admitted {
+		return d, nil
+	}
+	// Not admitted everywhere: give back what the admitting slots charged.
+	var refundErrs []error
+	for g, idx := range groups {
+		if errs[g] != nil || !parts[g].admitted {
+			continue
+		}
+		var keys []string
+		var amounts []any
+		for k, i := range idx {
+			if parts[g].verdicts[k].allowed {
+				keys = append(keys, reqs[i].key)
+				amounts = append(amounts, reqs[i].cost*reqs[i].limit.interval)
+				v := &d.verdicts[i]
+				v.remaining = min(v.remaining+reqs[i].cost, reqs[i].limit.burst)
+				v.delay = 0
+			}
+		}
+		if len(keys) > 0 {
+			start := time.Now()
+			err := refundScript.Run(ctx, s.conn.client, keys, amounts...).Err()
+			observeStore(start, err)
+			refundErrs = append(refundErrs, err)
+		}
+	}
+	d.admitted, d.delay = false, 0
+	if failed != nil {
+		// A refund that failed leaves tokens charged: over-denial until the
+		// bucket refills, never over-admission.
+		return decision{}, errors.Join(failed, errors.Join(refundErrs...))
+	}
+	return d, nil
+}
