@@ -118,30 +118,30 @@ func (c RedisConfig) newClient() (redis.UniversalClient, error) {
 		}
 	}
 	timeout := time.Duration(c.Timeout)
-	// One dial attempt and one retry, all within the decision's timeout: a
-	// retry rescues a decision whose pooled connection Redis had closed
-	// (restart, CLIENT KILL). Should the first attempt have run the script
-	// before its reply was lost, the request is charged twice: over-denial,
-	// never over-admission.
+	// One dial attempt and no retry: a script whose reply was lost (a
+	// timeout, a connection Redis closed) may have charged the buckets, and
+	// running it again would charge them twice. The failure mode answers
+	// instead, and the circuit breaker keeps a dead Redis from costing a
+	// timeout per request.
 	switch {
 	case c.Cluster:
 		return redis.NewClusterClient(&redis.ClusterOptions{
 			Addrs: c.Addresses, Username: c.Username, Password: c.Password, TLSConfig: tlsConfig,
 			DialTimeout: timeout, ReadTimeout: timeout, WriteTimeout: timeout,
-			ContextTimeoutEnabled: true, PoolSize: c.PoolSize, MaxRetries: 1, DialerRetries: 1,
+			ContextTimeoutEnabled: true, PoolSize: c.PoolSize, MaxRetries: -1, DialerRetries: 1,
 		}), nil
 	case c.Sentinel != "":
 		return redis.NewFailoverClient(&redis.FailoverOptions{
 			MasterName: c.Sentinel, SentinelAddrs: c.Addresses, Username: c.Username, Password: c.Password,
 			DB: c.DB, TLSConfig: tlsConfig,
 			DialTimeout: timeout, ReadTimeout: timeout, WriteTimeout: timeout,
-			ContextTimeoutEnabled: true, PoolSize: c.PoolSize, MaxRetries: 1, DialerRetries: 1,
+			ContextTimeoutEnabled: true, PoolSize: c.PoolSize, MaxRetries: -1, DialerRetries: 1,
 		}), nil
 	default:
 		return redis.NewClient(&redis.Options{
 			Addr: c.Addresses[0], Username: c.Username, Password: c.Password, DB: c.DB, TLSConfig: tlsConfig,
 			DialTimeout: timeout, ReadTimeout: timeout, WriteTimeout: timeout,
-			ContextTimeoutEnabled: true, PoolSize: c.PoolSize, MaxRetries: 1, DialerRetries: 1,
+			ContextTimeoutEnabled: true, PoolSize: c.PoolSize, MaxRetries: -1, DialerRetries: 1,
 		}), nil
 	}
 }

@@ -35,6 +35,12 @@ type tally struct {
 // echo); header pairs are added to every request.
 func drive(t *testing.T, fleet []*instance, workers int, d time.Duration, header ...string) *tally {
 	t.Helper()
+	return driveFunc(t, fleet, workers, d, func() []string { return header })
+}
+
+// driveFunc is drive with the header pairs of each request from headers.
+func driveFunc(t *testing.T, fleet []*instance, workers int, d time.Duration, headers func() []string) *tally {
+	t.Helper()
 	client := newClient()
 	var mu sync.Mutex
 	var tl tally
@@ -47,6 +53,7 @@ func drive(t *testing.T, fleet []*instance, workers int, d time.Duration, header
 			defer wg.Done()
 			for i := w; time.Now().Before(stop); i++ {
 				req, _ := http.NewRequest("GET", fleet[i%len(fleet)].URL+"/", nil)
+				header := headers()
 				for j := 0; j+1 < len(header); j += 2 {
 					req.Header.Set(header[j], header[j+1])
 				}

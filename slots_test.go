@@ -1,0 +1,85 @@
+package ratelimit
+
+import (
+	"context"
+	"fmt"
+	"strconv"
+	"testing"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/testredis"
+)
+
+func TestSlotOfKnownValues(t *testing.T) {
+	// From the Redis Cluster specification and CLUSTER KEYSLOT.
+	for key, want := range map[string]int{"somekey": 11058, "foo{hash_tag}": 2515, "{user1000}.following": 3443, "foo{}{bar}": 8363, "123456789": 12739} {
+		if got := slotOf(key); got != want {
+			t.Errorf("slotOf(%q) = %d, want %d", key, got, want)
+		}
+	}
+}
+
+// TestClusterDecisions runs on a real three-master Redis Cluster: the slot
+// computation agrees with CLUSTER KEYSLOT, and a request whose policies
+// live in different slots is all-or-nothing: when one slot denies, the
+// others are refunded.
+func TestClusterDecisions(t *testing.T) {
+	c := testredis.StartCluster(t, 3, false)
+	for i := range 50 {
+		key := fmt.Sprintf("rl:p:{%x}", i*7919)
+		got, err := c.Masters[0].Do("CLUSTER", "KEYSLOT", key)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if want, _ := strconv.Atoi(got); slotOf(key) != want {
+			t.Fatalf("slotOf(%q) = %d, CLUSTER KEYSLOT says %d", key, slotOf(key), want)
+		}
+	}
+
+	conn, err := newRedisConn(RedisConfig{Addresses: c.Addrs(), Cluster: true, Timeout: 0}.resolved(), zap.NewNop())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Destruct()
+	rs := &redisStore{conn: conn, timeout: 2 * time.Second, cluster: true}
+	kh := newKeyHasher("")
+	user := &Policy{keyPrefix: "rl:user:"}
+	global := &Policy{keyPrefix: "rl:global:"}
+	userKey, globalKey := user.storageKey(kh, "alice"), global.storageKey(kh, "global")
+	if slotOf(userKey) == slotOf(globalKey) {
+		t.Fatalf("test keys share slot %d; pick others", slotOf(userKey))
+	}
+	ctx := context.Background()
+	ask := func() decision {
+		t.Helper()
+		d, err := rs.decide(ctx, []bucketRequest{
+			{key: userKey, limit: limit{interval: 1_000_000, burst: 2}, cost: 1},
+			{key: globalKey, limit: limit{interval: 1_000_000, burst: 100}, cost: 1},
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return d
+	}
+	for i := range 2 {
+		if d := ask(); !d.admitted || d.verdicts[1].remaining != int64(99-i) {
+			t.Fatalf("request %d: %+v", i, d)
+		}
+	}
+	for range 5 {
+		d := ask()
+		if d.admitted || d.verdicts[0].allowed || !d.verdicts[1].allowed {
+			t.Fatalf("user bucket empty: %+v, want denied by the user policy only", d)
+		}
+		if d.verdicts[1].remaining != 98 {
+			t.Fatalf("denied request reports global remaining %d, want 98 (refunded)", d.verdicts[1].remaining)
+		}
+	}
+	// The global bucket was charged and refunded five times: 98 left.
+	d, err := rs.decide(ctx, []bucketRequest{{key: globalKey, limit: limit{interval: 1_000_000, burst: 100}, cost: 1}})
+	if err != nil || d.verdicts[0].remaining != 97 {
+		t.Fatalf("global alone: %+v %v, want 97 left after the refunds", d, err)
+	}
+}
