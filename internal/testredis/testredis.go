@@ -1,19 +1,29 @@
 // Package testredis starts real redis-server processes for tests, on free
-// loopback ports, and stops them when the test ends.
+// loopback ports, and stops them when the test ends. Start, Restart and
+// FreePort take a TB, which testing.TB satisfies, so that a program that is
+// not a test (cmd/demo) starts and stops its servers the same way.
 package testredis
 
 import (
 	"bufio"
 	"context"
+	"crypto/tls"
 	"fmt"
 	"io"
 	"net"
 	"os/exec"
 	"strconv"
 	"syscall"
-	"testing"
 	"time"
 )
+
+// TB is the part of testing.TB that Start, Restart and FreePort use.
+type TB interface {
+	Helper()
+	Fatalf(format string, args ...any)
+	Cleanup(func())
+	TempDir() string
+}
 
 // Server is one redis-server process.
 type Server struct {
@@ -21,18 +31,19 @@ type Server struct {
 	cmd  *exec.Cmd
 	bin  string
 	args []string
+	tls  *tls.Config // for Do, when the server speaks only TLS
 }
 
 // Start runs redis-server without persistence on a free loopback port and
 // waits (at most 10 s) until it answers PING. It fails the test when
 // redis-server is missing: `make test` installs it.
-func Start(t testing.TB) *Server {
+func Start(t TB) *Server {
 	t.Helper()
 	return start(t)
 }
 
 // start runs a redis-server with extra arguments.
-func start(t testing.TB, extra ...string) *Server {
+func start(t TB, extra ...string) *Server {
 	t.Helper()
 	bin, err := exec.LookPath("redis-server")
 	if err != nil {
@@ -50,8 +61,30 @@ func start(t testing.TB, extra ...string) *Server {
 	return s
 }
 
+// StartTLS runs a redis-server that accepts only TLS connections, with the
+// given certificate and key (PEM files); client is how Do connects.
+func StartTLS(t TB, certFile, keyFile string, client *tls.Config) *Server {
+	t.Helper()
+	bin, err := exec.LookPath("redis-server")
+	if err != nil {
+		t.Fatalf("redis-server not found (run `make test`, which installs it): %v", err)
+	}
+	port := FreePort(t)
+	s := &Server{
+		Addr: net.JoinHostPort("127.0.0.1", strconv.Itoa(port)),
+		bin:  bin,
+		args: []string{"--port", "0", "--tls-port", strconv.Itoa(port), "--bind", "127.0.0.1",
+			"--tls-cert-file", certFile, "--tls-key-file", keyFile, "--tls-auth-clients", "no",
+			"--save", "", "--appendonly", "no", "--dir", t.TempDir()},
+		tls: client,
+	}
+	t.Cleanup(s.Stop)
+	s.start(t)
+	return s
+}
+
 // Restart starts the server again on the same port, empty, after Stop.
-func (s *Server) Restart(t testing.TB) {
+func (s *Server) Restart(t TB) {
 	t.Helper()
 	s.Stop()
 	s.start(t)
@@ -62,7 +95,7 @@ func (s *Server) Restart(t testing.TB) {
 func (s *Server) Pause() error  { return s.cmd.Process.Signal(syscall.SIGSTOP) }
 func (s *Server) Resume() error { return s.cmd.Process.Signal(syscall.SIGCONT) }
 
-func (s *Server) start(t testing.TB) {
+func (s *Server) start(t TB) {
 	t.Helper()
 	s.cmd = exec.Command(s.bin, s.args...)
 	if err := s.cmd.Start(); err != nil {
@@ -94,7 +127,13 @@ func (s *Server) Do(args ...string) (string, error) {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
 	defer cancel()
 	var d net.Dialer
-	c, err := d.DialContext(ctx, "tcp", s.Addr)
+	var c net.Conn
+	var err error
+	if s.tls != nil {
+		c, err = (&tls.Dialer{NetDialer: &d, Config: s.tls}).DialContext(ctx, "tcp", s.Addr)
+	} else {
+		c, err = d.DialContext(ctx, "tcp", s.Addr)
+	}
 	if err != nil {
 		return "", err
 	}
@@ -133,7 +172,7 @@ func (s *Server) Do(args ...string) (string, error) {
 }
 
 // FreePort returns a loopback TCP port that was free a moment ago.
-func FreePort(t testing.TB) int {
+func FreePort(t TB) int {
 	t.Helper()
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {

@@ -1,0 +1,98 @@
+package integration_test
+
+import (
+	"crypto/ecdsa"
+	"crypto/elliptic"
+	"crypto/rand"
+	"crypto/tls"
+	"crypto/x509"
+	"crypto/x509/pkix"
+	"encoding/pem"
+	"math/big"
+	"net"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/testredis"
+)
+
+// testCA writes a CA and a server certificate for 127.0.0.1 signed by it,
+// as PEM files; it returns their paths and a pool holding the CA.
+func testCA(t *testing.T) (caFile, certFile, keyFile string, pool *x509.CertPool) {
+	t.Helper()
+	dir := t.TempDir()
+	write := func(name, typ string, der []byte) string {
+		p := filepath.Join(dir, name)
+		if err := os.WriteFile(p, pem.EncodeToMemory(&pem.Block{Type: typ, Bytes: der}), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		return p
+	}
+	caKey, _ := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	caTmpl := &x509.Certificate{
+		SerialNumber: big.NewInt(1), Subject: pkix.Name{CommonName: "rate_limit test CA"},
+		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour),
+		IsCA: true, BasicConstraintsValid: true, KeyUsage: x509.KeyUsageCertSign,
+	}
+	caDER, err := x509.CreateCertificate(rand.Reader, caTmpl, caTmpl, &caKey.PublicKey, caKey)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ca, _ := x509.ParseCertificate(caDER)
+	srvKey, _ := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	srvTmpl := &x509.Certificate{
+		SerialNumber: big.NewInt(2), Subject: pkix.Name{CommonName: "redis"},
+		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour),
+		IPAddresses: []net.IP{net.ParseIP("127.0.0.1")}, DNSNames: []string{"redis.test"},
+		KeyUsage: x509.KeyUsageDigitalSignature, ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth},
+	}
+	srvDER, err := x509.CreateCertificate(rand.Reader, srvTmpl, ca, &srvKey.PublicKey, caKey)
+	if err != nil {
+		t.Fatal(err)
+	}
+	keyDER, _ := x509.MarshalECPrivateKey(srvKey)
+	pool = x509.NewCertPool()
+	pool.AddCert(ca)
+	return write("ca.pem", "CERTIFICATE", caDER), write("redis.pem", "CERTIFICATE", srvDER), write("redis.key", "EC PRIVATE KEY", keyDER), pool
+}
+
+// TestRedisTLSAndACL: a Redis that speaks only TLS, with an ACL user for
+// the limiter. With the right CA and credentials Caddy limits exactly;
+// with a CA that did not sign Redis's certificate, or a wrong password, the
+// decisions follow on_error.
+func TestRedisTLSAndACL(t *testing.T) {
+	caFile, certFile, keyFile, pool := testCA(t)
+	srv := testredis.StartTLS(t, certFile, keyFile, &tls.Config{RootCAs: pool, MinVersion: tls.VersionTLS12})
+	if _, err := srv.Do("ACL", "SETUSER", "limiter", "on", ">s3cret", "~rl:*", "+@all"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := srv.Do("ACL", "SETUSER", "default", "off"); err != nil {
+		t.Fatal(err)
+	}
+	policy := map[string]any{"name": "per_user", "key": "{http.request.header.X-User}", "rate": "3/1h"}
+	withRedis := func(password, ca string) map[string]any {
+		h := limiter("", map[string]any{"on_error": "fail_closed"}, policy)
+		h["redis"] = map[string]any{"addresses": []string{srv.Addr}, "username": "limiter", "password": password,
+			"tls": map[string]any{"ca": ca}, "timeout": "1s"}
+		return h
+	}
+
+	good := startCaddy(t, withRedis("s3cret", caFile), echo())
+	var got []int
+	for range 4 {
+		got = append(got, get(t, good.URL, "X-User", "tls-user").status)
+	}
+	if got[0] != 200 || got[1] != 200 || got[2] != 200 || got[3] != 429 {
+		t.Fatalf("over TLS with ACL user: %v, want 200 200 200 429", got)
+	}
+
+	otherCA, _, _, _ := testCA(t)
+	if r := get(t, startCaddy(t, withRedis("s3cret", otherCA), echo()).URL, "X-User", "x"); r.status != 503 {
+		t.Errorf("with a CA that did not sign Redis's certificate: %d, want 503 (fail_closed)", r.status)
+	}
+	if r := get(t, startCaddy(t, withRedis("wrong", caFile), echo()).URL, "X-User", "x"); r.status != 503 {
+		t.Errorf("with a wrong password: %d, want 503 (fail_closed)", r.status)
+	}
+}
