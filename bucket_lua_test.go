@@ -85,7 +85,7 @@ func TestLuaMatchesGoBucket(t *testing.T) {
 		if want.admitted != (res[0] == 1) {
 			t.Fatalf("step %d: Lua admitted=%d, Go %v", step, res[0], want.admitted)
 		}
-		got, err := decisionFromScript(res, reqs)
+		got, _, err := decisionFromScript(res, reqs)
 		if err != nil {
 			t.Fatalf("step %d: %v", step, err)
 		}

@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"net/http"
 	"strconv"
+	"strings"
 	"sync/atomic"
 	"time"
 
@@ -121,10 +122,16 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	if h.Redis != nil && h.Redis.KeyPrefix != "" {
 		h.keyPrefix = h.Redis.KeyPrefix
 	}
-	h.hasher = newKeyHasher(caddy.NewReplacer().ReplaceAll(h.KeySecret, ""))
 	if err := h.checkConfig(); err != nil {
 		return err
 	}
+	secret := caddy.NewReplacer().ReplaceAll(h.KeySecret, "")
+	if h.KeySecret != "" && secret == "" {
+		// An unset {env.X} must not silently drop to unkeyed SHA-256, whose
+		// hashes of IPv4 addresses anyone can reverse.
+		return fmt.Errorf("key_secret: %q resolves to the empty string", h.KeySecret)
+	}
+	h.hasher = newKeyHasher(secret)
 	for _, p := range h.Policies {
 		if err := p.provision(ctx, h); err != nil {
 			return fmt.Errorf("policy %q: %v", p.Name, err)
@@ -144,7 +151,11 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 			h.poolKey = ""
 			return fmt.Errorf("redis: %v", err)
 		}
-		h.store = &redisStore{conn: v.(*redisConn), timeout: time.Duration(rc.Timeout), cluster: rc.Cluster}
+		rs := &redisStore{conn: v.(*redisConn), timeout: time.Duration(rc.Timeout), cluster: rc.Cluster}
+		if !rc.Cluster {
+			rs.denials = v.(*redisConn).denials
+		}
+		h.store = rs
 	}
 	return nil
 }
@@ -165,6 +176,10 @@ func (h *Handler) checkConfig() error {
 		return fmt.Errorf("headers: %q is not draft or off", h.Headers)
 	}
 	if h.Redis != nil {
+		if strings.ContainsAny(h.Redis.KeyPrefix, "{}") {
+			// Braces would move the Redis Cluster hash tag off the identity.
+			return fmt.Errorf("redis: key_prefix: %q must not contain { or }", h.Redis.KeyPrefix)
+		}
 		if len(h.Redis.Addresses) == 0 {
 			return fmt.Errorf("redis: at least one address is required")
 		}

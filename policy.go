@@ -130,7 +130,7 @@ func parseCost(s string) (cost int64, fixed bool, err error) {
 		return 0, false, nil
 	}
 	cost, err = strconv.ParseInt(s, 10, 64)
-	if err != nil || cost < 1 {
+	if err != nil || cost < 1 || strings.HasPrefix(s, "+") {
 		return 0, true, fmt.Errorf("%q must be a positive integer or a placeholder", s)
 	}
 	return cost, true, nil

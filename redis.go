@@ -169,6 +169,9 @@ var redisClients = caddy.NewUsagePool()
 type redisConn struct {
 	client  redis.UniversalClient
 	breaker *gobreaker.CircuitBreaker[decision]
+	// denials is shared by every config on this Redis: what one learned of a
+	// bucket holds for all.
+	denials *denyCache
 }
 
 func (c *redisConn) Destruct() error { return c.client.Close() }
@@ -187,7 +190,8 @@ func newRedisConn(c RedisConfig, logger *zap.Logger) (*redisConn, error) {
 		return nil, err
 	}
 	return &redisConn{
-		client: client,
+		client:  client,
+		denials: newDenyCache(monotonicMicros),
 		breaker: gobreaker.NewCircuitBreaker[decision](gobreaker.Settings{
 			Name:        strings.Join(c.Addresses, ","),
 			MaxRequests: 1,
@@ -230,10 +234,16 @@ var (
 type redisStore struct {
 	conn    *redisConn
 	timeout time.Duration
-	cluster bool // keys in several slots take one script call per slot
+	cluster bool       // keys in several slots take one script call per slot
+	denials *denyCache // nil in cluster mode, whose refunds move TATs back
 }
 
 func (s *redisStore) decide(ctx context.Context, reqs []bucketRequest) (decision, error) {
+	if s.denials != nil {
+		if d, ok := s.denials.deny(reqs); ok {
+			return d, nil
+		}
+	}
 	d, err := s.conn.breaker.Execute(func() (decision, error) {
 		ctx, cancel := context.WithTimeout(ctx, s.timeout)
 		defer cancel()
@@ -256,6 +266,7 @@ func (s *redisStore) decide(ctx context.Context, reqs []bucketRequest) (decision
 func (s *redisStore) decideOnce(ctx context.Context, reqs []bucketRequest) (decision, error) {
 	keys, args := scriptArgs(reqs)
 	start := time.Now()
+	sent := monotonicMicros()
 	// Run sends EVALSHA and falls back to EVAL after NOSCRIPT (a restarted
 	// or flushed Redis), which loads the script again.
 	res, err := decideScript.Run(ctx, s.conn.client, keys, args...).Int64Slice()
@@ -263,7 +274,11 @@ func (s *redisStore) decideOnce(ctx context.Context, reqs []bucketRequest) (deci
 	if err != nil {
 		return decision{}, err
 	}
-	return decisionFromScript(res, reqs)
+	d, tats, err := decisionFromScript(res, reqs)
+	if err == nil && s.denials != nil {
+		s.denials.learn(reqs, d, tats, sent, monotonicMicros())
+	}
+	return d, err
 }
 
 // scriptArgs lays out the buckets of a request for lua/decide.lua.
@@ -282,26 +297,27 @@ func scriptArgs(reqs []bucketRequest) (keys []string, args []any) {
 }
 
 // decisionFromScript turns the script's reply into a decision, computing the
-// remaining tokens and waits from the stored state with the Go algorithm.
-func decisionFromScript(res []int64, reqs []bucketRequest) (decision, error) {
+// remaining tokens and waits from the stored state with the Go algorithm,
+// and the TATs the script stored.
+func decisionFromScript(res []int64, reqs []bucketRequest) (decision, []int64, error) {
 	if len(res) != 2+2*len(reqs) {
-		return decision{}, fmt.Errorf("%w: %d numbers for %d buckets", errScriptReply, len(res), len(reqs))
+		return decision{}, nil, fmt.Errorf("%w: %d numbers for %d buckets", errScriptReply, len(res), len(reqs))
 	}
 	now := res[1]
 	tats := make([]int64, len(reqs))
 	for i := range reqs {
 		tats[i] = res[3+2*i]
 	}
-	d, _ := decideBuckets(tats, now, reqs)
+	d, next := decideBuckets(tats, now, reqs)
 	// Redis's own verdict is the one that was charged; the Go algorithm is the
 	// same one, so they agree unless the script and bucket.go drift apart.
 	if d.admitted != (res[0] == 1) {
-		return decision{}, fmt.Errorf("%w: Lua and Go disagree (admitted %d); is lua/decide.lua in step with bucket.go?", errScriptReply, res[0])
+		return decision{}, nil, fmt.Errorf("%w: Lua and Go disagree (admitted %d); is lua/decide.lua in step with bucket.go?", errScriptReply, res[0])
 	}
 	for i := range reqs {
 		if d.verdicts[i].allowed != (res[2+2*i] == 1) {
-			return decision{}, fmt.Errorf("%w: Lua and Go disagree on bucket %d", errScriptReply, i)
+			return decision{}, nil, fmt.Errorf("%w: Lua and Go disagree on bucket %d", errScriptReply, i)
 		}
 	}
-	return d, nil
+	return d, next, nil
 }
