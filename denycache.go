@@ -81,7 +81,7 @@ func (c *denyCache) deny(reqs []bucketRequest) (d decision, ok bool) {
 		if !found || k.limit != rq.limit {
 			return decision{}, false
 		}
-		latest := k.redisNow + (now - k.sent)        // Redis's clock can be no later
+		latest := k.redisNow + (now - k.sent)       // Redis's clock can be no later
 		earliest := k.redisNow + (now - k.received) // nor earlier, give or take drift
 		latestRedisNow, earliestRedisNow = max(latestRedisNow, latest), max(earliestRedisNow, earliest)
 		v := verdict{allowed: true}
