@@ -3,7 +3,7 @@ package ratelimit
 import (
 	"context"
 	"crypto/sha256"
-	"encoding/hex"
+	"encoding/base64"
 	"encoding/json"
 	"math"
 	"math/big"
@@ -174,8 +174,8 @@ func FuzzParseCost(f *testing.F) {
 	})
 }
 
-// FuzzStorageKey: any identity, any bytes, becomes <prefix><policy>:{<32
-// hex>}: fixed length, none of the identity in it, distinct identities in
+// FuzzStorageKey: any identity, any bytes, becomes <prefix><policy>:{<22
+// base64url>}: fixed length, none of the identity in it, distinct identities in
 // distinct keys, and a different key_secret makes a different key.
 func FuzzStorageKey(f *testing.F) {
 	f.Add([]byte("alice"), []byte("bob"), "")
@@ -187,14 +187,14 @@ func FuzzStorageKey(f *testing.F) {
 		f.Fatal(err)
 	}
 	const prefix = "rl:per_user:"
-	shape := regexp.MustCompile(`^` + regexp.QuoteMeta(prefix) + `\{[0-9a-f]{32}\}$`)
-	hexLike := regexp.MustCompile(`^[0-9a-f]*$`)
+	shape := regexp.MustCompile(`^` + regexp.QuoteMeta(prefix) + `\{[A-Za-z0-9_-]{22}\}$`)
+	hexLike := regexp.MustCompile(`^[A-Za-z0-9_-]*$`)
 	f.Fuzz(func(t *testing.T, id1, id2 []byte, secret string) {
 		kh := newKeyHasher(secret)
 		k1, k2 := p.storageKey(kh, string(id1)), p.storageKey(kh, string(id2))
 		for _, k := range []string{k1, k2} {
-			if !shape.MatchString(k) || len(k) != len(prefix)+34 {
-				t.Fatalf("key %q for %q is not %s{<32 hex>}", k, id1, prefix)
+			if !shape.MatchString(k) || len(k) != len(prefix)+24 {
+				t.Fatalf("key %q for %q is not %s{<22 base64url>}", k, id1, prefix)
 			}
 		}
 		if len(id1) >= 8 && !hexLike.Match(id1) && !strings.Contains(prefix+"{}", string(id1)) && strings.Contains(k1, string(id1)) {
@@ -209,7 +209,7 @@ func FuzzStorageKey(f *testing.F) {
 		// Without a secret the hash is plain SHA-256, as documented; with
 		// one, it is not.
 		sum := sha256.Sum256(id1)
-		plain := prefix + "{" + hex.EncodeToString(sum[:16]) + "}"
+		plain := prefix + "{" + base64.RawURLEncoding.EncodeToString(sum[:16]) + "}"
 		if (secret == "") != (k1 == plain) {
 			t.Fatalf("secret %q: key %q, plain SHA-256 key %q", secret, k1, plain)
 		}
