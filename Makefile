@@ -1,7 +1,7 @@
-# The two commands of the README: `make run` and `make test`.
+# The commands of the README: `make run`, `make demo`, `make test` and `make build`.
 GO ?= go
 
-.PHONY: run build test redis-server check
+.PHONY: run build test demo redis-server check
 
 # Build Caddy with the module and serve Caddyfile.example on
 # http://localhost:8080 (in-process buckets: no Redis needed).
@@ -17,6 +17,13 @@ build:
 # processes (started by the tests on free loopback ports).
 test: redis-server check
 	$(GO) test -race -count=1 ./...
+
+# Four Caddy instances on one budget, with in-process buckets (about 4x over)
+# and with buckets in Redis (on budget), then four sidecars sharing a 1/s
+# upstream budget in wait mode: prints the tables, writes
+# demo-output/admitted.svg, and stops every process it started.
+demo: redis-server
+	$(GO) run ./cmd/demo
 
 check:
 	@unformatted="$$(gofmt -l .)"; if [ -n "$$unformatted" ]; then echo "gofmt needed: $$unformatted"; exit 1; fi

@@ -1,0 +1,283 @@
+package ratelimit
+
+import (
+	"regexp"
+	"strconv"
+	"strings"
+	"testing"
+
+	"github.com/caddyserver/caddy/v2/caddyconfig"
+)
+
+// mark ends the Caddyfile line an error must point at. Where a mistake
+// involves a block (a missing address, a cross-field check), several lines
+// may be marked: any of them is right.
+const mark = "# <-"
+
+// base is a valid policy for the cases about something else.
+const base = "policy ok {\n\tkey {client_ip}\n\trate 10/1s\n}\n"
+
+// redisBlock wraps a redis subdirective in a valid redis block.
+func redisBlock(line string) string {
+	return "redis {\n\taddress 127.0.0.1:6379\n\t" + line + "\n}\n" + base
+}
+
+// inPolicy puts a subdirective line into a valid policy.
+func inPolicy(line string) string {
+	return "policy api {\n\tkey {client_ip}\n\trate 10/1s\n\t" + line + "\n}\n"
+}
+
+// inZone puts a subdirective line into a valid mholt-style zone.
+func inZone(line string) string {
+	return "zone z {\n\tevents 10\n\twindow 1s\n\t" + line + "\n}\n"
+}
+
+// TestCaddyfileErrors feeds every subdirective of the handler, of its redis
+// block, of a policy and of mholt/caddy-ratelimit's syntax that the parser
+// accepts (zone, distributed, storage, sweep_interval, log_key) a malformed
+// value (missing, extra, of the wrong
+// type or out of range) through the real Caddyfile adapter, and requires an
+// error that names the subdirective and the line of the mistake, in
+// Caddy's own format ("..., at Caddyfile:<line>").
+func TestCaddyfileErrors(t *testing.T) {
+	for _, tc := range []struct {
+		sub  string // what the error must name
+		name string
+		body string // the rate_limit block's body; the wrong line ends in mark
+	}{
+		// The handler's subdirectives.
+		{"redis", "extra argument", "redis 127.0.0.1:6379 { " + mark + "\n\taddress 127.0.0.1:6379\n}\n" + base},
+		{"redis", "no address", "redis { " + mark + "\n\tdb 1\n}\n" + base},
+		{"redis", "no block", "redis " + mark + "\n" + base},
+		{"redis", "twice", "redis {\n\taddress a:1\n}\nredis { " + mark + "\n\taddress b:1\n}\n" + base},
+		{"key_secret", "missing value", "key_secret " + mark + "\n" + base},
+		{"key_secret", "extra value", "key_secret a b " + mark + "\n" + base},
+		{"on_error", "missing value", "on_error " + mark + "\n" + base},
+		{"on_error", "extra value", "on_error fail_open fail_closed " + mark + "\n" + base},
+		{"on_error", "wrong value", "on_error retry " + mark + "\n" + base},
+		{"jitter", "missing value", "jitter " + mark + "\n" + base},
+		{"jitter", "extra value", "jitter 20% 30% " + mark + "\n" + base},
+		{"jitter", "not a number", "jitter lots " + mark + "\n" + base},
+		{"jitter", "negative", "jitter -5% " + mark + "\n" + base},
+		{"jitter", "bare number above 1", "jitter 20 " + mark + "\n" + base},
+		{"jitter", "above 1000%", "jitter 2000% " + mark + "\n" + base},
+		{"jitter", "NaN", "jitter NaN% " + mark + "\n" + base},
+		{"jitter", "infinite", "jitter Inf% " + mark + "\n" + base},
+		{"headers", "missing value", "headers " + mark + "\n" + base},
+		{"headers", "extra value", "headers draft off " + mark + "\n" + base},
+		{"headers", "wrong value", "headers ietf " + mark + "\n" + base},
+		{"shadow", "extra value", "shadow yes " + mark + "\n" + base},
+		{"instances", "missing value", "instances " + mark + "\n" + base},
+		{"instances", "extra value", "instances 2 3 " + mark + "\n" + base},
+		{"instances", "not a number", "instances two " + mark + "\n" + base},
+		{"instances", "zero", "instances 0 " + mark + "\n" + base},
+		{"instances", "fractional", "instances 1.5 " + mark + "\n" + base},
+		// 10^10 instances overflowed the local fallback's interval (int64
+		// µs), and the in-process bucket then admitted every request.
+		{"instances", "overflowing the local bucket", "on_error local\ninstances 10000000000 " + mark + "\n" + base},
+		{"policy", "no name", "policy { " + mark + "\n\tkey k\n\trate 1/1s\n}\n"},
+		{"policy", "extra argument", "policy a b { " + mark + "\n\tkey k\n\trate 1/1s\n}\n"},
+		{"policy", "bad name", "policy \"per user\" { " + mark + "\n\tkey k\n\trate 1/1s\n}\n"},
+		{"policy", "name too long", "policy " + strings.Repeat("p", 65) + " { " + mark + "\n\tkey k\n\trate 1/1s\n}\n"},
+		{"policy", "no block", "policy a " + mark + "\n"},
+		{"policy", "twice", base + "policy ok { " + mark + "\n\tkey k\n\trate 1/1s\n}\n"},
+		{"policy", "none at all", "key_secret s\n"}, // the rate_limit line is marked by the test
+		{"bogus", "unknown subdirective", "bogus 1 " + mark + "\n" + base},
+
+		// mholt/caddy-ratelimit's subdirectives, accepted for migration.
+		{"zone", "no name", "zone { " + mark + "\n\tevents 1\n\twindow 1s\n}\n"},
+		{"zone", "extra argument", "zone a b { " + mark + "\n\tevents 1\n\twindow 1s\n}\n"},
+		{"zone", "bad name", "zone \"a b\" { " + mark + "\n\tevents 1\n\twindow 1s\n}\n"},
+		{"zone", "no events", "zone z { " + mark + "\n\twindow 1s\n}\n"},
+		{"zone", "no window", "zone z { " + mark + "\n\tevents 1\n}\n"},
+		{"zone", "same name as a policy", base + "zone ok { " + mark + "\n\tevents 1\n\twindow 1s\n}\n"},
+		{"events", "missing value", inZone("events " + mark)},
+		{"events", "extra value", inZone("events 1 2 " + mark)},
+		{"events", "zero", inZone("events 0 " + mark)},
+		{"events", "not a number", inZone("events many " + mark)},
+		{"events", "twice", inZone("events 5 " + mark)},
+		{"events", "faster than one per microsecond", "zone z { " + mark + "\n\tevents 1000001 " + mark + "\n\twindow 1s " + mark + "\n}\n"},
+		{"window", "missing value", inZone("window " + mark)},
+		{"window", "extra value", inZone("window 1s 2s " + mark)},
+		{"window", "not a duration", inZone("window daily " + mark)},
+		{"window", "zero", inZone("window 0s " + mark)},
+		{"window", "twice", inZone("window 1m " + mark)},
+		{"key", "zone: missing value", inZone("key " + mark)},
+		{"key", "zone: extra value", inZone("key a b " + mark)},
+		{"key", "zone: twice", inZone("key a\n\tkey b " + mark)},
+		{"match", "zone: twice", inZone("match path /a\n\tmatch path /b " + mark)},
+		{"match", "zone: unknown matcher", inZone("match no_such_matcher foo " + mark)},
+		{"rate", "zone: unknown subdirective", inZone("rate 1/1s " + mark)},
+		{"distributed", "extra argument", "distributed yes " + mark + "\n" + base},
+		{"read_interval", "missing value", "distributed {\n\tread_interval " + mark + "\n}\n" + base},
+		{"read_interval", "not a duration", "distributed {\n\tread_interval often " + mark + "\n}\n" + base},
+		{"write_interval", "extra value", "distributed {\n\twrite_interval 1s 2s " + mark + "\n}\n" + base},
+		{"purge_age", "not a duration", "distributed {\n\tpurge_age old " + mark + "\n}\n" + base},
+		{"sync_interval", "distributed: unknown subdirective", "distributed {\n\tsync_interval 1s " + mark + "\n}\n" + base},
+		{"storage", "missing module", "storage " + mark + "\n" + base},
+		{"sweep_interval", "missing value", "sweep_interval " + mark + "\n" + base},
+		{"sweep_interval", "extra value", "sweep_interval 1m 2m " + mark + "\n" + base},
+		{"sweep_interval", "not a duration", "sweep_interval often " + mark + "\n" + base},
+		{"sweep_interval", "zero", "sweep_interval 0s " + mark + "\n" + base},
+		{"log_key", "extra value", "log_key yes " + mark + "\n" + base},
+
+		// The redis block's subdirectives.
+		{"address", "missing value", "redis {\n\taddress " + mark + "\n}\n" + base},
+		{"cluster", "extra value", redisBlock("cluster yes " + mark)},
+		{"sentinel", "missing value", redisBlock("sentinel " + mark)},
+		{"sentinel", "extra value", redisBlock("sentinel a b " + mark)},
+		{"sentinel", "with cluster", "redis { " + mark + "\n\taddress a:1\n\tcluster\n\tsentinel m\n}\n" + base},
+		{"username", "missing value", redisBlock("username " + mark)},
+		{"username", "extra value", redisBlock("username a b " + mark)},
+		{"password", "missing value", redisBlock("password " + mark)},
+		{"password", "extra value", redisBlock("password a b " + mark)},
+		{"db", "missing value", redisBlock("db " + mark)},
+		{"db", "extra value", redisBlock("db 1 2 " + mark)},
+		{"db", "not a number", redisBlock("db one " + mark)},
+		{"db", "negative", redisBlock("db -1 " + mark)},
+		{"db", "fractional", redisBlock("db 1.5 " + mark)},
+		{"tls", "unknown option", redisBlock("tls verify_nothing " + mark)},
+		{"ca", "tls: missing value", redisBlock("tls ca " + mark)},
+		{"server_name", "tls: missing value", redisBlock("tls insecure_skip_verify server_name " + mark)},
+		{"timeout", "missing value", redisBlock("timeout " + mark)},
+		{"timeout", "extra value", redisBlock("timeout 1s 2s " + mark)},
+		{"timeout", "not a duration", redisBlock("timeout soon " + mark)},
+		{"timeout", "zero", redisBlock("timeout 0 " + mark)},
+		{"timeout", "negative", redisBlock("timeout -1s " + mark)},
+		{"pool_size", "missing value", redisBlock("pool_size " + mark)},
+		{"pool_size", "extra value", redisBlock("pool_size 1 2 " + mark)},
+		{"pool_size", "not a number", redisBlock("pool_size many " + mark)},
+		{"pool_size", "zero", redisBlock("pool_size 0 " + mark)},
+		// go-redis allocates for the whole pool when the client is made:
+		// 10^8 exhausted memory (fatal error: runtime: out of memory) when
+		// Caddy loaded the config, or reloaded into it.
+		{"pool_size", "too large to allocate", redisBlock("pool_size 100000000 " + mark)},
+		{"key_prefix", "missing value", redisBlock("key_prefix " + mark)},
+		{"key_prefix", "extra value", redisBlock("key_prefix a b " + mark)},
+		{"nodes", "unknown subdirective", redisBlock("nodes a:1 " + mark)},
+
+		// A policy's subdirectives.
+		{"match", "unknown matcher", "policy api {\n\tmatch { " + mark + "\n\t\tno_such_matcher foo " + mark + "\n\t} " + mark + "\n\tkey k\n\trate 1/1s\n}\n"},
+		{"match", "inline unknown matcher", inPolicy("match no_such_matcher foo " + mark)},
+		{"match", "twice", inPolicy("match path /a\n\tmatch path /b " + mark)},
+		{"key", "missing value", inPolicy("key " + mark)},
+		{"key", "extra value", inPolicy("key a b " + mark)},
+		{"key", "absent", "policy api { " + mark + "\n\trate 1/1s\n}\n"},
+		{"rate", "missing value", inPolicy("rate " + mark)},
+		{"rate", "extra value", inPolicy("rate 1/1s 2/1s " + mark)},
+		{"rate", "no slash", inPolicy("rate 100 " + mark)},
+		{"rate", "zero", inPolicy("rate 0/1s " + mark)},
+		{"rate", "negative", inPolicy("rate -1/1s " + mark)},
+		{"rate", "fractional", inPolicy("rate 1.5/1s " + mark)},
+		{"rate", "hex", inPolicy("rate 0x10/1s " + mark)},
+		{"rate", "overflowing", inPolicy("rate 99999999999999999999/1s " + mark)},
+		{"rate", "bad duration", inPolicy("rate 1/1fortnight " + mark)},
+		{"rate", "zero duration", inPolicy("rate 1/0s " + mark)},
+		{"rate", "negative duration", inPolicy("rate 1/-1s " + mark)},
+		{"rate", "above one per microsecond", inPolicy("rate 1000001/1s " + mark)},
+		{"rate", "absent", "policy api { " + mark + "\n\tkey k\n}\n"},
+		{"burst", "missing value", inPolicy("burst " + mark)},
+		{"burst", "extra value", inPolicy("burst 1 2 " + mark)},
+		{"burst", "zero", inPolicy("burst 0 " + mark)},
+		{"burst", "negative", inPolicy("burst -1 " + mark)},
+		{"burst", "fractional", inPolicy("burst 1.5 " + mark)},
+		{"burst", "not a number", inPolicy("burst lots " + mark)},
+		{"burst", "overflowing", inPolicy("burst 99999999999999999999 " + mark)},
+		// Too large for the rate: a check of two fields, at the policy's
+		// line or the burst's.
+		{"burst", "too slow to refill", "policy api { " + mark + "\n\tkey k\n\trate 1/1s\n\tburst 9223372036854775807 " + mark + "\n}\n"},
+		{"cost", "missing value", inPolicy("cost " + mark)},
+		{"cost", "extra value", inPolicy("cost 1 2 " + mark)},
+		{"cost", "zero", inPolicy("cost 0 " + mark)},
+		{"cost", "negative", inPolicy("cost -1 " + mark)},
+		{"cost", "fractional", inPolicy("cost 1.5 " + mark)},
+		{"cost", "hex", inPolicy("cost 0x2 " + mark)},
+		{"cost", "not a number", inPolicy("cost lots " + mark)},
+		{"cost", "max without value", inPolicy("cost {http.request.header.X-Cost} max " + mark)},
+		{"cost", "max not a number", inPolicy("cost {http.request.header.X-Cost} max lots " + mark)},
+		{"cost", "max zero", inPolicy("cost {http.request.header.X-Cost} max 0 " + mark)},
+		{"cost", "min instead of max", inPolicy("cost 1 min 2 " + mark)},
+		{"cost", "above burst", "policy api { " + mark + "\n\tkey k\n\trate 10/1s\n\tcost 11 " + mark + "\n}\n"},
+		{"on_error", "policy: missing value", inPolicy("on_error " + mark)},
+		{"on_error", "policy: extra value", inPolicy("on_error local local " + mark)},
+		{"on_error", "policy: wrong value", inPolicy("on_error ignore " + mark)},
+		{"shadow", "policy: extra value", inPolicy("shadow on " + mark)},
+		{"wait", "missing value", inPolicy("wait " + mark)},
+		{"wait", "extra value", inPolicy("wait 1s 10 20 " + mark)},
+		{"wait", "not a duration", inPolicy("wait soon " + mark)},
+		{"wait", "zero", inPolicy("wait 0s " + mark)},
+		{"wait", "negative", inPolicy("wait -1s " + mark)},
+		{"wait", "max_held not a number", inPolicy("wait 1s many " + mark)},
+		{"wait", "max_held zero", inPolicy("wait 1s 0 " + mark)},
+		// One value out of range: the error should point at its line, not
+		// only at the policy's.
+		{"wait", "longer than a day", inPolicy("wait 25h " + mark)},
+		{"brust", "unknown subdirective", inPolicy("brust 5 " + mark)},
+	} {
+		t.Run(tc.sub+"/"+tc.name, func(t *testing.T) {
+			caddyfileText, lines := siteWith(tc.body)
+			if len(lines) == 0 {
+				t.Fatalf("no line marked %q in\n%s", mark, caddyfileText)
+			}
+			_, _, err := caddyconfig.GetAdapter("caddyfile").Adapt([]byte(caddyfileText), nil)
+			if err == nil {
+				t.Fatalf("adapted without error:\n%s", caddyfileText)
+			}
+			msg := err.Error()
+			// As a word: every error starts "parsing caddyfile tokens for
+			// 'rate_limit'", which holds "rate" but does not name it.
+			if !regexp.MustCompile(`(^|[^A-Za-z_])` + regexp.QuoteMeta(tc.sub) + `([^A-Za-z_]|$)`).MatchString(msg) {
+				t.Errorf("the error does not name %q: %v", tc.sub, err)
+			}
+			m := atLine.FindAllStringSubmatch(msg, -1)
+			if len(m) == 0 {
+				t.Fatalf("the error has no Caddyfile:<line>: %v\n%s", err, caddyfileText)
+			}
+			got, _ := strconv.Atoi(m[len(m)-1][1])
+			if !lines[got] {
+				t.Errorf("the error points at line %d, want %s: %v\n%s", got, lineList(lines), err, numbered(caddyfileText))
+			}
+		})
+	}
+}
+
+var atLine = regexp.MustCompile(`at Caddyfile:(\d+)\b`)
+
+// siteWith puts a rate_limit block with body into a site, and returns the
+// Caddyfile with the numbers of its marked lines (the rate_limit line when
+// the body marks none).
+func siteWith(body string) (string, map[int]bool) {
+	var sb strings.Builder
+	sb.WriteString(":8080 {\n\trate_limit {\n")
+	for _, l := range strings.Split(strings.TrimRight(body, "\n"), "\n") {
+		sb.WriteString("\t\t" + l + "\n")
+	}
+	sb.WriteString("\t}\n\trespond \"ok\"\n}\n")
+	text := sb.String()
+	lines := map[int]bool{}
+	for i, l := range strings.Split(text, "\n") {
+		if strings.HasSuffix(strings.TrimSpace(l), mark) {
+			lines[i+1] = true
+		}
+	}
+	if !strings.Contains(body, mark) {
+		lines[2] = true
+	}
+	return text, lines
+}
+
+func lineList(lines map[int]bool) string {
+	var s []string
+	for l := range lines {
+		s = append(s, strconv.Itoa(l))
+	}
+	return "line " + strings.Join(s, " or ")
+}
+
+func numbered(text string) string {
+	var sb strings.Builder
+	for i, l := range strings.Split(strings.TrimRight(text, "\n"), "\n") {
+		sb.WriteString(strconv.Itoa(i+1) + "\t" + l + "\n")
+	}
+	return sb.String()
+}
