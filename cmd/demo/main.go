@@ -50,14 +50,14 @@ const (
 )
 
 func main() {
-	s := newSession()
-	defer s.close()
+	s := testcaddy.NewSession("demo")
+	defer s.Close()
 	go func() {
 		sig := make(chan os.Signal, 1)
 		signal.Notify(sig, os.Interrupt, syscall.SIGTERM)
 		got := <-sig
 		fmt.Fprintf(os.Stderr, "\ndemo: %v: stopping every process it started\n", got)
-		s.close()
+		s.Close()
 		os.Exit(130)
 	}()
 	start := time.Now()
@@ -96,7 +96,7 @@ func main() {
 	fmt.Println()
 	printOutbound(outLocal, outShared)
 
-	s.close()
+	s.Close()
 	fmt.Printf("\nStopped the %d Caddy processes and redis-server it started (%.0f s in all).\n", 4*fleetSize, time.Since(start).Seconds())
 }
 
@@ -121,7 +121,7 @@ func limiter(redisAddr string, policy map[string]any) map[string]any {
 }
 
 // startFleet starts fleetSize Caddy instances at once.
-func startFleet(s *session, bin string, handlers ...map[string]any) []*testcaddy.Instance {
+func startFleet(s *testcaddy.Session, bin string, handlers ...map[string]any) []*testcaddy.Instance {
 	fleet := make([]*testcaddy.Instance, fleetSize)
 	var wg sync.WaitGroup
 	for i := range fleet {
@@ -168,7 +168,7 @@ func (r inbound) steady() float64 {
 // runInbound starts a fleet and paces inOffered requests per second over
 // it for inRun, from inWorkers concurrent requests at most (a tick whose
 // request cannot be sent because all are busy is skipped).
-func runInbound(s *session, bin, store, redisAddr string) inbound {
+func runInbound(s *testcaddy.Session, bin, store, redisAddr string) inbound {
 	fmt.Printf("  %-10s starting %d Caddy instances... ", store+":", fleetSize)
 	fleet := startFleet(s, bin, limiter(redisAddr, map[string]any{
 		"name": redisPolicy, "key": "{http.request.header.X-Api-Key}", "rate": strconv.Itoa(inRate) + "/1s", "burst": inBurst,
@@ -284,7 +284,7 @@ func (o outbound) closest() time.Duration {
 // runOutbound starts an upstream that records when each request arrives,
 // and fleetSize sidecars in front of it sharing one 1/s budget in wait
 // mode; outWorkers clients send one request after the other for outRun.
-func runOutbound(s *session, bin, store, redisAddr string) outbound {
+func runOutbound(s *testcaddy.Session, bin, store, redisAddr string) outbound {
 	o := outbound{store: store}
 	var mu sync.Mutex
 	var begin time.Time
@@ -418,77 +418,4 @@ func printOutbound(rows ...outbound) {
 			fmt.Printf("%s: %d more reached the upstream after the run, from clients that had given up.\n", o.store, o.late)
 		}
 	}
-}
-
-// session is the testredis.TB (and so testcaddy's) of a program that is
-// not a test: it owns a temporary directory and runs the cleanups of every
-// process it started, last first, when the demo ends, fails or is
-// interrupted.
-type session struct {
-	mu       sync.Mutex
-	dir      string
-	n        int
-	cleanups []func()
-	closing  bool
-	once     sync.Once
-}
-
-func newSession() *session {
-	dir, err := os.MkdirTemp("", "rate-limit-demo-")
-	if err != nil {
-		fmt.Fprintln(os.Stderr, "demo:", err)
-		os.Exit(1)
-	}
-	return &session{dir: dir}
-}
-
-func (s *session) Helper() {}
-
-func (s *session) Fatalf(format string, args ...any) {
-	fmt.Fprintf(os.Stderr, "demo: "+format+"\n", args...)
-	s.close()
-	os.Exit(1)
-}
-
-// Cleanup registers f to run when the session closes; once it is closing
-// (on a signal, while the demo goes on starting processes), f runs at once.
-func (s *session) Cleanup(f func()) {
-	s.mu.Lock()
-	closing := s.closing
-	if !closing {
-		s.cleanups = append(s.cleanups, f)
-	}
-	s.mu.Unlock()
-	if closing {
-		f()
-	}
-}
-
-func (s *session) TempDir() string {
-	s.mu.Lock()
-	if s.closing { // stopping on a signal: start nothing more, the exit is coming
-		s.mu.Unlock()
-		select {}
-	}
-	s.n++
-	dir := filepath.Join(s.dir, strconv.Itoa(s.n))
-	s.mu.Unlock()
-	if err := os.MkdirAll(dir, 0o700); err != nil {
-		s.Fatalf("%v", err)
-	}
-	return dir
-}
-
-// close stops everything, once; a second caller waits for the first.
-func (s *session) close() {
-	s.once.Do(func() {
-		s.mu.Lock()
-		fs := s.cleanups
-		s.cleanups, s.closing = nil, true
-		s.mu.Unlock()
-		for i := len(fs) - 1; i >= 0; i-- {
-			fs[i]()
-		}
-		os.RemoveAll(s.dir)
-	})
 }
