@@ -1,7 +1,7 @@
-# The commands of the README: `make run`, `make demo`, `make test` and `make build`.
+# The commands of the README: `make run`, `make demo`, `make test`, `make bench` and `make build`.
 GO ?= go
 
-.PHONY: run build test demo redis-server check
+.PHONY: run build test demo bench redis-server wrk check
 
 # Build Caddy with the module and serve Caddyfile.example on
 # http://localhost:8080 (in-process buckets: no Redis needed).
@@ -25,6 +25,13 @@ test: redis-server check
 demo: redis-server
 	$(GO) run ./cmd/demo
 
+# What the limiter costs: plain Caddy against rate_limit (Redis, in-process,
+# an abusive identity, two policies) under wrk, side by side in one run, then
+# the Go benchmarks of the decision path with allocations per operation.
+bench: redis-server wrk
+	$(GO) run ./cmd/bench
+	$(GO) test -run '^$$' -bench . -benchmem -count 3 .
+
 check:
 	@unformatted="$$(gofmt -l .)"; if [ -n "$$unformatted" ]; then echo "gofmt needed: $$unformatted"; exit 1; fi
 	$(GO) vet ./...
@@ -32,9 +39,16 @@ check:
 # The tests start their own redis-server processes; install the binary
 # from Debian's packages when it is missing (root only).
 redis-server:
-	@command -v redis-server >/dev/null 2>&1 || { \
+	@command -v redis-server >/dev/null 2>&1 && command -v redis-cli >/dev/null 2>&1 || { \
 		if [ "$$(id -u)" != 0 ]; then echo "redis-server is missing: install it (e.g. apt-get install redis-server) or run make test as root"; exit 1; fi; \
 		echo "installing redis-server from Debian's packages"; \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server redis-tools >/dev/null; \
 	}
 	@redis-server --version
+
+wrk:
+	@command -v wrk >/dev/null 2>&1 || { \
+		if [ "$$(id -u)" != 0 ]; then echo "wrk is missing: install it (e.g. apt-get install wrk) or run make bench as root"; exit 1; fi; \
+		echo "installing wrk from Debian's packages"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends wrk >/dev/null; \
+	}

@@ -1,0 +1,347 @@
+// Command bench measures what the limiter costs, side by side with plain
+// Caddy in one run: five Caddy instances (plain `respond`; rate_limit with
+// Redis and 10,000 identities, nothing denied; the same in-process; one
+// abusive identity, nearly everything denied; two policies per request) are
+// loaded in turn with wrk, round after round, and the medians are compared
+// to plain Caddy's. It also reads Redis's own cost per script call, round
+// trips per request and bytes per key, and the latency (p50/p99) at half of
+// plain Caddy's saturation rate from an open-loop client.
+//
+// Run it with `make bench` (which installs redis-server and wrk when
+// missing). Everything runs on 127.0.0.1 and stops when it ends.
+package main
+
+import (
+	"flag"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"os/exec"
+	"os/signal"
+	"path/filepath"
+	"regexp"
+	"sort"
+	"strconv"
+	"sync"
+	"syscall"
+	"text/tabwriter"
+	"time"
+
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/testcaddy"
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/testredis"
+)
+
+var (
+	rounds      = flag.Int("rounds", 3, "rounds of every scenario, in rotating order")
+	duration    = flag.Duration("duration", 5*time.Second, "wrk run per scenario and round")
+	connections = flag.Int("connections", 32, "wrk connections")
+	threads     = flag.Int("threads", 2, "wrk threads")
+)
+
+// scenario is one Caddy configuration under load.
+type scenario struct {
+	name, label string
+	handler     map[string]any // nil: plain respond
+	redis       bool
+	script      string // wrk Lua: how requests vary
+	in          *testcaddy.Instance
+	runs        []wrkRun
+	calls       []float64 // Redis script calls per request, per run
+	usecPerCall []float64
+}
+
+type wrkRun struct {
+	rps, p50, p99 float64 // requests/s; latencies in ms
+	requests      float64
+	non2xx        float64
+}
+
+const identitiesLua = `
+local n = 0
+request = function()
+  n = n + 1
+  return wrk.format("GET", "/", {["X-User"] = "user-" .. (math.random(10000))})
+end
+`
+
+const abuserLua = `
+request = function()
+  return wrk.format("GET", "/", {["X-User"] = "abuser"})
+end
+`
+
+func main() {
+	flag.Parse()
+	s := testcaddy.NewSession("bench")
+	defer s.Close()
+	go func() {
+		sig := make(chan os.Signal, 1)
+		signal.Notify(sig, os.Interrupt, syscall.SIGTERM)
+		<-sig
+		s.Close()
+		os.Exit(130)
+	}()
+	wrk, err := exec.LookPath("wrk")
+	if err != nil {
+		s.Fatalf("wrk not found: `make bench` installs it (apt-get install wrk)")
+	}
+
+	fmt.Println("Building Caddy with the module...")
+	bin := filepath.Join(s.TempDir(), "caddy")
+	if err := testcaddy.Build(bin); err != nil {
+		s.Fatalf("building caddy: %v", err)
+	}
+	redis := testredis.Start(s)
+	dir := s.TempDir()
+	writeScript := func(name, body string) string {
+		p := filepath.Join(dir, name)
+		if err := os.WriteFile(p, []byte(body), 0o600); err != nil {
+			s.Fatalf("%v", err)
+		}
+		return p
+	}
+	identities, abuser := writeScript("identities.lua", identitiesLua), writeScript("abuser.lua", abuserLua)
+
+	limiter := func(withRedis bool, policies ...map[string]any) map[string]any {
+		h := map[string]any{"handler": "rate_limit", "key_secret": "bench", "policies": policies}
+		if withRedis {
+			h["redis"] = map[string]any{"addresses": []string{redis.Addr}, "timeout": "1s"}
+		}
+		return h
+	}
+	perUser := map[string]any{"name": "per_user", "key": "{http.request.header.X-User}", "rate": "100000/1s"}
+	scenarios := []*scenario{
+		{name: "a", label: "plain Caddy respond", script: identities},
+		{name: "b", label: "rate_limit, Redis, 10,000 identities", redis: true, script: identities, handler: limiter(true, perUser)},
+		{name: "c", label: "rate_limit, in-process, 10,000 identities", script: identities, handler: limiter(false, perUser)},
+		{name: "d", label: "rate_limit, Redis, one abusive identity", redis: true, script: abuser, handler: limiter(true,
+			map[string]any{"name": "per_user", "key": "{http.request.header.X-User}", "rate": "10/1s", "burst": 10})},
+		{name: "e", label: "rate_limit, Redis, two policies", redis: true, script: identities, handler: limiter(true, perUser,
+			map[string]any{"name": "global", "key": "global", "rate": "1000000/1s"})},
+	}
+	respond := map[string]any{"handler": "static_response", "status_code": 200, "body": "ok"}
+	for _, sc := range scenarios {
+		if sc.handler == nil {
+			sc.in = testcaddy.Start(s, bin, nil, respond)
+		} else {
+			sc.in = testcaddy.Start(s, bin, nil, sc.handler, respond)
+		}
+	}
+
+	fmt.Printf("wrk -t%d -c%d -d%s, %d rounds, scenarios in rotating order; Redis %s on the same 2 cores.\n\n",
+		*threads, *connections, *duration, *rounds, redis.Addr)
+	for r := range *rounds {
+		for i := range scenarios {
+			sc := scenarios[(i+r)%len(scenarios)]
+			run := runWrk(s, wrk, sc.in.URL, sc.script, func() {
+				if sc.redis {
+					_, _ = redis.Do("CONFIG", "RESETSTAT")
+				}
+			})
+			sc.runs = append(sc.runs, run)
+			if sc.redis {
+				calls, usec := scriptStats(s, redis)
+				sc.calls = append(sc.calls, calls/run.requests)
+				sc.usecPerCall = append(sc.usecPerCall, usec)
+			}
+			fmt.Printf("round %d %s: %.0f req/s, p50 %.2f ms, p99 %.2f ms\n", r+1, sc.name, run.rps, run.p50, run.p99)
+		}
+	}
+
+	base := median(pick(scenarios[0].runs, func(w wrkRun) float64 { return w.rps }))
+	fmt.Println()
+	tw := tabwriter.NewWriter(os.Stdout, 2, 4, 2, ' ', 0)
+	fmt.Fprintln(tw, "scenario\t\tmedian req/s\tratio to (a)\tp50 ms\tp99 ms\tRedis calls/request\tRedis µs/call")
+	for _, sc := range scenarios {
+		rps := median(pick(sc.runs, func(w wrkRun) float64 { return w.rps }))
+		calls, usec := "-", "-"
+		if sc.redis {
+			calls = fmt.Sprintf("%.3f", median(sc.calls))
+			usec = fmt.Sprintf("%.2f", median(sc.usecPerCall))
+		}
+		fmt.Fprintf(tw, "(%s)\t%s\t%.0f\t%.2f\t%.2f\t%.2f\t%s\t%s\n", sc.name, sc.label, rps, rps/base,
+			median(pick(sc.runs, func(w wrkRun) float64 { return w.p50 })),
+			median(pick(sc.runs, func(w wrkRun) float64 { return w.p99 })), calls, usec)
+	}
+	tw.Flush()
+	d := scenarios[3]
+	deniedShare := median(pick(d.runs, func(w wrkRun) float64 { return w.non2xx / w.requests }))
+	fmt.Printf("\n(d): %.4f of requests denied; Redis calls per denied request %.4f\n", deniedShare, median(d.calls)/deniedShare)
+
+	fmt.Printf("Bytes per live key (MEMORY USAGE): %s\n", keyBytes(s, redis))
+
+	// Latency at half of plain Caddy's saturation rate, open loop.
+	rate := base / 2
+	fmt.Printf("\nOpen-loop latency at %.0f req/s (half of (a)'s median), 5s each, alternating, 3 rounds:\n", rate)
+	var plainP50, plainP99, redisP50, redisP99 []float64
+	for r := range 3 {
+		for i, sc := range []*scenario{scenarios[0], scenarios[1]} {
+			if r%2 == 1 {
+				sc = []*scenario{scenarios[1], scenarios[0]}[i]
+			}
+			p50, p99, errs := openLoop(sc.in.URL, rate, 5*time.Second)
+			fmt.Printf("round %d %s: p50 %.3f ms, p99 %.3f ms, %d errors\n", r+1, sc.name, p50, p99, errs)
+			if sc == scenarios[0] {
+				plainP50, plainP99 = append(plainP50, p50), append(plainP99, p99)
+			} else {
+				redisP50, redisP99 = append(redisP50, p50), append(redisP99, p99)
+			}
+		}
+	}
+	fmt.Printf("median p50: plain %.3f ms, Redis-backed %.3f ms; median p99: plain %.3f ms, Redis-backed %.3f ms (+%.3f ms)\n",
+		median(plainP50), median(redisP50), median(plainP99), median(redisP99), median(redisP99)-median(plainP99))
+}
+
+var (
+	rpsRe    = regexp.MustCompile(`Requests/sec:\s+([0-9.]+)`)
+	latRe    = regexp.MustCompile(`(?m)^\s+(50|99)%\s+([0-9.]+)(us|ms|s)\s*$`)
+	totalRe  = regexp.MustCompile(`(\d+) requests in`)
+	non2xxRe = regexp.MustCompile(`Non-2xx or 3xx responses: (\d+)`)
+	callsRe  = regexp.MustCompile(`cmdstat_(evalsha|eval):calls=(\d+),usec=(\d+)`)
+)
+
+// runWrk loads url for the configured duration, after a 1 s warm-up and
+// then ready.
+func runWrk(s *testcaddy.Session, wrk, url, script string, ready func()) wrkRun {
+	warm := exec.Command(wrk, "-t1", "-c4", "-d1s", "-s", script, url)
+	_ = warm.Run()
+	ready()
+	out, err := exec.Command(wrk, "-t"+strconv.Itoa(*threads), "-c"+strconv.Itoa(*connections),
+		"-d"+duration.String(), "--latency", "-s", script, url).CombinedOutput()
+	if err != nil {
+		s.Fatalf("wrk: %v\n%s", err, out)
+	}
+	text := string(out)
+	var run wrkRun
+	if m := rpsRe.FindStringSubmatch(text); m != nil {
+		run.rps, _ = strconv.ParseFloat(m[1], 64)
+	}
+	if m := totalRe.FindStringSubmatch(text); m != nil {
+		run.requests, _ = strconv.ParseFloat(m[1], 64)
+	}
+	if m := non2xxRe.FindStringSubmatch(text); m != nil {
+		run.non2xx, _ = strconv.ParseFloat(m[1], 64)
+	}
+	for _, m := range latRe.FindAllStringSubmatch(text, -1) {
+		v, _ := strconv.ParseFloat(m[2], 64)
+		switch m[3] {
+		case "us":
+			v /= 1000
+		case "s":
+			v *= 1000
+		}
+		if m[1] == "50" {
+			run.p50 = v
+		} else {
+			run.p99 = v
+		}
+	}
+	if run.rps == 0 || run.requests == 0 {
+		s.Fatalf("could not read wrk's output:\n%s", text)
+	}
+	return run
+}
+
+// scriptStats reads the script calls and Redis's µs per call since the last
+// CONFIG RESETSTAT.
+func scriptStats(s *testcaddy.Session, redis *testredis.Server) (calls, usecPerCall float64) {
+	info, err := redis.Do("INFO", "commandstats")
+	if err != nil {
+		s.Fatalf("INFO commandstats: %v", err)
+	}
+	var usec float64
+	for _, m := range callsRe.FindAllStringSubmatch(info, -1) {
+		c, _ := strconv.ParseFloat(m[2], 64)
+		u, _ := strconv.ParseFloat(m[3], 64)
+		calls += c
+		usec += u
+	}
+	if calls == 0 {
+		return 0, 0
+	}
+	return calls, usec / calls
+}
+
+// keyBytes is MEMORY USAGE of a few live bucket keys, as "min to max".
+func keyBytes(s *testcaddy.Session, redis *testredis.Server) string {
+	var sizes []float64
+	for range 5 {
+		key, err := redis.Do("RANDOMKEY")
+		if err != nil || key == "" {
+			continue
+		}
+		n, err := redis.Do("MEMORY", "USAGE", key)
+		if err != nil {
+			continue
+		}
+		v, _ := strconv.ParseFloat(n, 64)
+		sizes = append(sizes, v)
+	}
+	if len(sizes) == 0 {
+		return "no live key"
+	}
+	sort.Float64s(sizes)
+	return fmt.Sprintf("%.0f to %.0f bytes (%d keys sampled)", sizes[0], sizes[len(sizes)-1], len(sizes))
+}
+
+// openLoop sends requests at a fixed rate for d, whatever the responses'
+// pace, and measures each from its scheduled start (no coordinated
+// omission). It returns p50 and p99 in ms and the failed requests.
+func openLoop(url string, rate float64, d time.Duration) (p50, p99 float64, errs int) {
+	client := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 256, MaxConnsPerHost: 256}, Timeout: 10 * time.Second}
+	n := int(rate * d.Seconds())
+	interval := time.Duration(float64(time.Second) / rate)
+	lat := make([]float64, n)
+	var failed int64
+	var mu sync.Mutex
+	var wg sync.WaitGroup
+	sem := make(chan struct{}, 256)
+	start := time.Now()
+	for i := range n {
+		at := start.Add(time.Duration(i) * interval)
+		time.Sleep(time.Until(at))
+		sem <- struct{}{}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			defer func() { <-sem }()
+			req, _ := http.NewRequest("GET", url, nil)
+			req.Header.Set("X-User", "user-"+strconv.Itoa(i%10000))
+			resp, err := client.Do(req)
+			if err == nil {
+				_, _ = io.Copy(io.Discard, resp.Body)
+				resp.Body.Close()
+			}
+			if err != nil || resp.StatusCode != 200 {
+				mu.Lock()
+				failed++
+				mu.Unlock()
+			}
+			lat[i] = float64(time.Since(at)) / float64(time.Millisecond)
+		}()
+	}
+	wg.Wait()
+	sort.Float64s(lat)
+	return lat[n/2], lat[n*99/100], int(failed)
+}
+
+func pick(runs []wrkRun, f func(wrkRun) float64) []float64 {
+	var out []float64
+	for _, r := range runs {
+		out = append(out, f(r))
+	}
+	return out
+}
+
+func median(v []float64) float64 {
+	if len(v) == 0 {
+		return 0
+	}
+	c := append([]float64(nil), v...)
+	sort.Float64s(c)
+	if len(c)%2 == 1 {
+		return c[len(c)/2]
+	}
+	return (c[len(c)/2-1] + c[len(c)/2]) / 2
+}
