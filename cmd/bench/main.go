@@ -169,7 +169,7 @@ func main() {
 	deniedShare := median(pick(d.runs, func(w wrkRun) float64 { return w.non2xx / w.requests }))
 	fmt.Printf("\n(d): %.4f of requests denied; Redis calls per denied request %.4f\n", deniedShare, median(d.calls)/deniedShare)
 
-	fmt.Printf("Bytes per live key (MEMORY USAGE): %s\n", keyBytes(s, redis))
+	fmt.Printf("Bytes per live key (MEMORY USAGE): %s\n", keyBytes(s, redis, scenarios[3].in.URL))
 
 	// Latency at half of plain Caddy's saturation rate, open loop.
 	rate := base / 2
@@ -263,10 +263,18 @@ func scriptStats(s *testcaddy.Session, redis *testredis.Server) (calls, usecPerC
 	return calls, usec / calls
 }
 
-// keyBytes is MEMORY USAGE of a few live bucket keys, as "min to max".
-func keyBytes(s *testcaddy.Session, redis *testredis.Server) string {
+// keyBytes is MEMORY USAGE of a few bucket keys, as "min to max", each
+// read right after a request created it (a key lives until its bucket is
+// full again: 100 ms on (d)'s policy).
+func keyBytes(s *testcaddy.Session, redis *testredis.Server, url string) string {
 	var sizes []float64
-	for range 5 {
+	for i := range 5 {
+		_, _ = redis.Do("FLUSHALL")
+		req, _ := http.NewRequest("GET", url, nil)
+		req.Header.Set("X-User", "sizing-"+strconv.Itoa(i))
+		if resp, err := http.DefaultClient.Do(req); err == nil {
+			resp.Body.Close()
+		}
 		key, err := redis.Do("RANDOMKEY")
 		if err != nil || key == "" {
 			continue
