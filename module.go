@@ -80,10 +80,13 @@ type Handler struct {
 	poolKey   string // in redisClients, when Redis is used
 	keyPrefix string
 	hasher    *keyHasher
-	jitter    float64
-	headers   bool
-	logger    *zap.Logger
-	lastWarn  *atomic.Int64 // unix nanoseconds of the last store-failure warning
+	// allPolicyHdr is RateLimit-Policy when every policy matches and none
+	// is a shadow: the common case, built once.
+	allPolicyHdr string
+	jitter       float64
+	headers      bool
+	logger       *zap.Logger
+	lastWarn     *atomic.Int64 // unix nanoseconds of the last store-failure warning
 }
 
 // CaddyModule returns the Caddy module information.
@@ -137,6 +140,19 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 			return fmt.Errorf("policy %q: %v", p.Name, err)
 		}
 	}
+
+	var all []byte
+	for _, p := range h.Policies {
+		if p.shadow {
+			all = nil
+			break
+		}
+		if len(all) > 0 {
+			all = append(all, ", "...)
+		}
+		all = append(all, p.policyHdr...)
+	}
+	h.allPolicyHdr = string(all)
 
 	h.store = processMemory
 	if h.Redis != nil {
@@ -253,6 +269,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	if len(reqs) == 0 {
 		return next.ServeHTTP(w, r)
 	}
+	o := outcomeOf(r, repl)
 	// A policy with `wait` may reserve a future slot only while it has room
 	// to hold the request until then.
 	var hbuf [4]int
@@ -270,14 +287,14 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 			policies[i].release()
 		}
 		h.warnStoreFailure(err)
-		return h.serveWithoutStore(w, r, next, repl, policies, reqs)
+		return h.serveWithoutStore(w, r, next, o, policies, reqs)
 	}
 	count(policies, d, outcomeAllowed, outcomeDenied)
 	if !d.admitted {
 		for _, i := range held {
 			policies[i].release()
 		}
-		return h.deny(w, repl, policies, d, outcomeDenied)
+		return h.deny(w, o, policies, d, outcomeDenied)
 	}
 	outcome := outcomeAllowed
 	for i, v := range d.verdicts {
@@ -289,7 +306,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	if d.delay > 0 {
 		outcome = outcomeDelayed
 	}
-	h.report(w, repl, policies, d, outcome, 0)
+	h.report(w, o, policies, d, outcome, 0)
 	if !h.holdForSlot(r, policies, held, d) {
 		return nil // the client went away; its slot stays consumed
 	}
@@ -331,19 +348,16 @@ func (h *Handler) holdForSlot(r *http.Request, policies []*Policy, held []int, d
 // serveWithoutStore applies each policy's on_error when Redis could not
 // decide: one fail_closed policy answers 503 for the request; local
 // policies are decided by in-process buckets; fail_open policies admit.
-func (h *Handler) serveWithoutStore(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, repl *caddy.Replacer, policies []*Policy, reqs []bucketRequest) error {
+func (h *Handler) serveWithoutStore(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, o *requestOutcome, policies []*Policy, reqs []bucketRequest) error {
 	var local []bucketRequest
 	var localPolicies []*Policy
 	for i, p := range policies {
 		switch {
 		case p.onError == failClosed && !p.shadow:
 			p.decisions[outcomeFailClosed].Inc()
-			ra := strconv.FormatInt(retryAfter(time.Second.Microseconds(), h.jitter), 10)
-			repl.Set("http.rate_limit.decision", outcomeNames[outcomeFailClosed])
-			repl.Set("http.rate_limit.policy", p.Name)
-			repl.Set("http.rate_limit.remaining", "")
-			repl.Set("http.rate_limit.retry_after", ra)
-			w.Header().Set("Retry-After", ra)
+			ra := retryAfter(time.Second.Microseconds(), h.jitter)
+			*o = requestOutcome{decision: outcomeFailClosed, policy: p.Name, remaining: -1, retryAfter: ra}
+			w.Header().Set("Retry-After", strconv.FormatInt(ra, 10))
 			return writeProblem(w, reducedCapacity())
 		case p.onError == failLocal:
 			local = append(local, h.localRequest(reqs[i]))
@@ -356,7 +370,7 @@ func (h *Handler) serveWithoutStore(w http.ResponseWriter, r *http.Request, next
 		d, _ = processMemory.decide(r.Context(), local)
 		count(localPolicies, d, outcomeLocalAllowed, outcomeLocalDenied)
 		if !d.admitted {
-			return h.deny(w, repl, localPolicies, d, outcomeLocalDenied)
+			return h.deny(w, o, localPolicies, d, outcomeLocalDenied)
 		}
 		outcome = outcomeLocalAllowed
 	}
@@ -365,7 +379,7 @@ func (h *Handler) serveWithoutStore(w http.ResponseWriter, r *http.Request, next
 			p.decisions[outcomeFailOpen].Inc()
 		}
 	}
-	h.report(w, repl, localPolicies, d, outcome, 0)
+	h.report(w, o, localPolicies, d, outcome, 0)
 	return next.ServeHTTP(w, r)
 }
 
@@ -401,7 +415,7 @@ func count(policies []*Policy, d decision, allowed, denied outcome) {
 }
 
 // deny writes the 429 response of a denied request.
-func (h *Handler) deny(w http.ResponseWriter, repl *caddy.Replacer, policies []*Policy, d decision, outcome outcome) error {
+func (h *Handler) deny(w http.ResponseWriter, o *requestOutcome, policies []*Policy, d decision, outcome outcome) error {
 	var violated []string
 	var wait int64
 	for i, v := range d.verdicts {
@@ -420,16 +434,15 @@ func (h *Handler) deny(w http.ResponseWriter, repl *caddy.Replacer, policies []*
 		ra = retryAfter(wait, h.jitter)
 		w.Header().Set("Retry-After", strconv.FormatInt(ra, 10))
 	}
-	h.report(w, repl, policies, d, outcome, ra)
+	h.report(w, o, policies, d, outcome, ra)
 	h.logger.Debug("rate limit exceeded", zap.Strings("policies", violated), zap.Int64("retry_after", ra))
 	return writeProblem(w, quotaExceeded(violated))
 }
 
 // report sets the placeholders and the RateLimit fields. Every placeholder
 // is set (possibly empty), so access logs never show a raw placeholder.
-func (h *Handler) report(w http.ResponseWriter, repl *caddy.Replacer, policies []*Policy, d decision, outcome outcome, retryAfter int64) {
-	repl.Set("http.rate_limit.decision", outcomeNames[outcome])
-	repl.Set("http.rate_limit.retry_after", strconv.FormatInt(retryAfter, 10))
+func (h *Handler) report(w http.ResponseWriter, o *requestOutcome, policies []*Policy, d decision, outcome outcome, retryAfter int64) {
+	o.decision, o.retryAfter, o.policy, o.remaining = outcome, retryAfter, "", -1
 	// The tightest enforced policy; among shadow ones only when no policy is
 	// enforced, so a dry run still says which policy would deny.
 	tightest, enforced := -1, false
@@ -440,30 +453,78 @@ func (h *Handler) report(w http.ResponseWriter, repl *caddy.Replacer, policies [
 		}
 	}
 	if tightest < 0 { // fail_open: nothing was decided
-		repl.Set("http.rate_limit.policy", "")
-		repl.Set("http.rate_limit.remaining", "")
 		return
 	}
-	repl.Set("http.rate_limit.policy", policies[tightest].Name)
-	repl.Set("http.rate_limit.remaining", strconv.FormatInt(d.verdicts[tightest].remaining, 10))
+	o.policy, o.remaining = policies[tightest].Name, d.verdicts[tightest].remaining
 	if !h.headers || !enforced { // shadow policies never show in responses
 		return
 	}
-	var pol, lim []byte
+	// Most requests match every policy: their RateLimit-Policy is fixed.
+	var pbuf, lbuf [256]byte
+	pol, lim := pbuf[:0], lbuf[:0]
+	all := len(d.verdicts) == len(h.Policies) && h.allPolicyHdr != ""
 	for i, v := range d.verdicts {
 		if policies[i].shadow {
 			continue
 		}
-		if len(pol) > 0 {
+		if len(lim) > 0 {
 			pol = append(pol, ", "...)
 			lim = append(lim, ", "...)
 		}
-		pol = append(pol, policies[i].policyHdr...)
+		if !all {
+			pol = append(pol, policies[i].policyHdr...)
+		}
 		lim = limitMember(lim, policies[i].Name, v.remaining, v.wait)
 	}
+	policyHdr := h.allPolicyHdr
+	if !all {
+		policyHdr = string(pol)
+	}
 	hdr := w.Header()
-	hdr["Ratelimit-Policy"] = []string{string(pol)}
+	hdr["Ratelimit-Policy"] = []string{policyHdr}
 	hdr["Ratelimit"] = []string{string(lim)}
+}
+
+// requestOutcome holds one request's placeholders, formatted only when a
+// later handler or log reads them.
+type requestOutcome struct {
+	decision   outcome
+	policy     string
+	remaining  int64 // -1: not decided
+	retryAfter int64
+}
+
+// outcomeVar is where a request keeps its requestOutcome, so that a second
+// rate_limit on the same request updates the same placeholders.
+const outcomeVar = "\x00rate_limit"
+
+// outcomeOf returns the request's requestOutcome, registering its
+// placeholders the first time.
+func outcomeOf(r *http.Request, repl *caddy.Replacer) *requestOutcome {
+	if o, ok := caddyhttp.GetVar(r.Context(), outcomeVar).(*requestOutcome); ok {
+		return o
+	}
+	o := &requestOutcome{remaining: -1}
+	caddyhttp.SetVar(r.Context(), outcomeVar, o)
+	repl.Map(o.placeholder)
+	return o
+}
+
+func (o *requestOutcome) placeholder(key string) (any, bool) {
+	switch key {
+	case "http.rate_limit.decision":
+		return outcomeNames[o.decision], true
+	case "http.rate_limit.policy":
+		return o.policy, true
+	case "http.rate_limit.remaining":
+		if o.remaining < 0 {
+			return "", true
+		}
+		return strconv.FormatInt(o.remaining, 10), true
+	case "http.rate_limit.retry_after":
+		return strconv.FormatInt(o.retryAfter, 10), true
+	}
+	return nil, false
 }
 
 // tighter orders verdicts for {http.rate_limit.policy}: a denial before an
