@@ -170,26 +170,11 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 // without a key is one bucket for everyone, as there.
 func unmarshalZone(d *caddyfile.Dispenser) (_ *Policy, err error) {
 	p := new(Policy)
-	if !d.NextArg() {
-		return nil, d.Err("zone: a name is required, as in zone <name> { ... }")
+	at, fail, err := namedBlock(d, "zone", &p.Name)
+	if err != nil {
+		return nil, err
 	}
-	p.Name = d.Val()
-	if !policyName.MatchString(p.Name) {
-		return nil, d.Errf("zone %q: the name must be 1 to 64 letters, digits, '_', '-' or '.'", p.Name)
-	}
-	at := *d // the zone's line, for errors found after its block
-	prefix := fmt.Sprintf("zone %q: ", p.Name)
-	defer func() {
-		if err != nil && !strings.HasPrefix(err.Error(), prefix) {
-			err = fmt.Errorf("%s%w", prefix, err)
-		}
-	}()
-	if d.NextArg() {
-		return nil, d.Errf("unexpected argument %q: expected zone <name> { ... }", d.Val())
-	}
-	fail := func(field, format string, args ...any) error {
-		return d.Errf("zone %q: %s: %s", p.Name, field, fmt.Sprintf(format, args...))
-	}
+	defer prefixErr(&err, "zone", p.Name)
 	var events int64
 	var window string
 	for nesting := d.Nesting(); d.NextBlock(nesting); {
@@ -428,29 +413,43 @@ func (c *RedisConfig) unmarshalCaddyfile(d *caddyfile.Dispenser) (err error) {
 	return nil
 }
 
+// namedBlock reads the name of a `policy <name> {` (or `zone`) line into
+// name. It returns the line's position, for errors found after the block,
+// and fail, which formats an error of one of the block's fields.
+func namedBlock(d *caddyfile.Dispenser, kind string, name *string) (at caddyfile.Dispenser, fail func(field, format string, args ...any) error, err error) {
+	if !d.NextArg() {
+		return at, nil, d.Errf("%s: a name is required, as in %s <name> { ... }", kind, kind)
+	}
+	*name = d.Val()
+	if !policyName.MatchString(*name) {
+		return at, nil, d.Errf("%s %q: the name must be 1 to 64 letters, digits, '_', '-' or '.'", kind, *name)
+	}
+	at = *d
+	if d.NextArg() {
+		return at, nil, d.Errf("%s %q: unexpected argument %q: expected %s <name> { ... }", kind, *name, d.Val(), kind)
+	}
+	fail = func(field, format string, args ...any) error {
+		return d.Errf("%s %q: %s: %s", kind, *name, field, fmt.Sprintf(format, args...))
+	}
+	return at, fail, nil
+}
+
+// prefixErr names the block in an error that does not yet.
+func prefixErr(err *error, kind, name string) {
+	prefix := fmt.Sprintf("%s %q: ", kind, name)
+	if *err != nil && !strings.HasPrefix((*err).Error(), prefix) {
+		*err = fmt.Errorf("%s%w", prefix, *err)
+	}
+}
+
 func unmarshalPolicy(d *caddyfile.Dispenser) (_ *Policy, err error) {
 	p := new(Policy)
-	if !d.NextArg() {
-		return nil, d.Err("policy: a name is required, as in policy <name> { ... }")
+	at, fail, err := namedBlock(d, "policy", &p.Name)
+	if err != nil {
+		return nil, err
 	}
-	p.Name = d.Val()
-	if !policyName.MatchString(p.Name) {
-		return nil, d.Errf("policy %q: the name must be 1 to 64 letters, digits, '_', '-' or '.'", p.Name)
-	}
-	at := *d // the policy's line, for errors found after its block
 	// Errors of the shared helpers name the subdirective; add the policy.
-	prefix := fmt.Sprintf("policy %q: ", p.Name)
-	defer func() {
-		if err != nil && !strings.HasPrefix(err.Error(), prefix) {
-			err = fmt.Errorf("%s%w", prefix, err)
-		}
-	}()
-	if d.NextArg() {
-		return nil, d.Errf("unexpected argument %q: expected policy <name> { ... }", d.Val())
-	}
-	fail := func(field, format string, args ...any) error {
-		return d.Errf("policy %q: %s: %s", p.Name, field, fmt.Sprintf(format, args...))
-	}
+	defer prefixErr(&err, "policy", p.Name)
 	for nesting := d.Nesting(); d.NextBlock(nesting); {
 		switch sub := d.Val(); sub {
 		case "match":

@@ -45,39 +45,33 @@ func Start(t TB) *Server {
 // start runs a redis-server with extra arguments.
 func start(t TB, extra ...string) *Server {
 	t.Helper()
-	bin, err := exec.LookPath("redis-server")
-	if err != nil {
-		t.Fatalf("redis-server not found (run `make test`, which installs it): %v", err)
-	}
-	port := FreePort(t)
-	s := &Server{
-		Addr: net.JoinHostPort("127.0.0.1", strconv.Itoa(port)),
-		bin:  bin,
-		args: append([]string{"--port", strconv.Itoa(port), "--bind", "127.0.0.1",
-			"--save", "", "--appendonly", "no", "--dir", t.TempDir(), "--enable-debug-command", "local"}, extra...),
-	}
-	t.Cleanup(s.Stop)
-	s.start(t)
-	return s
+	return launch(t, nil, func(port string) []string {
+		return append([]string{"--port", port, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+			"--dir", t.TempDir(), "--enable-debug-command", "local"}, extra...)
+	})
 }
 
 // StartTLS runs a redis-server that accepts only TLS connections, with the
 // given certificate and key (PEM files); client is how Do connects.
 func StartTLS(t TB, certFile, keyFile string, client *tls.Config) *Server {
 	t.Helper()
+	return launch(t, client, func(port string) []string {
+		return []string{"--port", "0", "--tls-port", port, "--bind", "127.0.0.1",
+			"--tls-cert-file", certFile, "--tls-key-file", keyFile, "--tls-auth-clients", "no",
+			"--save", "", "--appendonly", "no", "--dir", t.TempDir()}
+	})
+}
+
+// launch starts redis-server on a free loopback port with the arguments
+// args gives for it, and stops it when the test ends.
+func launch(t TB, client *tls.Config, args func(port string) []string) *Server {
+	t.Helper()
 	bin, err := exec.LookPath("redis-server")
 	if err != nil {
 		t.Fatalf("redis-server not found (run `make test`, which installs it): %v", err)
 	}
-	port := FreePort(t)
-	s := &Server{
-		Addr: net.JoinHostPort("127.0.0.1", strconv.Itoa(port)),
-		bin:  bin,
-		args: []string{"--port", "0", "--tls-port", strconv.Itoa(port), "--bind", "127.0.0.1",
-			"--tls-cert-file", certFile, "--tls-key-file", keyFile, "--tls-auth-clients", "no",
-			"--save", "", "--appendonly", "no", "--dir", t.TempDir()},
-		tls: client,
-	}
+	port := strconv.Itoa(FreePort(t))
+	s := &Server{Addr: net.JoinHostPort("127.0.0.1", port), bin: bin, args: args(port), tls: client}
 	t.Cleanup(s.Stop)
 	s.start(t)
 	return s
