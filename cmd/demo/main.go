@@ -120,15 +120,16 @@ func limiter(redisAddr string, policy map[string]any) map[string]any {
 	return h
 }
 
-// startFleet starts fleetSize Caddy instances at once.
-func startFleet(s *testcaddy.Session, bin string, handlers ...map[string]any) []*testcaddy.Instance {
+// startFleet starts fleetSize Caddy instances at once, the i-th running
+// handlers(i).
+func startFleet(s *testcaddy.Session, bin string, handlers func(i int) []map[string]any) []*testcaddy.Instance {
 	fleet := make([]*testcaddy.Instance, fleetSize)
 	var wg sync.WaitGroup
 	for i := range fleet {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			fleet[i] = testcaddy.Start(s, bin, nil, handlers...)
+			fleet[i] = testcaddy.Start(s, bin, nil, handlers(i)...)
 		}()
 	}
 	wg.Wait()
@@ -170,9 +171,11 @@ func (r inbound) steady() float64 {
 // request cannot be sent because all are busy is skipped).
 func runInbound(s *testcaddy.Session, bin, store, redisAddr string) inbound {
 	fmt.Printf("  %-10s starting %d Caddy instances... ", store+":", fleetSize)
-	fleet := startFleet(s, bin, limiter(redisAddr, map[string]any{
-		"name": redisPolicy, "key": "{http.request.header.X-Api-Key}", "rate": strconv.Itoa(inRate) + "/1s", "burst": inBurst,
-	}), map[string]any{"handler": "static_response", "status_code": 200, "body": "ok"})
+	fleet := startFleet(s, bin, func(int) []map[string]any {
+		return []map[string]any{limiter(redisAddr, map[string]any{
+			"name": redisPolicy, "key": "{http.request.header.X-Api-Key}", "rate": strconv.Itoa(inRate) + "/1s", "burst": inBurst,
+		}), {"handler": "static_response", "status_code": 200, "body": "ok"}}
+	})
 	defer stopFleet(fleet)
 	fmt.Printf("sending for %v... ", inRun)
 
@@ -303,22 +306,16 @@ func runOutbound(s *testcaddy.Session, bin, store, redisAddr string) outbound {
 	s.Cleanup(func() { up.Close() })
 
 	fmt.Printf("  %-10s starting %d sidecars... ", store+":", fleetSize)
-	fleet := make([]*testcaddy.Instance, fleetSize)
-	var wg sync.WaitGroup
-	for i := range fleet {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			fleet[i] = testcaddy.Start(s, bin, nil,
-				limiter(redisAddr, map[string]any{"name": "vendor_api", "key": "global", "rate": "1/1s", "burst": 1, "wait": "30s"}),
-				map[string]any{
-					"handler":   "reverse_proxy",
-					"upstreams": []any{map[string]any{"dial": l.Addr().String()}},
-					"headers":   map[string]any{"request": map[string]any{"set": map[string]any{"X-Sidecar": []string{strconv.Itoa(i + 1)}}}},
-				})
-		}()
-	}
-	wg.Wait()
+	fleet := startFleet(s, bin, func(i int) []map[string]any {
+		return []map[string]any{
+			limiter(redisAddr, map[string]any{"name": "vendor_api", "key": "global", "rate": "1/1s", "burst": 1, "wait": "30s"}),
+			{
+				"handler":   "reverse_proxy",
+				"upstreams": []any{map[string]any{"dial": l.Addr().String()}},
+				"headers":   map[string]any{"request": map[string]any{"set": map[string]any{"X-Sidecar": []string{strconv.Itoa(i + 1)}}}},
+			},
+		}
+	})
 	defer stopFleet(fleet)
 	fmt.Printf("sending for %v... ", outRun)
 
