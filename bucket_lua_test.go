@@ -29,10 +29,23 @@ func newTestRedis(t *testing.T) (*testredis.Server, *redis.Client, *redisStore) 
 	return srv, client, &redisStore{conn: conn, timeout: 2 * time.Second}
 }
 
+// evalDecide runs lua/decide.lua for requests in one call, with EVAL (as
+// after NOSCRIPT).
+func evalDecide(ctx context.Context, client redis.UniversalClient, requests ...[]bucketRequest) ([]int64, error) {
+	batch := make([]*pendingDecision, len(requests))
+	for i, r := range requests {
+		batch[i] = &pendingDecision{reqs: r}
+	}
+	args := scriptCall(batch)
+	args[0], args[1] = "eval", decideLua
+	return client.Do(ctx, args...).Int64Slice()
+}
+
 // TestLuaMatchesGoBucket drives the same random request sequences through
 // lua/decide.lua on a real Redis and through the Go algorithm (fed the
 // script's own clock), and requires identical decisions, stored state,
-// remaining tokens and waits.
+// remaining tokens and waits. Calls carry one to four requests, which may
+// share buckets, as coalesced calls do: the script decides them in order.
 func TestLuaMatchesGoBucket(t *testing.T) {
 	_, client, _ := newTestRedis(t)
 	ctx := context.Background()
@@ -46,9 +59,7 @@ func TestLuaMatchesGoBucket(t *testing.T) {
 		{interval: 1, burst: 1_000_000},      // the fastest allowed
 		{interval: 86_400_000_000, burst: 1}, // 1/1d
 	}
-	model := map[string]int64{} // the Go side's own state
-	var admitted, denied int
-	for step := range 3000 {
+	randomRequest := func() []bucketRequest {
 		n := 1 + rng.IntN(3)
 		var reqs []bucketRequest
 		used := map[string]bool{}
@@ -70,63 +81,85 @@ func TestLuaMatchesGoBucket(t *testing.T) {
 			}
 			reqs = append(reqs, rq)
 		}
-		keys, args := scriptArgs(reqs)
-		res, err := decideScript.Run(ctx, client, keys, args...).Int64Slice()
+		return reqs
+	}
+	model := map[string]int64{} // the Go side's own state
+	var admitted, denied, requests int
+	for step := range 2000 {
+		batch := make([][]bucketRequest, 1+rng.IntN(4))
+		for r := range batch {
+			batch[r] = randomRequest()
+		}
+		res, err := evalDecide(ctx, client, batch...)
 		if err != nil {
 			t.Fatalf("step %d: script: %v", step, err)
 		}
-		now := res[1]
-		tats := make([]int64, len(reqs))
-		for i, rq := range reqs {
-			tats[i] = model[rq.key]
-			if got := start(res[3+2*i], now); got != start(tats[i], now) {
-				t.Fatalf("step %d: bucket %s: Redis held TAT %d, Go %d (now %d)", step, rq.key, res[3+2*i], tats[i], now)
+		now, off := res[0], 1
+		pb := make([]*pendingDecision, len(batch))
+		for r, reqs := range batch {
+			pb[r] = &pendingDecision{reqs: reqs}
+			out := res[off : off+1+2*len(reqs)]
+			off += len(out)
+			tats := make([]int64, len(reqs))
+			for i, rq := range reqs {
+				tats[i] = model[rq.key]
+				if got := start(out[2+2*i], now); got != start(tats[i], now) {
+					t.Fatalf("step %d, request %d: bucket %s: Redis held TAT %d, Go %d (now %d)", step, r, rq.key, out[2+2*i], tats[i], now)
+				}
 			}
-		}
-		want, next := decideBuckets(tats, now, reqs)
-		if want.admitted != (res[0] == 1) {
-			t.Fatalf("step %d: Lua admitted=%d, Go %v", step, res[0], want.admitted)
-		}
-		got, _, err := decisionFromScript(res, reqs)
-		if err != nil {
-			t.Fatalf("step %d: %v", step, err)
-		}
-		for i, rq := range reqs {
-			if got.verdicts[i] != want.verdicts[i] {
-				t.Fatalf("step %d: bucket %s: Lua-state verdict %+v, Go %+v", step, rq.key, got.verdicts[i], want.verdicts[i])
+			want, next := decideBuckets(tats, now, reqs)
+			if want.admitted != (out[0] == 1) {
+				t.Fatalf("step %d, request %d: Lua admitted=%d, Go %v", step, r, out[0], want.admitted)
 			}
-			model[rq.key] = next[i]
-			stored, err := client.Get(ctx, rq.key).Int64()
-			if err == redis.Nil {
-				// Expired since: Redis expires a key no earlier than its TAT.
-				after, err := client.Time(ctx).Result()
-				if err != nil {
+			got, _, err := decisionFromScript(now, out, reqs)
+			if err != nil {
+				t.Fatalf("step %d, request %d: %v", step, r, err)
+			}
+			for i, rq := range reqs {
+				if got.verdicts[i] != want.verdicts[i] {
+					t.Fatalf("step %d, request %d: bucket %s: Lua-state verdict %+v, Go %+v", step, r, rq.key, got.verdicts[i], want.verdicts[i])
+				}
+				model[rq.key] = next[i]
+			}
+			if want.admitted {
+				admitted++
+			} else {
+				denied++
+			}
+			requests++
+		}
+		if off != len(res) || decisionsFromScript(res, pb) != nil {
+			t.Fatalf("step %d: reply of %d numbers for %d requests", step, len(res), len(batch))
+		}
+		for _, reqs := range batch {
+			for _, rq := range reqs {
+				stored, err := client.Get(ctx, rq.key).Int64()
+				if err == redis.Nil {
+					// Expired since: Redis expires a key no earlier than its TAT.
+					after, err := client.Time(ctx).Result()
+					if err != nil {
+						t.Fatal(err)
+					}
+					if model[rq.key] > after.UnixMicro() {
+						t.Fatalf("step %d: bucket %s: gone at %d, before its TAT %d", step, rq.key, after.UnixMicro(), model[rq.key])
+					}
+					continue
+				} else if err != nil {
 					t.Fatal(err)
 				}
-				if next[i] > after.UnixMicro() {
-					t.Fatalf("step %d: bucket %s: gone at %d, before its TAT %d", step, rq.key, after.UnixMicro(), next[i])
+				if start(stored, now) != start(model[rq.key], now) {
+					t.Fatalf("step %d: bucket %s: Redis stored %d after the call, Go %d", step, rq.key, stored, model[rq.key])
 				}
-				continue
-			} else if err != nil {
-				t.Fatal(err)
 			}
-			if start(stored, now) != start(next[i], now) {
-				t.Fatalf("step %d: bucket %s: Redis stored %d after the decision, Go %d", step, rq.key, stored, next[i])
-			}
-		}
-		if want.admitted {
-			admitted++
-		} else {
-			denied++
 		}
 		if rng.IntN(50) == 0 {
 			time.Sleep(time.Duration(rng.IntN(30)) * time.Millisecond) // let buckets refill
 		}
 	}
-	if admitted < 300 || denied < 300 {
+	if admitted < 500 || denied < 500 {
 		t.Fatalf("sequence exercised too little: %d admitted, %d denied", admitted, denied)
 	}
-	t.Logf("3000 decisions: %d admitted, %d denied, identical in Lua and Go", admitted, denied)
+	t.Logf("%d requests in 2000 calls: %d admitted, %d denied, identical in Lua and Go", requests, admitted, denied)
 }
 
 // TestRedisStoreKeys checks what lands in Redis: hashed identities under
@@ -203,14 +236,15 @@ func BenchmarkRedisHotKey(b *testing.B) {
 }
 
 // BenchmarkRedisDecide measures one decision through the Redis store with
-// many concurrent callers and 10,000 identities, with and without go-redis's
-// autopipeliner; allocations per decision included.
+// many concurrent callers and 10,000 identities, with concurrent decisions
+// coalesced into one script call and with one call per decision;
+// allocations per decision included.
 func BenchmarkRedisDecide(b *testing.B) {
 	srv := testredis.Start(b)
-	for _, auto := range []bool{false, true} {
-		b.Run(fmt.Sprintf("autopipeline=%v", auto), func(b *testing.B) {
-			noAutoPipeline = !auto
-			defer func() { noAutoPipeline = false }()
+	for _, coalesce := range []bool{false, true} {
+		b.Run(fmt.Sprintf("coalesced=%v", coalesce), func(b *testing.B) {
+			noBatching = !coalesce
+			defer func() { noBatching = false }()
 			conn, err := newRedisConn(RedisConfig{Addresses: []string{srv.Addr}}.resolved(), zap.NewNop())
 			if err != nil {
 				b.Fatal(err)

@@ -110,11 +110,15 @@ func writeProblem(w http.ResponseWriter, p problem) error {
 	if err != nil {
 		return err
 	}
+	return writeProblemBody(w, p.Status, body)
+}
+
+func writeProblemBody(w http.ResponseWriter, status int, body []byte) error {
 	h := w.Header()
 	h.Set("Content-Type", "application/problem+json")
 	h.Set("Cache-Control", "no-store")
-	w.WriteHeader(p.Status)
-	_, err = w.Write(body)
+	w.WriteHeader(status)
+	_, err := w.Write(body)
 	return err
 }
 

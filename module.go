@@ -418,9 +418,15 @@ func count(policies []*Policy, d decision, allowed, denied outcome) {
 func (h *Handler) deny(w http.ResponseWriter, o *requestOutcome, policies []*Policy, d decision, outcome outcome) error {
 	var violated []string
 	var wait int64
+	var only *Policy // the one policy that denied, if only one did
 	for i, v := range d.verdicts {
 		if v.allowed || policies[i].shadow {
 			continue
+		}
+		if violated == nil {
+			only = policies[i]
+		} else {
+			only = nil
 		}
 		violated = append(violated, policies[i].Name)
 		if v.wait == neverWait || wait == neverWait {
@@ -435,7 +441,12 @@ func (h *Handler) deny(w http.ResponseWriter, o *requestOutcome, policies []*Pol
 		w.Header().Set("Retry-After", strconv.FormatInt(ra, 10))
 	}
 	h.report(w, o, policies, d, outcome, ra)
-	h.logger.Debug("rate limit exceeded", zap.Strings("policies", violated), zap.Int64("retry_after", ra))
+	if ce := h.logger.Check(zap.DebugLevel, "rate limit exceeded"); ce != nil {
+		ce.Write(zap.Strings("policies", violated), zap.Int64("retry_after", ra))
+	}
+	if only != nil {
+		return writeProblemBody(w, http.StatusTooManyRequests, only.deniedBody)
+	}
 	return writeProblem(w, quotaExceeded(violated))
 }
 

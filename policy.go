@@ -1,6 +1,7 @@
 package ratelimit
 
 import (
+	"encoding/json"
 	"fmt"
 	"net/http"
 	"regexp"
@@ -84,10 +85,14 @@ type Policy struct {
 	shadow    bool
 	keyPrefix string // <key_prefix><name>:
 	policyHdr []byte // this policy's RateLimit-Policy member
-	decisions [numOutcomes]prometheus.Counter
-	waitUS    int64         // Wait in µs
-	held      *atomic.Int64 // requests held by Wait right now
-	waiting   prometheus.Gauge
+	// deniedBody is the 429 body when this policy alone denies, the common
+	// case: built once rather than per denial, which an abusive client makes
+	// the hot path.
+	deniedBody []byte
+	decisions  [numOutcomes]prometheus.Counter
+	waitUS     int64         // Wait in µs
+	held       *atomic.Int64 // requests held by Wait right now
+	waiting    prometheus.Gauge
 }
 
 var policyName = regexp.MustCompile(`^[A-Za-z0-9_.-]{1,64}$`)
@@ -214,6 +219,10 @@ func (p *Policy) provision(ctx caddy.Context, h *Handler) error {
 	p.keyPrefix = h.keyPrefix + p.Name + ":"
 	q, w := fieldQuota(p.events, p.period)
 	p.policyHdr = policyMember(nil, p.Name, q, w)
+	var err error
+	if p.deniedBody, err = json.Marshal(quotaExceeded([]string{p.Name})); err != nil {
+		return err
+	}
 	p.decisions = policyCounters(p.Name)
 	p.held = new(atomic.Int64)
 	p.waiting = waiting.WithLabelValues(p.Name)

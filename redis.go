@@ -168,11 +168,9 @@ var redisClients = caddy.NewUsagePool()
 // guards it.
 type redisConn struct {
 	client redis.UniversalClient
-	// scripts runs the decision scripts: on a single Redis, go-redis's
-	// autopipeliner, which sends a lone decision at once and batches those
-	// that arrive while a batch is in flight into one pipeline (fewer round
-	// trips and syscalls under concurrency); otherwise the client.
-	scripts redis.Scripter
+	// batches coalesces concurrent decisions into one script call (see
+	// batch.go); nil in cluster mode, where a call reaches one slot only.
+	batches *decisionBatches
 	breaker *gobreaker.CircuitBreaker[decision]
 	// denials is shared by every config on this Redis: what one learned of a
 	// bucket holds for all.
@@ -181,8 +179,9 @@ type redisConn struct {
 
 func (c *redisConn) Destruct() error { return c.client.Close() }
 
-// noAutoPipeline turns the autopipeliner off, for benchmarks comparing.
-var noAutoPipeline = false
+// noBatching sends every decision in its own script call, for benchmarks
+// comparing.
+var noBatching = false
 
 // Circuit breaker settings: after breakerFailures consecutive failed
 // decisions, decisions skip Redis (and follow on_error at once) for
@@ -197,18 +196,8 @@ func newRedisConn(c RedisConfig, logger *zap.Logger) (*redisConn, error) {
 	if err != nil {
 		return nil, err
 	}
-	var scripts redis.Scripter = client
-	if c, ok := client.(*redis.Client); ok && !noAutoPipeline {
-		ap, err := c.AutoPipeline()
-		if err != nil {
-			client.Close()
-			return nil, err
-		}
-		scripts = ap
-	}
-	return &redisConn{
+	conn := &redisConn{
 		client:  client,
-		scripts: scripts,
 		denials: newDenyCache(monotonicMicros),
 		breaker: gobreaker.NewCircuitBreaker[decision](gobreaker.Settings{
 			Name:        strings.Join(c.Addresses, ","),
@@ -233,13 +222,17 @@ func newRedisConn(c RedisConfig, logger *zap.Logger) (*redisConn, error) {
 				}
 			},
 		}),
-	}, nil
+	}
+	if !c.Cluster && !noBatching {
+		conn.batches = &decisionBatches{call: conn.decideBatch}
+	}
+	return conn, nil
 }
 
 //go:embed lua/decide.lua
 var decideLua string
 
-var decideScript = redis.NewScript(decideLua)
+var decideSHA = redis.NewScript(decideLua).Hash()
 
 var (
 	// errCircuitOpen: the decision skipped Redis, which recently failed.
@@ -263,10 +256,10 @@ func (s *redisStore) decide(ctx context.Context, reqs []bucketRequest) (decision
 		}
 	}
 	d, err := s.conn.breaker.Execute(func() (decision, error) {
-		ctx, cancel := context.WithTimeout(ctx, s.timeout)
-		defer cancel()
 		if s.cluster {
 			if groups := slotGroups(reqs); len(groups) > 1 {
+				ctx, cancel := context.WithTimeout(ctx, s.timeout)
+				defer cancel()
 				return s.decideAcrossSlots(ctx, reqs, groups)
 			}
 		}
@@ -282,49 +275,108 @@ func (s *redisStore) decide(ctx context.Context, reqs []bucketRequest) (decision
 // decideOnce decides buckets that one script call can reach: a single
 // Redis, or one Redis Cluster slot.
 func (s *redisStore) decideOnce(ctx context.Context, reqs []bucketRequest) (decision, error) {
-	keys, args := scriptArgs(reqs)
-	start := time.Now()
-	sent := monotonicMicros()
-	// Run sends EVALSHA and falls back to EVAL after NOSCRIPT (a restarted
-	// or flushed Redis), which loads the script again.
-	res, err := decideScript.Run(ctx, s.conn.scripts, keys, args...).Int64Slice()
-	observeStore(start, err)
-	if err != nil {
-		return decision{}, err
+	p := newPendingDecision(reqs, s.timeout)
+	if s.conn.batches != nil {
+		s.conn.batches.decide(p)
+	} else {
+		ctx, cancel := context.WithDeadline(ctx, p.deadline)
+		s.conn.decideBatch(ctx, p.one[:])
+		cancel()
 	}
-	d, tats, err := decisionFromScript(res, reqs)
+	d, err := p.d, p.err
 	if err == nil && s.denials != nil {
-		s.denials.learn(reqs, d, tats, sent, monotonicMicros())
+		s.denials.learn(reqs, d, p.tats, p.sent, p.received)
 	}
+	p.release()
 	return d, err
 }
 
-// scriptArgs lays out the buckets of a request for lua/decide.lua.
-func scriptArgs(reqs []bucketRequest) (keys []string, args []any) {
-	keys = make([]string, len(reqs))
-	args = make([]any, 0, 5*len(reqs))
-	for i, rq := range reqs {
-		keys[i] = rq.key
-		shadow := 0
-		if rq.shadow {
-			shadow = 1
-		}
-		args = append(args, rq.limit.interval, rq.limit.burst, rq.cost, rq.wait, shadow)
+// decideBatch decides the requests of a batch, in order, in one call of
+// lua/decide.lua.
+func (c *redisConn) decideBatch(ctx context.Context, batch []*pendingDecision) {
+	args := scriptCall(batch)
+	sent := monotonicMicros()
+	cmd := redis.NewIntSliceCmd(ctx, args...)
+	_ = c.client.Process(ctx, cmd)
+	if redis.HasErrorPrefix(cmd.Err(), "NOSCRIPT") {
+		// A restarted or flushed Redis: EVAL loads the script again. The
+		// script did not run, so nothing was charged twice.
+		args[0], args[1] = "eval", decideLua
+		cmd = redis.NewIntSliceCmd(ctx, args...)
+		_ = c.client.Process(ctx, cmd)
 	}
-	return keys, args
+	received := monotonicMicros()
+	res, err := cmd.Result()
+	if err == nil {
+		err = decisionsFromScript(res, batch)
+	}
+	end := time.Now()
+	for _, p := range batch {
+		p.sent, p.received = sent, received
+		if err != nil {
+			p.err = err
+		}
+		storeDuration.Observe(end.Sub(p.queued).Seconds())
+		if p.err != nil {
+			storeErrors.WithLabelValues(errorKind(p.err)).Inc()
+		}
+	}
 }
 
-// decisionFromScript turns the script's reply into a decision, computing the
-// remaining tokens and waits from the stored state with the Go algorithm,
-// and the TATs the script stored.
-func decisionFromScript(res []int64, reqs []bucketRequest) (decision, []int64, error) {
-	if len(res) != 2+2*len(reqs) {
-		return decision{}, nil, fmt.Errorf("%w: %d numbers for %d buckets", errScriptReply, len(res), len(reqs))
+// scriptCall is the EVALSHA of lua/decide.lua for the requests of a batch.
+func scriptCall(batch []*pendingDecision) []any {
+	n := 0
+	for _, p := range batch {
+		n += len(p.reqs)
 	}
-	now := res[1]
+	args := make([]any, 3, 3+n+len(batch)+5*n)
+	args[0], args[1], args[2] = "evalsha", decideSHA, n
+	for _, p := range batch {
+		for _, rq := range p.reqs {
+			args = append(args, rq.key)
+		}
+	}
+	for _, p := range batch {
+		args = append(args, len(p.reqs))
+		for _, rq := range p.reqs {
+			shadow := 0
+			if rq.shadow {
+				shadow = 1
+			}
+			args = append(args, rq.limit.interval, rq.limit.burst, rq.cost, rq.wait, shadow)
+		}
+	}
+	return args
+}
+
+// decisionsFromScript reads the script's reply into each request's
+// decision, computing the remaining tokens and waits from the stored state
+// with the Go algorithm, and the TATs the script stored.
+func decisionsFromScript(res []int64, batch []*pendingDecision) error {
+	if len(res) == 0 {
+		return fmt.Errorf("%w: empty", errScriptReply)
+	}
+	now, off := res[0], 1
+	for _, p := range batch {
+		m := len(p.reqs)
+		if len(res) < off+1+2*m {
+			return fmt.Errorf("%w: %d numbers for %d requests", errScriptReply, len(res), len(batch))
+		}
+		p.d, p.tats, p.err = decisionFromScript(now, res[off:off+1+2*m], p.reqs)
+		off += 1 + 2*m
+	}
+	if off != len(res) {
+		return fmt.Errorf("%w: %d numbers for %d requests", errScriptReply, len(res), len(batch))
+	}
+	return nil
+}
+
+// decisionFromScript turns the script's reply for one request, {admitted,
+// allowed_1, tat_1, ...}, into its decision and the TATs the script stored.
+func decisionFromScript(now int64, res []int64, reqs []bucketRequest) (decision, []int64, error) {
 	tats := make([]int64, len(reqs))
 	for i := range reqs {
-		tats[i] = res[3+2*i]
+		tats[i] = res[2+2*i]
 	}
 	d, next := decideBuckets(tats, now, reqs)
 	// Redis's own verdict is the one that was charged; the Go algorithm is the
@@ -333,7 +385,7 @@ func decisionFromScript(res []int64, reqs []bucketRequest) (decision, []int64, e
 		return decision{}, nil, fmt.Errorf("%w: Lua and Go disagree (admitted %d); is lua/decide.lua in step with bucket.go?", errScriptReply, res[0])
 	}
 	for i := range reqs {
-		if d.verdicts[i].allowed != (res[2+2*i] == 1) {
+		if d.verdicts[i].allowed != (res[1+2*i] == 1) {
 			return decision{}, nil, fmt.Errorf("%w: Lua and Go disagree on bucket %d", errScriptReply, i)
 		}
 	}

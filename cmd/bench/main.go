@@ -23,6 +23,7 @@ import (
 	"regexp"
 	"sort"
 	"strconv"
+	"strings"
 	"sync"
 	"syscall"
 	"text/tabwriter"
@@ -37,6 +38,7 @@ var (
 	duration    = flag.Duration("duration", 5*time.Second, "wrk run per scenario and round")
 	connections = flag.Int("connections", 32, "wrk connections")
 	threads     = flag.Int("threads", 2, "wrk threads")
+	only        = flag.String("only", "abcde", "scenarios to run (plain Caddy, (a), always runs); the latency and key-size parts need b and d")
 )
 
 // scenario is one Caddy configuration under load.
@@ -49,6 +51,9 @@ type scenario struct {
 	runs        []wrkRun
 	calls       []float64 // Redis script calls per request, per run
 	usecPerCall []float64
+	// Redis's µs per request: script calls carry several requests when
+	// concurrent decisions are coalesced.
+	usecPerRequest []float64
 }
 
 type wrkRun struct {
@@ -120,6 +125,15 @@ func main() {
 		{name: "e", label: "rate_limit, Redis, two policies", redis: true, script: identities, handler: limiter(true, perUser,
 			map[string]any{"name": "global", "key": "global", "rate": "1000000/1s"})},
 	}
+	byName := map[string]*scenario{}
+	kept := scenarios[:0]
+	for _, sc := range scenarios {
+		if sc.name == "a" || strings.Contains(*only, sc.name) {
+			kept = append(kept, sc)
+			byName[sc.name] = sc
+		}
+	}
+	scenarios = kept
 	respond := map[string]any{"handler": "static_response", "status_code": 200, "body": "ok"}
 	for _, sc := range scenarios {
 		if sc.handler == nil {
@@ -143,7 +157,8 @@ func main() {
 			if sc.redis {
 				calls, usec := scriptStats(s, redis)
 				sc.calls = append(sc.calls, calls/run.requests)
-				sc.usecPerCall = append(sc.usecPerCall, usec)
+				sc.usecPerCall = append(sc.usecPerCall, usec/max(calls, 1))
+				sc.usecPerRequest = append(sc.usecPerRequest, usec/run.requests)
 			}
 			fmt.Printf("round %d %s: %.0f req/s, p50 %.2f ms, p99 %.2f ms\n", r+1, sc.name, run.rps, run.p50, run.p99)
 		}
@@ -152,33 +167,38 @@ func main() {
 	base := median(pick(scenarios[0].runs, func(w wrkRun) float64 { return w.rps }))
 	fmt.Println()
 	tw := tabwriter.NewWriter(os.Stdout, 2, 4, 2, ' ', 0)
-	fmt.Fprintln(tw, "scenario\t\tmedian req/s\tratio to (a)\tp50 ms\tp99 ms\tRedis calls/request\tRedis µs/call")
+	fmt.Fprintln(tw, "scenario\t\tmedian req/s\tratio to (a)\tp50 ms\tp99 ms\tRedis calls/request\tRedis µs/call\tRedis µs/request")
 	for _, sc := range scenarios {
 		rps := median(pick(sc.runs, func(w wrkRun) float64 { return w.rps }))
-		calls, usec := "-", "-"
+		calls, usec, usecReq := "-", "-", "-"
 		if sc.redis {
 			calls = fmt.Sprintf("%.3f", median(sc.calls))
 			usec = fmt.Sprintf("%.2f", median(sc.usecPerCall))
+			usecReq = fmt.Sprintf("%.2f", median(sc.usecPerRequest))
 		}
-		fmt.Fprintf(tw, "(%s)\t%s\t%.0f\t%.2f\t%.2f\t%.2f\t%s\t%s\n", sc.name, sc.label, rps, rps/base,
+		fmt.Fprintf(tw, "(%s)\t%s\t%.0f\t%.2f\t%.2f\t%.2f\t%s\t%s\t%s\n", sc.name, sc.label, rps, rps/base,
 			median(pick(sc.runs, func(w wrkRun) float64 { return w.p50 })),
-			median(pick(sc.runs, func(w wrkRun) float64 { return w.p99 })), calls, usec)
+			median(pick(sc.runs, func(w wrkRun) float64 { return w.p99 })), calls, usec, usecReq)
 	}
 	tw.Flush()
-	d := scenarios[3]
-	deniedShare := median(pick(d.runs, func(w wrkRun) float64 { return w.non2xx / w.requests }))
-	fmt.Printf("\n(d): %.4f of requests denied; Redis calls per denied request %.4f\n", deniedShare, median(d.calls)/deniedShare)
-
-	fmt.Printf("Bytes per live key (MEMORY USAGE): %s\n", keyBytes(s, redis, scenarios[3].in.URL))
+	if d := byName["d"]; d != nil {
+		deniedShare := median(pick(d.runs, func(w wrkRun) float64 { return w.non2xx / w.requests }))
+		fmt.Printf("\n(d): %.4f of requests denied; Redis calls per denied request %.4f\n", deniedShare, median(d.calls)/deniedShare)
+		fmt.Printf("Bytes per live key (MEMORY USAGE): %s\n", keyBytes(s, redis, d.in.URL))
+	}
+	b := byName["b"]
+	if b == nil {
+		return
+	}
 
 	// Latency at half of plain Caddy's saturation rate, open loop.
 	rate := base / 2
 	fmt.Printf("\nOpen-loop latency at %.0f req/s (half of (a)'s median), 5s each, alternating, 3 rounds:\n", rate)
 	var plainP50, plainP99, redisP50, redisP99 []float64
 	for r := range 3 {
-		for i, sc := range []*scenario{scenarios[0], scenarios[1]} {
+		for i, sc := range []*scenario{scenarios[0], b} {
 			if r%2 == 1 {
-				sc = []*scenario{scenarios[1], scenarios[0]}[i]
+				sc = []*scenario{b, scenarios[0]}[i]
 			}
 			p50, p99, errs := openLoop(sc.in.URL, rate, 5*time.Second)
 			fmt.Printf("round %d %s: p50 %.3f ms, p99 %.3f ms, %d errors\n", r+1, sc.name, p50, p99, errs)
@@ -243,24 +263,20 @@ func runWrk(s *testcaddy.Session, wrk, url, script string, ready func()) wrkRun 
 	return run
 }
 
-// scriptStats reads the script calls and Redis's µs per call since the last
+// scriptStats reads the script calls and Redis's µs in them since the last
 // CONFIG RESETSTAT.
-func scriptStats(s *testcaddy.Session, redis *testredis.Server) (calls, usecPerCall float64) {
+func scriptStats(s *testcaddy.Session, redis *testredis.Server) (calls, usec float64) {
 	info, err := redis.Do("INFO", "commandstats")
 	if err != nil {
 		s.Fatalf("INFO commandstats: %v", err)
 	}
-	var usec float64
 	for _, m := range callsRe.FindAllStringSubmatch(info, -1) {
 		c, _ := strconv.ParseFloat(m[2], 64)
 		u, _ := strconv.ParseFloat(m[3], 64)
 		calls += c
 		usec += u
 	}
-	if calls == 0 {
-		return 0, 0
-	}
-	return calls, usec / calls
+	return calls, usec
 }
 
 // keyBytes is MEMORY USAGE of a few bucket keys, as "min to max", each
