@@ -45,9 +45,9 @@ type RedisConfig struct {
 	// TLS, when present, connects to Redis over TLS.
 	TLS *RedisTLS `json:"tls,omitempty"`
 
-	// Timeout bounds each decision's round trip to Redis, connecting
-	// included. When it runs out, the policies' `on_error` applies.
-	// Default 100ms.
+	// Timeout bounds each decision's wait for Redis: queueing behind the
+	// script call in flight, connecting, the round trip. When it runs out,
+	// the policies' `on_error` applies. Default 100ms.
 	Timeout caddy.Duration `json:"timeout,omitempty"`
 
 	// PoolSize is the most connections kept open to each Redis server.
