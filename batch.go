@@ -2,6 +2,7 @@ package ratelimit
 
 import (
 	"context"
+	"errors"
 	"sync"
 	"time"
 )
@@ -89,9 +90,15 @@ func (b *decisionBatches) decide(p *pendingDecision) {
 	}
 }
 
-// send makes the call for batch, which p belongs to and sends, hands the
-// next batch to one of its members, and wakes the rest of its own.
+// send makes the call for batch, which p belongs to and sends, then hands
+// the next batch to one of its members and wakes the rest of its own.
 func (b *decisionBatches) send(p *pendingDecision, batch []*pendingDecision) {
+	// Whatever happens to the call, the queue moves on and no member is
+	// left waiting.
+	defer b.finish(p, batch)
+	for _, m := range batch {
+		m.err = errCallAborted // until the call says otherwise
+	}
 	// The oldest deadline bounds the call: no decision waits, queue
 	// included, longer than its store's timeout.
 	deadline := batch[0].deadline
@@ -101,9 +108,11 @@ func (b *decisionBatches) send(p *pendingDecision, batch []*pendingDecision) {
 		}
 	}
 	ctx, cancel := context.WithDeadline(context.Background(), deadline)
+	defer cancel()
 	b.call(ctx, batch)
-	cancel()
+}
 
+func (b *decisionBatches) finish(p *pendingDecision, batch []*pendingDecision) {
 	var next []*pendingDecision
 	b.mu.Lock()
 	if n := min(len(b.queue), maxBatch); n > 0 {
@@ -124,3 +133,5 @@ func (b *decisionBatches) send(p *pendingDecision, batch []*pendingDecision) {
 		}
 	}
 }
+
+var errCallAborted = errors.New("rate limit store: script call aborted")

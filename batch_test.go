@@ -2,7 +2,9 @@ package ratelimit
 
 import (
 	"context"
+	"errors"
 	"regexp"
+	"slices"
 	"strconv"
 	"sync"
 	"testing"
@@ -108,5 +110,90 @@ func TestCoalescedDecisions(t *testing.T) {
 	}
 	if calls*2 > decisions {
 		t.Fatalf("%d concurrent decisions took %d script calls: not coalesced", decisions, calls)
+	}
+}
+
+// TestBatchQueue follows the queue itself, with a stand-in for the script
+// call: a decision sent while a call is in flight waits for it, everything
+// that queued meanwhile goes in the next call, and a call that panics
+// still releases its members and the queue.
+func TestBatchQueue(t *testing.T) {
+	var mu sync.Mutex
+	var sizes []int
+	first, release := make(chan struct{}), make(chan struct{})
+	b := &decisionBatches{call: func(_ context.Context, batch []*pendingDecision) {
+		mu.Lock()
+		sizes = append(sizes, len(batch))
+		n := len(sizes)
+		mu.Unlock()
+		switch n {
+		case 1:
+			close(first)
+			<-release
+		case 2:
+			panic("call failed badly")
+		}
+		for _, m := range batch {
+			m.err = nil
+		}
+	}}
+	decide := func() (err error, panicked bool) {
+		defer func() {
+			if recover() != nil {
+				panicked = true
+			}
+		}()
+		p := newPendingDecision(nil, time.Second)
+		b.decide(p)
+		return p.err, false
+	}
+
+	done := make(chan error, 1)
+	go func() { err, _ := decide(); done <- err }()
+	<-first // the first call is in flight
+	type result struct {
+		err      error
+		panicked bool
+	}
+	results := make(chan result, 10)
+	for range 10 {
+		go func() { err, p := decide(); results <- result{err, p} }()
+	}
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(time.Millisecond) {
+		b.mu.Lock()
+		queued := len(b.queue)
+		b.mu.Unlock()
+		if queued == 10 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d of 10 decisions queued behind the call in flight", queued)
+		}
+	}
+	close(release)
+	if err := <-done; err != nil {
+		t.Fatalf("first decision: %v", err)
+	}
+	var aborted, panicked int
+	for range 10 {
+		r := <-results
+		switch {
+		case r.panicked:
+			panicked++
+		case errors.Is(r.err, errCallAborted):
+			aborted++
+		default:
+			t.Errorf("a member of the failed call got %v", r.err)
+		}
+	}
+	if panicked != 1 || aborted != 9 {
+		t.Fatalf("the call that panicked: %d callers saw the panic, %d were told it aborted; want 1 and 9", panicked, aborted)
+	}
+	// Nothing in flight now: a lone decision is sent at once, alone.
+	if err, _ := decide(); err != nil {
+		t.Fatalf("lone decision after the failure: %v", err)
+	}
+	if want := []int{1, 10, 1}; !slices.Equal(sizes, want) {
+		t.Fatalf("calls carried %v decisions, want %v", sizes, want)
 	}
 }
