@@ -191,6 +191,23 @@ func main() {
 		return
 	}
 
+	// What one Redis round trip adds to a request on an idle machine: one
+	// connection, one request at a time.
+	fmt.Printf("\nOne connection, one request at a time (wrk -t1 -c1), %s each, alternating, 3 rounds:\n", *duration)
+	var alone [2][]float64
+	for r := range 3 {
+		for i, sc := range []*scenario{scenarios[0], b} {
+			if r%2 == 1 {
+				i = 1 - i
+				sc = []*scenario{scenarios[0], b}[i]
+			}
+			run := runWrkWith(s, wrk, sc.in.URL, sc.script, 1, 1, func() {})
+			fmt.Printf("round %d %s: p50 %.3f ms, p99 %.3f ms\n", r+1, sc.name, run.p50, run.p99)
+			alone[i] = append(alone[i], run.p50)
+		}
+	}
+	fmt.Printf("median p50: plain %.3f ms, Redis-backed %.3f ms (+%.3f ms)\n", median(alone[0]), median(alone[1]), median(alone[1])-median(alone[0]))
+
 	// Latency at half of plain Caddy's saturation rate, open loop; and, as
 	// that may be beyond what (b) sustains on these shared cores, at half of
 	// (b)'s own.
@@ -233,10 +250,14 @@ var (
 // runWrk loads url for the configured duration, after a 1 s warm-up and
 // then ready.
 func runWrk(s *testcaddy.Session, wrk, url, script string, ready func()) wrkRun {
+	return runWrkWith(s, wrk, url, script, *threads, *connections, ready)
+}
+
+func runWrkWith(s *testcaddy.Session, wrk, url, script string, threads, connections int, ready func()) wrkRun {
 	warm := exec.Command(wrk, "-t1", "-c4", "-d1s", "-s", script, url)
 	_ = warm.Run()
 	ready()
-	out, err := exec.Command(wrk, "-t"+strconv.Itoa(*threads), "-c"+strconv.Itoa(*connections),
+	out, err := exec.Command(wrk, "-t"+strconv.Itoa(threads), "-c"+strconv.Itoa(connections),
 		"-d"+duration.String(), "--latency", "-s", script, url).CombinedOutput()
 	if err != nil {
 		s.Fatalf("wrk: %v\n%s", err, out)
