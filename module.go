@@ -260,7 +260,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 		}
 		policies = append(policies, p)
 		reqs = append(reqs, bucketRequest{
-			key:    p.storageKey(h.hasher, repl.ReplaceAll(p.Key, "")),
+			key:    p.storageKey(h.hasher, p.key(repl)),
 			limit:  p.limit,
 			cost:   p.cost(repl),
 			shadow: p.shadow,

@@ -84,6 +84,9 @@ type Policy struct {
 	onError   string
 	shadow    bool
 	keyPrefix string // <key_prefix><name>:
+	// keyVar and costVar name the placeholder when Key or Cost is exactly
+	// one: looked up directly, without scanning the template per request.
+	keyVar, costVar string
 	policyHdr []byte // this policy's RateLimit-Policy member
 	// deniedBody is the 429 body when this policy alone denies, the common
 	// case: built once rather than per denial, which an abusive client makes
@@ -217,6 +220,7 @@ func (p *Policy) provision(ctx caddy.Context, h *Handler) error {
 	}
 	p.shadow = p.Shadow || h.Shadow
 	p.keyPrefix = h.keyPrefix + p.Name + ":"
+	p.keyVar, p.costVar = soleVariable(p.Key), soleVariable(p.Cost)
 	q, w := fieldQuota(p.events, p.period)
 	p.policyHdr = policyMember(nil, p.Name, q, w)
 	var err error
@@ -252,10 +256,34 @@ func (p *Policy) cost(repl *caddy.Replacer) int64 {
 	if p.fixedCost > 0 {
 		return p.fixedCost
 	}
-	v, err := strconv.ParseInt(repl.ReplaceAll(p.Cost, ""), 10, 64)
+	v, err := strconv.ParseInt(resolve(repl, p.Cost, p.costVar), 10, 64)
 	if err != nil || v < 1 || v > p.maxCost {
 		return p.maxCost
 	}
+	return v
+}
+
+// key resolves the policy's key template for this request.
+func (p *Policy) key(repl *caddy.Replacer) string {
+	return resolve(repl, p.Key, p.keyVar)
+}
+
+// soleVariable is the name of the placeholder that tmpl consists of, or ""
+// when tmpl is anything else.
+func soleVariable(tmpl string) string {
+	if len(tmpl) < 3 || tmpl[0] != '{' || tmpl[len(tmpl)-1] != '}' || strings.ContainsAny(tmpl[1:len(tmpl)-1], "{}\\") {
+		return ""
+	}
+	return tmpl[1 : len(tmpl)-1]
+}
+
+// resolve is repl.ReplaceAll(tmpl, ""), directly when tmpl is the sole
+// placeholder name: an unknown placeholder is empty either way.
+func resolve(repl *caddy.Replacer, tmpl, name string) string {
+	if name == "" {
+		return repl.ReplaceAll(tmpl, "")
+	}
+	v, _ := repl.GetString(name)
 	return v
 }
 
