@@ -87,7 +87,7 @@ type Policy struct {
 	// keyVar and costVar name the placeholder when Key or Cost is exactly
 	// one: looked up directly, without scanning the template per request.
 	keyVar, costVar string
-	policyHdr []byte // this policy's RateLimit-Policy member
+	policyHdr       []byte // this policy's RateLimit-Policy member
 	// deniedBody is the 429 body when this policy alone denies, the common
 	// case: built once rather than per denial, which an abusive client makes
 	// the hot path.
