@@ -3,6 +3,7 @@ package ratelimit
 import (
 	"context"
 	"errors"
+	"maps"
 	"regexp"
 	"slices"
 	"strconv"
@@ -114,86 +115,118 @@ func TestCoalescedDecisions(t *testing.T) {
 }
 
 // TestBatchQueue follows the queue itself, with a stand-in for the script
-// call: a decision sent while a call is in flight waits for it, everything
-// that queued meanwhile goes in the next call, and a call that panics
-// still releases its members and the queue.
+// call: a decision sent while a call is in flight waits; a full batch
+// waiting starts another call at once; a finishing call sends everything
+// queued meanwhile; a decision whose time ran out in the queue fails
+// without a call; and a call that panics still releases its members and
+// the queue.
 func TestBatchQueue(t *testing.T) {
 	var mu sync.Mutex
 	var sizes []int
-	first, release := make(chan struct{}), make(chan struct{})
+	gates := map[int]chan struct{}{1: make(chan struct{}), 2: make(chan struct{})}
+	started := make(chan int, 10)
 	b := &decisionBatches{call: func(_ context.Context, batch []*pendingDecision) {
 		mu.Lock()
 		sizes = append(sizes, len(batch))
 		n := len(sizes)
 		mu.Unlock()
-		switch n {
-		case 1:
-			close(first)
-			<-release
-		case 2:
+		started <- n
+		if g := gates[n]; g != nil {
+			<-g
+		}
+		if n == 3 {
 			panic("call failed badly")
 		}
 		for _, m := range batch {
 			m.err = nil
 		}
 	}}
-	decide := func() (err error, panicked bool) {
-		defer func() {
-			if recover() != nil {
-				panicked = true
-			}
-		}()
-		p := newPendingDecision(nil, time.Second)
-		b.decide(p)
-		return p.err, false
-	}
-
-	done := make(chan error, 1)
-	go func() { err, _ := decide(); done <- err }()
-	<-first // the first call is in flight
 	type result struct {
 		err      error
 		panicked bool
 	}
-	results := make(chan result, 10)
-	for range 10 {
-		go func() { err, p := decide(); results <- result{err, p} }()
+	results := make(chan result, 100)
+	decide := func(timeout time.Duration) {
+		r := result{}
+		defer func() {
+			if recover() != nil {
+				r.panicked = true
+			}
+			results <- r
+		}()
+		p := newPendingDecision(nil, timeout)
+		b.decide(p)
+		r.err = p.err
 	}
-	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(time.Millisecond) {
-		b.mu.Lock()
-		queued := len(b.queue)
-		b.mu.Unlock()
-		if queued == 10 {
-			break
+	queued := func(want int) {
+		t.Helper()
+		for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(time.Millisecond) {
+			b.mu.Lock()
+			n := len(b.queue)
+			b.mu.Unlock()
+			if n == want {
+				return
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("%d decisions queued, want %d", n, want)
+			}
 		}
-		if time.Now().After(deadline) {
-			t.Fatalf("%d of 10 decisions queued behind the call in flight", queued)
-		}
 	}
-	close(release)
-	if err := <-done; err != nil {
-		t.Fatalf("first decision: %v", err)
+
+	go decide(time.Minute)
+	if n := <-started; n != 1 {
+		t.Fatalf("call %d started first", n)
 	}
-	var aborted, panicked int
-	for range 10 {
+	// Call 1 in flight: 63 queue; the 64th makes a full batch, sent at once.
+	for range 64 {
+		go decide(time.Minute)
+	}
+	if n := <-started; n != 2 {
+		t.Fatalf("call %d started second", n)
+	}
+	queued(0)
+	// Calls 1 and 2 in flight: 6 more queue, one of which times out there.
+	for range 5 {
+		go decide(time.Minute)
+	}
+	queued(5)
+	go decide(time.Millisecond)
+	queued(6)
+	time.Sleep(2 * time.Millisecond)
+	close(gates[2]) // call 2 ends and sends the 5 live ones as call 3, which panics
+	if n := <-started; n != 3 {
+		t.Fatalf("call %d started third", n)
+	}
+	counts := map[string]int{}
+	for range 1 + 64 + 6 - 1 { // all but call 1's
 		r := <-results
 		switch {
 		case r.panicked:
-			panicked++
+			counts["panicked"]++
+		case r.err == nil:
+			counts["decided"]++
+		case errors.Is(r.err, errQueueTimeout):
+			counts["timed out in the queue"]++
 		case errors.Is(r.err, errCallAborted):
-			aborted++
+			counts["aborted"]++
 		default:
-			t.Errorf("a member of the failed call got %v", r.err)
+			t.Fatalf("unexpected outcome: %v", r.err)
 		}
 	}
-	if panicked != 1 || aborted != 9 {
-		t.Fatalf("the call that panicked: %d callers saw the panic, %d were told it aborted; want 1 and 9", panicked, aborted)
+	want := map[string]int{"decided": 64, "timed out in the queue": 1, "panicked": 1, "aborted": 4}
+	if !maps.Equal(counts, want) {
+		t.Fatalf("outcomes %v, want %v", counts, want)
+	}
+	close(gates[1])
+	if r := <-results; r.err != nil {
+		t.Fatalf("first decision: %v", r.err)
 	}
 	// Nothing in flight now: a lone decision is sent at once, alone.
-	if err, _ := decide(); err != nil {
-		t.Fatalf("lone decision after the failure: %v", err)
+	decide(time.Minute)
+	if r := <-results; r.err != nil {
+		t.Fatalf("lone decision: %v", r.err)
 	}
-	if want := []int{1, 10, 1}; !slices.Equal(sizes, want) {
+	if want := []int{1, 64, 5, 1}; !slices.Equal(sizes, want) {
 		t.Fatalf("calls carried %v decisions, want %v", sizes, want)
 	}
 }
