@@ -194,49 +194,48 @@ func main() {
 	// What one Redis round trip adds to a request on an idle machine: one
 	// connection, one request at a time.
 	fmt.Printf("\nOne connection, one request at a time (wrk -t1 -c1), %s each, alternating, 3 rounds:\n", *duration)
-	var alone [2][]float64
-	for r := range 3 {
-		for i, sc := range []*scenario{scenarios[0], b} {
-			if r%2 == 1 {
-				i = 1 - i
-				sc = []*scenario{scenarios[0], b}[i]
-			}
-			run := runWrkWith(s, wrk, sc.in.URL, sc.script, 1, 1, func() {})
-			fmt.Printf("round %d %s: p50 %.3f ms, p99 %.3f ms\n", r+1, sc.name, run.p50, run.p99)
-			alone[i] = append(alone[i], run.p50)
-		}
-	}
-	fmt.Printf("median p50: plain %.3f ms, Redis-backed %.3f ms (+%.3f ms)\n", median(alone[0]), median(alone[1]), median(alone[1])-median(alone[0]))
+	alternately(scenarios[0], b, func(sc *scenario) (p50, p99 float64, note string) {
+		run := runWrkWith(s, wrk, sc.in.URL, sc.script, 1, 1, func() {})
+		return run.p50, run.p99, ""
+	})
 
 	// Latency at half of plain Caddy's saturation rate, open loop; and, as
 	// that may be beyond what (b) sustains on these shared cores, at half of
 	// (b)'s own.
-	latency(base/2, "half of (a)'s median", scenarios[0], b)
-	latency(median(pick(b.runs, func(w wrkRun) float64 { return w.rps }))/2, "half of (b)'s median", scenarios[0], b)
+	for _, at := range []struct {
+		rate float64
+		what string
+	}{
+		{base / 2, "half of (a)'s median"},
+		{median(pick(b.runs, func(w wrkRun) float64 { return w.rps })) / 2, "half of (b)'s median"},
+	} {
+		fmt.Printf("\nOpen-loop latency at %.0f req/s (%s), 5s each, alternating, 3 rounds:\n", at.rate, at.what)
+		alternately(scenarios[0], b, func(sc *scenario) (p50, p99 float64, note string) {
+			p50, p99, errs := openLoop(sc.in.URL, at.rate, 5*time.Second)
+			return p50, p99, fmt.Sprintf(", %d errors", errs)
+		})
+	}
 }
 
-// latency compares plain Caddy's and the Redis-backed limiter's open-loop
-// latency at one rate, alternating, 3 rounds of 5 s.
-func latency(rate float64, what string, plain, limited *scenario) {
-	fmt.Printf("\nOpen-loop latency at %.0f req/s (%s), 5s each, alternating, 3 rounds:\n", rate, what)
-	var plainP50, plainP99, redisP50, redisP99 []float64
+// alternately measures plain Caddy and the Redis-backed limiter in turn, 3
+// rounds in alternating order, and prints the medians of p50 and p99 (ms).
+func alternately(plain, limited *scenario, measure func(*scenario) (p50, p99 float64, note string)) {
+	var p50s, p99s [2][]float64
 	for r := range 3 {
-		order := []*scenario{plain, limited}
+		order := []int{0, 1}
 		if r%2 == 1 {
-			order = []*scenario{limited, plain}
+			order = []int{1, 0}
 		}
-		for _, sc := range order {
-			p50, p99, errs := openLoop(sc.in.URL, rate, 5*time.Second)
-			fmt.Printf("round %d %s: p50 %.3f ms, p99 %.3f ms, %d errors\n", r+1, sc.name, p50, p99, errs)
-			if sc == plain {
-				plainP50, plainP99 = append(plainP50, p50), append(plainP99, p99)
-			} else {
-				redisP50, redisP99 = append(redisP50, p50), append(redisP99, p99)
-			}
+		for _, i := range order {
+			sc := []*scenario{plain, limited}[i]
+			p50, p99, note := measure(sc)
+			fmt.Printf("round %d %s: p50 %.3f ms, p99 %.3f ms%s\n", r+1, sc.name, p50, p99, note)
+			p50s[i], p99s[i] = append(p50s[i], p50), append(p99s[i], p99)
 		}
 	}
-	fmt.Printf("median p50: plain %.3f ms, Redis-backed %.3f ms; median p99: plain %.3f ms, Redis-backed %.3f ms (+%.3f ms)\n",
-		median(plainP50), median(redisP50), median(plainP99), median(redisP99), median(redisP99)-median(plainP99))
+	fmt.Printf("median p50: plain %.3f ms, Redis-backed %.3f ms (+%.3f ms); median p99: plain %.3f ms, Redis-backed %.3f ms (+%.3f ms)\n",
+		median(p50s[0]), median(p50s[1]), median(p50s[1])-median(p50s[0]),
+		median(p99s[0]), median(p99s[1]), median(p99s[1])-median(p99s[0]))
 }
 
 var (
