@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"sync"
 	"time"
 )
@@ -120,31 +121,29 @@ func (b *decisionBatches) send(p *pendingDecision, batch []*pendingDecision) {
 	// those whose time ran out in the queue fail now, and the earliest
 	// deadline of the others bounds the call.
 	now := time.Now()
-	var live []*pendingDecision // nil while every member is live
-	var deadline time.Time
-	for i, m := range batch {
-		m.err = errCallAborted // until the call says otherwise
-		if !now.Before(m.deadline) {
-			if live == nil {
-				live = append(make([]*pendingDecision, 0, len(batch)), batch[:i]...)
+	expired := func(m *pendingDecision) bool { return !now.Before(m.deadline) }
+	live := batch
+	if slices.ContainsFunc(batch, expired) {
+		live = nil
+		for _, m := range batch {
+			if !expired(m) {
+				live = append(live, m)
+				continue
 			}
 			m.err = errQueueTimeout
 			storeDuration.Observe(now.Sub(m.queued).Seconds())
 			storeErrors.WithLabelValues("timeout").Inc()
-			continue
 		}
-		if live != nil {
-			live = append(live, m)
+		if len(live) == 0 {
+			return
 		}
-		if deadline.IsZero() || m.deadline.Before(deadline) {
+	}
+	deadline := live[0].deadline
+	for _, m := range live {
+		m.err = errCallAborted // until the call says otherwise
+		if m.deadline.Before(deadline) {
 			deadline = m.deadline
 		}
-	}
-	if live == nil {
-		live = batch
-	}
-	if len(live) == 0 {
-		return
 	}
 	ctx, cancel := context.WithDeadline(context.Background(), deadline)
 	defer cancel()
