@@ -418,16 +418,12 @@ func count(policies []*Policy, d decision, allowed, denied outcome) {
 func (h *Handler) deny(w http.ResponseWriter, o *requestOutcome, policies []*Policy, d decision, outcome outcome) error {
 	var violated []string
 	var wait int64
-	var only *Policy // the one policy that denied, if only one did
+	var denier *Policy // the last policy that denied
 	for i, v := range d.verdicts {
 		if v.allowed || policies[i].shadow {
 			continue
 		}
-		if violated == nil {
-			only = policies[i]
-		} else {
-			only = nil
-		}
+		denier = policies[i]
 		violated = append(violated, policies[i].Name)
 		if v.wait == neverWait || wait == neverWait {
 			wait = neverWait
@@ -444,8 +440,8 @@ func (h *Handler) deny(w http.ResponseWriter, o *requestOutcome, policies []*Pol
 	if ce := h.logger.Check(zap.DebugLevel, "rate limit exceeded"); ce != nil {
 		ce.Write(zap.Strings("policies", violated), zap.Int64("retry_after", ra))
 	}
-	if only != nil {
-		return writeProblemBody(w, http.StatusTooManyRequests, only.deniedBody)
+	if len(violated) == 1 {
+		return writeProblemBody(w, http.StatusTooManyRequests, denier.deniedBody)
 	}
 	return writeProblem(w, quotaExceeded(violated))
 }
