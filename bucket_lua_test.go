@@ -32,22 +32,45 @@ func newTestRedis(t *testing.T) (*testredis.Server, *redis.Client, *redisStore) 
 // evalDecide runs lua/decide.lua for requests in one call, with EVAL (as
 // after NOSCRIPT).
 func evalDecide(ctx context.Context, client redis.UniversalClient, requests ...[]bucketRequest) ([]int64, error) {
+	return evalScript(ctx, client, decideLua, requests...)
+}
+
+// evalScript is evalDecide with another version of the script.
+func evalScript(ctx context.Context, client redis.UniversalClient, script string, requests ...[]bucketRequest) ([]int64, error) {
 	batch := make([]*pendingDecision, len(requests))
 	for i, r := range requests {
 		batch[i] = &pendingDecision{reqs: r}
 	}
 	args := scriptCall(batch)
-	args[0], args[1] = "eval", decideLua
+	args[0], args[1] = "eval", script
 	return client.Do(ctx, args...).Int64Slice()
 }
 
 // TestLuaMatchesGoBucket drives the same random request sequences through
 // lua/decide.lua on a real Redis and through the Go algorithm (fed the
 // script's own clock), and requires identical decisions, stored state,
-// remaining tokens and waits. Calls carry one to four requests, which may
-// share buckets, as coalesced calls do: the script decides them in order.
+// remaining tokens and waits, and TTLs that end no later than the bucket is
+// full again. Calls carry one to four requests, which may share buckets, as
+// coalesced calls do: the script decides them in order. It runs the script
+// as Redis 7 runs it (a missing key created by SET NX GET, undone when the
+// request is denied) and as older Redis runs it (GET, then SET).
 func TestLuaMatchesGoBucket(t *testing.T) {
 	_, client, _ := newTestRedis(t)
+	const probe = "redis.REDIS_VERSION_NUM ~= nil"
+	if v, err := client.Eval(context.Background(), "return "+probe, nil).Bool(); err != nil || !v {
+		t.Fatalf("this test wants Redis 7 or later (%v, %v)", v, err)
+	}
+	if !strings.Contains(decideLua, probe) {
+		t.Fatalf("decide.lua no longer chooses its path with %q", probe)
+	}
+	t.Run("SET NX GET", func(t *testing.T) { luaMatchesGoBucket(t, client, decideLua) })
+	client.FlushAll(context.Background())
+	t.Run("GET then SET", func(t *testing.T) {
+		luaMatchesGoBucket(t, client, strings.Replace(decideLua, probe, "false", 1))
+	})
+}
+
+func luaMatchesGoBucket(t *testing.T, client *redis.Client, script string) {
 	ctx := context.Background()
 	rng := rand.New(rand.NewPCG(1, 2))
 
@@ -90,7 +113,7 @@ func TestLuaMatchesGoBucket(t *testing.T) {
 		for r := range batch {
 			batch[r] = randomRequest()
 		}
-		res, err := evalDecide(ctx, client, batch...)
+		res, err := evalScript(ctx, client, script, batch...)
 		if err != nil {
 			t.Fatalf("step %d: script: %v", step, err)
 		}
@@ -149,6 +172,13 @@ func TestLuaMatchesGoBucket(t *testing.T) {
 				}
 				if start(stored, now) != start(model[rq.key], now) {
 					t.Fatalf("step %d: bucket %s: Redis stored %d after the call, Go %d", step, rq.key, stored, model[rq.key])
+				}
+				// A live key expires once its bucket is full again, not later
+				// (give or take the 2 ms of rounding TTLs to whole ms twice:
+				// when set, and in PTTL). PTTL: -1 no expiry, -2 gone since.
+				if pttl, err := client.PTTL(ctx, rq.key).Result(); err != nil || pttl == -1 ||
+					pttl.Microseconds() > max(stored-now, 0)+2000 {
+					t.Fatalf("step %d: bucket %s: TTL %v (%v) for TAT %d µs ahead", step, rq.key, pttl, err, stored-now)
 				}
 			}
 		}

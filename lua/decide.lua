@@ -18,14 +18,32 @@
 -- below 2^53, so Lua's doubles compute exactly what Go's integers do.
 --
 -- Returns {now, then per request: admitted, allowed_1, tat_1, ...,
--- allowed_m, tat_m}: tat_i is the stored TAT before this decision (0 when
+-- allowed_m, tat_m}: tat_i is the bucket's TAT before this decision (0 when
 -- the key was absent); the caller derives remaining tokens, waits and delays
 -- from it with the Go code.
+--
+-- Redis work is what costs: each key is read once per call and written at
+-- most once, at the end, with what the call's last request left in it (a
+-- bucket shared by the requests of a call, such as a global limit, costs
+-- one GET and one SET per call, not per request). On Redis 7 and later,
+-- whose SET takes NX and GET together, the first read of a key also
+-- creates it charged as this request would charge a full bucket: the
+-- common case (a missing key, a request admitted) costs one command. When
+-- that guess is wrong (the request was denied by another bucket), the end
+-- of the call puts the key back as it was, still inside the same atomic
+-- script.
 
 if redis.replicate_commands then redis.replicate_commands() end
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+-- redis.REDIS_VERSION_NUM and SET ... NX GET both came with Redis 7.0.
+local setnxget = redis.REDIS_VERSION_NUM ~= nil
+
+-- Per key touched by this call: its TAT as the requests so far left it
+-- (0: absent, a full bucket), what Redis holds now, and the order of first
+-- touch.
+local cur, held, touched = {}, {}, {}
 
 local out = {now}
 local stored, next, allowed = {}, {}, {}
@@ -36,8 +54,28 @@ while a <= #ARGV do
   a = a + 1
   local admitted = 1
   for i = 1, m do
+    local key = KEYS[k + i]
     local interval, burst, cost, wait = tonumber(ARGV[a]), tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
-    local tat = tonumber(redis.call('GET', KEYS[k + i])) or 0
+    local tat = cur[key]
+    if tat == nil then
+      if setnxget and cost <= burst then
+        -- A full bucket admits any cost up to burst.
+        local span = cost * interval
+        local old = redis.call('SET', key, string.format('%.0f', now + span), 'PX', math.ceil(span / 1000), 'NX', 'GET')
+        if old then
+          tat = tonumber(old) or 0
+          held[key] = tat
+        else
+          tat = 0
+          held[key] = now + span
+        end
+      else
+        tat = tonumber(redis.call('GET', key)) or 0
+        held[key] = tat
+      end
+      cur[key] = tat
+      touched[#touched + 1] = key
+    end
     stored[i] = tat
     -- A TAT in the past is a full bucket; one ahead of a clock that went
     -- backwards only makes the bucket stricter: state never moves backwards.
@@ -54,12 +92,23 @@ while a <= #ARGV do
   out[#out + 1] = admitted
   for i = 1, m do
     if admitted == 1 and allowed[i] == 1 then
-      -- Expire once the bucket is full again: a missing key is a full bucket.
-      redis.call('SET', KEYS[k + i], string.format('%.0f', next[i]), 'PX', math.ceil((next[i] - now) / 1000))
+      cur[KEYS[k + i]] = next[i]
     end
     out[#out + 1] = allowed[i]
     out[#out + 1] = stored[i]
   end
   k = k + m
+end
+
+for _, key in ipairs(touched) do
+  local tat = cur[key]
+  if tat ~= held[key] then
+    if tat > now then
+      -- Expire once the bucket is full again: a missing key is a full bucket.
+      redis.call('SET', key, string.format('%.0f', tat), 'PX', math.ceil((tat - now) / 1000))
+    else
+      redis.call('DEL', key) -- a guess undone: the key was absent
+    end
+  end
 end
 return out
