@@ -7,6 +7,7 @@ import (
 	"encoding/json"
 	"math"
 	"math/big"
+	"net/http/httptest"
 	"regexp"
 	"strconv"
 	"strings"
@@ -163,7 +164,7 @@ func FuzzParseCost(f *testing.F) {
 		}
 		repl := caddy.NewReplacer()
 		repl.Set("fuzz.cost", resolved)
-		got := p.cost(repl)
+		got := p.cost(httptest.NewRequest("GET", "/", nil), repl)
 		want := maxCost
 		if v, err := strconv.ParseInt(resolved, 10, 64); err == nil && v >= 1 && v <= maxCost {
 			want = v

@@ -259,10 +259,14 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 			continue
 		}
 		policies = append(policies, p)
+		key := p.fixedKey
+		if key == "" {
+			key = p.storageKey(h.hasher, p.key(r, repl))
+		}
 		reqs = append(reqs, bucketRequest{
-			key:    p.storageKey(h.hasher, p.key(repl)),
+			key:    key,
 			limit:  p.limit,
-			cost:   p.cost(repl),
+			cost:   p.cost(r, repl),
 			shadow: p.shadow,
 		})
 	}
