@@ -2,16 +2,19 @@
 // Caddy in one run: five Caddy instances (plain `respond`; rate_limit with
 // Redis and 10,000 identities, nothing denied; the same in-process; one
 // abusive identity, nearly everything denied; two policies per request) are
-// loaded in turn with wrk, round after round, and the medians are compared
-// to plain Caddy's. It also reads Redis's own cost per script call, round
-// trips per request and bytes per key, and the latency (p50/p99) at half of
-// plain Caddy's saturation rate from an open-loop client.
+// loaded in turn with wrk, round after round, each run of a limited one
+// paired with a run of plain Caddy next to it; the medians of the pairs'
+// ratios are the results. It also reads Redis's own cost per script call,
+// round trips per request and bytes per key, the CPU time wrk, Caddy and
+// Redis spend per request, and the latency (p50/p99) at half of plain
+// Caddy's saturation rate from an open-loop client.
 //
 // Run it with `make bench` (which installs redis-server and wrk when
 // missing). Everything runs on 127.0.0.1 and stops when it ends.
 package main
 
 import (
+	"bytes"
 	"flag"
 	"fmt"
 	"io"
@@ -21,6 +24,8 @@ import (
 	"os/signal"
 	"path/filepath"
 	"regexp"
+	"runtime"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -54,12 +59,16 @@ type scenario struct {
 	// Redis's µs per request: script calls carry several requests when
 	// concurrent decisions are coalesced.
 	usecPerRequest []float64
+	ratios         []float64 // req/s over that of the paired plain Caddy run
 }
 
 type wrkRun struct {
 	rps, p50, p99 float64 // requests/s; latencies in ms
 	requests      float64
 	non2xx        float64
+	// CPU time per request in µs, of wrk, Caddy and Redis during the run,
+	// and the share of the machine's cores the three kept busy.
+	wrkCPU, caddyCPU, redisCPU, busy float64
 }
 
 const identitiesLua = `
@@ -145,40 +154,72 @@ func main() {
 
 	fmt.Printf("wrk -t%d -c%d -d%s, %d rounds, scenarios in rotating order; Redis %s on the same 2 cores.\n\n",
 		*threads, *connections, *duration, *rounds, redis.Addr)
-	for r := range *rounds {
-		for i := range scenarios {
-			sc := scenarios[(i+r)%len(scenarios)]
-			run := runWrk(s, wrk, sc.in.URL, sc.script, func() {
-				if sc.redis {
-					_, _ = redis.Do("CONFIG", "RESETSTAT")
-				}
-			})
-			sc.runs = append(sc.runs, run)
+	measure := func(r int, sc *scenario) wrkRun {
+		run := runWrk(s, wrk, sc.in.URL, sc.script, []int{sc.in.Pid(), redis.Pid()}, func() {
 			if sc.redis {
-				calls, usec := scriptStats(s, redis)
-				sc.calls = append(sc.calls, calls/run.requests)
-				sc.usecPerCall = append(sc.usecPerCall, usec/max(calls, 1))
-				sc.usecPerRequest = append(sc.usecPerRequest, usec/run.requests)
+				_, _ = redis.Do("CONFIG", "RESETSTAT")
 			}
-			fmt.Printf("round %d %s: %.0f req/s, p50 %.2f ms, p99 %.2f ms\n", r+1, sc.name, run.rps, run.p50, run.p99)
+		})
+		sc.runs = append(sc.runs, run)
+		if sc.redis {
+			calls, usec := scriptStats(s, redis)
+			sc.calls = append(sc.calls, calls/run.requests)
+			sc.usecPerCall = append(sc.usecPerCall, usec/max(calls, 1))
+			sc.usecPerRequest = append(sc.usecPerRequest, usec/run.requests)
+		}
+		fmt.Printf("round %d %s: %.0f req/s, p50 %.2f ms, p99 %.2f ms\n", r+1, sc.name, run.rps, run.p50, run.p99)
+		return run
+	}
+	// Each run of a scenario is paired with a run of plain Caddy right
+	// before or after it (the order alternates): the machine's speed drifts
+	// by several percent within a minute, and a ratio of two runs seconds
+	// apart sees less of that drift than a ratio of medians.
+	plain, limited := scenarios[0], scenarios[1:]
+	for r := range *rounds {
+		for i := range limited {
+			sc := limited[(i+r)%len(limited)]
+			if (r+i)%2 == 0 {
+				p := measure(r, plain)
+				sc.ratios = append(sc.ratios, measure(r, sc).rps/p.rps)
+			} else {
+				l := measure(r, sc)
+				sc.ratios = append(sc.ratios, l.rps/measure(r, plain).rps)
+			}
 		}
 	}
 
-	base := median(pick(scenarios[0].runs, func(w wrkRun) float64 { return w.rps }))
-	fmt.Println()
+	base := median(pick(plain.runs, func(w wrkRun) float64 { return w.rps }))
+	fmt.Printf("\nRatio to (a): the median of each run's req/s over its paired plain run's; the range of those ratios beside it.\n")
 	tw := tabwriter.NewWriter(os.Stdout, 2, 4, 2, ' ', 0)
-	fmt.Fprintln(tw, "scenario\t\tmedian req/s\tratio to (a)\tp50 ms\tp99 ms\tRedis calls/request\tRedis µs/call\tRedis µs/request")
+	fmt.Fprintln(tw, "scenario\t\tmedian req/s\tratio to (a)\trange\tp50 ms\tp99 ms\tRedis calls/request\tRedis µs/call\tRedis µs/request")
 	for _, sc := range scenarios {
 		rps := median(pick(sc.runs, func(w wrkRun) float64 { return w.rps }))
+		ratio, spread := "1.00", "-"
+		if sc != plain {
+			lo, hi := slices.Min(sc.ratios), slices.Max(sc.ratios)
+			ratio, spread = fmt.Sprintf("%.2f", median(sc.ratios)), fmt.Sprintf("%.2f-%.2f", lo, hi)
+		}
 		calls, usec, usecReq := "-", "-", "-"
 		if sc.redis {
 			calls = fmt.Sprintf("%.3f", median(sc.calls))
 			usec = fmt.Sprintf("%.2f", median(sc.usecPerCall))
 			usecReq = fmt.Sprintf("%.2f", median(sc.usecPerRequest))
 		}
-		fmt.Fprintf(tw, "(%s)\t%s\t%.0f\t%.2f\t%.2f\t%.2f\t%s\t%s\t%s\n", sc.name, sc.label, rps, rps/base,
+		fmt.Fprintf(tw, "(%s)\t%s\t%.0f\t%s\t%s\t%.2f\t%.2f\t%s\t%s\t%s\n", sc.name, sc.label, rps, ratio, spread,
 			median(pick(sc.runs, func(w wrkRun) float64 { return w.p50 })),
 			median(pick(sc.runs, func(w wrkRun) float64 { return w.p99 })), calls, usec, usecReq)
+	}
+	tw.Flush()
+
+	// Where the machine's time goes: wrk, Caddy and Redis share the cores.
+	fmt.Printf("\nCPU time per request (µs; medians; Caddy and Redis from /proc, wrk from its rusage):\n")
+	tw = tabwriter.NewWriter(os.Stdout, 2, 4, 2, ' ', 0)
+	fmt.Fprintln(tw, "scenario\twrk\tCaddy\tRedis\ttotal\tcores busy")
+	for _, sc := range scenarios {
+		m := func(f func(wrkRun) float64) float64 { return median(pick(sc.runs, f)) }
+		wrkCPU, caddyCPU, redisCPU := m(func(w wrkRun) float64 { return w.wrkCPU }), m(func(w wrkRun) float64 { return w.caddyCPU }), m(func(w wrkRun) float64 { return w.redisCPU })
+		fmt.Fprintf(tw, "(%s)\t%.1f\t%.1f\t%.1f\t%.1f\t%.0f%%\n", sc.name, wrkCPU, caddyCPU, redisCPU, wrkCPU+caddyCPU+redisCPU,
+			100*m(func(w wrkRun) float64 { return w.busy }))
 	}
 	tw.Flush()
 	if d := byName["d"]; d != nil {
@@ -195,7 +236,7 @@ func main() {
 	// connection, one request at a time.
 	fmt.Printf("\nOne connection, one request at a time (wrk -t1 -c1), %s each, alternating, 3 rounds:\n", *duration)
 	alternately(scenarios[0], b, func(sc *scenario) (p50, p99 float64, note string) {
-		run := runWrkWith(s, wrk, sc.in.URL, sc.script, 1, 1, func() {})
+		run := runWrkWith(s, wrk, sc.in.URL, sc.script, 1, 1, nil, func() {})
 		return run.p50, run.p99, ""
 	})
 
@@ -247,22 +288,37 @@ var (
 )
 
 // runWrk loads url for the configured duration, after a 1 s warm-up and
-// then ready.
-func runWrk(s *testcaddy.Session, wrk, url, script string, ready func()) wrkRun {
-	return runWrkWith(s, wrk, url, script, *threads, *connections, ready)
+// then ready. pids are Caddy's and Redis's, whose CPU time it measures.
+func runWrk(s *testcaddy.Session, wrk, url, script string, pids []int, ready func()) wrkRun {
+	return runWrkWith(s, wrk, url, script, *threads, *connections, pids, ready)
 }
 
-func runWrkWith(s *testcaddy.Session, wrk, url, script string, threads, connections int, ready func()) wrkRun {
+func runWrkWith(s *testcaddy.Session, wrk, url, script string, threads, connections int, pids []int, ready func()) wrkRun {
 	warm := exec.Command(wrk, "-t1", "-c4", "-d1s", "-s", script, url)
 	_ = warm.Run()
 	ready()
-	out, err := exec.Command(wrk, "-t"+strconv.Itoa(threads), "-c"+strconv.Itoa(connections),
-		"-d"+duration.String(), "--latency", "-s", script, url).CombinedOutput()
+	before := make([]time.Duration, len(pids))
+	for i, pid := range pids {
+		before[i] = cpuTime(pid)
+	}
+	start := time.Now()
+	cmd := exec.Command(wrk, "-t"+strconv.Itoa(threads), "-c"+strconv.Itoa(connections),
+		"-d"+duration.String(), "--latency", "-s", script, url)
+	out, err := cmd.CombinedOutput()
 	if err != nil {
 		s.Fatalf("wrk: %v\n%s", err, out)
 	}
+	elapsed := time.Since(start)
 	text := string(out)
 	var run wrkRun
+	if m := totalRe.FindStringSubmatch(text); m != nil && len(pids) == 2 {
+		n, _ := strconv.ParseFloat(m[1], 64)
+		perRequest := func(d time.Duration) float64 { return float64(d.Microseconds()) / n }
+		wrkCPU := cmd.ProcessState.UserTime() + cmd.ProcessState.SystemTime()
+		caddyCPU, redisCPU := cpuTime(pids[0])-before[0], cpuTime(pids[1])-before[1]
+		run.wrkCPU, run.caddyCPU, run.redisCPU = perRequest(wrkCPU), perRequest(caddyCPU), perRequest(redisCPU)
+		run.busy = float64(wrkCPU+caddyCPU+redisCPU) / float64(elapsed) / float64(runtime.NumCPU())
+	}
 	if m := rpsRe.FindStringSubmatch(text); m != nil {
 		run.rps, _ = strconv.ParseFloat(m[1], 64)
 	}
@@ -290,6 +346,23 @@ func runWrkWith(s *testcaddy.Session, wrk, url, script string, threads, connecti
 		s.Fatalf("could not read wrk's output:\n%s", text)
 	}
 	return run
+}
+
+// cpuTime is the user and system CPU time a process has used so far, from
+// /proc/<pid>/stat (in clock ticks of 10 ms, Linux's fixed USER_HZ).
+func cpuTime(pid int) time.Duration {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return 0
+	}
+	// The command name, in parentheses, may hold spaces: count after it.
+	f := strings.Fields(string(b[bytes.LastIndexByte(b, ')')+1:]))
+	if len(f) < 13 {
+		return 0
+	}
+	utime, _ := strconv.ParseInt(f[11], 10, 64)
+	stime, _ := strconv.ParseInt(f[12], 10, 64)
+	return time.Duration(utime+stime) * 10 * time.Millisecond
 }
 
 // scriptStats reads the script calls and Redis's µs in them since the last

@@ -48,6 +48,9 @@ type Instance struct {
 	stopOnce sync.Once
 }
 
+// Pid is the process id of the running Caddy.
+func (in *Instance) Pid() int { return in.cmd.Process.Pid }
+
 // Config is a JSON config with one server, listening on 127.0.0.1:port
 // without automatic HTTPS, whose one route runs the handlers; the admin API
 // is on 127.0.0.1:adminPort and logs are at WARN. tune, when not nil,

@@ -84,6 +84,9 @@ func (s *Server) Restart(t TB) {
 	s.start(t)
 }
 
+// Pid is the process id of the running redis-server.
+func (s *Server) Pid() int { return s.cmd.Process.Pid }
+
 // Pause freezes the process (SIGSTOP): connections hang as with a dead or
 // unreachable host. Resume undoes it.
 func (s *Server) Pause() error  { return s.cmd.Process.Signal(syscall.SIGSTOP) }
