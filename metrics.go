@@ -33,7 +33,10 @@ var (
 		Namespace: "caddy", Subsystem: "rate_limit", Name: "store_errors_total",
 		Help: "Decisions Redis could not make, by kind (timeout, connection, redis, script, circuit_open).",
 	}, []string{"kind"})
-	circuitOpen = prometheus.NewGauge(prometheus.GaugeOpts{
+	// circuitOpenErrors is the circuit_open child, counted on the path
+	// that must stay cheapest while Redis is down.
+	circuitOpenErrors = storeErrors.WithLabelValues("circuit_open")
+	circuitOpen       = prometheus.NewGauge(prometheus.GaugeOpts{
 		Namespace: "caddy", Subsystem: "rate_limit", Name: "circuit_open",
 		Help: "1 while the circuit breaker to Redis is open (decisions skip Redis and follow on_error); with several Redis connections, how many are open.",
 	})

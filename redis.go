@@ -14,7 +14,6 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/redis/go-redis/v9"
-	"github.com/sony/gobreaker/v2"
 	"go.uber.org/zap"
 )
 
@@ -171,7 +170,7 @@ type redisConn struct {
 	// batches coalesces concurrent decisions into one script call (see
 	// batch.go); nil in cluster mode, where a call reaches one slot only.
 	batches *decisionBatches
-	breaker *gobreaker.CircuitBreaker[decision]
+	breaker *breaker
 	// denials is shared by every config on this Redis: what one learned of a
 	// bucket holds for all.
 	denials *denyCache
@@ -183,14 +182,6 @@ func (c *redisConn) Destruct() error { return c.client.Close() }
 // comparing.
 var noBatching = false
 
-// Circuit breaker settings: after breakerFailures consecutive failed
-// decisions, decisions skip Redis (and follow on_error at once) for
-// breakerCooldown; then one probe at a time tests whether Redis is back.
-const (
-	breakerFailures = 5
-	breakerCooldown = 500 * time.Millisecond
-)
-
 func newRedisConn(c RedisConfig, logger *zap.Logger) (*redisConn, error) {
 	client, err := c.newClient()
 	if err != nil {
@@ -199,30 +190,21 @@ func newRedisConn(c RedisConfig, logger *zap.Logger) (*redisConn, error) {
 	conn := &redisConn{
 		client:  client,
 		denials: newDenyCache(monotonicMicros),
-		breaker: gobreaker.NewCircuitBreaker[decision](gobreaker.Settings{
-			Name:        strings.Join(c.Addresses, ","),
-			MaxRequests: 1,
-			Timeout:     breakerCooldown,
-			ReadyToTrip: func(n gobreaker.Counts) bool { return n.ConsecutiveFailures >= breakerFailures },
-			// A client that went away says nothing about Redis.
-			IsExcluded: func(err error) bool { return errors.Is(err, context.Canceled) },
-			// Our own script disagreeing with bucket.go is not an outage.
-			IsSuccessful: func(err error) bool { return err == nil || errors.Is(err, errScriptReply) },
-			OnStateChange: func(name string, from, to gobreaker.State) {
-				switch {
-				case to == gobreaker.StateOpen && from == gobreaker.StateClosed:
-					circuitOpen.Inc()
-					logger.Warn("Redis unavailable: circuit open, decisions follow on_error until a probe succeeds",
-						zap.String("redis", name), zap.Duration("probe_every", breakerCooldown))
-				case to == gobreaker.StateClosed:
-					circuitOpen.Dec()
-					logger.Info("Redis available again: circuit closed", zap.String("redis", name))
-				default:
-					logger.Debug("circuit breaker", zap.String("redis", name), zap.Stringer("from", from), zap.Stringer("to", to))
-				}
-			},
-		}),
 	}
+	name := strings.Join(c.Addresses, ",")
+	conn.breaker = newBreaker(func(from, to breakerState) {
+		switch {
+		case to == breakerOpen && from == breakerClosed:
+			circuitOpen.Inc()
+			logger.Warn("Redis unavailable: circuit open, decisions follow on_error until a probe succeeds",
+				zap.String("redis", name), zap.Duration("probe_every", breakerCooldown))
+		case to == breakerClosed:
+			circuitOpen.Dec()
+			logger.Info("Redis available again: circuit closed", zap.String("redis", name))
+		default:
+			logger.Debug("circuit breaker", zap.String("redis", name), zap.Stringer("from", from), zap.Stringer("to", to))
+		}
+	})
 	if !c.Cluster && !noBatching {
 		conn.batches = &decisionBatches{call: conn.decideBatch}
 	}
@@ -255,21 +237,35 @@ func (s *redisStore) decide(ctx context.Context, reqs []bucketRequest) (decision
 			return d, nil
 		}
 	}
-	d, err := s.conn.breaker.Execute(func() (decision, error) {
-		if s.cluster {
-			if groups := slotGroups(reqs); len(groups) > 1 {
-				ctx, cancel := context.WithTimeout(ctx, s.timeout)
-				defer cancel()
-				return s.decideAcrossSlots(ctx, reqs, groups)
-			}
-		}
-		return s.decideOnce(ctx, reqs)
-	})
-	if errors.Is(err, gobreaker.ErrOpenState) || errors.Is(err, gobreaker.ErrTooManyRequests) {
-		storeErrors.WithLabelValues("circuit_open").Inc()
+	gen, ok := s.conn.breaker.allow()
+	if !ok {
+		circuitOpenErrors.Inc()
 		return decision{}, errCircuitOpen
 	}
+	outcome := breakerFailure // unless the decision returns: a panic is a failure
+	defer func() { s.conn.breaker.done(gen, outcome) }()
+	d, err := s.decideGuarded(ctx, reqs)
+	switch {
+	// Our own script disagreeing with bucket.go is not an outage.
+	case err == nil || errors.Is(err, errScriptReply):
+		outcome = breakerSuccess
+	// A client that went away says nothing about Redis.
+	case errors.Is(err, context.Canceled):
+		outcome = breakerIgnored
+	}
 	return d, err
+}
+
+// decideGuarded is the decision the breaker guards.
+func (s *redisStore) decideGuarded(ctx context.Context, reqs []bucketRequest) (decision, error) {
+	if s.cluster {
+		if groups := slotGroups(reqs); len(groups) > 1 {
+			ctx, cancel := context.WithTimeout(ctx, s.timeout)
+			defer cancel()
+			return s.decideAcrossSlots(ctx, reqs, groups)
+		}
+	}
+	return s.decideOnce(ctx, reqs)
 }
 
 // decideOnce decides buckets that one script call can reach: a single
