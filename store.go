@@ -19,17 +19,27 @@ type store interface {
 // the default without a redis block and the fallback of `on_error local`.
 // It is process-wide, like a Redis server, so buckets survive config reloads.
 type memoryStore struct {
-	shards [memoryShards]memoryShard
-	seed   maphash.Seed
-	now    func() int64 // µs on a monotonic clock; injectable for tests
+	shards       [memoryShards]memoryShard
+	seed1, seed2 maphash.Seed
+	now          func() int64 // µs on a monotonic clock; injectable for tests
 }
 
 const memoryShards = 64
 
 type memoryShard struct {
 	mu      sync.Mutex
-	tats    map[string]int64
+	tats    map[bucketID]int64
 	sweepAt int // sweep full buckets out when the map reaches this size
+}
+
+// bucketID stands for a storage key in the in-process store: 128 bits of
+// two keyed hashes (seeded per process), kept inline in the map, so that a
+// lookup reads no separately allocated string and the garbage collector
+// has no pointers to scan in maps of up to millions of buckets.
+type bucketID [2]uint64
+
+func (m *memoryStore) id(key string) bucketID {
+	return bucketID{maphash.String(m.seed1, key), maphash.String(m.seed2, key)}
 }
 
 // epoch anchors the monotonic clock of in-process buckets.
@@ -38,9 +48,9 @@ var epoch = time.Now()
 func monotonicMicros() int64 { return int64(time.Since(epoch)/time.Microsecond) + 1 }
 
 func newMemoryStore(now func() int64) *memoryStore {
-	m := &memoryStore{seed: maphash.MakeSeed(), now: now}
+	m := &memoryStore{seed1: maphash.MakeSeed(), seed2: maphash.MakeSeed(), now: now}
 	for i := range m.shards {
-		m.shards[i].tats = make(map[string]int64)
+		m.shards[i].tats = make(map[bucketID]int64)
 		m.shards[i].sweepAt = minSweep
 	}
 	return m
@@ -51,38 +61,38 @@ var processMemory = newMemoryStore(monotonicMicros)
 
 const minSweep = 1024
 
-func (m *memoryStore) shardOf(key string) int {
-	return int(maphash.String(m.seed, key) % memoryShards)
-}
-
 func (m *memoryStore) decide(_ context.Context, reqs []bucketRequest) (decision, error) {
+	var idbuf [4]bucketID
+	var shardbuf, lockbuf [4]int
+	ids, shards := idbuf[:0], shardbuf[:0]
+	for _, rq := range reqs {
+		id := m.id(rq.key)
+		ids = append(ids, id)
+		shards = append(shards, int(id[0]%memoryShards))
+	}
 	// Lock every shard involved, in order, so that decisions touching the
 	// same buckets serialise and never deadlock.
-	var idx [8]int
-	shards := idx[:0]
-	for _, rq := range reqs {
-		shards = append(shards, m.shardOf(rq.key))
-	}
-	slices.Sort(shards)
-	shards = slices.Compact(shards)
-	for _, s := range shards {
+	locked := append(lockbuf[:0], shards...)
+	slices.Sort(locked)
+	locked = slices.Compact(locked)
+	for _, s := range locked {
 		m.shards[s].mu.Lock()
 	}
 	defer func() {
-		for _, s := range shards {
+		for _, s := range locked {
 			m.shards[s].mu.Unlock()
 		}
 	}()
 
 	now := m.now()
 	tats := make([]int64, len(reqs))
-	for i, rq := range reqs {
-		tats[i] = m.shards[m.shardOf(rq.key)].tats[rq.key]
+	for i := range reqs {
+		tats[i] = m.shards[shards[i]].tats[ids[i]]
 	}
 	d, next := decideBuckets(tats, now, reqs)
-	for i, rq := range reqs {
+	for i := range reqs {
 		if next[i] != tats[i] {
-			m.shards[m.shardOf(rq.key)].store(rq.key, next[i], now)
+			m.shards[shards[i]].store(ids[i], next[i], now)
 		}
 	}
 	return d, nil
@@ -91,7 +101,7 @@ func (m *memoryStore) decide(_ context.Context, reqs []bucketRequest) (decision,
 // store writes a TAT, first dropping full buckets (TAT in the past) when the
 // shard has doubled since its last sweep: memory stays proportional to the
 // buckets that are not full, as Redis key expiry keeps it there.
-func (s *memoryShard) store(key string, tat, now int64) {
+func (s *memoryShard) store(id bucketID, tat, now int64) {
 	if len(s.tats) >= s.sweepAt {
 		for k, v := range s.tats {
 			if v <= now {
@@ -100,5 +110,5 @@ func (s *memoryShard) store(key string, tat, now int64) {
 		}
 		s.sweepAt = max(minSweep, 2*len(s.tats))
 	}
-	s.tats[key] = tat
+	s.tats[id] = tat
 }
