@@ -1,9 +1,6 @@
 package ratelimit
 
-import (
-	"hash/maphash"
-	"sync"
-)
+import "sync"
 
 // denyCache lets a Redis-backed store deny, without a round trip, a request
 // that certainly cannot fit. After each decision Redis reports a bucket's
@@ -21,7 +18,7 @@ import (
 // cannot deny the next request, and so costs nothing here.
 type denyCache struct {
 	shards [denyShards]denyShard
-	seed   maphash.Seed
+	ids    bucketIDs
 	now    func() int64 // µs on a monotonic clock
 }
 
@@ -29,7 +26,7 @@ const denyShards = 64
 
 type denyShard struct {
 	mu      sync.Mutex
-	known   map[string]knownBucket
+	known   map[bucketID]knownBucket // pointer-free: nothing for the GC to scan
 	sweepAt int
 }
 
@@ -43,16 +40,19 @@ type knownBucket struct {
 }
 
 func newDenyCache(now func() int64) *denyCache {
-	c := &denyCache{seed: maphash.MakeSeed(), now: now}
+	c := &denyCache{ids: newBucketIDs(), now: now}
 	for i := range c.shards {
-		c.shards[i].known = make(map[string]knownBucket)
+		c.shards[i].known = make(map[bucketID]knownBucket)
 		c.shards[i].sweepAt = minSweep
 	}
 	return c
 }
 
-func (c *denyCache) shard(key string) *denyShard {
-	return &c.shards[maphash.String(c.seed, key)%denyShards]
+// bucket is where the cache keeps what it knows of the bucket stored
+// under key (see bucketID).
+func (c *denyCache) bucket(key string) (*denyShard, bucketID) {
+	id := c.ids.of(key)
+	return &c.shards[id[0]%denyShards], id
 }
 
 // deny returns a decision denying reqs when every non-shadow bucket is
@@ -74,9 +74,9 @@ func (c *denyCache) deny(reqs []bucketRequest) (d decision, ok bool) {
 			verdicts = append(verdicts, verdict{wait: neverWait})
 			continue
 		}
-		s := c.shard(rq.key)
+		s, id := c.bucket(rq.key)
 		s.mu.Lock()
-		k, found := s.known[rq.key]
+		k, found := s.known[id]
 		s.mu.Unlock()
 		if !found || k.limit != rq.limit {
 			return decision{}, false
@@ -109,16 +109,16 @@ func (c *denyCache) learn(reqs []bucketRequest, d decision, tats []int64, sent, 
 		if rq.shadow {
 			continue
 		}
-		s := c.shard(rq.key)
+		s, id := c.bucket(rq.key)
 		near := d.verdicts[i].remaining < rq.cost || !d.verdicts[i].allowed
 		s.mu.Lock()
 		if near {
 			if len(s.known) >= s.sweepAt {
 				s.sweep(received)
 			}
-			s.known[rq.key] = knownBucket{limit: rq.limit, tat: tats[i], redisNow: d.now, sent: sent, received: received}
-		} else if _, found := s.known[rq.key]; found {
-			delete(s.known, rq.key)
+			s.known[id] = knownBucket{limit: rq.limit, tat: tats[i], redisNow: d.now, sent: sent, received: received}
+		} else if _, found := s.known[id]; found {
+			delete(s.known, id)
 		}
 		s.mu.Unlock()
 	}

@@ -19,9 +19,9 @@ type store interface {
 // the default without a redis block and the fallback of `on_error local`.
 // It is process-wide, like a Redis server, so buckets survive config reloads.
 type memoryStore struct {
-	shards       [memoryShards]memoryShard
-	seed1, seed2 maphash.Seed
-	now          func() int64 // µs on a monotonic clock; injectable for tests
+	shards [memoryShards]memoryShard
+	ids    bucketIDs
+	now    func() int64 // µs on a monotonic clock; injectable for tests
 }
 
 const memoryShards = 64
@@ -38,8 +38,13 @@ type memoryShard struct {
 // has no pointers to scan in maps of up to millions of buckets.
 type bucketID [2]uint64
 
-func (m *memoryStore) id(key string) bucketID {
-	return bucketID{maphash.String(m.seed1, key), maphash.String(m.seed2, key)}
+// bucketIDs derives bucketIDs from storage keys, with its own seeds.
+type bucketIDs struct{ seed1, seed2 maphash.Seed }
+
+func newBucketIDs() bucketIDs { return bucketIDs{maphash.MakeSeed(), maphash.MakeSeed()} }
+
+func (b bucketIDs) of(key string) bucketID {
+	return bucketID{maphash.String(b.seed1, key), maphash.String(b.seed2, key)}
 }
 
 // epoch anchors the monotonic clock of in-process buckets.
@@ -48,7 +53,7 @@ var epoch = time.Now()
 func monotonicMicros() int64 { return int64(time.Since(epoch)/time.Microsecond) + 1 }
 
 func newMemoryStore(now func() int64) *memoryStore {
-	m := &memoryStore{seed1: maphash.MakeSeed(), seed2: maphash.MakeSeed(), now: now}
+	m := &memoryStore{ids: newBucketIDs(), now: now}
 	for i := range m.shards {
 		m.shards[i].tats = make(map[bucketID]int64)
 		m.shards[i].sweepAt = minSweep
@@ -66,7 +71,7 @@ func (m *memoryStore) decide(_ context.Context, reqs []bucketRequest) (decision,
 	var shardbuf, lockbuf [4]int
 	ids, shards := idbuf[:0], shardbuf[:0]
 	for _, rq := range reqs {
-		id := m.id(rq.key)
+		id := m.ids.of(rq.key)
 		ids = append(ids, id)
 		shards = append(shards, int(id[0]%memoryShards))
 	}
