@@ -2,6 +2,7 @@ package ratelimit
 
 import (
 	"context"
+	"crypto/hmac"
 	"crypto/sha256"
 	"encoding/base64"
 	"encoding/json"
@@ -213,6 +214,13 @@ func FuzzStorageKey(f *testing.F) {
 		plain := prefix + "{" + base64.RawURLEncoding.EncodeToString(sum[:16]) + "}"
 		if (secret == "") != (k1 == plain) {
 			t.Fatalf("secret %q: key %q, plain SHA-256 key %q", secret, k1, plain)
+		}
+		if secret != "" {
+			mac := hmac.New(sha256.New, []byte(secret))
+			mac.Write(id1)
+			if want := prefix + "{" + base64.RawURLEncoding.EncodeToString(mac.Sum(nil)[:16]) + "}"; k1 != want {
+				t.Fatalf("secret %q: key %q, HMAC-SHA-256 key %q", secret, k1, want)
+			}
 		}
 	})
 }

@@ -5,7 +5,6 @@ import (
 	"crypto/sha256"
 	"encoding/base64"
 	"hash"
-	"hash/maphash"
 	"sync"
 )
 
@@ -19,7 +18,7 @@ type keyHasher struct {
 
 func newKeyHasher(secret string) *keyHasher {
 	kh := new(keyHasher)
-	kh.cache.seed = maphash.MakeSeed()
+	kh.cache.ids = newBucketIDs()
 	kh.pool.New = func() any {
 		if secret == "" {
 			return sha256.New()
@@ -34,35 +33,41 @@ func newKeyHasher(secret string) *keyHasher {
 // none of them a brace), a live key costs under 100 bytes of Redis memory.
 const hashLen = 16
 
-// sum returns the hash of identity, in unpadded base64url.
-func (kh *keyHasher) sum(identity string) string {
+// sum returns the hash of identity, truncated to hashLen bytes.
+func (kh *keyHasher) sum(identity string) (sum [hashLen]byte) {
 	h := kh.pool.Get().(hash.Hash)
 	h.Reset()
 	h.Write([]byte(identity))
 	var buf [sha256.Size]byte
-	sum := h.Sum(buf[:0])
+	copy(sum[:], h.Sum(buf[:0]))
 	kh.pool.Put(h)
-	return base64.RawURLEncoding.EncodeToString(sum[:hashLen])
+	return sum
 }
 
 // storageKey is where the policy's bucket for one identity lives:
-// <key_prefix><policy>:{<hash>}. The braces are a Redis Cluster hash tag, so
-// all the policies of one identity live in one slot and one script call can
-// decide them together.
+// <key_prefix><policy>:{<hash>}, the hash in unpadded base64url. The braces
+// are a Redis Cluster hash tag, so all the policies of one identity live in
+// one slot and one script call can decide them together.
 func (p *Policy) storageKey(kh *keyHasher, identity string) string {
-	return p.keyPrefix + "{" + kh.sumCached(identity) + "}"
+	sum := kh.sumCached(identity)
+	b := make([]byte, 0, len(p.keyPrefix)+2+base64.RawURLEncoding.EncodedLen(hashLen))
+	b = append(b, p.keyPrefix...)
+	b = append(b, '{')
+	b = base64.RawURLEncoding.AppendEncode(b, sum[:])
+	return string(append(b, '}'))
 }
 
 // hashCache remembers recent identities' hashes: HMAC-SHA-256 costs more
 // than the rest of a decision in process. It holds at most hashCacheSize
 // identities per shard and is emptied when full, so memory stays bounded
-// whatever clients send. (It is memory only: identities never leave it.)
+// whatever clients send. Identities are looked up by a 128-bit id (see
+// bucketID), so the cache holds neither the identities nor any pointer.
 type hashCache struct {
 	shards [hashCacheShards]struct {
 		mu sync.Mutex
-		m  map[string]string
+		m  map[bucketID][hashLen]byte
 	}
-	seed maphash.Seed
+	ids bucketIDs
 }
 
 const (
@@ -71,22 +76,21 @@ const (
 )
 
 // sumCached is sum through the cache.
-func (kh *keyHasher) sumCached(identity string) string {
-	s := &kh.cache.shards[maphash.String(kh.cache.seed, identity)%hashCacheShards]
+func (kh *keyHasher) sumCached(identity string) [hashLen]byte {
+	id := kh.cache.ids.of(identity)
+	s := &kh.cache.shards[id[0]%hashCacheShards]
 	s.mu.Lock()
-	h, ok := s.m[identity]
+	h, ok := s.m[id]
 	s.mu.Unlock()
 	if ok {
 		return h
 	}
 	h = kh.sum(identity)
-	if len(identity) <= 256 { // a huge identity is not worth keeping
-		s.mu.Lock()
-		if s.m == nil || len(s.m) >= hashCacheSize {
-			s.m = make(map[string]string, hashCacheSize/4)
-		}
-		s.m[identity] = h
-		s.mu.Unlock()
+	s.mu.Lock()
+	if s.m == nil || len(s.m) >= hashCacheSize {
+		s.m = make(map[bucketID][hashLen]byte, hashCacheSize/4)
 	}
+	s.m[id] = h
+	s.mu.Unlock()
 	return h
 }
