@@ -40,13 +40,13 @@ local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 -- redis.REDIS_VERSION_NUM and SET ... NX GET both came with Redis 7.0.
 local setnxget = redis.REDIS_VERSION_NUM ~= nil
 
--- Per key touched by this call: its TAT as the requests so far left it
--- (0: absent, a full bucket), what Redis holds now, and the order of first
--- touch.
-local cur, held, touched = {}, {}, {}
+-- The keys this call touched, in order: slot[key] is a key's index in
+-- touched, cur and held: its TAT as the requests so far left it (0: absent,
+-- a full bucket), and what Redis holds now.
+local slot, touched, cur, held, n = {}, {}, {}, {}, 0
 
 local out = {now}
-local stored, next, allowed = {}, {}, {}
+local stored, next, allowed, at = {}, {}, {}, {}
 local k, a = 0, 1 -- the request's first KEYS and ARGV, less one; its m
 
 while a <= #ARGV do
@@ -56,26 +56,32 @@ while a <= #ARGV do
   for i = 1, m do
     local key = KEYS[k + i]
     local interval, burst, cost, wait = tonumber(ARGV[a]), tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
-    local tat = cur[key]
-    if tat == nil then
+    local j = slot[key]
+    local tat
+    if j then
+      tat = cur[j]
+    else
+      n = n + 1
+      j = n
+      touched[j], slot[key] = key, j
       if setnxget and cost <= burst then
         -- A full bucket admits any cost up to burst.
         local span = cost * interval
         local old = redis.call('SET', key, string.format('%.0f', now + span), 'PX', math.ceil(span / 1000), 'NX', 'GET')
         if old then
           tat = tonumber(old) or 0
-          held[key] = tat
+          held[j] = tat
         else
           tat = 0
-          held[key] = now + span
+          held[j] = now + span
         end
       else
         tat = tonumber(redis.call('GET', key)) or 0
-        held[key] = tat
+        held[j] = tat
       end
-      cur[key] = tat
-      touched[#touched + 1] = key
+      cur[j] = tat
     end
+    at[i] = j
     stored[i] = tat
     -- A TAT in the past is a full bucket; one ahead of a clock that went
     -- backwards only makes the bucket stricter: state never moves backwards.
@@ -92,7 +98,7 @@ while a <= #ARGV do
   out[#out + 1] = admitted
   for i = 1, m do
     if admitted == 1 and allowed[i] == 1 then
-      cur[KEYS[k + i]] = next[i]
+      cur[at[i]] = next[i]
     end
     out[#out + 1] = allowed[i]
     out[#out + 1] = stored[i]
@@ -100,14 +106,14 @@ while a <= #ARGV do
   k = k + m
 end
 
-for _, key in ipairs(touched) do
-  local tat = cur[key]
-  if tat ~= held[key] then
+for j = 1, n do
+  local tat = cur[j]
+  if tat ~= held[j] then
     if tat > now then
       -- Expire once the bucket is full again: a missing key is a full bucket.
-      redis.call('SET', key, string.format('%.0f', tat), 'PX', math.ceil((tat - now) / 1000))
+      redis.call('SET', touched[j], string.format('%.0f', tat), 'PX', math.ceil((tat - now) / 1000))
     else
-      redis.call('DEL', key) -- a guess undone: the key was absent
+      redis.call('DEL', touched[j]) -- a guess undone: the key was absent
     end
   end
 end
