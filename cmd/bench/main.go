@@ -177,8 +177,9 @@ func main() {
 	plain, limited := scenarios[0], scenarios[1:]
 	for r := range *rounds {
 		for i := range limited {
-			sc := limited[(i+r)%len(limited)]
-			if (r+i)%2 == 0 {
+			n := (i + r) % len(limited)
+			sc := limited[n]
+			if (r+n)%2 == 0 { // each scenario's order flips from round to round
 				p := measure(r, plain)
 				sc.ratios = append(sc.ratios, measure(r, sc).rps/p.rps)
 			} else {
