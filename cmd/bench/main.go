@@ -39,7 +39,7 @@ import (
 )
 
 var (
-	rounds      = flag.Int("rounds", 3, "rounds of every scenario, in rotating order")
+	rounds      = flag.Int("rounds", 5, "rounds of every scenario, in rotating order")
 	duration    = flag.Duration("duration", 5*time.Second, "wrk run per scenario and round")
 	connections = flag.Int("connections", 32, "wrk connections")
 	threads     = flag.Int("threads", 2, "wrk threads")
