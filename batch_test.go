@@ -115,8 +115,8 @@ func TestCoalescedDecisions(t *testing.T) {
 }
 
 // TestBatchQueue follows the queue itself, with a stand-in for the script
-// call: a decision sent while a call is in flight waits; a full batch
-// waiting starts another call at once; a finishing call sends everything
+// call: a decision sent while a call is in flight waits; parallelBatch
+// waiting start another call at once; a finishing call sends everything
 // queued meanwhile; a decision whose time ran out in the queue fails
 // without a call; and a call that panics still releases its members and
 // the queue.
@@ -177,8 +177,9 @@ func TestBatchQueue(t *testing.T) {
 	if n := <-started; n != 1 {
 		t.Fatalf("call %d started first", n)
 	}
-	// Call 1 in flight: 63 queue; the 64th makes a full batch, sent at once.
-	for range 64 {
+	// Call 1 in flight: 15 queue; the 16th makes a batch worth a call of
+	// its own, sent at once.
+	for range parallelBatch {
 		go decide(time.Minute)
 	}
 	if n := <-started; n != 2 {
@@ -198,7 +199,7 @@ func TestBatchQueue(t *testing.T) {
 		t.Fatalf("call %d started third", n)
 	}
 	counts := map[string]int{}
-	for range 1 + 64 + 6 - 1 { // all but call 1's
+	for range 1 + parallelBatch + 6 - 1 { // all but call 1's
 		r := <-results
 		switch {
 		case r.panicked:
@@ -213,7 +214,7 @@ func TestBatchQueue(t *testing.T) {
 			t.Fatalf("unexpected outcome: %v", r.err)
 		}
 	}
-	want := map[string]int{"decided": 64, "timed out in the queue": 1, "panicked": 1, "aborted": 4}
+	want := map[string]int{"decided": parallelBatch, "timed out in the queue": 1, "panicked": 1, "aborted": 4}
 	if !maps.Equal(counts, want) {
 		t.Fatalf("outcomes %v, want %v", counts, want)
 	}
@@ -226,7 +227,7 @@ func TestBatchQueue(t *testing.T) {
 	if r := <-results; r.err != nil {
 		t.Fatalf("lone decision: %v", r.err)
 	}
-	if want := []int{1, 64, 5, 1}; !slices.Equal(sizes, want) {
+	if want := []int{1, parallelBatch, 5, 1}; !slices.Equal(sizes, want) {
 		t.Fatalf("calls carried %v decisions, want %v", sizes, want)
 	}
 }
