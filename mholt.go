@@ -1,0 +1,170 @@
+package ratelimit
+
+import (
+	"fmt"
+	"strconv"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"go.uber.org/zap"
+)
+
+// unmarshalZone reads mholt/caddy-ratelimit's zone as a policy of the same
+// name: `events N window W` is `rate N/W burst N` (a full bucket admits N
+// at once, as an empty sliding window does, then N per W), and a zone
+// without a key is one bucket for everyone, as there.
+func unmarshalZone(d *caddyfile.Dispenser) (_ *Policy, err error) {
+	p := new(Policy)
+	at, fail, err := namedBlock(d, "zone", &p.Name)
+	if err != nil {
+		return nil, err
+	}
+	defer prefixErr(&err, "zone", p.Name)
+	var events int64
+	var window string
+	for nesting := d.Nesting(); d.NextBlock(nesting); {
+		switch sub := d.Val(); sub {
+		case "match":
+			if p.MatchRaw != nil {
+				return nil, fail("match", "defined twice: a zone here takes one match block (one matcher set, all of whose matchers must match)")
+			}
+			set, err := caddyhttp.ParseCaddyfileNestedMatcherSet(d)
+			if err != nil { // it has the line already
+				return nil, fmt.Errorf("zone %q: match: %w", p.Name, err)
+			}
+			p.MatchRaw = set
+		case "key":
+			if p.Key != "" {
+				return nil, fail("key", "defined twice")
+			}
+			if err := oneArg(d, &p.Key); err != nil {
+				return nil, err
+			}
+		case "events":
+			if events != 0 {
+				return nil, fail("events", "defined twice")
+			}
+			var s string
+			if err := oneArg(d, &s); err != nil {
+				return nil, err
+			}
+			n, err := strconv.ParseInt(s, 10, 64)
+			if err != nil || n < 1 {
+				return nil, fail("events", "%q must be a positive integer", s)
+			}
+			events = n
+		case "window":
+			if window != "" {
+				return nil, fail("window", "defined twice")
+			}
+			if err := oneArg(d, &window); err != nil {
+				return nil, err
+			}
+			if dur, err := caddy.ParseDuration(window); err != nil || dur <= 0 {
+				return nil, fail("window", "%q is not a positive duration", window)
+			}
+		default:
+			return nil, d.Errf("zone %q: unrecognized subdirective %q (a zone takes match, key, events and window)", p.Name, sub)
+		}
+	}
+	if events == 0 || window == "" {
+		return nil, at.Errf("zone %q: events and window are both required", p.Name)
+	}
+	if p.Key == "" {
+		p.Key = "static" // one bucket for the whole zone
+	}
+	p.Rate = strconv.FormatInt(events, 10) + "/" + window
+	p.Burst = events
+	if err := p.settle(); err != nil {
+		return nil, at.Errf("zone %q: events %d window %s: %v", p.Name, events, window, err)
+	}
+	return p, nil
+}
+
+// ignoredSubdirective is one of mholt/caddy-ratelimit's subdirectives that
+// have no use here, and where it was.
+type ignoredSubdirective struct {
+	name string
+	file string
+	line int
+}
+
+// skipMholtSubdirective consumes `distributed [{...}]`, `storage
+// <module...> [{...}]`, `sweep_interval <duration>` or `log_key`, checking
+// what mholt/caddy-ratelimit checked, so that a typo still fails.
+func skipMholtSubdirective(d *caddyfile.Dispenser) (ignoredSubdirective, error) {
+	ig := ignoredSubdirective{name: d.Val(), file: d.File(), line: d.Line()}
+	switch ig.name {
+	case "distributed":
+		if d.NextArg() {
+			return ig, d.Errf("distributed: unexpected argument %q", d.Val())
+		}
+		for nesting := d.Nesting(); d.NextBlock(nesting); {
+			switch sub := d.Val(); sub {
+			case "read_interval", "write_interval", "purge_age":
+				var s string
+				if err := oneArg(d, &s); err != nil {
+					return ig, fmt.Errorf("distributed: %w", err)
+				}
+				if _, err := caddy.ParseDuration(s); err != nil {
+					return ig, d.Errf("distributed: %s: %q is not a duration", sub, s)
+				}
+			default:
+				return ig, d.Errf("distributed: unrecognized subdirective %q", sub)
+			}
+		}
+	case "storage":
+		if !d.NextArg() {
+			return ig, d.Err("storage: a storage module is required, as in storage <module> ...")
+		}
+		d.RemainingArgs()
+		for nesting := d.Nesting(); d.NextBlock(nesting); {
+		}
+	case "sweep_interval":
+		var s string
+		if err := oneArg(d, &s); err != nil {
+			return ig, err
+		}
+		if dur, err := caddy.ParseDuration(s); err != nil || dur <= 0 {
+			return ig, d.Errf("sweep_interval: %q is not a positive duration", s)
+		}
+	case "log_key":
+		if err := noArg(d); err != nil {
+			return ig, err
+		}
+	}
+	return ig, nil
+}
+
+// why says why the subdirective is not needed.
+func (ig ignoredSubdirective) why(haveRedis bool) string {
+	const from = " (a mholt/caddy-ratelimit subdirective)"
+	switch ig.name {
+	case "distributed":
+		if haveRedis {
+			return "rate_limit: distributed" + from + " is not needed and is ignored: the redis block shares every bucket " +
+				"between instances, each decision exact and atomic in Redis, instead of approximate state synced through Caddy storage"
+		}
+		return "rate_limit: distributed" + from + " is ignored: limits are shared through Redis, not Caddy storage. " +
+			"Without a redis { address <host:port> } block these limits are per instance: N instances allow N times the rate"
+	case "storage":
+		return "rate_limit: storage" + from + " is not needed and is ignored: shared state lives in Redis (the redis block), not in a Caddy storage module"
+	case "sweep_interval":
+		return "rate_limit: sweep_interval" + from + " is not needed and is ignored: Redis keys expire by themselves when their " +
+			"bucket is full again, and the in-process store sweeps full buckets as it grows"
+	default: // log_key
+		return "rate_limit: log_key" + from + " is ignored: raw keys are never logged or stored, only keyed hashes. " +
+			"Denials are logged at DEBUG with the policy; log_append rate_limit_policy {http.rate_limit.policy} adds it to access logs"
+	}
+}
+
+// warnCaddyfile reports, at adapt time, a subdirective that is accepted
+// but ignored. A handler directive cannot add to the adapter's warnings
+// (httpcaddyfile.Helper keeps that list unexported), so the warning is
+// logged as `caddy adapt` and `caddy run` log the adapter's own: at WARN,
+// under the adapter's name, with the file and line (as Caddy's own
+// deprecated directives do). Tests replace it to collect the warnings.
+var warnCaddyfile = func(file string, line int, msg string) {
+	caddy.Log().Named("caddyfile").Warn(msg, zap.String("file", file), zap.Int("line", line))
+}
