@@ -14,9 +14,11 @@ build:
 
 # Every test: formatting, vet, the package under the race detector, and the
 # integration tests that run the built Caddy against real redis-server
-# processes (started by the tests on free loopback ports).
+# processes (started by the tests on free loopback ports). One package at a
+# time (-p 1): the integration tests load the machine on purpose, and must
+# not also compete with the unit tests for its two cores.
 test: redis-server check
-	$(GO) test -race -count=1 ./...
+	$(GO) test -race -count=1 -p 1 ./...
 
 # Four Caddy instances on one budget, with in-process buckets (about 4x over)
 # and with buckets in Redis (on budget), then four sidecars sharing a 1/s

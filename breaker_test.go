@@ -3,20 +3,21 @@ package ratelimit
 import (
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 )
 
 // TestBreaker walks the circuit breaker through its states on a clock the
-// test moves: it opens after breakerFailures consecutive failures, lets
-// nothing through for breakerCooldown, then one probe at a time, and closes
-// on a successful probe.
+// test moves: it opens after breakerFailures failed calls in a row spanning
+// breakerSpan, lets nothing through for breakerCooldown, then one probe at
+// a time, and closes on a successful probe.
 func TestBreaker(t *testing.T) {
 	now := time.Unix(1000, 0)
 	var changes []string
 	b := newBreaker(func(from, to breakerState) { changes = append(changes, from.String()+"->"+to.String()) })
 	b.now = func() time.Time { return now }
-	pass := func(outcome breakerOutcome) bool {
+	pass := func(outcome callResult) bool {
 		t.Helper()
 		gen, ok := b.allow()
 		if ok {
@@ -29,25 +30,38 @@ func TestBreaker(t *testing.T) {
 	// not open it.
 	for range 3 {
 		for range breakerFailures - 1 {
-			if !pass(breakerFailure) {
+			if !pass(callFailed) {
 				t.Fatal("refused while closed")
 			}
 		}
-		pass(breakerIgnored)
-		pass(breakerSuccess)
+		pass(callIgnored)
+		pass(callAnswered)
 	}
 	if len(changes) != 0 {
 		t.Fatalf("changed state after interleaved failures: %v", changes)
 	}
 
-	for range breakerFailures {
-		pass(breakerFailure)
+	// Calls that were in flight together when one connection was cut fail
+	// in the same instant: however many, they are one event.
+	for range 20 * breakerFailures {
+		pass(callFailed)
 	}
-	if pass(breakerSuccess) {
+	if len(changes) != 0 || !pass(callAnswered) {
+		t.Fatalf("opened on %d calls that failed at once: %v", 20*breakerFailures, changes)
+	}
+
+	// Failures in a row over breakerSpan open it.
+	for i := range breakerFailures {
+		if i > 0 {
+			now = now.Add(breakerSpan / (breakerFailures - 1))
+		}
+		pass(callFailed)
+	}
+	if pass(callAnswered) {
 		t.Fatalf("let a decision through right after %d failures (%v)", breakerFailures, changes)
 	}
 	now = now.Add(breakerCooldown - time.Millisecond)
-	if pass(breakerSuccess) {
+	if pass(callAnswered) {
 		t.Fatal("let a decision through before the cooldown ended")
 	}
 
@@ -60,8 +74,8 @@ func TestBreaker(t *testing.T) {
 	if _, ok := b.allow(); ok {
 		t.Fatal("a second decision went with the probe out")
 	}
-	b.done(probe, breakerFailure)
-	if pass(breakerSuccess) {
+	b.done(probe, callFailed)
+	if pass(callAnswered) {
 		t.Fatal("let a decision through after the probe failed")
 	}
 
@@ -69,12 +83,12 @@ func TestBreaker(t *testing.T) {
 	// whose success closes the breaker.
 	now = now.Add(breakerCooldown)
 	probe, _ = b.allow()
-	b.done(probe, breakerIgnored)
-	if !pass(breakerSuccess) {
+	b.done(probe, callIgnored)
+	if !pass(callAnswered) {
 		t.Fatal("no second probe after an ignored one")
 	}
 	for range 10 {
-		if !pass(breakerSuccess) {
+		if !pass(callAnswered) {
 			t.Fatal("refused after it closed")
 		}
 	}
@@ -97,7 +111,8 @@ func TestBreakerStaleOutcomes(t *testing.T) {
 		inFlight = append(inFlight, gen)
 	}
 	for _, gen := range inFlight[:breakerFailures] {
-		b.done(gen, breakerFailure)
+		b.done(gen, callFailed)
+		now = now.Add(breakerSpan)
 	}
 	now = now.Add(breakerCooldown)
 	probe, ok := b.allow()
@@ -105,12 +120,12 @@ func TestBreakerStaleOutcomes(t *testing.T) {
 		t.Fatal("no probe after the cooldown")
 	}
 	for _, gen := range inFlight[breakerFailures:] {
-		b.done(gen, breakerSuccess) // late: from before it opened
+		b.done(gen, callAnswered) // late: from before it opened
 	}
 	if breakerState(b.state.Load()) != breakerHalfOpen {
 		t.Fatalf("state %v after stale successes, want half-open", breakerState(b.state.Load()))
 	}
-	b.done(probe, breakerSuccess)
+	b.done(probe, callAnswered)
 	if breakerState(b.state.Load()) != breakerClosed {
 		t.Fatalf("state %v after a successful probe", breakerState(b.state.Load()))
 	}
@@ -128,6 +143,10 @@ func TestBreakerConcurrent(t *testing.T) {
 			mu.Unlock()
 		}
 	})
+	// Each reading of the clock moves it 1 ms: the failures span seconds.
+	var ticks atomic.Int64
+	start := time.Now()
+	b.now = func() time.Time { return start.Add(time.Duration(ticks.Add(1)) * time.Millisecond) }
 	var wg sync.WaitGroup
 	for range 8 {
 		wg.Add(1)
@@ -135,7 +154,7 @@ func TestBreakerConcurrent(t *testing.T) {
 			defer wg.Done()
 			for range 200 {
 				if gen, ok := b.allow(); ok {
-					b.done(gen, breakerFailure)
+					b.done(gen, callFailed)
 				}
 			}
 		}()
@@ -144,7 +163,7 @@ func TestBreakerConcurrent(t *testing.T) {
 	if opened != 1 {
 		t.Fatalf("opened %d times within one cooldown", opened)
 	}
-	b.now = func() time.Time { return time.Now().Add(breakerCooldown) }
+	b.now = func() time.Time { return start.Add(time.Hour) }
 	var through sync.WaitGroup
 	got := make(chan uint64, 8)
 	for range 8 {

@@ -1,54 +1,95 @@
 package ratelimit
 
+import "math"
+
 // The token bucket, stored GCRA-style as one number per bucket: the
 // theoretical arrival time (TAT), in integer microseconds. A bucket of
 // capacity burst that gains one token every interval µs holds
 // (now + burst·interval − TAT) / interval tokens, capped at burst; a request
-// of cost k takes k tokens by moving TAT forward k·interval.
+// of cost k takes k tokens by moving TAT forward k·interval. A TAT in the
+// past is a full bucket, as is a missing one (TAT 0).
 //
-// Everything is integer arithmetic on values below 2^53, so the Lua script
-// (whose numbers are doubles) computes bit-for-bit what this file computes.
-// lua/decide.lua is the same algorithm; bucket_lua_test.go holds them to it.
+// A bucket is stored with the interval its TAT was written under, and read
+// against the limit of the current config (rebase): what it keeps across a
+// change of limit is the tokens it owes, not the time until it is full.
+//
+// Everything is integer arithmetic on values below 2^53 (and one float64
+// expression that Lua evaluates the same way), so the Lua script computes
+// bit-for-bit what this file computes. lua/decide.lua is the same
+// algorithm; bucket_lua_test.go holds them to it.
 
 // maxBucketSpan bounds burst·interval (and so every TAT offset) well inside
 // the 2^53 range in which a double holds every integer exactly, even when
 // added to a Unix time in µs (≈1.8e15).
 const maxBucketSpan = 1 << 51
 
-// neverWait is the wait of a request whose cost exceeds the bucket's
+// neverFits is the wait of a request whose cost exceeds the bucket's
 // capacity: no amount of waiting lets it pass.
-const neverWait = -1
+const neverFits = -1
 
-// limit is a bucket's shape: one token every interval µs, at most burst.
+// limit is a bucket's shape under the current config.
 type limit struct {
 	interval int64 // µs per token
 	burst    int64 // capacity in tokens
+	// slack is how far, in µs, a TAT may run beyond a full refill (tau):
+	// slots reserved by `wait`, and debt from charges made after the
+	// response. A stored state beyond tau + slack is read as tau + slack.
+	slack int64
 }
 
 // tau is the time the bucket takes to refill from empty, in µs.
 func (l limit) tau() int64 { return l.interval * l.burst }
 
-// bucketRequest asks one bucket for cost tokens.
+// bucketOp is what a bucketRequest does to its bucket.
+type bucketOp int8
+
+const (
+	// opTake admits the request when its cost fits (now, or within its
+	// wait: a reserved slot) and charges it if the request is admitted.
+	opTake bucketOp = iota + 1
+	// opCheck admits the request when its cost fits, and charges nothing:
+	// `charge_if` charges once the response is known.
+	opCheck
+	// opAdjust charges delta tokens (possibly into debt, at most slack) or
+	// gives -delta back (never beyond a full bucket), whatever the bucket
+	// holds: charges after the response, refunds, grants.
+	opAdjust
+	// opInspect reads the bucket.
+	opInspect
+	// opReset makes the bucket full.
+	opReset
+)
+
+// admits reports whether the op takes part in an admission decision.
+func (op bucketOp) admits() bool { return op == opTake || op == opCheck }
+
+// bucketRequest is one operation on one bucket.
 type bucketRequest struct {
-	key    string // storage key (see key.go)
-	limit  limit
-	cost   int64
-	shadow bool // decided apart: never changes whether the request is admitted
-	// wait: µs a request may be held for its reserved slot (policy `wait`);
-	// 0 for a policy that admits now or never.
+	key   string // storage key (see key.go)
+	limit limit
+	op    bucketOp
+	// cost: tokens the request needs (opTake, opCheck).
+	cost int64
+	// delta: tokens opAdjust charges (> 0) or gives back (< 0).
+	delta int64
+	// shadow: decided apart; never changes whether the request is admitted.
+	shadow bool
+	// wait: µs ahead an opTake may reserve a slot (policy `wait`, while the
+	// policy has room to hold the request); 0: now or never.
 	wait int64
 }
 
-// verdict is one policy's part of a decision.
+// verdict is one bucket's part of a decision.
 type verdict struct {
 	// allowed: this bucket alone would admit the request.
 	allowed bool
-	// remaining: whole tokens left after the decision (after charging, if the
-	// request was admitted and this bucket charged).
+	// remaining: whole tokens left after the decision (after charging, if
+	// the request was admitted and this bucket charged); negative in debt.
 	remaining int64
-	// wait in µs: on a bucket that would deny, until its cost fits (neverWait
-	// when it never can); otherwise until one more token, 0 when full.
-	wait int64
+	// untilFits in µs: on a bucket that would deny, until the cost fits
+	// (neverFits when it never can); otherwise until one more token, 0 when
+	// full.
+	untilFits int64
 	// delay in µs: until the slot this request reserved (policy `wait`);
 	// 0 when it passes now.
 	delay int64
@@ -71,18 +112,36 @@ func start(tat, now int64) int64 {
 	return tat
 }
 
+// rebase reads a stored TAT, written when the bucket gained a token every
+// storedInterval µs, against l at now: the tokens it owes are kept (a limit
+// raised frees a throttled client, one lowered applies at once), but never
+// more than l lets a bucket owe (burst, reserved slots and debt).
+func (l limit) rebase(tat, storedInterval, now int64) int64 {
+	if tat <= now {
+		return tat
+	}
+	ahead := tat - now
+	if storedInterval != l.interval && storedInterval > 0 {
+		// The tokens owed, ahead/storedInterval, at the current interval.
+		// Lua evaluates this double expression the same way.
+		ahead = int64(math.Floor(float64(ahead) * float64(l.interval) / float64(storedInterval)))
+	}
+	return now + min(ahead, l.tau()+l.slack)
+}
+
 // fits reports whether cost tokens are in the bucket at now, or will be
 // within wait µs, given the starting TAT base (see start).
 func (l limit) fits(base, now, cost, wait int64) bool {
 	return cost <= l.burst && base+cost*l.interval-now <= l.tau()+wait
 }
 
-// tokens returns the whole tokens in the bucket at now and the µs until one
-// more (0 when full).
+// tokens returns the whole tokens in the bucket at now (negative when it
+// owes: debt, or slots reserved beyond its capacity) and the µs until it
+// holds one token more than max(n, 0), 0 when full.
 func (l limit) tokens(base, now int64) (n, next int64) {
 	avail := now + l.tau() - base
-	if avail < 0 { // TAT ahead of a clock that went backwards
-		return 0, l.interval - avail
+	if avail < 0 {
+		return -((-avail + l.interval - 1) / l.interval), l.interval - avail
 	}
 	n = avail / l.interval
 	if n >= l.burst {
@@ -91,14 +150,30 @@ func (l limit) tokens(base, now int64) (n, next int64) {
 	return n, l.interval - avail%l.interval
 }
 
-// decideBuckets is the whole decision, given each bucket's stored TAT (0 for
-// a missing key) at now: every non-shadow bucket must fit for the request to
-// be admitted; if it is, every bucket that fits is charged. It returns the
-// TATs to store (equal to the input where nothing was charged).
+// adjust is the TAT after charging delta tokens (delta > 0, into debt up to
+// slack) or giving -delta back (never beyond a full bucket, which is now).
+func (l limit) adjust(tat, now, delta int64) int64 {
+	next := start(tat, now) + delta*l.interval
+	return max(now, min(next, now+l.tau()+l.slack))
+}
+
+// decideBuckets is the whole decision of one request, given each bucket's
+// TAT at now as rebase read it: every non-shadow bucket of an admitting op
+// must fit for the request to be admitted; if it is, every opTake bucket
+// that fits is charged. Other ops are applied whatever the decision. It
+// returns the TATs to store where applied says the bucket changed.
 func decideBuckets(tats []int64, now int64, reqs []bucketRequest) (decision, []int64) {
 	d := decision{admitted: true, now: now, verdicts: make([]verdict, len(reqs))}
 	for i, rq := range reqs {
-		d.verdicts[i].allowed = rq.limit.fits(start(tats[i], now), now, rq.cost, rq.wait)
+		if !rq.op.admits() {
+			d.verdicts[i].allowed = true
+			continue
+		}
+		wait := rq.wait
+		if rq.op == opCheck {
+			wait = 0
+		}
+		d.verdicts[i].allowed = rq.limit.fits(start(tats[i], now), now, rq.cost, wait)
 		if !d.verdicts[i].allowed && !rq.shadow {
 			d.admitted = false
 		}
@@ -107,27 +182,46 @@ func decideBuckets(tats []int64, now int64, reqs []bucketRequest) (decision, []i
 	for i, rq := range reqs {
 		v := &d.verdicts[i]
 		base := start(tats[i], now)
-		if d.admitted && v.allowed {
+		switch {
+		case rq.op == opTake && d.admitted && v.allowed:
 			base += rq.cost * rq.limit.interval
 			next[i] = base
 			// A slot beyond the bucket's capacity now is a reservation: the
 			// request is held until then.
 			v.delay = max(0, base-rq.limit.tau()-now)
 			d.delay = max(d.delay, v.delay)
+		case rq.op == opAdjust:
+			base = rq.limit.adjust(tats[i], now, rq.delta)
+			next[i] = base
+		case rq.op == opReset:
+			base, next[i] = now, 0
 		}
-		v.remaining, v.wait = rq.limit.tokens(base, now)
+		v.remaining, v.untilFits = rq.limit.tokens(base, now)
 		if !v.allowed {
-			v.wait = denialWait(rq, base, now)
+			v.untilFits = untilFits(rq, base, now)
 		}
 	}
 	return d, next
 }
 
-// denialWait is how long a denied request must wait until its cost fits in
+// applied reports whether the decision d changed the bucket of reqs[i]:
+// the store then writes next[i] under the request's limit (deleting the
+// bucket when next[i] is not ahead of now: full).
+func applied(reqs []bucketRequest, d decision, i int) bool {
+	switch reqs[i].op {
+	case opTake:
+		return d.admitted && d.verdicts[i].allowed
+	case opAdjust, opReset:
+		return true
+	}
+	return false
+}
+
+// untilFits is how long a denied request must wait until its cost fits in
 // the bucket whose starting TAT is base.
-func denialWait(rq bucketRequest, base, now int64) int64 {
+func untilFits(rq bucketRequest, base, now int64) int64 {
 	if rq.cost > rq.limit.burst {
-		return neverWait
+		return neverFits
 	}
 	return base + rq.cost*rq.limit.interval - rq.limit.tau() - now
 }

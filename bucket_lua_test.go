@@ -22,12 +22,12 @@ func newTestRedis(t *testing.T) (*testredis.Server, *redis.Client, *redisStore) 
 	srv := testredis.Start(t)
 	client := redis.NewClient(&redis.Options{Addr: srv.Addr})
 	t.Cleanup(func() { client.Close() })
-	conn, err := newRedisConn(RedisConfig{Addresses: []string{srv.Addr}}, zap.NewNop())
+	conn, err := newRedisConn(RedisConfig{Addresses: []string{srv.Addr}}.resolved(), zap.NewNop())
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { conn.Destruct() })
-	return srv, client, &redisStore{conn: conn, timeout: 2 * time.Second}
+	return srv, client, &redisStore{conn: conn, denials: conn.denials}
 }
 
 // evalDecide runs lua/decide.lua for requests in one call, with EVAL (as
@@ -38,9 +38,9 @@ func evalDecide(ctx context.Context, client redis.UniversalClient, requests ...[
 
 // evalScript is evalDecide with another version of the script.
 func evalScript(ctx context.Context, client redis.UniversalClient, script string, requests ...[]bucketRequest) ([]int64, error) {
-	batch := make([]*pendingDecision, len(requests))
+	batch := make([]*pending, len(requests))
 	for i, r := range requests {
-		batch[i] = &pendingDecision{reqs: r}
+		batch[i] = &pending{reqs: r}
 	}
 	args := scriptCall(batch)
 	args[0], args[1] = "eval", script
@@ -51,10 +51,13 @@ func evalScript(ctx context.Context, client redis.UniversalClient, script string
 // lua/decide.lua on a real Redis and through the Go algorithm (fed the
 // script's own clock), and requires identical decisions, stored state,
 // remaining tokens and waits, and TTLs that end no later than the bucket is
-// full again. Calls carry one to four requests, which may share buckets, as
-// coalesced calls do: the script decides them in order. It runs the script
-// as Redis 7 runs it (a missing key created by SET NX GET, undone when the
-// request is denied) and as older Redis runs it (GET, then SET).
+// full again. Requests take, check, adjust (charges into debt and refunds),
+// inspect and reset, under limits that change from request to request (as
+// a reload changes them: the state is rebased); calls carry one to four
+// requests, which may share buckets, as coalesced calls do: the script
+// decides them in order. It runs the script as Redis 7 runs it (a missing
+// key created by SET NX GET, undone when the request is denied) and as
+// older Redis runs it (GET, then SET).
 func TestLuaMatchesGoBucket(t *testing.T) {
 	_, client, _ := newTestRedis(t)
 	const probe = "redis.REDIS_VERSION_NUM ~= nil"
@@ -71,20 +74,45 @@ func TestLuaMatchesGoBucket(t *testing.T) {
 	})
 }
 
+// parseStored reads a bucket as the script stores it: "<tat>:<interval>".
+func parseStored(t *testing.T, v string) storedBucket {
+	t.Helper()
+	tat, interval, ok := strings.Cut(v, ":")
+	b := storedBucket{}
+	var err1, err2 error
+	b.tat, err1 = strconv.ParseInt(tat, 10, 64)
+	b.interval, err2 = strconv.ParseInt(interval, 10, 64)
+	if !ok || err1 != nil || err2 != nil {
+		t.Fatalf("stored bucket %q is not <tat>:<interval>", v)
+	}
+	return b
+}
+
 func luaMatchesGoBucket(t *testing.T, client *redis.Client, script string) {
 	ctx := context.Background()
 	rng := rand.New(rand.NewPCG(1, 2))
 
-	limits := []limit{
-		{interval: 1000, burst: 5},           // 1000/1s, burst 5
-		{interval: 20_000, burst: 3},         // 50/1s
-		{interval: 333_333, burst: 10},       // 3/1s, burst 10
-		{interval: 600_000, burst: 100},      // 100/1m
-		{interval: 1, burst: 1_000_000},      // the fastest allowed
-		{interval: 86_400_000_000, burst: 1}, // 1/1d
+	// Each policy has two limits, as two configs before and after a
+	// reload may give it.
+	limits := [][2]limit{
+		{{interval: 1000, burst: 5}, {interval: 500, burst: 8}},                             // 1000/1s burst 5, then 2000/1s burst 8
+		{{interval: 20_000, burst: 3, slack: 60_000}, {interval: 20_000, burst: 2}},         // 50/1s with wait, then a lower burst
+		{{interval: 333_333, burst: 10, slack: 3_333_330}, {interval: 1_000_000, burst: 4}}, // 3/1s with debt, then 1/1s
+		{{interval: 600_000, burst: 100}, {interval: 10_000, burst: 100}},                   // 100/1m, then 100/1s
+		{{interval: 1, burst: 1_000_000}, {interval: 1, burst: 1_000_000}},                  // the fastest allowed
+		{{interval: 86_400_000_000, burst: 1}, {interval: 60_000_000, burst: 3}},            // 1/1d, then 1/1m burst 3
 	}
+	ops := []bucketOp{opTake, opTake, opTake, opTake, opTake, opCheck, opAdjust, opAdjust, opInspect}
 	randomRequest := func() []bucketRequest {
+		if rng.IntN(40) == 0 { // an operator's reset
+			li := rng.IntN(len(limits))
+			return []bucketRequest{{key: fmt.Sprintf("rl:p%d:{id%d}", li, rng.IntN(3)), limit: limits[li][rng.IntN(2)], op: opReset}}
+		}
+		op := ops[rng.IntN(len(ops))]
 		n := 1 + rng.IntN(3)
+		if !op.admits() {
+			n = 1 // adjustments and reads go alone, as after a response
+		}
 		var reqs []bucketRequest
 		used := map[string]bool{}
 		for len(reqs) < n {
@@ -94,22 +122,38 @@ func luaMatchesGoBucket(t *testing.T, client *redis.Client, script string) {
 				continue
 			}
 			used[key] = true
-			l := limits[li]
-			cost := 1 + rng.Int64N(3)
-			if rng.IntN(20) == 0 {
-				cost = l.burst + 1 // can never pass
+			l := limits[li][0]
+			if rng.IntN(10) == 0 {
+				l = limits[li][1]
 			}
-			rq := bucketRequest{key: key, limit: l, cost: cost, shadow: rng.IntN(5) == 0}
-			if !rq.shadow && rng.IntN(4) == 0 {
-				rq.wait = rng.Int64N(4 * l.interval) // may reserve a future slot
+			rq := bucketRequest{key: key, limit: l, op: op}
+			switch op {
+			case opTake, opCheck:
+				rq.cost = 1 + rng.Int64N(3)
+				if rng.IntN(20) == 0 {
+					rq.cost = l.burst + 1 // can never pass
+				}
+				rq.shadow = rng.IntN(5) == 0
+				if op == opTake && !rq.shadow && l.slack > 0 && rng.IntN(2) == 0 {
+					rq.wait = rng.Int64N(l.slack + 1) // may reserve a future slot
+				}
+				if op == opTake && rng.IntN(3) == 0 {
+					op = opCheck // a charge_if policy beside a rate one
+					rq.op = opCheck
+				}
+			case opAdjust:
+				rq.delta = rng.Int64N(9) - 4 // a charge after the response, or a refund
+				if rq.delta == 0 {
+					rq.delta = 3
+				}
 			}
 			reqs = append(reqs, rq)
 		}
 		return reqs
 	}
-	model := map[string]int64{} // the Go side's own state
-	var admitted, denied, requests int
-	for step := range 2000 {
+	model := map[string]storedBucket{} // the Go side's own state
+	var admitted, denied, requests, rebased int
+	for step := range 3000 {
 		batch := make([][]bucketRequest, 1+rng.IntN(4))
 		for r := range batch {
 			batch[r] = randomRequest()
@@ -119,21 +163,25 @@ func luaMatchesGoBucket(t *testing.T, client *redis.Client, script string) {
 			t.Fatalf("step %d: script: %v", step, err)
 		}
 		now, off := res[0], 1
-		pb := make([]*pendingDecision, len(batch))
+		pb := make([]*pending, len(batch))
 		for r, reqs := range batch {
-			pb[r] = &pendingDecision{reqs: reqs}
+			pb[r] = &pending{reqs: reqs}
 			out := res[off : off+1+2*len(reqs)]
 			off += len(out)
 			tats := make([]int64, len(reqs))
 			for i, rq := range reqs {
-				tats[i] = model[rq.key]
+				b := model[rq.key]
+				tats[i] = rq.limit.rebase(b.tat, b.interval, now)
+				if b.tat > now && b.interval != rq.limit.interval {
+					rebased++
+				}
 				if got := start(out[2+2*i], now); got != start(tats[i], now) {
 					t.Fatalf("step %d, request %d: bucket %s: Redis held TAT %d, Go %d (now %d)", step, r, rq.key, out[2+2*i], tats[i], now)
 				}
 			}
 			want, next := decideBuckets(tats, now, reqs)
-			if want.admitted != (out[0] == 1) {
-				t.Fatalf("step %d, request %d: Lua admitted=%d, Go %v", step, r, out[0], want.admitted)
+			if want.admitted != (out[0] == scriptAdmitted) {
+				t.Fatalf("step %d, request %d: Lua status %d, Go admitted %v", step, r, out[0], want.admitted)
 			}
 			got, _, err := decisionFromScript(now, out, reqs)
 			if err != nil {
@@ -143,12 +191,20 @@ func luaMatchesGoBucket(t *testing.T, client *redis.Client, script string) {
 				if got.verdicts[i] != want.verdicts[i] {
 					t.Fatalf("step %d, request %d: bucket %s: Lua-state verdict %+v, Go %+v", step, r, rq.key, got.verdicts[i], want.verdicts[i])
 				}
-				model[rq.key] = next[i]
+				switch {
+				case !applied(reqs, want, i):
+				case next[i] <= now:
+					delete(model, rq.key)
+				default:
+					model[rq.key] = storedBucket{next[i], rq.limit.interval}
+				}
 			}
-			if want.admitted {
-				admitted++
-			} else {
-				denied++
+			if reqs[0].op.admits() {
+				if want.admitted {
+					admitted++
+				} else {
+					denied++
+				}
 			}
 			requests++
 		}
@@ -157,29 +213,30 @@ func luaMatchesGoBucket(t *testing.T, client *redis.Client, script string) {
 		}
 		for _, reqs := range batch {
 			for _, rq := range reqs {
-				stored, err := client.Get(ctx, rq.key).Int64()
+				v, err := client.Get(ctx, rq.key).Result()
 				if err == redis.Nil {
 					// Expired since: Redis expires a key no earlier than its TAT.
 					after, err := client.Time(ctx).Result()
 					if err != nil {
 						t.Fatal(err)
 					}
-					if model[rq.key] > after.UnixMicro() {
-						t.Fatalf("step %d: bucket %s: gone at %d, before its TAT %d", step, rq.key, after.UnixMicro(), model[rq.key])
+					if model[rq.key].tat > after.UnixMicro() {
+						t.Fatalf("step %d: bucket %s: gone at %d, before its TAT %d", step, rq.key, after.UnixMicro(), model[rq.key].tat)
 					}
 					continue
 				} else if err != nil {
 					t.Fatal(err)
 				}
-				if start(stored, now) != start(model[rq.key], now) {
-					t.Fatalf("step %d: bucket %s: Redis stored %d after the call, Go %d", step, rq.key, stored, model[rq.key])
+				stored, want := parseStored(t, v), model[rq.key]
+				if start(stored.tat, now) != start(want.tat, now) || stored.tat > now && stored.interval != want.interval {
+					t.Fatalf("step %d: bucket %s: Redis stored %+v after the call, Go %+v", step, rq.key, stored, want)
 				}
 				// A live key expires once its bucket is full again, not later
 				// (give or take the 2 ms of rounding TTLs to whole ms twice:
 				// when set, and in PTTL). PTTL: -1 no expiry, -2 gone since.
 				if pttl, err := client.PTTL(ctx, rq.key).Result(); err != nil || pttl == -1 ||
-					pttl.Microseconds() > max(stored-now, 0)+2000 {
-					t.Fatalf("step %d: bucket %s: TTL %v (%v) for TAT %d µs ahead", step, rq.key, pttl, err, stored-now)
+					pttl.Microseconds() > max(stored.tat-now, 0)+2000 {
+					t.Fatalf("step %d: bucket %s: TTL %v (%v) for TAT %d µs ahead", step, rq.key, pttl, err, stored.tat-now)
 				}
 			}
 		}
@@ -187,10 +244,60 @@ func luaMatchesGoBucket(t *testing.T, client *redis.Client, script string) {
 			time.Sleep(time.Duration(rng.IntN(30)) * time.Millisecond) // let buckets refill
 		}
 	}
-	if admitted < 500 || denied < 500 {
-		t.Fatalf("sequence exercised too little: %d admitted, %d denied", admitted, denied)
+	if admitted < 500 || denied < 500 || rebased < 100 {
+		t.Fatalf("sequence exercised too little: %d admitted, %d denied, %d rebased", admitted, denied, rebased)
 	}
-	t.Logf("%d requests in 2000 calls: %d admitted, %d denied, identical in Lua and Go", requests, admitted, denied)
+	t.Logf("%d requests in 3000 calls: %d admitted, %d denied, %d buckets read against a changed limit, identical in Lua and Go", requests, admitted, denied, rebased)
+}
+
+// TestLuaBadKeys: a bucket key holding a hash (WRONGTYPE) or a string that
+// is not a bucket fails only the requests that touch it; the other requests
+// of the same call are decided and charged as usual, and the bad keys are
+// left as they are. A key holding a concurrency policy's slots (a sorted
+// set, from a config that gave the name to another kind of policy) is
+// replaced.
+func TestLuaBadKeys(t *testing.T) {
+	_, client, _ := newTestRedis(t)
+	ctx := context.Background()
+	l := limit{interval: 1000, burst: 5}
+	client.HSet(ctx, "rl:p:{hash}", "debug", "1")
+	client.Set(ctx, "rl:p:{garbage}", "not a bucket", 0)
+	client.ZAdd(ctx, "rl:p:{slots}", redis.Z{Score: 1, Member: "lease"})
+	take := func(key string) []bucketRequest {
+		return []bucketRequest{{key: key, limit: l, op: opTake, cost: 1}}
+	}
+	res, err := evalDecide(ctx, client, take("rl:p:{a}"), take("rl:p:{hash}"), append(take("rl:p:{b}"), take("rl:p:{garbage}")...), take("rl:p:{slots}"), take("rl:p:{b}"))
+	if err != nil {
+		t.Fatalf("a call with bad keys failed as a whole: %v", err)
+	}
+	statuses := []int64{res[1], res[4], res[7], res[12], res[15]}
+	want := []int64{scriptAdmitted, scriptWrongType, scriptCorrupt, scriptAdmitted, scriptAdmitted}
+	if fmt.Sprint(statuses) != fmt.Sprint(want) {
+		t.Fatalf("statuses %v, want %v (reply %v)", statuses, want, res)
+	}
+	if res[10] != scriptCorrupt || res[8] != 1 {
+		t.Fatalf("the bad bucket of a two-bucket request: reply %v", res[7:11])
+	}
+	// {b} was charged once: by the last request, not by the one whose other
+	// bucket was bad.
+	if v := client.Get(ctx, "rl:p:{b}").Val(); v == "" {
+		t.Fatal("{b} not charged")
+	} else if b := parseStored(t, v); b.tat-res[0] != l.interval {
+		t.Fatalf("{b} charged %d µs, want one token (%d)", b.tat-res[0], l.interval)
+	}
+	if typ := client.Type(ctx, "rl:p:{hash}").Val(); typ != "hash" {
+		t.Fatalf("the hash was replaced by a %s", typ)
+	}
+	if v := client.Get(ctx, "rl:p:{garbage}").Val(); v != "not a bucket" {
+		t.Fatalf("the bad string became %q", v)
+	}
+	if typ := client.Type(ctx, "rl:p:{slots}").Val(); typ != "string" {
+		t.Fatalf("the old slots are a %s, want replaced by a bucket", typ)
+	}
+	p := &pending{reqs: take("rl:p:{hash}")}
+	if err := decisionsFromScript([]int64{res[0], res[4], res[5], res[6]}, []*pending{p}); err != nil || p.err == nil || errorKind(p.err) != "wrongtype" || !strings.Contains(p.err.Error(), "rl:p:{hash}") {
+		t.Fatalf("a WRONGTYPE request: call error %v, request error %v (kind %s)", err, p.err, errorKind(p.err))
+	}
 }
 
 // TestRedisStoreKeys checks what lands in Redis: hashed identities under
@@ -209,7 +316,7 @@ func TestRedisStoreKeys(t *testing.T) {
 	if key == p.storageKey(newKeyHasher("other"), identity) {
 		t.Fatal("changing key_secret did not change the key")
 	}
-	d, err := rs.decide(ctx, []bucketRequest{{key: key, limit: limit{interval: 600_000, burst: 100}, cost: 3}})
+	d, err := rs.decide(ctx, []bucketRequest{{key: key, limit: limit{interval: 600_000, burst: 100}, op: opTake, cost: 3}})
 	if err != nil || !d.admitted || d.verdicts[0].remaining != 97 {
 		t.Fatalf("decide: %+v %v", d, err)
 	}
@@ -231,7 +338,7 @@ func TestRedisStoreKeys(t *testing.T) {
 func TestRedisStoreReloadsFlushedScript(t *testing.T) {
 	srv, _, rs := newTestRedis(t)
 	ctx := context.Background()
-	r := []bucketRequest{{key: "rl:p:{x}", limit: limit{interval: 1000, burst: 10}, cost: 1}}
+	r := []bucketRequest{{key: "rl:p:{x}", limit: limit{interval: 1000, burst: 10}, op: opTake, cost: 1}}
 	for i := range 3 {
 		if _, err := srv.Do("SCRIPT", "FLUSH"); err != nil {
 			t.Fatal(err)
@@ -253,15 +360,15 @@ func BenchmarkRedisHotKey(b *testing.B) {
 	defer client.Close()
 	for _, coalesce := range []bool{false, true} {
 		b.Run(fmt.Sprintf("coalesced=%v", coalesce), func(b *testing.B) {
-			noBatching = !coalesce
-			defer func() { noBatching = false }()
+			noCoalescing = !coalesce
+			defer func() { noCoalescing = false }()
 			conn, err := newRedisConn(RedisConfig{Addresses: []string{srv.Addr}, PoolSize: 64}.resolved(), zap.NewNop())
 			if err != nil {
 				b.Fatal(err)
 			}
 			defer conn.Destruct()
-			rs := &redisStore{conn: conn, timeout: time.Second}
-			reqs := []bucketRequest{{key: "rl:global:{hot}", limit: limit{interval: 1, burst: 1_000_000}, cost: 1}}
+			rs := &redisStore{conn: conn}
+			reqs := []bucketRequest{{key: "rl:global:{hot}", limit: limit{interval: 1, burst: 1_000_000}, op: opTake, cost: 1}}
 			client.ConfigResetStat(context.Background())
 			b.SetParallelism(16)
 			b.ResetTimer()
@@ -293,14 +400,14 @@ func BenchmarkRedisDecide(b *testing.B) {
 	srv := testredis.Start(b)
 	for _, coalesce := range []bool{false, true} {
 		b.Run(fmt.Sprintf("coalesced=%v", coalesce), func(b *testing.B) {
-			noBatching = !coalesce
-			defer func() { noBatching = false }()
+			noCoalescing = !coalesce
+			defer func() { noCoalescing = false }()
 			conn, err := newRedisConn(RedisConfig{Addresses: []string{srv.Addr}}.resolved(), zap.NewNop())
 			if err != nil {
 				b.Fatal(err)
 			}
 			defer conn.Destruct()
-			rs := &redisStore{conn: conn, timeout: time.Second}
+			rs := &redisStore{conn: conn}
 			p := &Policy{keyPrefix: "rl:bench:"}
 			kh := newKeyHasher("secret")
 			keys := make([]string, 10_000)
@@ -314,7 +421,7 @@ func BenchmarkRedisDecide(b *testing.B) {
 			b.RunParallel(func(pb *testing.PB) {
 				for pb.Next() {
 					i := n.Add(1)
-					reqs := []bucketRequest{{key: keys[i%int64(len(keys))], limit: limit{interval: 1000, burst: 1_000_000}, cost: 1}}
+					reqs := []bucketRequest{{key: keys[i%int64(len(keys))], limit: limit{interval: 1000, burst: 1_000_000}, op: opTake, cost: 1}}
 					if _, err := rs.decide(context.Background(), reqs); err != nil {
 						b.Error(err)
 						return

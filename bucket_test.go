@@ -2,6 +2,7 @@ package ratelimit
 
 import (
 	"context"
+	"runtime"
 	"strconv"
 	"testing"
 )
@@ -14,7 +15,7 @@ type clock struct{ t int64 }
 func (c *clock) now() int64 { return c.t }
 
 func req(key string, interval, burst, cost int64) bucketRequest {
-	return bucketRequest{key: key, limit: limit{interval: interval, burst: burst}, cost: cost}
+	return bucketRequest{key: key, limit: limit{interval: interval, burst: burst}, op: opTake, cost: cost}
 }
 
 func mustDecide(t *testing.T, m *memoryStore, reqs ...bucketRequest) decision {
@@ -37,8 +38,8 @@ func TestBucketBurstThenRate(t *testing.T) {
 		}
 	}
 	d := mustDecide(t, m, r)
-	if d.admitted || d.verdicts[0].wait != sec/10 || d.verdicts[0].remaining != 0 {
-		t.Fatalf("empty bucket: admitted=%v wait=%d remaining=%d, want denied, wait 100ms", d.admitted, d.verdicts[0].wait, d.verdicts[0].remaining)
+	if d.admitted || d.verdicts[0].untilFits != sec/10 || d.verdicts[0].remaining != 0 {
+		t.Fatalf("empty bucket: admitted=%v wait=%d remaining=%d, want denied, wait 100ms", d.admitted, d.verdicts[0].untilFits, d.verdicts[0].remaining)
 	}
 	// Over 2 s, 20 more: one per 100 ms, never two in one step.
 	admitted := 0
@@ -58,17 +59,17 @@ func TestBucketWaitsAndNextToken(t *testing.T) {
 	m := newMemoryStore(c.now)
 	r := req("k", sec, 2, 1) // 1/1s, burst 2
 	d := mustDecide(t, m, r)
-	if v := d.verdicts[0]; v.remaining != 1 || v.wait != sec {
-		t.Fatalf("after 1 of 2: remaining=%d next token in %dµs, want 1 and 1s", v.remaining, v.wait)
+	if v := d.verdicts[0]; v.remaining != 1 || v.untilFits != sec {
+		t.Fatalf("after 1 of 2: remaining=%d next token in %dµs, want 1 and 1s", v.remaining, v.untilFits)
 	}
 	c.t += sec / 4
 	d = mustDecide(t, m, r)
-	if v := d.verdicts[0]; !d.admitted || v.remaining != 0 || v.wait != sec/4*3 {
+	if v := d.verdicts[0]; !d.admitted || v.remaining != 0 || v.untilFits != sec/4*3 {
 		t.Fatalf("after 2 of 2: %+v, want remaining 0, next token in 750ms", v)
 	}
 	c.t += sec / 4
 	d = mustDecide(t, m, r)
-	if v := d.verdicts[0]; d.admitted || v.wait != sec/2 {
+	if v := d.verdicts[0]; d.admitted || v.untilFits != sec/2 {
 		t.Fatalf("empty: admitted=%v %+v, want denied with wait 500ms", d.admitted, v)
 	}
 	c.t += 10 * sec
@@ -78,8 +79,8 @@ func TestBucketWaitsAndNextToken(t *testing.T) {
 	}
 	d = mustDecide(t, m, req("other", sec, 2, 1))
 	c.t += 10 * sec
-	if d = mustDecide(t, m, req("other", sec, 2, 0+1)); d.verdicts[0].wait != sec {
-		t.Fatalf("refilled bucket after 1: next token in %dµs, want 1s", d.verdicts[0].wait)
+	if d = mustDecide(t, m, req("other", sec, 2, 0+1)); d.verdicts[0].untilFits != sec {
+		t.Fatalf("refilled bucket after 1: next token in %dµs, want 1s", d.verdicts[0].untilFits)
 	}
 }
 
@@ -87,7 +88,7 @@ func TestBucketCostAboveBurstNeverPasses(t *testing.T) {
 	c := &clock{t: sec}
 	m := newMemoryStore(c.now)
 	d := mustDecide(t, m, req("k", sec, 3, 4))
-	if d.admitted || d.verdicts[0].wait != neverWait || d.verdicts[0].remaining != 3 {
+	if d.admitted || d.verdicts[0].untilFits != neverFits || d.verdicts[0].remaining != 3 {
 		t.Fatalf("cost 4 > burst 3: %+v, want denied, never, 3 left", d)
 	}
 }
@@ -165,7 +166,7 @@ func TestMemoryStoreSweepsFullBuckets(t *testing.T) {
 	}
 	n := 0
 	for i := range m.shards {
-		n += len(m.shards[i].tats)
+		n += len(m.shards[i].buckets)
 	}
 	if n > 2*memoryShards*minSweep {
 		t.Fatalf("%d buckets kept for at most 1000 live ones", n)
@@ -177,6 +178,7 @@ func TestBucketWaitReservesSlots(t *testing.T) {
 	m := newMemoryStore(c.now)
 	r := req("k", sec, 1, 1) // 1/1s, burst 1
 	r.wait = 3 * sec
+	r.limit.slack = r.wait // the policy's wait: how far slots may be reserved
 	for i := range 4 {
 		d := mustDecide(t, m, r)
 		if !d.admitted || d.delay != int64(i)*sec || d.verdicts[0].delay != d.delay {
@@ -184,7 +186,7 @@ func TestBucketWaitReservesSlots(t *testing.T) {
 		}
 	}
 	d := mustDecide(t, m, r)
-	if d.admitted || d.verdicts[0].wait != 4*sec {
+	if d.admitted || d.verdicts[0].untilFits != 4*sec {
 		t.Fatalf("5th request: %+v, want denied: its slot is 4s away, beyond wait 3s", d)
 	}
 	c.t += sec / 2 // the queue moves on: the next slot is now 3.5s away
@@ -202,7 +204,46 @@ func TestBucketWaitReservesSlots(t *testing.T) {
 	}
 	r2 := req("k2", sec, 1, 1)
 	r2.wait = 5 * sec
+	r2.limit.slack = r2.wait
 	if d := mustDecide(t, m, r2, strict); d.admitted || d.verdicts[0].remaining != 0 {
 		t.Fatalf("strict policy denies: %+v, and the waiting bucket must not be charged", d)
+	}
+}
+
+// TestMemoryStoreBound: a flood of 1,000,000 identities, none of whose
+// buckets refills during it, keeps the store within memoryMaxBuckets and
+// its heap within a few bytes per bucket of that bound; what it forgets
+// are the buckets nearest to full: 100,000 drained first are all still
+// drained after 900,000 nearly full ones.
+func TestMemoryStoreBound(t *testing.T) {
+	c := &clock{t: sec}
+	m := newMemoryStore(c.now)
+	var before runtime.MemStats
+	runtime.GC()
+	runtime.ReadMemStats(&before)
+	const drained, nearlyFull = 100_000, 900_000
+	for i := range drained {
+		mustDecide(t, m, req("d"+strconv.Itoa(i), 60*sec, 10, 10)) // all 10 tokens: 10 minutes to refill
+	}
+	for i := range nearlyFull {
+		mustDecide(t, m, req("f"+strconv.Itoa(i), 60*sec, 1000, 1)) // 1 of 1,000 tokens
+	}
+	var after runtime.MemStats
+	runtime.GC()
+	runtime.ReadMemStats(&after)
+	n := m.len()
+	grew := int64(after.HeapAlloc) - int64(before.HeapAlloc)
+	t.Logf("1,000,000 identities: %d buckets kept (bound %d), heap +%.1f MiB (%.0f bytes per bucket kept)",
+		n, memoryMaxBuckets, float64(grew)/(1<<20), float64(grew)/float64(n))
+	if n > memoryMaxBuckets {
+		t.Fatalf("%d buckets kept, more than the bound %d", n, memoryMaxBuckets)
+	}
+	if grew > 128*memoryMaxBuckets {
+		t.Fatalf("heap grew %d bytes for at most %d buckets", grew, memoryMaxBuckets)
+	}
+	for i := range drained {
+		if d := mustDecide(t, m, req("d"+strconv.Itoa(i), 60*sec, 10, 1)); d.admitted {
+			t.Fatalf("drained bucket %d was forgotten (admitted again) while nearly full ones were kept", i)
+		}
 	}
 }

@@ -1,6 +1,7 @@
 package ratelimit
 
 import (
+	"errors"
 	"fmt"
 	"strconv"
 	"strings"
@@ -66,39 +67,43 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 // `log_key` are accepted and ignored with a warning that says why they are
 // not needed (its `jitter <fraction>` is ours).
 //
-// Values are checked here, so that `caddy adapt` reports a mistake with its
-// line.
+// Each block is checked, once read, by the same checks as the JSON config
+// (Validate), so that `caddy adapt` reports the same mistakes as `caddy
+// validate`, with the line of the subdirective at fault.
 func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	d.Next() // directive name
-	// The directive's position, for errors found after its block.
-	directive := *d
+	top := newSection(d, "")
 	if d.NextArg() {
 		return d.Errf("unexpected argument %q: expected rate_limit [<matcher>] { ... }", d.Val())
 	}
-	seen := map[string]int{}
 	var ignored []ignoredSubdirective // mholt/caddy-ratelimit's, warned about below
+	policyLines := map[string]int{}
 	for d.NextBlock(0) {
-		switch sub := d.Val(); sub {
-		case "redis":
-			if h.Redis != nil {
-				return d.Errf("redis: defined twice (first at line %d)", seen["redis"])
+		sub := d.Val()
+		switch sub {
+		case "policy", "zone", "distributed", "storage", "sweep_interval", "log_key":
+		default:
+			if err := top.once(d); err != nil {
+				return err
 			}
-			seen["redis"] = d.Line()
+		}
+		switch sub {
+		case "redis":
 			h.Redis = new(RedisConfig)
 			if err := h.Redis.unmarshalCaddyfile(d); err != nil {
 				return err
 			}
 		case "key_secret":
-			if err := oneArg(d, &h.KeySecret); err != nil {
+			if err := top.oneArg(d, &h.KeySecret); err != nil {
 				return err
 			}
 		case "on_error":
-			if err := onErrorArg(d, &h.OnError); err != nil {
+			if err := top.oneArg(d, &h.OnError); err != nil {
 				return err
 			}
 		case "jitter":
 			var s string
-			if err := oneArg(d, &s); err != nil {
+			if err := top.oneArg(d, &s); err != nil {
 				return err
 			}
 			j, err := parseJitter(s)
@@ -107,42 +112,35 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			}
 			h.Jitter = &j
 		case "headers":
-			if err := oneArg(d, &h.Headers); err != nil {
+			if err := top.oneArg(d, &h.Headers); err != nil {
 				return err
 			}
-			if h.Headers != "draft" && h.Headers != "off" {
-				return d.Errf("headers: %q is not draft or off", h.Headers)
-			}
 		case "shadow":
-			if err := noArg(d); err != nil {
+			if err := top.noArg(d); err != nil {
 				return err
 			}
 			h.Shadow = true
 		case "instances":
-			if err := intArg(d, &h.Instances, 1, maxInstances); err != nil {
+			if err := top.intArg(d, &h.Instances, 1); err != nil {
 				return err
 			}
-		case "policy":
+		case "policy", "zone": // a zone is mholt/caddy-ratelimit's policy
 			at := *d // the policy's line
-			p, err := unmarshalPolicy(d)
+			read := unmarshalPolicy
+			if sub == "zone" {
+				read = unmarshalZone
+			}
+			p, err := read(d)
 			if err != nil {
 				return err
 			}
-			if line, dup := seen["policy "+p.Name]; dup {
+			if line, dup := policyLines[p.Name]; dup {
+				if sub == "zone" {
+					return at.Errf("zone %q: a zone or policy of that name is defined already (at line %d)", p.Name, line)
+				}
 				return at.Errf("policy %q: defined twice (first at line %d)", p.Name, line)
 			}
-			seen["policy "+p.Name] = at.Line()
-			h.Policies = append(h.Policies, p)
-		case "zone": // mholt/caddy-ratelimit's policy
-			at := *d
-			p, err := unmarshalZone(d)
-			if err != nil {
-				return err
-			}
-			if line, dup := seen["policy "+p.Name]; dup {
-				return at.Errf("zone %q: a zone or policy of that name is defined already (at line %d)", p.Name, line)
-			}
-			seen["policy "+p.Name] = at.Line()
+			policyLines[p.Name] = at.Line()
 			h.Policies = append(h.Policies, p)
 		case "distributed", "storage", "sweep_interval", "log_key":
 			ig, err := skipMholtSubdirective(d)
@@ -154,8 +152,11 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			return d.Errf("unrecognized subdirective %q", sub)
 		}
 	}
+	if err := h.checkOwn(); err != nil {
+		return top.fail(err)
+	}
 	if len(h.Policies) == 0 {
-		return directive.Err("at least one policy is required")
+		return top.at.Err("at least one policy is required")
 	}
 	for _, ig := range ignored {
 		warnCaddyfile(ig.file, ig.line, ig.why(h.Redis != nil))
@@ -163,44 +164,46 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	return nil
 }
 
-func (c *RedisConfig) unmarshalCaddyfile(d *caddyfile.Dispenser) (err error) {
-	block := *d // the redis line, for errors found after its block
-	// Errors of the shared helpers name the subdirective; say it is redis's.
-	defer func() {
-		if err != nil && !strings.HasPrefix(err.Error(), "redis: ") {
-			err = fmt.Errorf("redis: %w", err)
-		}
-	}()
+func (c *RedisConfig) unmarshalCaddyfile(d *caddyfile.Dispenser) error {
+	s := newSection(d, "redis: ")
 	if d.NextArg() {
-		return d.Errf("unexpected argument %q: the addresses go in the block, as address <host:port>...", d.Val())
+		return s.errf(d, "unexpected argument %q: the addresses go in the block, as address <host:port>...", d.Val())
 	}
 	for nesting := d.Nesting(); d.NextBlock(nesting); {
-		switch sub := d.Val(); sub {
+		sub := d.Val()
+		if sub != "address" {
+			if err := s.once(d); err != nil {
+				return err
+			}
+		} else if _, seen := s.seen[sub]; !seen {
+			s.seen[sub] = *d
+		}
+		switch sub {
 		case "address":
 			addrs := d.RemainingArgs()
 			if len(addrs) == 0 {
-				return d.Errf("redis: address: at least one host:port is required")
+				return s.errf(d, "address: at least one host:port is required")
 			}
 			c.Addresses = append(c.Addresses, addrs...)
 		case "cluster":
-			if err := noArg(d); err != nil {
+			if err := s.noArg(d); err != nil {
 				return err
 			}
 			c.Cluster = true
 		case "sentinel":
-			if err := oneArg(d, &c.Sentinel); err != nil {
+			if err := s.oneArg(d, &c.Sentinel); err != nil {
 				return err
 			}
 		case "username":
-			if err := oneArg(d, &c.Username); err != nil {
+			if err := s.oneArg(d, &c.Username); err != nil {
 				return err
 			}
 		case "password":
-			if err := oneArg(d, &c.Password); err != nil {
+			if err := s.oneArg(d, &c.Password); err != nil {
 				return err
 			}
 		case "db":
-			if err := intArg(d, &c.DB, 0, maxDB); err != nil {
+			if err := s.intArg(d, &c.DB, 0); err != nil {
 				return err
 			}
 		case "tls":
@@ -211,7 +214,7 @@ func (c *RedisConfig) unmarshalCaddyfile(d *caddyfile.Dispenser) (err error) {
 					c.TLS.InsecureSkipVerify = true
 				case "ca", "server_name":
 					if !d.NextArg() {
-						return d.Errf("redis: tls: %s: a value is required", opt)
+						return s.errf(d, "tls: %s: a value is required", opt)
 					}
 					if opt == "ca" {
 						c.TLS.CA = d.Val()
@@ -219,163 +222,245 @@ func (c *RedisConfig) unmarshalCaddyfile(d *caddyfile.Dispenser) (err error) {
 						c.TLS.ServerName = d.Val()
 					}
 				default:
-					return d.Errf("redis: tls: unknown option %q (insecure_skip_verify, ca <pem_file>, server_name <name>)", opt)
+					return s.errf(d, "tls: unknown option %q (insecure_skip_verify, ca <pem_file>, server_name <name>)", opt)
 				}
 			}
 		case "timeout":
-			var s string
-			if err := oneArg(d, &s); err != nil {
+			if err := s.durationArg(d, &c.Timeout); err != nil {
 				return err
 			}
-			dur, err := caddy.ParseDuration(s)
-			if err != nil || dur <= 0 {
-				return d.Errf("redis: timeout: %q is not a positive duration", s)
-			}
-			c.Timeout = caddy.Duration(dur)
 		case "pool_size":
-			if err := intArg(d, &c.PoolSize, 1, maxPoolSize); err != nil {
+			if err := s.intArg(d, &c.PoolSize, 1); err != nil {
 				return err
 			}
 		case "key_prefix":
-			if err := oneArg(d, &c.KeyPrefix); err != nil {
+			if err := s.oneArg(d, &c.KeyPrefix); err != nil {
 				return err
 			}
 		default:
-			return d.Errf("redis: unrecognized subdirective %q", sub)
+			return s.errf(d, "unrecognized subdirective %q", sub)
 		}
 	}
-	if len(c.Addresses) == 0 {
-		return block.Err("redis: address is required")
-	}
-	if c.Cluster && c.Sentinel != "" {
-		return block.Err("redis: cluster and sentinel exclude each other")
+	if err := c.validate(); err != nil {
+		return s.fail(err)
 	}
 	return nil
 }
 
-// namedBlock reads the name of a `policy <name> {` (or `zone`) line into
-// name. It returns the line's position, for errors found after the block,
-// and fail, which formats an error of one of the block's fields.
-func namedBlock(d *caddyfile.Dispenser, kind string, name *string) (at caddyfile.Dispenser, fail func(field, format string, args ...any) error, err error) {
-	if !d.NextArg() {
-		return at, nil, d.Errf("%s: a name is required, as in %s <name> { ... }", kind, kind)
-	}
-	*name = d.Val()
-	if !policyName.MatchString(*name) {
-		return at, nil, d.Errf("%s %q: the name must be 1 to 64 letters, digits, '_', '-' or '.'", kind, *name)
-	}
-	at = *d
-	if d.NextArg() {
-		return at, nil, d.Errf("%s %q: unexpected argument %q: expected %s <name> { ... }", kind, *name, d.Val(), kind)
-	}
-	fail = func(field, format string, args ...any) error {
-		return d.Errf("%s %q: %s: %s", kind, *name, field, fmt.Sprintf(format, args...))
-	}
-	return at, fail, nil
-}
-
-// prefixErr names the block in an error that does not yet.
-func prefixErr(err *error, kind, name string) {
-	prefix := fmt.Sprintf("%s %q: ", kind, name)
-	if *err != nil && !strings.HasPrefix((*err).Error(), prefix) {
-		*err = fmt.Errorf("%s%w", prefix, *err)
-	}
-}
-
-func unmarshalPolicy(d *caddyfile.Dispenser) (_ *Policy, err error) {
+func unmarshalPolicy(d *caddyfile.Dispenser) (*Policy, error) {
 	p := new(Policy)
-	at, fail, err := namedBlock(d, "policy", &p.Name)
+	s, err := newNamedSection(d, "policy", &p.Name)
 	if err != nil {
 		return nil, err
 	}
-	// Errors of the shared helpers name the subdirective; add the policy.
-	defer prefixErr(&err, "policy", p.Name)
 	for nesting := d.Nesting(); d.NextBlock(nesting); {
+		if err := s.once(d); err != nil {
+			return nil, err
+		}
 		switch sub := d.Val(); sub {
 		case "match":
-			if p.MatchRaw != nil {
-				return nil, fail("match", "defined twice")
-			}
 			set, err := caddyhttp.ParseCaddyfileNestedMatcherSet(d)
 			if err != nil { // it has the line already
-				return nil, fmt.Errorf("policy %q: match: %w", p.Name, err)
+				return nil, fmt.Errorf("%smatch: %w", s.prefix, err)
 			}
 			p.MatchRaw = set
 		case "key":
-			if err := oneArg(d, &p.Key); err != nil {
+			if err := s.oneArg(d, &p.Key); err != nil {
 				return nil, err
 			}
 		case "rate":
-			if err := oneArg(d, &p.Rate); err != nil {
+			if err := s.oneArg(d, &p.Rate); err != nil {
 				return nil, err
-			}
-			if _, _, err := parseRate(p.Rate); err != nil {
-				return nil, fail("rate", "%v", err)
 			}
 		case "burst":
-			var s string
-			if err := oneArg(d, &s); err != nil {
+			if err := s.positiveArg(d, &p.Burst); err != nil {
 				return nil, err
 			}
-			n, err := strconv.ParseInt(s, 10, 64)
-			if err != nil || n < 1 {
-				return nil, fail("burst", "%q must be a positive integer", s)
-			}
-			p.Burst = n
 		case "cost":
 			args := d.RemainingArgs()
 			if len(args) != 1 && len(args) != 3 || len(args) == 3 && args[1] != "max" {
-				return nil, fail("cost", "expected cost <n | {placeholder}> [max <n>]")
+				return nil, s.errf(d, "cost: expected cost <n | {placeholder}> [max <n>]")
 			}
-			if _, _, err := parseCost(args[0]); err != nil {
-				return nil, fail("cost", "%v", err)
-			}
-			p.Cost = args[0]
+			p.Cost = caddyhttp.WeakString(args[0])
 			if len(args) == 3 {
 				n, err := strconv.ParseInt(args[2], 10, 64)
 				if err != nil || n < 1 {
-					return nil, fail("cost", "max %q must be a positive integer", args[2])
+					return nil, s.errf(d, "cost: max %q must be a positive integer", args[2])
 				}
 				p.MaxCost = n
 			}
 		case "on_error":
-			if err := onErrorArg(d, &p.OnError); err != nil {
+			if err := s.oneArg(d, &p.OnError); err != nil {
 				return nil, err
 			}
 		case "shadow":
-			if err := noArg(d); err != nil {
+			if err := s.noArg(d); err != nil {
 				return nil, err
 			}
 			p.Shadow = true
 		case "wait":
 			args := d.RemainingArgs()
 			if len(args) < 1 || len(args) > 2 {
-				return nil, fail("wait", "expected wait <duration> [<max_held>]")
+				return nil, s.errf(d, "wait: expected wait <duration> [<max_held>]")
 			}
 			dur, err := caddy.ParseDuration(args[0])
 			if err != nil || dur <= 0 {
-				return nil, fail("wait", "%q is not a positive duration", args[0])
-			}
-			if dur > maxWait {
-				return nil, fail("wait", "%s must be between 0 and %s", dur, maxWait)
+				return nil, s.errf(d, "wait: %q is not a positive duration", args[0])
 			}
 			p.Wait = caddy.Duration(dur)
 			if len(args) == 2 {
 				n, err := strconv.Atoi(args[1])
 				if err != nil || n < 1 {
-					return nil, fail("wait", "max_held %q must be a positive integer", args[1])
+					return nil, s.errf(d, "wait: max_held %q must be a positive integer", args[1])
 				}
 				p.MaxHeld = n
 			}
 		default:
-			return nil, d.Errf("policy %q: unrecognized subdirective %q", p.Name, sub)
+			return nil, s.errf(d, "unrecognized subdirective %q", sub)
 		}
 	}
-	// The checks loading the JSON makes, such as a cost above burst.
-	if err := p.settle(); err != nil {
-		return nil, at.Errf("policy %q: %v", p.Name, err)
+	if err := p.check(); err != nil {
+		return nil, s.fail(err)
 	}
 	return p, nil
+}
+
+// section is one block of the Caddyfile being read: its line, the prefix
+// of its errors (`policy "api": `, `redis: `) and the line of each of its
+// subdirectives, so that a mistake found once the block is read (by the
+// checks the JSON config runs too) is reported at its own line.
+type section struct {
+	at     caddyfile.Dispenser
+	prefix string
+	seen   map[string]caddyfile.Dispenser
+}
+
+func newSection(d *caddyfile.Dispenser, prefix string) *section {
+	return &section{at: *d, prefix: prefix, seen: map[string]caddyfile.Dispenser{}}
+}
+
+// newNamedSection reads the name of a `policy <name> {` (or `zone`) line
+// into name.
+func newNamedSection(d *caddyfile.Dispenser, kind string, name *string) (*section, error) {
+	if !d.NextArg() {
+		return nil, d.Errf("%s: a name is required, as in %s <name> { ... }", kind, kind)
+	}
+	*name = d.Val()
+	if !policyName.MatchString(*name) {
+		return nil, d.Errf("%s %q: the name must be 1 to 64 letters, digits, '_', '-' or '.'", kind, *name)
+	}
+	s := newSection(d, fmt.Sprintf("%s %q: ", kind, *name))
+	if d.NextArg() {
+		return nil, s.errf(d, "unexpected argument %q: expected %s <name> { ... }", d.Val(), kind)
+	}
+	return s, nil
+}
+
+// errf is an error at the dispenser's line, in the section.
+func (s *section) errf(d *caddyfile.Dispenser, format string, args ...any) error {
+	return d.Errf("%s%s", s.prefix, fmt.Sprintf(format, args...))
+}
+
+// once records where the subdirective at d is, and fails when the block
+// has it already: a second key, rate or timeout would silently win.
+func (s *section) once(d *caddyfile.Dispenser) error {
+	sub := d.Val()
+	if first, seen := s.seen[sub]; seen {
+		return s.errf(d, "%s: defined twice (first at line %d)", sub, first.Line())
+	}
+	s.seen[sub] = *d
+	return nil
+}
+
+// caddyfileNames are the subdirectives that set JSON fields of other names.
+var caddyfileNames = map[string]string{"addresses": "address", "max_cost": "cost", "max_held": "wait"}
+
+// fail reports err, from checking the block's values, at the line of the
+// subdirective that set the field it names (the block's line otherwise).
+func (s *section) fail(err error) error {
+	at, msg := s.at, err.Error()
+	var fe *fieldError
+	if errors.As(err, &fe) {
+		sub := fe.field
+		if name, ok := caddyfileNames[sub]; ok {
+			sub = name
+			if !strings.HasPrefix(msg, name+":") {
+				msg = name + ": " + msg
+			}
+		}
+		if d, ok := s.seen[sub]; ok {
+			at = d
+		}
+	}
+	return at.Errf("%s%s", s.prefix, msg)
+}
+
+func (s *section) oneArg(d *caddyfile.Dispenser, dst *string) error {
+	sub := d.Val()
+	if !d.NextArg() {
+		return s.errf(d, "%s: a value is required", sub)
+	}
+	*dst = d.Val()
+	if d.NextArg() {
+		return s.errf(d, "%s: one value expected, got another: %q", sub, d.Val())
+	}
+	return nil
+}
+
+func (s *section) noArg(d *caddyfile.Dispenser) error {
+	sub := d.Val()
+	if d.NextArg() {
+		return s.errf(d, "%s: takes no value, got %q", sub, d.Val())
+	}
+	return nil
+}
+
+// intArg reads an integer of at least least (the checks of the JSON
+// config bound it above): in the Caddyfile, 0 cannot mean the default as it
+// does in JSON.
+func (s *section) intArg(d *caddyfile.Dispenser, dst *int, least int) error {
+	sub := d.Val()
+	var v string
+	if err := s.oneArg(d, &v); err != nil {
+		return err
+	}
+	n, err := strconv.Atoi(v)
+	if err != nil || n < least {
+		return s.errf(d, "%s: %q must be an integer of at least %d", sub, v, least)
+	}
+	*dst = n
+	return nil
+}
+
+// positiveArg reads a positive integer: in the Caddyfile, 0 cannot mean
+// the default as it does in JSON.
+func (s *section) positiveArg(d *caddyfile.Dispenser, dst *int64) error {
+	sub := d.Val()
+	var v string
+	if err := s.oneArg(d, &v); err != nil {
+		return err
+	}
+	n, err := strconv.ParseInt(v, 10, 64)
+	if err != nil || n < 1 {
+		return s.errf(d, "%s: %q must be a positive integer", sub, v)
+	}
+	*dst = n
+	return nil
+}
+
+// durationArg reads a positive duration.
+func (s *section) durationArg(d *caddyfile.Dispenser, dst *caddy.Duration) error {
+	sub := d.Val()
+	var v string
+	if err := s.oneArg(d, &v); err != nil {
+		return err
+	}
+	dur, err := caddy.ParseDuration(v)
+	if err != nil || dur <= 0 {
+		return s.errf(d, "%s: %q is not a positive duration", sub, v)
+	}
+	*dst = caddy.Duration(dur)
+	return nil
 }
 
 // parseJitter accepts a percentage (20%) or, as mholt/caddy-ratelimit's
@@ -391,54 +476,10 @@ func parseJitter(s string) (float64, error) {
 	} else if v > 1 {
 		return 0, fmt.Errorf("%q: a bare number is a fraction from 0 to 1; for percent, write %s%%", s, s)
 	}
-	if v > 10 {
+	if v > maxJitter {
 		return 0, errNotJitter(s)
 	}
 	return v, nil
-}
-
-func oneArg(d *caddyfile.Dispenser, dst *string) error {
-	sub := d.Val()
-	if !d.NextArg() {
-		return d.Errf("%s: a value is required", sub)
-	}
-	*dst = d.Val()
-	if d.NextArg() {
-		return d.Errf("%s: one value expected, got another: %q", sub, d.Val())
-	}
-	return nil
-}
-
-func noArg(d *caddyfile.Dispenser) error {
-	sub := d.Val()
-	if d.NextArg() {
-		return d.Errf("%s: takes no value, got %q", sub, d.Val())
-	}
-	return nil
-}
-
-func intArg(d *caddyfile.Dispenser, dst *int, least, most int) error {
-	sub := d.Val()
-	var s string
-	if err := oneArg(d, &s); err != nil {
-		return err
-	}
-	n, err := strconv.Atoi(s)
-	if err != nil || n < least || n > most {
-		return d.Errf("%s: %q must be an integer from %d to %d", sub, s, least, most)
-	}
-	*dst = n
-	return nil
-}
-
-func onErrorArg(d *caddyfile.Dispenser, dst *string) error {
-	if err := oneArg(d, dst); err != nil {
-		return err
-	}
-	if !validOnError(*dst) {
-		return d.Errf("on_error: %q is not fail_open, fail_closed or local", *dst)
-	}
-	return nil
 }
 
 // Interface guard.

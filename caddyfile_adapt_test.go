@@ -385,7 +385,7 @@ func TestJSONConfigErrors(t *testing.T) {
 		{
 			name:    "redis without addresses",
 			handler: `{"redis":{"password":"x"},"policies":[{"name":"api","key":"{client_ip}","rate":"10/1s"}]}`,
-			want:    []string{"redis: at least one address is required"},
+			want:    []string{"redis: address: at least one host:port is required"},
 		},
 		{
 			name:    "redis cluster and sentinel",

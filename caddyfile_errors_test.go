@@ -126,7 +126,7 @@ func TestCaddyfileErrors(t *testing.T) {
 		{"cluster", "extra value", redisBlock("cluster yes " + mark)},
 		{"sentinel", "missing value", redisBlock("sentinel " + mark)},
 		{"sentinel", "extra value", redisBlock("sentinel a b " + mark)},
-		{"sentinel", "with cluster", "redis { " + mark + "\n\taddress a:1\n\tcluster\n\tsentinel m\n}\n" + base},
+		{"sentinel", "with cluster", "redis { " + mark + "\n\taddress a:1\n\tcluster\n\tsentinel m " + mark + "\n}\n" + base},
 		{"username", "missing value", redisBlock("username " + mark)},
 		{"username", "extra value", redisBlock("username a b " + mark)},
 		{"password", "missing value", redisBlock("password " + mark)},

@@ -1,14 +1,9 @@
 package ratelimit
 
 import (
-	"context"
-	_ "embed"
 	"errors"
 	"strings"
 	"sync"
-	"time"
-
-	"github.com/redis/go-redis/v9"
 )
 
 // Decisions across Redis Cluster slots. A script call can only touch keys of
@@ -20,11 +15,6 @@ import (
 // knowing never admits beyond any budget; its cost is transient
 // over-denial: between a charge and its refund, other requests see those
 // tokens gone.
-
-//go:embed lua/refund.lua
-var refundLua string
-
-var refundScript = redis.NewScript(refundLua)
 
 const clusterSlots = 16384
 
@@ -74,7 +64,7 @@ func slotGroups(reqs []bucketRequest) [][]int {
 }
 
 // decideAcrossSlots decides a request whose buckets span several slots.
-func (s *redisStore) decideAcrossSlots(ctx context.Context, reqs []bucketRequest, groups [][]int) (decision, error) {
+func (s *redisStore) decideAcrossSlots(reqs []bucketRequest, groups [][]int) (decision, error) {
 	parts := make([]decision, len(groups))
 	errs := make([]error, len(groups))
 	var wg sync.WaitGroup
@@ -86,7 +76,7 @@ func (s *redisStore) decideAcrossSlots(ctx context.Context, reqs []bucketRequest
 			for k, i := range idx {
 				sub[k] = reqs[i]
 			}
-			parts[g], errs[g] = s.decideOnce(ctx, sub)
+			parts[g], errs[g] = s.decideOnce(sub)
 		}()
 	}
 	wg.Wait()
@@ -107,27 +97,24 @@ func (s *redisStore) decideAcrossSlots(ctx context.Context, reqs []bucketRequest
 	if failed == nil && d.admitted {
 		return d, nil
 	}
-	// Not admitted everywhere: give back what the admitting slots charged.
+	// Not admitted everywhere: give back what the admitting slots charged,
+	// as any refund is given (opAdjust).
 	var refundErrs []error
 	for g, idx := range groups {
 		if errs[g] != nil || !parts[g].admitted {
 			continue
 		}
-		var keys []string
-		var amounts []any
+		var refunds []bucketRequest
 		for k, i := range idx {
-			if parts[g].verdicts[k].allowed {
-				keys = append(keys, reqs[i].key)
-				amounts = append(amounts, reqs[i].cost*reqs[i].limit.interval)
+			if rq := reqs[i]; rq.op == opTake && parts[g].verdicts[k].allowed {
+				refunds = append(refunds, bucketRequest{key: rq.key, limit: rq.limit, op: opAdjust, delta: -rq.cost})
 				v := &d.verdicts[i]
-				v.remaining = min(v.remaining+reqs[i].cost, reqs[i].limit.burst)
+				v.remaining = min(v.remaining+rq.cost, rq.limit.burst)
 				v.delay = 0
 			}
 		}
-		if len(keys) > 0 {
-			start := time.Now()
-			err := refundScript.Run(ctx, s.conn.client, keys, amounts...).Err()
-			observeStore(start, err)
+		if len(refunds) > 0 {
+			_, err := s.decideOnce(refunds)
 			refundErrs = append(refundErrs, err)
 		}
 	}

@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"strconv"
 	"testing"
-	"time"
 
 	"go.uber.org/zap"
 
@@ -43,7 +42,7 @@ func TestClusterDecisions(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer conn.Destruct()
-	rs := &redisStore{conn: conn, timeout: 2 * time.Second, cluster: true}
+	rs := &redisStore{conn: conn, cluster: true}
 	kh := newKeyHasher("")
 	user := &Policy{keyPrefix: "rl:user:"}
 	global := &Policy{keyPrefix: "rl:global:"}
@@ -55,8 +54,8 @@ func TestClusterDecisions(t *testing.T) {
 	ask := func() decision {
 		t.Helper()
 		d, err := rs.decide(ctx, []bucketRequest{
-			{key: userKey, limit: limit{interval: 1_000_000, burst: 2}, cost: 1},
-			{key: globalKey, limit: limit{interval: 1_000_000, burst: 100}, cost: 1},
+			{key: userKey, limit: limit{interval: 1_000_000, burst: 2}, op: opTake, cost: 1},
+			{key: globalKey, limit: limit{interval: 1_000_000, burst: 100}, op: opTake, cost: 1},
 		})
 		if err != nil {
 			t.Fatal(err)
@@ -78,7 +77,7 @@ func TestClusterDecisions(t *testing.T) {
 		}
 	}
 	// The global bucket was charged and refunded five times: 98 left.
-	d, err := rs.decide(ctx, []bucketRequest{{key: globalKey, limit: limit{interval: 1_000_000, burst: 100}, cost: 1}})
+	d, err := rs.decide(ctx, []bucketRequest{{key: globalKey, limit: limit{interval: 1_000_000, burst: 100}, op: opTake, cost: 1}})
 	if err != nil || d.verdicts[0].remaining != 97 {
 		t.Fatalf("global alone: %+v %v, want 97 left after the refunds", d, err)
 	}

@@ -1,48 +1,44 @@
 package ratelimit
 
 import (
-	"context"
-	"errors"
-	"fmt"
-	"slices"
 	"sync"
 	"time"
 )
 
-// Coalescing: the decisions that arrive at one Redis while a call is on
-// the wire go together in the next script call. A decision that finds no
-// call in flight is sent at once, alone; the others queue, and the call
-// that finishes sends everything queued (up to maxBatch) as one call.
-// Under concurrency this cuts the round trips, syscalls and Redis's
-// per-call overhead to a fraction of one per request, and never delays a
-// request that arrives alone. Each request is still decided atomically: the
-// script decides a call's requests one after the other.
+// Coalescing: the requests that arrive at one Redis while a call is on the
+// wire go together in the next script call. A request that finds no call
+// in flight is sent at once, alone; the others queue, and the call that
+// finishes sends what is queued (up to maxBatch) as one call. Under
+// concurrency this cuts the round trips, syscalls and Redis's per-call
+// overhead to a fraction of one per request, and never delays a request
+// that arrives alone. Each request is still decided atomically: the script
+// decides a call's requests one after the other.
+//
+// Time spent queued is this instance's own load, not a Redis failure: a
+// queued request waits its turn however long that takes (its call, once
+// sent, is bounded by the store's timeout). When more requests queue than
+// one call takes, more calls go at once, up to the connection pool's size,
+// so the decisions an instance makes per round trip grow with its load
+// instead of stopping at a fixed number.
 
 const (
 	// maxBatch bounds the requests in one call, and so how long one call
 	// holds Redis.
 	maxBatch = 64
-	// maxCalls bounds the calls in flight to one Redis, so that a slow
-	// Redis or a long round trip does not cap an instance at maxBatch
-	// decisions per round trip.
-	maxCalls = 4
-	// parallelBatch is how many decisions must wait, while calls are in
-	// flight, before one more call (up to maxCalls) takes them at once:
-	// enough to spread a call's fixed cost (syscalls, wake-ups, Redis's
-	// per-call work) thin, few enough that requests do not wait a whole
-	// call for company. Side by side on make bench's scenarios (b) and (e)
-	// (wrk -c32, 5 alternating pairs each), 16 gave 6% more requests/s
-	// than 64, and 12 and 32 less than 16; at 128 connections, where the
-	// cores are saturated, 16 and 64 were within 2%.
+	// parallelBatch is how many requests must wait, while calls are in
+	// flight, before one more call takes them at once: enough to spread a
+	// call's fixed cost (syscalls, wake-ups, Redis's per-call work) thin,
+	// few enough that requests do not wait a whole call for company. Side
+	// by side on make bench's scenarios (b) and (e) (wrk -c32, 5 alternating
+	// pairs each), 16 gave 6% more requests/s than 64, and 12 and 32 less
+	// than 16.
 	parallelBatch = 16
 )
 
-// pendingDecision is one request's decision on its way through a script
-// call.
-type pendingDecision struct {
-	reqs     []bucketRequest
-	queued   time.Time
-	deadline time.Time
+// pending is one request's operations on their way through a script call.
+type pending struct {
+	reqs   []bucketRequest
+	queued time.Time
 
 	// The outcome, with the monotonic µs just before the call was sent and
 	// just after its reply (what the deny cache learns from).
@@ -52,120 +48,94 @@ type pendingDecision struct {
 	err            error
 
 	done chan struct{} // the outcome is in, or lead is set
-	lead []*pendingDecision
-	one  [1]*pendingDecision
+	lead []*pending
+	one  [1]*pending
 }
 
-var pendingPool = sync.Pool{New: func() any { return &pendingDecision{done: make(chan struct{}, 1)} }}
+var pendingPool = sync.Pool{New: func() any { return &pending{done: make(chan struct{}, 1)} }}
 
-func newPendingDecision(reqs []bucketRequest, timeout time.Duration) *pendingDecision {
-	p := pendingPool.Get().(*pendingDecision)
+func newPending(reqs []bucketRequest) *pending {
+	p := pendingPool.Get().(*pending)
 	p.reqs = reqs
 	p.queued = time.Now()
-	p.deadline = p.queued.Add(timeout)
 	p.one[0] = p
 	return p
 }
 
-func (p *pendingDecision) release() {
-	*p = pendingDecision{done: p.done}
+func (p *pending) release() {
+	*p = pending{done: p.done}
 	pendingPool.Put(p)
 }
 
-// decisionBatches coalesces the decisions sent to one Redis.
-type decisionBatches struct {
-	// call decides a batch in one script call, filling in each member's
+// coalescer coalesces the requests sent to one Redis.
+type coalescer struct {
+	// send makes one script call for a batch, filling in each member's
 	// outcome.
-	call func(ctx context.Context, batch []*pendingDecision)
+	send func(batch []*pending)
+	// maxCalls bounds the calls in flight: the connections of the pool.
+	maxCalls int
 
 	mu      sync.Mutex
 	calling int // calls in flight
-	queue   []*pendingDecision
+	queue   []*pending
 }
 
 // decide returns once p's outcome is in.
-func (b *decisionBatches) decide(p *pendingDecision) {
-	b.mu.Lock()
-	if b.calling == 0 {
-		b.calling++
-		b.mu.Unlock()
-		b.send(p, p.one[:])
+func (c *coalescer) decide(p *pending) {
+	c.mu.Lock()
+	if c.calling == 0 {
+		c.calling++
+		c.mu.Unlock()
+		c.call(p, p.one[:])
 		return
 	}
-	b.queue = append(b.queue, p)
-	if len(b.queue) >= parallelBatch && b.calling < maxCalls {
+	c.queue = append(c.queue, p)
+	if len(c.queue) >= parallelBatch && c.calling < c.maxCalls {
 		// Enough wait to be worth a call of their own: send them now, on
 		// another connection.
-		b.calling++
-		batch := b.take()
-		b.mu.Unlock()
-		b.send(p, batch) // p, the last to arrive, is in it
+		c.calling++
+		batch := c.take()
+		c.mu.Unlock()
+		c.call(p, batch) // p, the last to arrive, is in it
 		return
 	}
-	b.mu.Unlock()
+	c.mu.Unlock()
 	<-p.done
 	if p.lead != nil {
-		b.send(p, p.lead)
+		c.call(p, p.lead)
 	}
 }
 
-// take removes the next batch from the queue; b.mu is held.
-func (b *decisionBatches) take() []*pendingDecision {
-	n := min(len(b.queue), maxBatch)
-	batch := make([]*pendingDecision, n)
-	copy(batch, b.queue)
-	b.queue = b.queue[:copy(b.queue, b.queue[n:])]
+// take removes the next batch from the queue; c.mu is held.
+func (c *coalescer) take() []*pending {
+	n := min(len(c.queue), maxBatch)
+	batch := make([]*pending, n)
+	copy(batch, c.queue)
+	c.queue = c.queue[:copy(c.queue, c.queue[n:])]
 	return batch
 }
 
-// send makes the call for batch, which p belongs to and sends, then hands
-// the next batch to one of its members and wakes the rest of its own.
-func (b *decisionBatches) send(p *pendingDecision, batch []*pendingDecision) {
+// call sends batch, which p belongs to and leads, then hands the next batch
+// to one of its members and wakes the rest of its own.
+func (c *coalescer) call(p *pending, batch []*pending) {
 	// Whatever happens to the call, the queue moves on and no member is
 	// left waiting.
-	defer b.finish(p, batch)
-	// No decision waits, queue included, longer than its store's timeout:
-	// those whose time ran out in the queue fail now, and the earliest
-	// deadline of the others bounds the call.
-	now := time.Now()
-	expired := func(m *pendingDecision) bool { return !now.Before(m.deadline) }
-	live := batch
-	if slices.ContainsFunc(batch, expired) {
-		live = nil
-		for _, m := range batch {
-			if !expired(m) {
-				live = append(live, m)
-				continue
-			}
-			m.err = errQueueTimeout
-			storeDuration.Observe(now.Sub(m.queued).Seconds())
-			storeErrors.WithLabelValues("timeout").Inc()
-		}
-		if len(live) == 0 {
-			return
-		}
-	}
-	deadline := live[0].deadline
-	for _, m := range live {
+	defer c.finish(p, batch)
+	for _, m := range batch {
 		m.err = errCallAborted // until the call says otherwise
-		if m.deadline.Before(deadline) {
-			deadline = m.deadline
-		}
 	}
-	ctx, cancel := context.WithDeadline(context.Background(), deadline)
-	defer cancel()
-	b.call(ctx, live)
+	c.send(batch)
 }
 
-func (b *decisionBatches) finish(p *pendingDecision, batch []*pendingDecision) {
-	var next []*pendingDecision
-	b.mu.Lock()
-	if len(b.queue) > 0 {
-		next = b.take()
+func (c *coalescer) finish(p *pending, batch []*pending) {
+	var next []*pending
+	c.mu.Lock()
+	if len(c.queue) > 0 {
+		next = c.take()
 	} else {
-		b.calling--
+		c.calling--
 	}
-	b.mu.Unlock()
+	c.mu.Unlock()
 	if next != nil {
 		next[0].lead = next
 		next[0].done <- struct{}{}
@@ -176,8 +146,3 @@ func (b *decisionBatches) finish(p *pendingDecision, batch []*pendingDecision) {
 		}
 	}
 }
-
-var (
-	errCallAborted  = errors.New("rate limit store: script call aborted")
-	errQueueTimeout = fmt.Errorf("rate limit store: %w queueing for a script call", context.DeadlineExceeded)
-)

@@ -45,11 +45,11 @@ func TestCoalescedDecisions(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { conn.Destruct() })
-	rs := &redisStore{conn: conn, timeout: 2 * time.Second} // no deny cache: every decision reaches Redis
+	rs := &redisStore{conn: conn} // no deny cache: every decision reaches Redis
 	ctx := context.Background()
 
 	// Alone: one call per decision.
-	lone := []bucketRequest{{key: "rl:p:{lone}", limit: limit{interval: 1, burst: 1_000_000}, cost: 1}}
+	lone := []bucketRequest{{key: "rl:p:{lone}", limit: limit{interval: 1, burst: 1_000_000}, op: opTake, cost: 1}}
 	if _, err := rs.decide(ctx, lone); err != nil { // loads the script
 		t.Fatal(err)
 	}
@@ -70,7 +70,7 @@ func TestCoalescedDecisions(t *testing.T) {
 	if _, err := srv.Do("CONFIG", "RESETSTAT"); err != nil {
 		t.Fatal(err)
 	}
-	shared := []bucketRequest{{key: "rl:p:{shared}", limit: limit{interval: 86_400_000_000, burst: 500}, cost: 1}}
+	shared := []bucketRequest{{key: "rl:p:{shared}", limit: limit{interval: 86_400_000_000, burst: 500}, op: opTake, cost: 1}}
 	const callers, each = 64, 1500 / 64
 	var mu sync.Mutex
 	told := map[int64]int{} // remaining tokens reported to admitted requests
@@ -114,18 +114,18 @@ func TestCoalescedDecisions(t *testing.T) {
 	}
 }
 
-// TestBatchQueue follows the queue itself, with a stand-in for the script
-// call: a decision sent while a call is in flight waits; parallelBatch
-// waiting start another call at once; a finishing call sends everything
-// queued meanwhile; a decision whose time ran out in the queue fails
-// without a call; and a call that panics still releases its members and
-// the queue.
-func TestBatchQueue(t *testing.T) {
+// TestCoalescerQueue follows the queue itself, with a stand-in for the
+// script call: a request sent while a call is in flight waits; parallelBatch
+// waiting start another call at once, up to maxCalls; beyond that they wait
+// their turn however long it takes (queueing is this instance's load, not a
+// Redis failure); a finishing call sends up to maxBatch of those queued; a
+// call that panics still releases its members and the queue.
+func TestCoalescerQueue(t *testing.T) {
 	var mu sync.Mutex
 	var sizes []int
-	gates := map[int]chan struct{}{1: make(chan struct{}), 2: make(chan struct{})}
+	gates := map[int]chan struct{}{1: make(chan struct{}), 2: make(chan struct{}), 3: make(chan struct{})}
 	started := make(chan int, 10)
-	b := &decisionBatches{call: func(_ context.Context, batch []*pendingDecision) {
+	c := &coalescer{maxCalls: 3, send: func(batch []*pending) {
 		mu.Lock()
 		sizes = append(sizes, len(batch))
 		n := len(sizes)
@@ -134,7 +134,7 @@ func TestBatchQueue(t *testing.T) {
 		if g := gates[n]; g != nil {
 			<-g
 		}
-		if n == 3 {
+		if n == 5 {
 			panic("call failed badly")
 		}
 		for _, m := range batch {
@@ -145,8 +145,8 @@ func TestBatchQueue(t *testing.T) {
 		err      error
 		panicked bool
 	}
-	results := make(chan result, 100)
-	decide := func(timeout time.Duration) {
+	results := make(chan result, 200)
+	decide := func() {
 		r := result{}
 		defer func() {
 			if recover() != nil {
@@ -154,80 +154,83 @@ func TestBatchQueue(t *testing.T) {
 			}
 			results <- r
 		}()
-		p := newPendingDecision(nil, timeout)
-		b.decide(p)
+		p := newPending(nil)
+		c.decide(p)
 		r.err = p.err
 	}
 	queued := func(want int) {
 		t.Helper()
 		for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(time.Millisecond) {
-			b.mu.Lock()
-			n := len(b.queue)
-			b.mu.Unlock()
+			c.mu.Lock()
+			n := len(c.queue)
+			c.mu.Unlock()
 			if n == want {
 				return
 			}
 			if time.Now().After(deadline) {
-				t.Fatalf("%d decisions queued, want %d", n, want)
+				t.Fatalf("%d requests queued, want %d", n, want)
 			}
 		}
 	}
+	wantStarted := func(want int) {
+		t.Helper()
+		if n := <-started; n != want {
+			t.Fatalf("call %d started, want call %d", n, want)
+		}
+	}
 
-	go decide(time.Minute)
-	if n := <-started; n != 1 {
-		t.Fatalf("call %d started first", n)
-	}
+	go decide()
+	wantStarted(1)
 	// Call 1 in flight: 15 queue; the 16th makes a batch worth a call of
-	// its own, sent at once.
-	for range parallelBatch {
-		go decide(time.Minute)
+	// its own, sent at once; 16 more make a third.
+	for range 2 * parallelBatch {
+		go decide()
 	}
-	if n := <-started; n != 2 {
-		t.Fatalf("call %d started second", n)
-	}
+	wantStarted(2)
+	wantStarted(3)
 	queued(0)
-	// Calls 1 and 2 in flight: 6 more queue, one of which times out there.
-	for range 5 {
-		go decide(time.Minute)
+	// maxCalls in flight: 70 more wait, and keep waiting.
+	for range 70 {
+		go decide()
 	}
-	queued(5)
-	go decide(time.Millisecond)
-	queued(6)
-	time.Sleep(2 * time.Millisecond)
-	close(gates[2]) // call 2 ends and sends the 5 live ones as call 3, which panics
-	if n := <-started; n != 3 {
-		t.Fatalf("call %d started third", n)
+	queued(70)
+	time.Sleep(50 * time.Millisecond)
+	select {
+	case r := <-results:
+		t.Fatalf("a queued request returned while every call was in flight: %+v", r)
+	default:
 	}
+	// Call 2 ends and sends 64 of them as call 4, which ends and sends the
+	// other 6 as call 5, which panics.
+	close(gates[2])
+	wantStarted(4)
+	wantStarted(5)
+	close(gates[3])
+	close(gates[1])
 	counts := map[string]int{}
-	for range 1 + parallelBatch + 6 - 1 { // all but call 1's
+	for range 1 + 2*parallelBatch + 70 {
 		r := <-results
 		switch {
 		case r.panicked:
 			counts["panicked"]++
 		case r.err == nil:
 			counts["decided"]++
-		case errors.Is(r.err, errQueueTimeout):
-			counts["timed out in the queue"]++
 		case errors.Is(r.err, errCallAborted):
 			counts["aborted"]++
 		default:
 			t.Fatalf("unexpected outcome: %v", r.err)
 		}
 	}
-	want := map[string]int{"decided": parallelBatch, "timed out in the queue": 1, "panicked": 1, "aborted": 4}
+	want := map[string]int{"decided": 1 + 2*parallelBatch + maxBatch, "panicked": 1, "aborted": 70 - maxBatch - 1}
 	if !maps.Equal(counts, want) {
 		t.Fatalf("outcomes %v, want %v", counts, want)
 	}
-	close(gates[1])
+	// Nothing in flight now: a lone request is sent at once, alone.
+	decide()
 	if r := <-results; r.err != nil {
-		t.Fatalf("first decision: %v", r.err)
+		t.Fatalf("lone request: %v", r.err)
 	}
-	// Nothing in flight now: a lone decision is sent at once, alone.
-	decide(time.Minute)
-	if r := <-results; r.err != nil {
-		t.Fatalf("lone decision: %v", r.err)
-	}
-	if want := []int{1, parallelBatch, 5, 1}; !slices.Equal(sizes, want) {
-		t.Fatalf("calls carried %v decisions, want %v", sizes, want)
+	if want := []int{1, parallelBatch, parallelBatch, maxBatch, 70 - maxBatch, 1}; !slices.Equal(sizes, want) {
+		t.Fatalf("calls carried %v requests, want %v", sizes, want)
 	}
 }

@@ -56,8 +56,8 @@ func FuzzCaddyfile(f *testing.F) {
 			t.Fatalf("accepted without a policy:\n%s", input)
 		}
 		for _, p := range h.Policies {
-			if err := p.settle(); err != nil {
-				t.Fatalf("accepted, but policy %q does not settle: %v\n%s", p.Name, err, input)
+			if err := p.check(); err != nil {
+				t.Fatalf("accepted, but policy %q does not check: %v\n%s", p.Name, err, input)
 			}
 			checkLimit(t, "policy "+p.Name, p.limit, maxBucketSpan)
 			if p.maxCost < 1 {
@@ -66,14 +66,23 @@ func FuzzCaddyfile(f *testing.F) {
 			// The local failure mode divides the budget between instances:
 			// its in-process bucket (int64 arithmetic, no Lua) must not
 			// overflow either.
-			checkLimit(t, "local fallback of policy "+p.Name+" with instances "+strconv.Itoa(h.Instances), h.localRequest(bucketRequest{limit: p.limit, cost: 1}).limit, 1<<62)
+			checkLimit(t, "local fallback of policy "+p.Name+" with instances "+strconv.Itoa(h.Instances), h.localRequest(bucketRequest{limit: p.limit, op: opTake, cost: 1}).limit, 1<<62)
 		}
 		raw, err := json.Marshal(h)
 		if err != nil {
 			t.Fatalf("accepted, but does not marshal to JSON: %v\n%s", err, input)
 		}
 
-		// The JSON, loaded as Caddy loads it.
+		// The JSON, loaded as Caddy loads it: the admin API keeps the config
+		// as JSON values (numbers are doubles), and decodes the modules
+		// from those.
+		var asValues any
+		if err := json.Unmarshal(raw, &asValues); err != nil {
+			t.Fatal(err)
+		}
+		if raw, err = json.Marshal(asValues); err != nil {
+			t.Fatal(err)
+		}
 		loaded := new(Handler)
 		if err := caddy.StrictUnmarshalJSON(raw, loaded); err != nil {
 			t.Fatalf("the adapted JSON does not decode: %v\n%s\n%s", err, input, raw)
@@ -156,11 +165,11 @@ func FuzzParseCost(f *testing.F) {
 		}
 
 		// A request's cost from a placeholder: what a client sends.
-		if maxCost < 1 {
+		if maxCost < 1 || maxCost > maxJSONInteger {
 			maxCost = 1 + (maxCost & math.MaxInt32)
 		}
 		p := &Policy{Name: "tokens", Key: "global", Rate: "10/1s", Cost: "{fuzz.cost}", MaxCost: maxCost, Burst: 1}
-		if err := p.settle(); err != nil {
+		if err := p.check(); err != nil {
 			t.Fatal(err)
 		}
 		repl := caddy.NewReplacer()
@@ -237,14 +246,14 @@ func FuzzRateLimitFields(f *testing.F) {
 			return
 		}
 		p := &Policy{Name: name, Key: "k", Rate: rate, Burst: burst}
-		if err := p.settle(); err != nil {
+		if err := p.check(); err != nil {
 			return // a config the parser rejects
 		}
 		// What a bucket of this policy can report: 0..burst tokens left
 		// (burst may exceed the sf-Integer range), a wait of -1 (never) or
 		// 0..tau µs (at most 2^51, about 71 years).
 		remaining = clamp(remaining, 0, p.limit.burst)
-		if wait != neverWait {
+		if wait != neverFits {
 			wait = clamp(wait, 0, min(p.limit.tau(), 1e15))
 		}
 		q, w := fieldQuota(p.events, p.period)
@@ -253,13 +262,13 @@ func FuzzRateLimitFields(f *testing.F) {
 		}
 		const other = "other.policy-2"
 		pol := string(policyMember(nil, name, q, w)) + ", " + string(policyMember(nil, other, 1, 1))
-		lim := string(limitMember(nil, name, remaining, wait)) + ", " + string(limitMember(nil, other, 0, neverWait))
+		lim := string(limitMember(nil, name, remaining, wait)) + ", " + string(limitMember(nil, other, 0, neverFits))
 
 		checkMembers(t, "RateLimit-Policy", pol, name, map[string]int64{"q": q, "w": w})
 		// Beyond the sf-Integer range, r is lowered to its largest value
 		// (the draft allows a server to state less than it has).
 		want := map[string]int64{"r": min(remaining, sfIntegerMax)}
-		if wait != neverWait {
+		if wait != neverFits {
 			want["t"] = (wait + 999_999) / 1_000_000
 		}
 		checkMembers(t, "RateLimit", lim, name, want)

@@ -50,7 +50,7 @@ func limitMember(b []byte, name string, remaining, waitUS int64) []byte {
 	b = appendSFString(b, name)
 	b = append(b, ";r="...)
 	b = strconv.AppendInt(b, min(remaining, maxSFInteger), 10)
-	if waitUS == neverWait {
+	if waitUS == neverFits {
 		return b
 	}
 	b = append(b, ";t="...)

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"net"
+	"strings"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
@@ -31,12 +32,16 @@ var (
 	})
 	storeErrors = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Namespace: "caddy", Subsystem: "rate_limit", Name: "store_errors_total",
-		Help: "Decisions Redis could not make, by kind (timeout, connection, redis, script, circuit_open).",
+		Help: "Redis calls that failed, by kind (timeout, connection, wrongpass, noauth, noperm, readonly, oom, loading, redis, script); requests that skipped Redis (circuit_open); requests whose own bucket key holds something else (wrongtype, corrupt).",
 	}, []string{"kind"})
 	// circuitOpenErrors is the circuit_open child, counted on the path
 	// that must stay cheapest while Redis is down.
 	circuitOpenErrors = storeErrors.WithLabelValues("circuit_open")
-	circuitOpen       = prometheus.NewGauge(prometheus.GaugeOpts{
+	// buckets counts the buckets of the in-process stores when scraped.
+	buckets = bucketsCollector{prometheus.NewDesc("caddy_rate_limit_buckets",
+		"Buckets held in this process, by store: in_process (handlers without a redis block), local (the on_error local fallback). Bounded; see memoryMaxBuckets.",
+		[]string{"store"}, nil)}
+	circuitOpen = prometheus.NewGauge(prometheus.GaugeOpts{
 		Namespace: "caddy", Subsystem: "rate_limit", Name: "circuit_open",
 		Help: "1 while the circuit breaker to Redis is open (decisions skip Redis and follow on_error); with several Redis connections, how many are open.",
 	})
@@ -50,7 +55,7 @@ func registerMetrics(ctx caddy.Context) error {
 	if reg == nil {
 		return nil
 	}
-	for _, c := range []prometheus.Collector{decisionsTotal, waiting, storeDuration, storeErrors, circuitOpen} {
+	for _, c := range []prometheus.Collector{decisionsTotal, waiting, storeDuration, storeErrors, circuitOpen, buckets} {
 		if err := reg.Register(c); err != nil {
 			var are prometheus.AlreadyRegisteredError
 			if !errors.As(err, &are) {
@@ -61,19 +66,39 @@ func registerMetrics(ctx caddy.Context) error {
 	return nil
 }
 
-// errorKind classifies a store error for store_errors_total.
+// bucketsCollector reports the in-process stores' sizes, read when scraped.
+type bucketsCollector struct{ desc *prometheus.Desc }
+
+func (c bucketsCollector) Describe(ch chan<- *prometheus.Desc) { ch <- c.desc }
+
+func (c bucketsCollector) Collect(ch chan<- prometheus.Metric) {
+	ch <- prometheus.MustNewConstMetric(c.desc, prometheus.GaugeValue, float64(processMemory.len()), "in_process")
+	ch <- prometheus.MustNewConstMetric(c.desc, prometheus.GaugeValue, float64(localFallback.len()), "local")
+}
+
+// errorKind classifies a store error for store_errors_total: what Redis
+// said (its error's first word, for the errors an operator must fix), a
+// request's own bad key, or what went wrong on the way.
 func errorKind(err error) string {
+	var bad *badBucketError
 	var netErr net.Error
 	var redisErr redis.Error
 	switch {
+	case errors.As(err, &bad):
+		return bad.kind
 	case errors.Is(err, errCircuitOpen):
 		return "circuit_open"
-	case errors.Is(err, context.DeadlineExceeded), errors.As(err, &netErr) && netErr.Timeout():
-		return "timeout"
 	case errors.Is(err, errScriptReply):
 		return "script"
 	case errors.As(err, &redisErr):
+		word, _, _ := strings.Cut(redisErr.Error(), " ")
+		switch word = strings.ToLower(word); word {
+		case "wrongpass", "noauth", "noperm", "readonly", "oom", "loading", "busy", "masterdown", "clusterdown":
+			return word
+		}
 		return "redis"
+	case errors.Is(err, context.DeadlineExceeded), errors.As(err, &netErr) && netErr.Timeout():
+		return "timeout"
 	default:
 		return "connection"
 	}

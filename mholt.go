@@ -14,70 +14,56 @@ import (
 // name: `events N window W` is `rate N/W burst N` (a full bucket admits N
 // at once, as an empty sliding window does, then N per W), and a zone
 // without a key is one bucket for everyone, as there.
-func unmarshalZone(d *caddyfile.Dispenser) (_ *Policy, err error) {
+func unmarshalZone(d *caddyfile.Dispenser) (*Policy, error) {
 	p := new(Policy)
-	at, fail, err := namedBlock(d, "zone", &p.Name)
+	s, err := newNamedSection(d, "zone", &p.Name)
 	if err != nil {
 		return nil, err
 	}
-	defer prefixErr(&err, "zone", p.Name)
 	var events int64
 	var window string
 	for nesting := d.Nesting(); d.NextBlock(nesting); {
+		if err := s.once(d); err != nil {
+			return nil, err
+		}
 		switch sub := d.Val(); sub {
 		case "match":
-			if p.MatchRaw != nil {
-				return nil, fail("match", "defined twice: a zone here takes one match block (one matcher set, all of whose matchers must match)")
-			}
 			set, err := caddyhttp.ParseCaddyfileNestedMatcherSet(d)
 			if err != nil { // it has the line already
-				return nil, fmt.Errorf("zone %q: match: %w", p.Name, err)
+				return nil, fmt.Errorf("%smatch: %w", s.prefix, err)
 			}
 			p.MatchRaw = set
 		case "key":
-			if p.Key != "" {
-				return nil, fail("key", "defined twice")
-			}
-			if err := oneArg(d, &p.Key); err != nil {
+			if err := s.oneArg(d, &p.Key); err != nil {
 				return nil, err
 			}
 		case "events":
-			if events != 0 {
-				return nil, fail("events", "defined twice")
-			}
-			var s string
-			if err := oneArg(d, &s); err != nil {
+			if err := s.positiveArg(d, &events); err != nil {
 				return nil, err
 			}
-			n, err := strconv.ParseInt(s, 10, 64)
-			if err != nil || n < 1 {
-				return nil, fail("events", "%q must be a positive integer", s)
-			}
-			events = n
 		case "window":
-			if window != "" {
-				return nil, fail("window", "defined twice")
-			}
-			if err := oneArg(d, &window); err != nil {
+			if err := s.oneArg(d, &window); err != nil {
 				return nil, err
 			}
 			if dur, err := caddy.ParseDuration(window); err != nil || dur <= 0 {
-				return nil, fail("window", "%q is not a positive duration", window)
+				return nil, s.errf(d, "window: %q is not a positive duration", window)
 			}
 		default:
-			return nil, d.Errf("zone %q: unrecognized subdirective %q (a zone takes match, key, events and window)", p.Name, sub)
+			return nil, s.errf(d, "unrecognized subdirective %q (a zone takes match, key, events and window)", sub)
 		}
 	}
 	if events == 0 || window == "" {
-		return nil, at.Errf("zone %q: events and window are both required", p.Name)
+		return nil, s.at.Errf("%sevents and window are both required", s.prefix)
 	}
 	if p.Key == "" {
 		p.Key = "static" // one bucket for the whole zone
 	}
 	p.Rate = strconv.FormatInt(events, 10) + "/" + window
 	p.Burst = events
-	if err := p.settle(); err != nil {
-		return nil, at.Errf("zone %q: events %d window %s: %v", p.Name, events, window, err)
+	if err := p.check(); err != nil {
+		// The rate and burst come from events and window.
+		s.seen["rate"], s.seen["burst"] = s.seen["events"], s.seen["events"]
+		return nil, s.fail(fmt.Errorf("events %d window %s: %w", events, window, err))
 	}
 	return p, nil
 }
@@ -104,8 +90,8 @@ func skipMholtSubdirective(d *caddyfile.Dispenser) (ignoredSubdirective, error) 
 			switch sub := d.Val(); sub {
 			case "read_interval", "write_interval", "purge_age":
 				var s string
-				if err := oneArg(d, &s); err != nil {
-					return ig, fmt.Errorf("distributed: %w", err)
+				if err := newSection(d, "distributed: ").oneArg(d, &s); err != nil {
+					return ig, err
 				}
 				if _, err := caddy.ParseDuration(s); err != nil {
 					return ig, d.Errf("distributed: %s: %q is not a duration", sub, s)
@@ -123,14 +109,14 @@ func skipMholtSubdirective(d *caddyfile.Dispenser) (ignoredSubdirective, error) 
 		}
 	case "sweep_interval":
 		var s string
-		if err := oneArg(d, &s); err != nil {
+		if err := newSection(d, "").oneArg(d, &s); err != nil {
 			return ig, err
 		}
 		if dur, err := caddy.ParseDuration(s); err != nil || dur <= 0 {
 			return ig, d.Errf("sweep_interval: %q is not a positive duration", s)
 		}
 	case "log_key":
-		if err := noArg(d); err != nil {
+		if err := newSection(d, "").noArg(d); err != nil {
 			return ig, err
 		}
 	}

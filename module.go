@@ -6,9 +6,6 @@ package ratelimit
 
 import (
 	"fmt"
-	"strings"
-	"sync/atomic"
-	"time"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
@@ -73,17 +70,16 @@ type Handler struct {
 	// part in its decision.
 	Policies []*Policy `json:"policies,omitempty"`
 
-	store     store
-	poolKey   string // in redisClients, when Redis is used
-	keyPrefix string
-	hasher    *keyHasher
+	store      store
+	closeStore func() error
+	keyPrefix  string
+	hasher     *keyHasher
 	// allPolicyHdr is RateLimit-Policy when every policy matches and none
 	// is a shadow: the common case, built once.
 	allPolicyHdr string
 	jitter       float64
 	headers      bool
 	logger       *zap.Logger
-	lastWarn     *atomic.Int64 // unix nanoseconds of the last store-failure warning
 }
 
 // CaddyModule returns the Caddy module information.
@@ -103,13 +99,17 @@ const (
 	maxDB        = 1_000_000
 )
 
-// Provision sets up the handler.
+// Provision sets up the handler: its defaults, its policies and its store.
 func (h *Handler) Provision(ctx caddy.Context) error {
 	h.logger = ctx.Logger()
 	if err := registerMetrics(ctx); err != nil {
 		return err
 	}
-	h.lastWarn = new(atomic.Int64)
+	// Caddy validates after provisioning; the provisioning below needs the
+	// checked and parsed values first.
+	if err := h.Validate(); err != nil {
+		return err
+	}
 	if h.OnError == "" {
 		h.OnError = failOpen
 	}
@@ -121,9 +121,6 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	h.keyPrefix = defaultKeyPrefix
 	if h.Redis != nil && h.Redis.KeyPrefix != "" {
 		h.keyPrefix = h.Redis.KeyPrefix
-	}
-	if err := h.checkConfig(); err != nil {
-		return err
 	}
 	secret := caddy.NewReplacer().ReplaceAll(h.KeySecret, "")
 	if h.KeySecret != "" && secret == "" {
@@ -151,62 +148,24 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	}
 	h.allPolicyHdr = string(all)
 
-	h.store = processMemory
-	if h.Redis != nil {
-		rc := h.Redis.resolved()
-		h.poolKey = rc.poolKey()
-		// Caddy must start and reload while Redis is unreachable: the client
-		// connects lazily and each decision bounds its own wait.
-		v, _, err := redisClients.LoadOrNew(h.poolKey, func() (caddy.Destructor, error) {
-			return newRedisConn(rc, h.logger)
-		})
-		if err != nil {
-			h.poolKey = ""
-			return fmt.Errorf("redis: %v", err)
-		}
-		rs := &redisStore{conn: v.(*redisConn), timeout: time.Duration(rc.Timeout), cluster: rc.Cluster}
-		if !rc.Cluster {
-			rs.denials = v.(*redisConn).denials
-		}
-		h.store = rs
+	var err error
+	if h.store, h.closeStore, err = openStore(h.Redis, h.logger); err != nil {
+		return err
 	}
 	return nil
 }
 
-// checkConfig checks what provisioning the policies does not, so that a
-// JSON mistake fails `caddy validate` naming the field.
-func (h *Handler) checkConfig() error {
-	if !validOnError(h.OnError) {
-		return fmt.Errorf("on_error: %q is not fail_open, fail_closed or local", h.OnError)
-	}
-	if h.Instances < 0 || h.Instances > maxInstances {
-		return fmt.Errorf("instances: %d must be from 1 to %d", h.Instances, maxInstances)
-	}
-	if h.jitter < 0 || h.jitter > 10 {
-		return fmt.Errorf("jitter: %v must be between 0 and 10 (1000%%)", h.jitter)
-	}
-	if h.Headers != "" && h.Headers != "draft" && h.Headers != "off" {
-		return fmt.Errorf("headers: %q is not draft or off", h.Headers)
+// Validate checks the whole config, naming the field of each mistake (and,
+// for a policy, the policy): the same checks the Caddyfile parser runs on
+// each block it reads, so that `caddy adapt` and `caddy validate` cannot
+// disagree.
+func (h *Handler) Validate() error {
+	if err := h.checkOwn(); err != nil {
+		return err
 	}
 	if h.Redis != nil {
-		if strings.ContainsAny(h.Redis.KeyPrefix, "{}") {
-			// Braces would move the Redis Cluster hash tag off the identity.
-			return fmt.Errorf("redis: key_prefix: %q must not contain { or }", h.Redis.KeyPrefix)
-		}
-		if len(h.Redis.Addresses) == 0 {
-			return fmt.Errorf("redis: at least one address is required")
-		}
-		if h.Redis.Cluster && h.Redis.Sentinel != "" {
-			return fmt.Errorf("redis: cluster and sentinel exclude each other")
-		}
-		if h.Redis.Timeout < 0 {
-			return fmt.Errorf("redis: timeout: must not be negative")
-		}
-		if h.Redis.PoolSize < 0 || h.Redis.PoolSize > maxPoolSize {
-			return fmt.Errorf("redis: pool_size: %d must be from 1 to %d", h.Redis.PoolSize, maxPoolSize)
-		}
-		if h.Redis.DB < 0 || h.Redis.DB > maxDB {
-			return fmt.Errorf("redis: db: %d must be from 0 to %d", h.Redis.DB, maxDB)
+		if err := h.Redis.validate(); err != nil {
+			return fmt.Errorf("redis: %v", err)
 		}
 	}
 	if len(h.Policies) == 0 {
@@ -217,6 +176,9 @@ func (h *Handler) checkConfig() error {
 		if p == nil {
 			return fmt.Errorf("policies[%d]: empty", i)
 		}
+		if err := p.check(); err != nil {
+			return fmt.Errorf("policy %q: %w", p.Name, err)
+		}
 		if seen[p.Name] {
 			return fmt.Errorf("policy %q: defined twice", p.Name)
 		}
@@ -225,19 +187,34 @@ func (h *Handler) checkConfig() error {
 	return nil
 }
 
-// Validate is done by Provision, which needs the parsed numbers; this keeps
-// the interface for tools that only validate.
-func (h *Handler) Validate() error { return nil }
+// checkOwn checks the handler's own fields (not its redis block nor its
+// policies).
+func (h *Handler) checkOwn() error {
+	if h.OnError != "" && !validOnError(h.OnError) {
+		return fieldErr("on_error", "on_error: %q is not fail_open, fail_closed or local", h.OnError)
+	}
+	if h.Instances < 0 || h.Instances > maxInstances {
+		return fieldErr("instances", "instances: %d must be from 1 to %d", h.Instances, maxInstances)
+	}
+	if h.Jitter != nil && (*h.Jitter < 0 || *h.Jitter > maxJitter || *h.Jitter != *h.Jitter) {
+		return fieldErr("jitter", "jitter: %v must be between 0 and %v (%v%%)", *h.Jitter, maxJitter, 100*maxJitter)
+	}
+	if h.Headers != "" && h.Headers != "draft" && h.Headers != "off" {
+		return fieldErr("headers", "headers: %q is not draft or off", h.Headers)
+	}
+	return nil
+}
+
+// maxJitter is the largest jitter, a fraction: 1000%.
+const maxJitter = 10.0
 
 // Cleanup releases this config's reference to its Redis client; the client
 // is closed when no loaded config uses it any more.
 func (h *Handler) Cleanup() error {
-	if h.poolKey == "" {
+	if h.closeStore == nil {
 		return nil
 	}
-	_, err := redisClients.Delete(h.poolKey)
-	h.poolKey = ""
-	return err
+	return h.closeStore()
 }
 
 // Interface guards.

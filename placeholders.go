@@ -2,50 +2,72 @@ package ratelimit
 
 import (
 	"net/http"
+	"slices"
 	"strconv"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 )
 
-// requestOutcome holds one request's placeholders, formatted only when a
-// later handler or log reads them.
-type requestOutcome struct {
+// requestState is what the rate_limit handlers a request passes through
+// know of it: its placeholders, formatted only when a later handler or an
+// access log reads them, and, for a second handler nested in the first,
+// the policies decided already and the RateLimit fields sent so far.
+type requestState struct {
 	decision   outcome
 	policy     string
 	remaining  int64 // -1: not decided
 	retryAfter int64
+
+	// decided names the policies an earlier handler decided for this
+	// request: a policy is one budget, charged once per request.
+	decided    []string
+	decidedBuf [4]string
+	// The members of RateLimit-Policy and RateLimit set by earlier
+	// handlers, which later ones add to.
+	policyField, limitField string
 }
 
-// outcomeVar is where a request keeps its requestOutcome, so that a second
-// rate_limit on the same request updates the same placeholders.
-const outcomeVar = "\x00rate_limit"
+// stateVar is where a request keeps its requestState.
+const stateVar = "\x00rate_limit"
 
-// outcomeOf returns the request's requestOutcome, registering its
+// requestStateOf returns the request's requestState, registering its
 // placeholders the first time.
-func outcomeOf(r *http.Request, repl *caddy.Replacer) *requestOutcome {
-	if o, ok := caddyhttp.GetVar(r.Context(), outcomeVar).(*requestOutcome); ok {
-		return o
+func requestStateOf(r *http.Request, repl *caddy.Replacer) *requestState {
+	if rs, ok := caddyhttp.GetVar(r.Context(), stateVar).(*requestState); ok {
+		return rs
 	}
-	o := &requestOutcome{remaining: -1}
-	caddyhttp.SetVar(r.Context(), outcomeVar, o)
-	repl.Map(o.placeholder)
-	return o
+	rs := &requestState{remaining: -1}
+	rs.decided = rs.decidedBuf[:0]
+	caddyhttp.SetVar(r.Context(), stateVar, rs)
+	repl.Map(rs.placeholder)
+	return rs
 }
 
-func (o *requestOutcome) placeholder(key string) (any, bool) {
+// wasDecided reports whether an earlier handler decided the policy.
+func (rs *requestState) wasDecided(name string) bool { return slices.Contains(rs.decided, name) }
+
+// placeholder resolves the handler's placeholders:
+//
+// Placeholder | Value
+// ------------|------
+// `{http.rate_limit.decision}` | allowed, delayed, denied, shadow_denied, fail_open, fail_closed, local_allowed or local_denied
+// `{http.rate_limit.policy}` | the denying policy, or the one with the fewest tokens left
+// `{http.rate_limit.remaining}` | that policy's whole tokens left (empty when nothing was decided)
+// `{http.rate_limit.retry_after}` | the Retry-After sent, in seconds (0 when none)
+func (rs *requestState) placeholder(key string) (any, bool) {
 	switch key {
 	case "http.rate_limit.decision":
-		return outcomeNames[o.decision], true
+		return outcomeNames[rs.decision], true
 	case "http.rate_limit.policy":
-		return o.policy, true
+		return rs.policy, true
 	case "http.rate_limit.remaining":
-		if o.remaining < 0 {
+		if rs.remaining < 0 {
 			return "", true
 		}
-		return strconv.FormatInt(o.remaining, 10), true
+		return strconv.FormatInt(rs.remaining, 10), true
 	case "http.rate_limit.retry_after":
-		return strconv.FormatInt(o.retryAfter, 10), true
+		return strconv.FormatInt(rs.retryAfter, 10), true
 	}
 	return nil, false
 }

@@ -44,12 +44,12 @@ type Policy struct {
 	// after a quiet period. Default: N of the rate.
 	Burst int64 `json:"burst,omitempty"`
 
-	// Cost is the tokens one request takes: an integer or a placeholder such
-	// as `{http.request.header.X-Cost}`. A value that does not resolve to a
-	// positive integer, or resolves above `max_cost`, is charged at
-	// `max_cost`. A request that costs more than `burst` can never pass.
-	// Default 1.
-	Cost string `json:"cost,omitempty"`
+	// Cost is the tokens one request takes: an integer (a JSON number or
+	// string) or a placeholder such as `{http.request.header.X-Cost}`. A
+	// value that does not resolve to a positive integer, or resolves above
+	// `max_cost`, is charged at `max_cost`. A request that costs more than
+	// `burst` can never pass. Default 1.
+	Cost caddyhttp.WeakString `json:"cost,omitempty"`
 
 	// MaxCost caps a request's cost. Default: burst.
 	MaxCost int64 `json:"max_cost,omitempty"`
@@ -132,7 +132,7 @@ func parseRate(s string) (events int64, period time.Duration, err error) {
 	return events, period, nil
 }
 
-// parseCost parses a fixed cost; ok is false for a placeholder.
+// parseCost parses a fixed cost; fixed is false for a placeholder.
 func parseCost(s string) (cost int64, fixed bool, err error) {
 	if strings.Contains(s, "{") {
 		return 0, false, nil
@@ -144,80 +144,102 @@ func parseCost(s string) (cost int64, fixed bool, err error) {
 	return cost, true, nil
 }
 
-// settle checks the policy's own fields and derives its bucket: all that
-// needs no Caddy context, so that `caddy adapt` reports the same mistakes
-// as loading the JSON. Errors name the field; the caller names the policy.
-func (p *Policy) settle() error {
+// fieldError is a mistake in one field of a config: the JSON path names
+// the field, the Caddyfile parser the line of the subdirective that set it.
+type fieldError struct {
+	field string // the JSON field
+	msg   string // the whole message, which names the field
+}
+
+func (e *fieldError) Error() string { return e.msg }
+
+func fieldErr(field, format string, args ...any) error {
+	return &fieldError{field: field, msg: fmt.Sprintf(format, args...)}
+}
+
+// maxJSONInteger is the largest integer a config may hold: Caddy keeps the
+// loaded config as JSON values, whose numbers are doubles, and a larger
+// integer does not survive the round trip (it fails to load).
+const maxJSONInteger = 1 << 53
+
+// check checks the policy's own fields and derives its bucket: all that
+// needs no Caddy context, so that `caddy adapt` (through the Caddyfile
+// parser) and `caddy validate` report the same mistakes, each naming its
+// field. The caller names the policy.
+func (p *Policy) check() error {
 	if !policyName.MatchString(p.Name) {
-		return fmt.Errorf("name %q: use 1 to 64 letters, digits, '_', '-' or '.'", p.Name)
+		return fieldErr("name", "name %q: use 1 to 64 letters, digits, '_', '-' or '.'", p.Name)
 	}
 	if p.Key == "" {
-		return fmt.Errorf("key: required (e.g. {client_ip}, {http.auth.user.id} or global)")
+		return fieldErr("key", "key: required (e.g. {client_ip}, {http.auth.user.id} or global)")
 	}
 	if p.Rate == "" {
-		return fmt.Errorf("rate: required (e.g. 100/1m)")
+		return fieldErr("rate", "rate: required (e.g. 100/1m)")
 	}
 	var err error
 	if p.events, p.period, err = parseRate(p.Rate); err != nil {
-		return fmt.Errorf("rate: %v", err)
+		return fieldErr("rate", "rate: %v", err)
 	}
 	burst := p.Burst
 	if burst == 0 {
 		burst = p.events
 	}
 	if burst < 1 {
-		return fmt.Errorf("burst: %d must be at least 1", p.Burst)
+		return fieldErr("burst", "burst: %d must be at least 1", p.Burst)
 	}
 	interval := int64(p.period / time.Microsecond / time.Duration(p.events))
 	if burst > maxBucketSpan/interval {
-		return fmt.Errorf("burst: %d tokens take too long to refill at %s", burst, p.Rate)
+		return fieldErr("burst", "burst: %d tokens take too long to refill at %s", burst, p.Rate)
 	}
-	p.limit = limit{interval: interval, burst: burst}
-	if p.MaxCost < 0 {
-		return fmt.Errorf("max_cost: %d must be at least 1", p.MaxCost)
+	if p.Wait < 0 || time.Duration(p.Wait) > maxWait {
+		return fieldErr("wait", "wait: %s must be between 0 and %s", time.Duration(p.Wait), maxWait)
+	}
+	if p.MaxHeld < 0 || p.MaxHeld > maxHeld {
+		return fieldErr("max_held", "max_held: %d must be from 1 to %d", p.MaxHeld, maxHeld)
+	}
+	p.waitUS = int64(time.Duration(p.Wait) / time.Microsecond)
+	p.limit = limit{interval: interval, burst: burst, slack: p.waitUS}
+	if p.MaxCost < 0 || p.MaxCost > maxJSONInteger {
+		return fieldErr("max_cost", "max_cost: %d must be from 1 to %d", p.MaxCost, int64(maxJSONInteger))
 	}
 	p.maxCost = p.MaxCost
 	if p.maxCost == 0 {
 		p.maxCost = burst
 	}
-	cost := p.Cost
+	cost := string(p.Cost)
 	if cost == "" {
 		cost = "1"
 	}
 	var fixed bool
 	if p.fixedCost, fixed, err = parseCost(cost); err != nil {
-		return fmt.Errorf("cost: %v", err)
+		return fieldErr("cost", "cost: %v", err)
 	}
 	if fixed && p.fixedCost > min(p.maxCost, burst) {
-		return fmt.Errorf("cost: %d is more than max %d or burst %d: no request could ever pass", p.fixedCost, p.maxCost, burst)
+		return fieldErr("cost", "cost: %d is more than max %d or burst %d: no request could ever pass", p.fixedCost, p.maxCost, burst)
 	}
-	if p.Wait < 0 || time.Duration(p.Wait) > maxWait {
-		return fmt.Errorf("wait: %s must be between 0 and %s", time.Duration(p.Wait), maxWait)
+	if p.OnError != "" && !validOnError(p.OnError) {
+		return fieldErr("on_error", "on_error: %q is not fail_open, fail_closed or local", p.OnError)
 	}
-	if p.MaxHeld < 0 {
-		return fmt.Errorf("max_held: %d must be at least 1", p.MaxHeld)
-	}
-	p.waitUS = int64(time.Duration(p.Wait) / time.Microsecond)
-	p.keyTmpl, p.costTmpl = newTemplate(p.Key), newTemplate(p.Cost)
+	p.keyTmpl, p.costTmpl = newTemplate(p.Key), newTemplate(string(p.Cost))
 	return nil
 }
 
 // maxWait bounds how far ahead a request may reserve a slot.
 const maxWait = 24 * time.Hour
 
-const defaultMaxHeld = 1024
+// Requests a policy with `wait` holds at once per instance, by default and
+// at most.
+const (
+	defaultMaxHeld = 1024
+	maxHeld        = 1 << 20
+)
 
-// provision checks the policy and fills in its defaults.
+// provision fills in the policy's defaults and derived state; check has
+// passed.
 func (p *Policy) provision(ctx caddy.Context, h *Handler) error {
-	if err := p.settle(); err != nil {
-		return err
-	}
 	p.onError = p.OnError
 	if p.onError == "" {
 		p.onError = h.OnError
-	}
-	if !validOnError(p.onError) {
-		return fmt.Errorf("on_error: %q is not fail_open, fail_closed or local", p.OnError)
 	}
 	p.shadow = p.Shadow || h.Shadow
 	p.keyPrefix = h.keyPrefix + p.Name + ":"

@@ -7,8 +7,12 @@ import (
 	_ "embed"
 	"encoding/json"
 	"fmt"
+	"net"
 	"os"
+	"runtime"
+	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
@@ -43,13 +47,16 @@ type RedisConfig struct {
 	// TLS, when present, connects to Redis over TLS.
 	TLS *RedisTLS `json:"tls,omitempty"`
 
-	// Timeout bounds each decision's wait for Redis: queueing behind the
-	// script call in flight, connecting, the round trip. When it runs out,
-	// the policies' `on_error` applies. Default 100ms.
+	// Timeout bounds each call to Redis, from sending it to its reply: when
+	// it runs out, the requests of that call follow their policies'
+	// `on_error`. Connecting (TCP, TLS, authentication) may take up to
+	// max(timeout, 1s). Time a request spends queued in this instance
+	// behind other calls is not a Redis failure and is not bounded by it.
+	// At least 1ms. Default 100ms.
 	Timeout caddy.Duration `json:"timeout,omitempty"`
 
-	// PoolSize is the most connections kept open to each Redis server.
-	// Default: go-redis's, 10 per CPU.
+	// PoolSize is the most connections kept open to each Redis server, and
+	// so the most calls in flight to it at once. Default: 10 per CPU.
 	PoolSize int `json:"pool_size,omitempty"`
 
 	// KeyPrefix starts every storage key. Default `rl:`.
@@ -100,6 +107,80 @@ func (c RedisConfig) poolKey() string {
 	return string(b)
 }
 
+// minRedisTimeout is the least timeout: below it no Redis call completes.
+const minRedisTimeout = time.Millisecond
+
+// validate checks the connection settings: what `caddy adapt` and `caddy
+// validate` can check before placeholders are resolved. Errors name the
+// field; the caller prefixes "redis: ".
+func (c *RedisConfig) validate() error {
+	if len(c.Addresses) == 0 {
+		return fieldErr("addresses", "address: at least one host:port is required")
+	}
+	if len(c.Addresses) > 1 && !c.Cluster && c.Sentinel == "" {
+		return fieldErr("addresses", "address: %d addresses given: several addresses are the nodes of a Redis Cluster (add cluster) or the sentinels of a master (add sentinel <master_name>); a single server takes one", len(c.Addresses))
+	}
+	if c.Cluster && c.Sentinel != "" {
+		return fieldErr("sentinel", "cluster and sentinel exclude each other")
+	}
+	if err := c.validateAddresses(); err != nil {
+		return err
+	}
+	if c.Timeout < 0 || c.Timeout != 0 && time.Duration(c.Timeout) < minRedisTimeout {
+		return fieldErr("timeout", "timeout: %s is below %s: no Redis call completes that fast", time.Duration(c.Timeout), minRedisTimeout)
+	}
+	if strings.ContainsAny(c.KeyPrefix, "{}") {
+		// Braces would move the Redis Cluster hash tag off the identity.
+		return fieldErr("key_prefix", "key_prefix: %q must not contain { or }", c.KeyPrefix)
+	}
+	if c.PoolSize < 0 || c.PoolSize > maxPoolSize {
+		return fieldErr("pool_size", "pool_size: %d must be from 1 to %d", c.PoolSize, maxPoolSize)
+	}
+	if c.DB < 0 || c.DB > maxDB {
+		return fieldErr("db", "db: %d must be from 0 to %d", c.DB, maxDB)
+	}
+	if c.DB != 0 && c.Cluster {
+		return fieldErr("db", "db: Redis Cluster has only database 0")
+	}
+	return nil
+}
+
+// validateAddresses checks that every address is host:port; one that is a
+// placeholder is checked once resolved.
+func (c *RedisConfig) validateAddresses() error {
+	for _, a := range c.Addresses {
+		if strings.Contains(a, "{") {
+			continue
+		}
+		if scheme, _, ok := strings.Cut(a, "://"); ok {
+			return fieldErr("addresses", "address: %q is a URL: write host:port, and set username, password, db and tls in the redis block (%s:// is not read)", a, scheme)
+		}
+		host, port, err := net.SplitHostPort(a)
+		if err != nil {
+			return fieldErr("addresses", "address: %q is not host:port (e.g. 127.0.0.1:6379): %v", a, err)
+		}
+		if n, err := strconv.Atoi(port); err != nil || n < 1 || n > 65535 || host == "" {
+			return fieldErr("addresses", "address: %q is not host:port with a port from 1 to 65535", a)
+		}
+	}
+	return nil
+}
+
+// dialTimeout bounds connecting: TCP, TLS and authentication, which take
+// several round trips.
+func (c RedisConfig) dialTimeout() time.Duration {
+	return max(time.Duration(c.Timeout), time.Second)
+}
+
+// poolSize is the most connections to one server: go-redis's default when
+// unset.
+func (c RedisConfig) poolSize() int {
+	if c.PoolSize > 0 {
+		return c.PoolSize
+	}
+	return 10 * runtime.GOMAXPROCS(0)
+}
+
 func (c RedisConfig) newClient() (redis.UniversalClient, error) {
 	var tlsConfig *tls.Config
 	if c.TLS != nil {
@@ -116,70 +197,68 @@ func (c RedisConfig) newClient() (redis.UniversalClient, error) {
 		}
 	}
 	timeout := time.Duration(c.Timeout)
-	// One dial attempt and no retry: a script whose reply was lost (a
-	// timeout, a connection Redis closed) may have charged the buckets, and
-	// running it again would charge them twice. The failure mode answers
-	// instead, and the circuit breaker keeps a dead Redis from costing a
-	// timeout per request.
+	// The timeout bounds each command's write and the read of its reply;
+	// connecting has its own bound. One dial attempt and no retry: a script
+	// whose reply was lost (a timeout, a connection Redis closed) may have
+	// charged the buckets, and running it again would charge them twice.
+	// The failure mode answers instead, and the circuit breaker keeps a dead
+	// Redis from costing a timeout per request. Two connections are kept
+	// open, so that the first requests after a start or an idle spell do
+	// not pay for connecting.
+	dial, pool := c.dialTimeout(), c.poolSize()
 	switch {
 	case c.Cluster:
 		return redis.NewClusterClient(&redis.ClusterOptions{
 			Addrs: c.Addresses, Username: c.Username, Password: c.Password, TLSConfig: tlsConfig,
-			DialTimeout: timeout, ReadTimeout: timeout, WriteTimeout: timeout,
-			ContextTimeoutEnabled: true, PoolSize: c.PoolSize, MaxRetries: -1, DialerRetries: 1,
+			DialTimeout: dial, ReadTimeout: timeout, WriteTimeout: timeout, PoolTimeout: dial,
+			ContextTimeoutEnabled: true, PoolSize: pool, MinIdleConns: 2, MaxRetries: -1, DialerRetries: 1,
 		}), nil
 	case c.Sentinel != "":
 		return redis.NewFailoverClient(&redis.FailoverOptions{
 			MasterName: c.Sentinel, SentinelAddrs: c.Addresses, Username: c.Username, Password: c.Password,
 			DB: c.DB, TLSConfig: tlsConfig,
-			DialTimeout: timeout, ReadTimeout: timeout, WriteTimeout: timeout,
-			ContextTimeoutEnabled: true, PoolSize: c.PoolSize, MaxRetries: -1, DialerRetries: 1,
+			DialTimeout: dial, ReadTimeout: timeout, WriteTimeout: timeout, PoolTimeout: dial,
+			ContextTimeoutEnabled: true, PoolSize: pool, MinIdleConns: 2, MaxRetries: -1, DialerRetries: 1,
 		}), nil
 	default:
 		return redis.NewClient(&redis.Options{
 			Addr: c.Addresses[0], Username: c.Username, Password: c.Password, DB: c.DB, TLSConfig: tlsConfig,
-			DialTimeout: timeout, ReadTimeout: timeout, WriteTimeout: timeout,
-			ContextTimeoutEnabled: true, PoolSize: c.PoolSize, MaxRetries: -1, DialerRetries: 1,
+			DialTimeout: dial, ReadTimeout: timeout, WriteTimeout: timeout, PoolTimeout: dial,
+			ContextTimeoutEnabled: true, PoolSize: pool, MinIdleConns: 2, MaxRetries: -1, DialerRetries: 1,
 		}), nil
 	}
 }
 
-func init() {
-	// go-redis logs to stderr by default; its reports (mostly failed dials,
-	// which the circuit breaker and metrics already cover) go to Caddy's log
-	// at DEBUG instead.
-	redis.SetLogger(redisLog{})
-}
+// redisConns shares Redis connections across config loads: Caddy
+// provisions a new config before it cleans up the old one, so a reload
+// reuses the open connections (and the circuit breaker's state) instead of
+// redialling.
+var redisConns = caddy.NewUsagePool()
 
-type redisLog struct{}
-
-func (redisLog) Printf(_ context.Context, format string, v ...any) {
-	caddy.Log().Named("http.handlers.rate_limit.redis").Debug(fmt.Sprintf(format, v...))
-}
-
-// redisClients shares Redis clients across config loads: Caddy provisions a
-// new config before it cleans up the old one, so a reload reuses the open
-// connections (and the circuit breaker's state) instead of redialling.
-var redisClients = caddy.NewUsagePool()
-
-// redisConn is one pooled Redis client with the circuit breaker that
-// guards it.
+// redisConn is one Redis client with what every config using it shares:
+// the circuit breaker, the coalescing of calls and the deny cache.
 type redisConn struct {
 	client redis.UniversalClient
-	// batches coalesces concurrent decisions into one script call (see
-	// batch.go); nil in cluster mode, where a call reaches one slot only.
-	batches *decisionBatches
-	breaker *breaker
-	// denials is shared by every config on this Redis: what one learned of a
-	// bucket holds for all.
+	name   string // the addresses, for logs
+	// coalescer merges concurrent requests into one script call (see
+	// coalesce.go); nil in cluster mode, where a call reaches one slot only.
+	coalescer *coalescer
+	breaker   *breaker
+	// denials is shared by every config on this Redis: what one learned of
+	// a bucket holds for all.
 	denials *denyCache
+	// callTimeout bounds a call as a whole: waiting for a connection,
+	// connecting, and EVALSHA then EVAL when Redis lost the script.
+	callTimeout time.Duration
+	logger      *zap.Logger
+	reported    redisReports
 }
 
 func (c *redisConn) Destruct() error { return c.client.Close() }
 
-// noBatching sends every decision in its own script call, for benchmarks
+// noCoalescing sends every request in its own script call, for benchmarks
 // comparing.
-var noBatching = false
+var noCoalescing = false
 
 func newRedisConn(c RedisConfig, logger *zap.Logger) (*redisConn, error) {
 	client, err := c.newClient()
@@ -187,25 +266,93 @@ func newRedisConn(c RedisConfig, logger *zap.Logger) (*redisConn, error) {
 		return nil, err
 	}
 	conn := &redisConn{
-		client:  client,
-		denials: newDenyCache(monotonicMicros),
+		client:      client,
+		name:        strings.Join(c.Addresses, ","),
+		denials:     newDenyCache(monotonicMicros),
+		callTimeout: c.dialTimeout() + 3*time.Duration(c.Timeout),
+		logger:      logger,
 	}
-	name := strings.Join(c.Addresses, ",")
 	conn.breaker = newBreaker(func(from, to breakerState) {
 		switch {
 		case to == breakerOpen && from == breakerClosed:
 			circuitOpen.Inc()
-			logger.Warn("Redis unavailable: circuit open, decisions follow on_error until a probe succeeds",
-				zap.String("redis", name), zap.Duration("probe_every", breakerCooldown))
+			logger.Warn("Redis unavailable: calls failed for "+breakerSpan.String()+"; requests follow on_error until a probe succeeds",
+				zap.String("redis", conn.name), zap.Duration("probe_every", breakerCooldown))
 		case to == breakerClosed:
 			circuitOpen.Dec()
-			logger.Info("Redis available again: circuit closed", zap.String("redis", name))
+			logger.Info("Redis available again: circuit closed", zap.String("redis", conn.name))
 		default:
-			logger.Debug("circuit breaker", zap.String("redis", name), zap.Stringer("from", from), zap.Stringer("to", to))
+			logger.Debug("circuit breaker", zap.String("redis", conn.name), zap.Stringer("from", from), zap.Stringer("to", to))
 		}
 	})
-	if !c.Cluster && !noBatching {
-		conn.batches = &decisionBatches{call: conn.decideBatch}
+	if !c.Cluster && !noCoalescing {
+		conn.coalescer = &coalescer{send: conn.send, maxCalls: c.poolSize()}
 	}
+	go conn.checkEviction()
 	return conn, nil
+}
+
+// checkEviction warns, once, when Redis may evict buckets to make room: a
+// bucket evicted is a full bucket, a budget given back. A managed Redis
+// that refuses CONFIG GET is not an error.
+func (c *redisConn) checkEviction() {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	res, err := c.client.ConfigGet(ctx, "maxmemory-policy").Result()
+	if err != nil {
+		c.logger.Debug("could not read maxmemory-policy", zap.String("redis", c.name), zap.Error(err))
+		return
+	}
+	if policy := res["maxmemory-policy"]; strings.HasPrefix(policy, "allkeys-") {
+		c.logger.Warn("Redis may evict rate-limit buckets to make room ("+policy+"): an evicted bucket is full again. "+
+			"Use maxmemory-policy volatile-ttl (buckets all have TTLs; those nearest to full expire first) or noeviction, "+
+			"or give the limiter its own Redis",
+			zap.String("redis", c.name), zap.String("maxmemory_policy", policy))
+	}
+}
+
+// redisReports logs each kind of Redis error at most once per
+// reportInterval: while Redis refuses every call, every request fails the
+// same way.
+type redisReports struct {
+	mu   sync.Mutex
+	last map[string]time.Time
+}
+
+const reportInterval = 10 * time.Second
+
+// report logs err, of the given kind, unless that kind was logged within
+// reportInterval. Errors of the configuration (a password, an ACL, a
+// replica) are logged at ERROR with what to change; a Redis that does not
+// answer at WARN.
+func (c *redisConn) report(kind string, err error) {
+	now := time.Now()
+	c.reported.mu.Lock()
+	if c.reported.last == nil {
+		c.reported.last = map[string]time.Time{}
+	}
+	if now.Sub(c.reported.last[kind]) < reportInterval {
+		c.reported.mu.Unlock()
+		return
+	}
+	c.reported.last[kind] = now
+	c.reported.mu.Unlock()
+	fields := []zap.Field{zap.String("redis", c.name), zap.String("kind", kind), zap.Error(err)}
+	if fix, permanent := errorFixes[kind]; permanent {
+		c.logger.Error("Redis refused rate-limit calls; policies follow on_error: "+fix, fields...)
+		return
+	}
+	c.logger.Warn("Redis unavailable; policies follow on_error", fields...)
+}
+
+// errorFixes is what to change for each permanent error kind.
+var errorFixes = map[string]string{
+	"wrongpass": "check the redis username and password (a {env.*} placeholder that is unset is an empty password)",
+	"noauth":    "Redis requires a password: set password (and username for an ACL user) in the redis block",
+	"noperm":    "grant the Redis user the commands and keys the limiter uses, e.g. ACL SETUSER <user> on ><password> ~<key_prefix>* &<key_prefix>* +evalsha +eval +time +get +set +del +publish +subscribe +config|get",
+	"readonly":  "the address is a replica: point address at the master, or use sentinel <master_name> to follow failovers",
+	"oom":       "Redis is at maxmemory and may not evict: raise maxmemory, or use maxmemory-policy volatile-ttl (every bucket has a TTL)",
+	"wrongtype": "a bucket's key holds a value of another type (was it written by hand?): DEL the key named in this log; the requests of that key follow on_error until then",
+	"corrupt":   "a bucket's key holds a string that is not a bucket (was it written by hand?): DEL the key named in this log; the requests of that key follow on_error until then",
+	"script":    "the script's reply does not match this build: is another version of the module using the same Redis and key_prefix?",
 }

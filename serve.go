@@ -12,148 +12,153 @@ import (
 	"go.uber.org/zap"
 )
 
-// ServeHTTP decides the request against every matching policy.
+// The request path: which policies a request matches, their one decision
+// (or, when the store cannot decide, their on_error), the 429 or 503 of a
+// denial, the RateLimit fields and placeholders, and holding a request for
+// the slot it reserved.
+
+// ServeHTTP decides the request against every policy that matches it, in
+// one atomic decision, then passes it on (after its reserved slot, with
+// `wait`) or answers it.
 func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
 	repl := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
-
-	var pbuf [4]*Policy
-	var rbuf [4]bucketRequest
-	policies, reqs := pbuf[:0], rbuf[:0]
-	for _, p := range h.Policies {
-		ok, err := p.matches(r)
-		if err != nil {
-			return caddyhttp.Error(http.StatusInternalServerError, fmt.Errorf("rate_limit: policy %s: matching: %w", p.Name, err))
-		}
-		if !ok {
-			continue
-		}
-		policies = append(policies, p)
-		key := p.fixedKey
-		if key == "" {
-			key = p.storageKey(h.hasher, p.key(r, repl))
-		}
-		reqs = append(reqs, bucketRequest{
-			key:    key,
-			limit:  p.limit,
-			cost:   p.cost(r, repl),
-			shadow: p.shadow,
-		})
+	rs := requestStateOf(r, repl)
+	var res reservation
+	if err := h.match(r, repl, rs, &res); err != nil {
+		return err
 	}
-	if len(reqs) == 0 {
+	if len(res.reqs) == 0 {
 		return next.ServeHTTP(w, r)
 	}
-	o := outcomeOf(r, repl)
-	// A policy with `wait` may reserve a future slot only while it has room
-	// to hold the request until then.
-	var hbuf [4]int
-	held := hbuf[:0]
-	for i, p := range policies {
-		if p.hold() {
-			reqs[i].wait = p.waitUS
-			held = append(held, i)
-		}
+	defer res.release()
+	h.decide(r, &res)
+	if !res.admitted() {
+		return h.deny(w, r, rs, &res)
 	}
-
-	d, err := h.store.decide(r.Context(), reqs)
-	if err != nil {
-		for _, i := range held {
-			policies[i].release()
-		}
-		h.warnStoreFailure(err)
-		return h.serveWithoutStore(w, r, next, o, policies, reqs)
-	}
-	count(policies, d, outcomeAllowed, outcomeDenied)
-	if !d.admitted {
-		for _, i := range held {
-			policies[i].release()
-		}
-		return h.deny(w, o, policies, d, outcomeDenied)
-	}
-	outcome := outcomeAllowed
-	for i, v := range d.verdicts {
-		if !v.allowed {
-			outcome = outcomeShadowDenied
-			h.logger.Debug("shadow policy would deny", zap.String("policy", policies[i].Name))
-		}
-	}
-	if d.delay > 0 {
-		outcome = outcomeDelayed
-	}
-	h.report(w, o, policies, d, outcome, 0)
-	if !h.holdForSlot(r, policies, held, d) {
+	h.report(w, rs, &res, 0)
+	if !res.holdForSlot(r) {
 		return nil // the client went away; its slot stays consumed
 	}
 	return next.ServeHTTP(w, r)
 }
 
-// holdForSlot holds an admitted request until the slot it reserved, and
-// frees the places it took in its policies. It returns false when the
-// client went away first.
-func (h *Handler) holdForSlot(r *http.Request, policies []*Policy, held []int, d decision) bool {
-	var waiting []*Policy
-	for _, i := range held {
-		if d.verdicts[i].delay > 0 {
-			waiting = append(waiting, policies[i])
-			policies[i].waiting.Inc()
-		} else {
-			policies[i].release()
+// reservation is one request's decision and what the request holds until
+// it returns: its places among the requests each `wait` policy may hold,
+// released in one place (release).
+type reservation struct {
+	policies []*Policy
+	reqs     []bucketRequest
+	d        decision
+	outcome  outcome
+	// shown are the policies the decision's verdicts are of, in order: all
+	// the policies, the `local` ones when the store failed, none for
+	// fail_open.
+	shown []*Policy
+	// failClosed is the policy whose fail_closed answers 503.
+	failClosed *Policy
+	places     []*Policy // `wait` places taken
+	holding    []*Policy // of those, the policies holding the request now
+
+	pbuf, placebuf, holdbuf [4]*Policy
+	rbuf                    [4]bucketRequest
+}
+
+// admitted reports whether the request goes on.
+func (res *reservation) admitted() bool { return res.failClosed == nil && res.d.admitted }
+
+// match finds the policies the request matches (skipping those a rate_limit
+// handler it passed through already decided) and their bucket requests.
+func (h *Handler) match(r *http.Request, repl *caddy.Replacer, rs *requestState, res *reservation) error {
+	res.policies, res.reqs = res.pbuf[:0], res.rbuf[:0]
+	for _, p := range h.Policies {
+		ok, err := p.matches(r)
+		if err != nil {
+			return caddyhttp.Error(http.StatusInternalServerError, fmt.Errorf("rate_limit: policy %s: matching: %w", p.Name, err))
+		}
+		if !ok || rs.wasDecided(p.Name) {
+			continue
+		}
+		key := p.fixedKey
+		if key == "" {
+			key = p.storageKey(h.hasher, p.key(r, repl))
+		}
+		res.policies = append(res.policies, p)
+		res.reqs = append(res.reqs, bucketRequest{key: key, op: opTake, limit: p.limit, cost: p.cost(r, repl), shadow: p.shadow})
+	}
+	for _, p := range res.policies {
+		rs.decided = append(rs.decided, p.Name)
+	}
+	return nil
+}
+
+// decide makes the request's one decision, or, when the store cannot,
+// applies each policy's on_error.
+func (h *Handler) decide(r *http.Request, res *reservation) {
+	// A policy with `wait` may reserve a future slot only while it has room
+	// to hold the request until then.
+	res.places = res.placebuf[:0]
+	for i, p := range res.policies {
+		if p.hold() {
+			res.reqs[i].wait = p.waitUS
+			res.places = append(res.places, p)
 		}
 	}
-	if len(waiting) == 0 {
-		return true
+	d, err := h.store.decide(r.Context(), res.reqs)
+	if err != nil {
+		res.release() // a request decided without the store is never held
+		h.withoutStore(r, res)
+		return
 	}
-	defer func() {
-		for _, p := range waiting {
-			p.waiting.Dec()
-			p.release()
+	res.d, res.shown = d, res.policies
+	count(res.policies, d, outcomeAllowed, outcomeDenied)
+	switch {
+	case !d.admitted:
+		res.outcome = outcomeDenied
+	case d.delay > 0:
+		res.outcome = outcomeDelayed
+	default:
+		res.outcome = outcomeAllowed
+		for i, v := range d.verdicts {
+			if !v.allowed {
+				res.outcome = outcomeShadowDenied
+				h.logger.Debug("shadow policy would deny", zap.String("policy", res.policies[i].Name))
+			}
 		}
-	}()
-	timer := time.NewTimer(time.Duration(d.delay) * time.Microsecond)
-	defer timer.Stop()
-	select {
-	case <-timer.C:
-		return true
-	case <-r.Context().Done():
-		return false
 	}
 }
 
-// serveWithoutStore applies each policy's on_error when Redis could not
+// withoutStore applies each policy's on_error when the store could not
 // decide: one fail_closed policy answers 503 for the request; local
 // policies are decided by in-process buckets; fail_open policies admit.
-func (h *Handler) serveWithoutStore(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, o *requestOutcome, policies []*Policy, reqs []bucketRequest) error {
+func (h *Handler) withoutStore(r *http.Request, res *reservation) {
 	var local []bucketRequest
 	var localPolicies []*Policy
-	for i, p := range policies {
+	for i, p := range res.policies {
 		switch {
 		case p.onError == failClosed && !p.shadow:
 			p.decisions[outcomeFailClosed].Inc()
-			ra := retryAfter(time.Second.Microseconds(), h.jitter)
-			*o = requestOutcome{decision: outcomeFailClosed, policy: p.Name, remaining: -1, retryAfter: ra}
-			w.Header().Set("Retry-After", strconv.FormatInt(ra, 10))
-			return writeProblem(w, reducedCapacity())
+			res.failClosed, res.outcome = p, outcomeFailClosed
+			return
 		case p.onError == failLocal:
-			local = append(local, h.localRequest(reqs[i]))
+			local = append(local, h.localRequest(res.reqs[i]))
 			localPolicies = append(localPolicies, p)
 		}
 	}
-	d := decision{admitted: true}
-	outcome := outcomeFailOpen
+	res.d, res.shown, res.outcome = decision{admitted: true}, nil, outcomeFailOpen
 	if len(local) > 0 {
-		d, _ = processMemory.decide(r.Context(), local)
-		count(localPolicies, d, outcomeLocalAllowed, outcomeLocalDenied)
-		if !d.admitted {
-			return h.deny(w, o, localPolicies, d, outcomeLocalDenied)
+		res.d, _ = localFallback.decide(r.Context(), local)
+		res.shown = localPolicies
+		count(localPolicies, res.d, outcomeLocalAllowed, outcomeLocalDenied)
+		res.outcome = outcomeLocalAllowed
+		if !res.d.admitted {
+			res.outcome = outcomeLocalDenied
 		}
-		outcome = outcomeLocalAllowed
 	}
-	for _, p := range policies {
+	for _, p := range res.policies {
 		if p.onError != failLocal {
 			p.decisions[outcomeFailOpen].Inc()
 		}
 	}
-	h.report(w, o, localPolicies, d, outcome, 0)
-	return next.ServeHTTP(w, r)
 }
 
 // localRequest is a policy's request to its in-process fallback bucket,
@@ -166,6 +171,43 @@ func (h *Handler) localRequest(rq bucketRequest) bucketRequest {
 		rq.limit.burst = max(1, rq.limit.burst/n)
 	}
 	return rq
+}
+
+// holdForSlot holds an admitted request until the slot it reserved. It
+// returns false when the client went away first.
+func (res *reservation) holdForSlot(r *http.Request) bool {
+	res.holding = res.holdbuf[:0]
+	for _, p := range res.places {
+		for i, q := range res.policies {
+			if q == p && res.d.verdicts[i].delay > 0 {
+				res.holding = append(res.holding, p)
+				p.waiting.Inc()
+			}
+		}
+	}
+	if res.d.delay <= 0 {
+		return true
+	}
+	timer := time.NewTimer(time.Duration(res.d.delay) * time.Microsecond)
+	defer timer.Stop()
+	select {
+	case <-timer.C:
+		return true
+	case <-r.Context().Done():
+		return false
+	}
+}
+
+// release gives back what the request holds: its `wait` places. It is
+// safe to call more than once.
+func (res *reservation) release() {
+	for _, p := range res.holding {
+		p.waiting.Dec()
+	}
+	for _, p := range res.places {
+		p.release()
+	}
+	res.holding, res.places = nil, nil
 }
 
 // count adds a decision to each policy's decisions_total: a policy that
@@ -187,31 +229,65 @@ func count(policies []*Policy, d decision, allowed, denied outcome) {
 	}
 }
 
-// deny writes the 429 response of a denied request.
-func (h *Handler) deny(w http.ResponseWriter, o *requestOutcome, policies []*Policy, d decision, outcome outcome) error {
+// errRateLimited is the error of a denial handed to a site's handle_errors.
+var errRateLimited = errors.New("rate limit exceeded")
+
+// deny answers a denied request: 429 when a policy denied it, 503 when a
+// fail_closed policy could not be decided. A site with handle_errors routes
+// for the request gets the denial as a Caddy error instead, with the
+// Retry-After and RateLimit fields and the placeholders set, to render its
+// own page.
+func (h *Handler) deny(w http.ResponseWriter, r *http.Request, rs *requestState, res *reservation) error {
+	if res.failClosed != nil {
+		ra := retryAfter(time.Second.Microseconds(), h.jitter)
+		rs.decision, rs.policy, rs.remaining, rs.retryAfter = outcomeFailClosed, res.failClosed.Name, -1, ra
+		w.Header().Set("Retry-After", strconv.FormatInt(ra, 10))
+		if handlesErrors(r, http.StatusServiceUnavailable) {
+			return caddyhttp.Error(http.StatusServiceUnavailable, errStoreUnavailable)
+		}
+		return writeProblem(w, reducedCapacity())
+	}
+
+	// The policies that denied, and the longest of their waits.
 	var violated []string
-	var wait int64
+	var wait, stride int64
+	var key string
 	var denier *Policy // the last policy that denied
-	for i, v := range d.verdicts {
-		if v.allowed || policies[i].shadow {
+	for i, v := range res.d.verdicts {
+		p := res.shown[i]
+		if v.allowed || p.shadow {
 			continue
 		}
-		denier = policies[i]
-		violated = append(violated, policies[i].Name)
-		if v.wait == neverWait || wait == neverWait {
-			wait = neverWait
-		} else {
-			wait = max(wait, v.wait)
+		denier = p
+		violated = append(violated, p.Name)
+		switch {
+		case v.untilFits == neverFits || wait == neverFits:
+			wait = neverFits
+		case v.untilFits >= wait:
+			wait, key = v.untilFits, res.reqs[i].key
+			stride = res.reqs[i].cost * p.limit.interval * int64(max(1, h.Instances))
 		}
 	}
 	var ra int64
-	if wait != neverWait {
-		ra = retryAfter(wait, h.jitter)
+	if wait != neverFits {
+		var hold time.Duration
+		ra, hold = pacing.pace(r.RemoteAddr, key, wait, stride, h.jitter)
+		if hold > 0 {
+			pacing.holdDenial(r, hold)
+			for i := range res.d.verdicts {
+				if v := &res.d.verdicts[i]; !v.allowed && v.untilFits != neverFits {
+					v.untilFits = max(0, v.untilFits-hold.Microseconds())
+				}
+			}
+		}
 		w.Header().Set("Retry-After", strconv.FormatInt(ra, 10))
 	}
-	h.report(w, o, policies, d, outcome, ra)
+	h.report(w, rs, res, ra)
 	if ce := h.logger.Check(zap.DebugLevel, "rate limit exceeded"); ce != nil {
 		ce.Write(zap.Strings("policies", violated), zap.Int64("retry_after", ra))
+	}
+	if handlesErrors(r, http.StatusTooManyRequests) {
+		return caddyhttp.Error(http.StatusTooManyRequests, errRateLimited)
 	}
 	if len(violated) == 1 {
 		return writeProblemBody(w, http.StatusTooManyRequests, denier.deniedBody)
@@ -219,15 +295,42 @@ func (h *Handler) deny(w http.ResponseWriter, o *requestOutcome, policies []*Pol
 	return writeProblem(w, quotaExceeded(violated))
 }
 
+// errStoreUnavailable is the error of a fail_closed 503 handed to a site's
+// handle_errors.
+var errStoreUnavailable = errors.New("rate limiter unavailable")
+
+// handlesErrors reports whether the server has an error route that would
+// take this request's error of the given status: a site's handle_errors.
+func handlesErrors(r *http.Request, status int) bool {
+	srv, ok := r.Context().Value(caddyhttp.ServerCtxKey).(*caddyhttp.Server)
+	if !ok || srv == nil || srv.Errors == nil || len(srv.Errors.Routes) == 0 {
+		return false
+	}
+	// Match as Caddy will, with the error's placeholders set.
+	er := srv.Errors.WithError(r, caddyhttp.Error(status, errRateLimited))
+	for _, route := range srv.Errors.Routes {
+		if len(route.MatcherSets) == 0 {
+			return true
+		}
+		if ok, err := route.MatcherSets.AnyMatchWithError(er); ok && err == nil {
+			return true
+		}
+	}
+	return false
+}
+
 // report sets the placeholders and the RateLimit fields. Every placeholder
-// is set (possibly empty), so access logs never show a raw placeholder.
-func (h *Handler) report(w http.ResponseWriter, o *requestOutcome, policies []*Policy, d decision, outcome outcome, retryAfter int64) {
-	o.decision, o.retryAfter, o.policy, o.remaining = outcome, retryAfter, "", -1
+// is set (possibly empty), so access logs never show a raw placeholder. A
+// request that passed through rate_limit handlers before keeps their
+// fields: this one's members are added.
+func (h *Handler) report(w http.ResponseWriter, rs *requestState, res *reservation, retryAfter int64) {
+	d := res.d
+	rs.decision, rs.retryAfter, rs.policy, rs.remaining = res.outcome, retryAfter, "", -1
 	// The tightest enforced policy; among shadow ones only when no policy is
 	// enforced, so a dry run still says which policy would deny.
 	tightest, enforced := -1, false
 	for i, v := range d.verdicts {
-		e := !policies[i].shadow
+		e := !res.shown[i].shadow
 		if tightest < 0 || e && !enforced || e == enforced && tighter(v, d.verdicts[tightest]) {
 			tightest, enforced = i, e
 		}
@@ -235,16 +338,20 @@ func (h *Handler) report(w http.ResponseWriter, o *requestOutcome, policies []*P
 	if tightest < 0 { // fail_open: nothing was decided
 		return
 	}
-	o.policy, o.remaining = policies[tightest].Name, d.verdicts[tightest].remaining
+	rs.policy, rs.remaining = res.shown[tightest].Name, max(0, d.verdicts[tightest].remaining)
 	if !h.headers || !enforced { // shadow policies never show in responses
 		return
 	}
 	// Most requests match every policy: their RateLimit-Policy is fixed.
 	var pbuf, lbuf [256]byte
 	pol, lim := pbuf[:0], lbuf[:0]
-	all := len(d.verdicts) == len(h.Policies) && h.allPolicyHdr != ""
+	all := len(d.verdicts) == len(h.Policies) && h.allPolicyHdr != "" && rs.policyField == ""
+	if rs.policyField != "" {
+		pol, lim = append(pol, rs.policyField...), append(lim, rs.limitField...)
+	}
 	for i, v := range d.verdicts {
-		if policies[i].shadow {
+		p := res.shown[i]
+		if p.shadow {
 			continue
 		}
 		if len(lim) > 0 {
@@ -252,17 +359,18 @@ func (h *Handler) report(w http.ResponseWriter, o *requestOutcome, policies []*P
 			lim = append(lim, ", "...)
 		}
 		if !all {
-			pol = append(pol, policies[i].policyHdr...)
+			pol = append(pol, p.policyHdr...)
 		}
-		lim = limitMember(lim, policies[i].Name, v.remaining, v.wait)
+		lim = limitMember(lim, p.Name, v.remaining, v.untilFits)
 	}
-	policyHdr := h.allPolicyHdr
+	policyField := h.allPolicyHdr
 	if !all {
-		policyHdr = string(pol)
+		policyField = string(pol)
 	}
+	rs.policyField, rs.limitField = policyField, string(lim)
 	hdr := w.Header()
-	hdr["Ratelimit-Policy"] = []string{policyHdr}
-	hdr["Ratelimit"] = []string{string(lim)}
+	hdr["Ratelimit-Policy"] = []string{policyField}
+	hdr["Ratelimit"] = []string{rs.limitField}
 }
 
 // tighter orders verdicts for {http.rate_limit.policy}: a denial before an
@@ -272,21 +380,7 @@ func tighter(a, b verdict) bool {
 		return !a.allowed
 	}
 	if !a.allowed {
-		return a.wait == neverWait || (b.wait != neverWait && a.wait > b.wait)
+		return a.untilFits == neverFits || (b.untilFits != neverFits && a.untilFits > b.untilFits)
 	}
 	return a.remaining < b.remaining
-}
-
-// warnStoreFailure logs a store failure at most once every 10 seconds:
-// when Redis is down every request fails the same way.
-func (h *Handler) warnStoreFailure(err error) {
-	if errors.Is(err, errCircuitOpen) { // the breaker logs its own transitions
-		return
-	}
-	now := time.Now().UnixNano()
-	last := h.lastWarn.Load()
-	if now-last < int64(10*time.Second) || !h.lastWarn.CompareAndSwap(last, now) {
-		return
-	}
-	h.logger.Warn("rate limit store unavailable; policies follow on_error", zap.Error(err))
 }

@@ -2,11 +2,54 @@ package ratelimit
 
 import (
 	"context"
+	"fmt"
+
+	"github.com/caddyserver/caddy/v2"
+	"go.uber.org/zap"
 )
 
 // store holds the buckets and decides requests against them atomically.
 type store interface {
-	// decide evaluates every bucket of one request at once: all are charged
-	// or none is (see decideBuckets).
+	// decide applies the operations of one request to its buckets at once:
+	// an admission charges all its buckets or none (see decideBuckets).
+	// A store that cannot decide returns an error, and the request's
+	// policies follow their on_error.
 	decide(ctx context.Context, reqs []bucketRequest) (decision, error)
+}
+
+// openStore returns the store a handler's buckets live in: this process's
+// without a redis block; otherwise a Redis one, on a connection shared with
+// every config that connects the same way (so that it survives reloads,
+// circuit breaker and all). close releases the handler's use of it.
+func openStore(cfg *RedisConfig, logger *zap.Logger) (s store, close func() error, err error) {
+	if cfg == nil {
+		return processMemory, func() error { return nil }, nil
+	}
+	rc := cfg.resolved()
+	if err := rc.validateAddresses(); err != nil {
+		return nil, nil, fmt.Errorf("redis: %v", err)
+	}
+	key := rc.poolKey()
+	// Caddy must start and reload while Redis is unreachable: the client
+	// connects lazily and each call bounds its own wait.
+	v, _, err := redisConns.LoadOrNew(key, func() (caddy.Destructor, error) {
+		return newRedisConn(rc, logger)
+	})
+	if err != nil {
+		return nil, nil, fmt.Errorf("redis: %v", err)
+	}
+	conn := v.(*redisConn)
+	rs := &redisStore{conn: conn, cluster: rc.Cluster}
+	if !rc.Cluster {
+		rs.denials = conn.denials
+	}
+	released := false
+	return rs, func() error {
+		if released {
+			return nil
+		}
+		released = true
+		_, err := redisConns.Delete(key)
+		return err
+	}, nil
 }

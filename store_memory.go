@@ -4,25 +4,47 @@ import (
 	"context"
 	"hash/maphash"
 	"slices"
+	"sort"
 	"sync"
 	"time"
 )
 
 // memoryStore keeps buckets in this process: one Caddy instance only. It is
-// the default without a redis block and the fallback of `on_error local`.
-// It is process-wide, like a Redis server, so buckets survive config reloads.
+// the store without a redis block, and (a separate one) the fallback of
+// `on_error local`. It is process-wide, like a Redis server, so buckets
+// survive config reloads.
+//
+// Its memory is bounded whatever clients send: at most memoryMaxBuckets
+// buckets. A full bucket is the same as a missing one, so full buckets are
+// swept out as the store grows; when it holds memoryMaxBuckets buckets
+// that are not full, it forgets those nearest to full (a forgotten bucket
+// is full again: the least budget a forgotten client can gain).
 type memoryStore struct {
 	shards [memoryShards]memoryShard
 	ids    bucketIDs
 	now    func() int64 // µs on a monotonic clock; injectable for tests
 }
 
-const memoryShards = 64
+const (
+	memoryShards = 64
+	// memoryMaxBuckets bounds the buckets of one in-process store: about
+	// 110 bytes each (the map's slots included), so at most about 28 MiB
+	// (see TestMemoryStoreBound).
+	memoryMaxBuckets = 1 << 18
+	shardMaxBuckets  = memoryMaxBuckets / memoryShards
+	minSweep         = 1024
+)
 
 type memoryShard struct {
 	mu      sync.Mutex
-	tats    map[bucketID]int64
-	sweepAt int // sweep full buckets out when the map reaches this size
+	buckets map[bucketID]storedBucket // pointer-free: nothing for the GC to scan
+	sweepAt int                       // sweep when the map reaches this size
+}
+
+// storedBucket is a bucket as the store holds it: its TAT and the interval
+// that TAT was written under (see limit.rebase).
+type storedBucket struct {
+	tat, interval int64
 }
 
 // bucketID stands for a storage key in the in-process store: 128 bits of
@@ -48,16 +70,18 @@ func monotonicMicros() int64 { return int64(time.Since(epoch)/time.Microsecond) 
 func newMemoryStore(now func() int64) *memoryStore {
 	m := &memoryStore{ids: newBucketIDs(), now: now}
 	for i := range m.shards {
-		m.shards[i].tats = make(map[bucketID]int64)
+		m.shards[i].buckets = make(map[bucketID]storedBucket)
 		m.shards[i].sweepAt = minSweep
 	}
 	return m
 }
 
-// processMemory is the in-process store every handler of this process shares.
-var processMemory = newMemoryStore(monotonicMicros)
-
-const minSweep = 1024
+// processMemory is the in-process store every handler without a redis
+// block shares; localFallback holds the buckets of `on_error local`.
+var (
+	processMemory = newMemoryStore(monotonicMicros)
+	localFallback = newMemoryStore(monotonicMicros)
+)
 
 func (m *memoryStore) decide(_ context.Context, reqs []bucketRequest) (decision, error) {
 	var idbuf [4]bucketID
@@ -84,29 +108,78 @@ func (m *memoryStore) decide(_ context.Context, reqs []bucketRequest) (decision,
 
 	now := m.now()
 	tats := make([]int64, len(reqs))
-	for i := range reqs {
-		tats[i] = m.shards[shards[i]].tats[ids[i]]
+	for i, rq := range reqs {
+		// A request of an earlier one in the same decision reads what that
+		// one left (a policy named twice is one bucket).
+		b := m.shards[shards[i]].buckets[ids[i]]
+		tats[i] = rq.limit.rebase(b.tat, b.interval, now)
 	}
 	d, next := decideBuckets(tats, now, reqs)
-	for i := range reqs {
-		if next[i] != tats[i] {
-			m.shards[shards[i]].store(ids[i], next[i], now)
+	for i, rq := range reqs {
+		if !applied(reqs, d, i) {
+			continue
 		}
+		s := &m.shards[shards[i]]
+		if next[i] <= now {
+			delete(s.buckets, ids[i])
+			continue
+		}
+		s.store(ids[i], storedBucket{next[i], rq.limit.interval}, now)
 	}
 	return d, nil
 }
 
-// store writes a TAT, first dropping full buckets (TAT in the past) when the
-// shard has doubled since its last sweep: memory stays proportional to the
-// buckets that are not full, as Redis key expiry keeps it there.
-func (s *memoryShard) store(id bucketID, tat, now int64) {
-	if len(s.tats) >= s.sweepAt {
-		for k, v := range s.tats {
-			if v <= now {
-				delete(s.tats, k)
+// store writes a bucket, first sweeping the shard when it has grown enough
+// since its last sweep: memory stays proportional to the buckets that are
+// not full, as Redis key expiry keeps it there, and below shardMaxBuckets.
+func (s *memoryShard) store(id bucketID, b storedBucket, now int64) {
+	if len(s.buckets) >= s.sweepAt {
+		s.sweep(now)
+	}
+	s.buckets[id] = b
+}
+
+// sweep drops the full buckets and, if the shard is still at its bound,
+// the quarter of its buckets nearest to full.
+func (s *memoryShard) sweep(now int64) {
+	for id, b := range s.buckets {
+		if b.tat <= now {
+			delete(s.buckets, id)
+		}
+	}
+	if len(s.buckets) >= shardMaxBuckets {
+		tats := make([]int64, 0, len(s.buckets))
+		for _, b := range s.buckets {
+			tats = append(tats, b.tat)
+		}
+		slices.Sort(tats)
+		// The TATs nearest to now are the buckets nearest to full: drop a
+		// quarter, those before the cut and, of those at it, as many as
+		// make up the quarter.
+		drop := len(tats) / 4
+		cut := tats[drop]
+		atCut := drop - sort.Search(drop, func(i int) bool { return tats[i] >= cut })
+		for id, b := range s.buckets {
+			switch {
+			case b.tat < cut:
+				delete(s.buckets, id)
+			case b.tat == cut && atCut > 0:
+				delete(s.buckets, id)
+				atCut--
 			}
 		}
-		s.sweepAt = max(minSweep, 2*len(s.tats))
 	}
-	s.tats[id] = tat
+	s.sweepAt = min(shardMaxBuckets, max(minSweep, 2*len(s.buckets)))
+}
+
+// len is the number of buckets the store holds.
+func (m *memoryStore) len() int {
+	n := 0
+	for i := range m.shards {
+		s := &m.shards[i]
+		s.mu.Lock()
+		n += len(s.buckets)
+		s.mu.Unlock()
+	}
+	return n
 }

@@ -10,73 +10,86 @@ import (
 	"github.com/redis/go-redis/v9"
 )
 
+// The Redis store: every request's operations in one call of
+// lua/decide.lua, on Redis time, coalesced with the concurrent requests of
+// this instance (coalesce.go), guarded by the circuit breaker, with the
+// deny cache in front (denycache.go).
+
 //go:embed lua/decide.lua
 var decideLua string
 
 var decideSHA = redis.NewScript(decideLua).Hash()
 
 var (
-	// errCircuitOpen: the decision skipped Redis, which recently failed.
+	// errCircuitOpen: the request skipped Redis, which recently failed.
 	errCircuitOpen = errors.New("rate limit store: circuit open after repeated Redis failures")
 	// errScriptReply: the script's reply is not what bucket.go expects.
 	errScriptReply = errors.New("rate limit script reply")
+	// errCallAborted: the call ended (a panic) before it said anything.
+	errCallAborted = errors.New("rate limit store: script call aborted")
 )
 
-// redisStore decides against buckets in Redis with one script call.
+// badBucketError is a request's own bucket holding what is not a bucket:
+// only that request (and those of the same key) fail, never the call.
+type badBucketError struct {
+	kind string // wrongtype or corrupt
+	key  string // the storage key (a hash, never an identity)
+}
+
+func (e *badBucketError) Error() string {
+	if e.kind == "wrongtype" {
+		return "rate limit store: WRONGTYPE: key " + e.key + " holds a value of another type, not a bucket"
+	}
+	return "rate limit store: key " + e.key + " holds a string that is not a bucket"
+}
+
+// redisStore decides against buckets in Redis.
 type redisStore struct {
 	conn    *redisConn
-	timeout time.Duration
 	cluster bool       // keys in several slots take one script call per slot
 	denials *denyCache // nil in cluster mode, whose refunds move TATs back
 }
 
 func (s *redisStore) decide(ctx context.Context, reqs []bucketRequest) (decision, error) {
 	if s.denials != nil {
-		if d, ok := s.denials.deny(reqs); ok {
+		d, answer, gate := s.denials.deny(reqs)
+		switch answer {
+		case denied:
 			return d, nil
+		case uncertain:
+			// One flight at a time for this bucket: once the one in the air
+			// lands, the cache knows what Redis said.
+			f, after := s.denials.flights.board(gate)
+			defer s.denials.flights.land(gate, f)
+			if after != nil {
+				<-after
+				if d, answer, _ := s.denials.deny(reqs); answer == denied {
+					return d, nil
+				}
+			}
 		}
 	}
-	gen, ok := s.conn.breaker.allow()
-	if !ok {
+	if s.conn.breaker.skipping() {
 		circuitOpenErrors.Inc()
 		return decision{}, errCircuitOpen
 	}
-	outcome := breakerFailure // unless the decision returns: a panic is a failure
-	defer func() { s.conn.breaker.done(gen, outcome) }()
-	d, err := s.decideGuarded(ctx, reqs)
-	switch {
-	// Our own script disagreeing with bucket.go is not an outage.
-	case err == nil || errors.Is(err, errScriptReply):
-		outcome = breakerSuccess
-	// A client that went away says nothing about Redis.
-	case errors.Is(err, context.Canceled):
-		outcome = breakerIgnored
-	}
-	return d, err
-}
-
-// decideGuarded is the decision the breaker guards.
-func (s *redisStore) decideGuarded(ctx context.Context, reqs []bucketRequest) (decision, error) {
 	if s.cluster {
 		if groups := slotGroups(reqs); len(groups) > 1 {
-			ctx, cancel := context.WithTimeout(ctx, s.timeout)
-			defer cancel()
-			return s.decideAcrossSlots(ctx, reqs, groups)
+			return s.decideAcrossSlots(reqs, groups)
 		}
 	}
-	return s.decideOnce(ctx, reqs)
+	return s.decideOnce(reqs)
 }
 
 // decideOnce decides buckets that one script call can reach: a single
 // Redis, or one Redis Cluster slot.
-func (s *redisStore) decideOnce(ctx context.Context, reqs []bucketRequest) (decision, error) {
-	p := newPendingDecision(reqs, s.timeout)
-	if s.conn.batches != nil {
-		s.conn.batches.decide(p)
+func (s *redisStore) decideOnce(reqs []bucketRequest) (decision, error) {
+	p := newPending(reqs)
+	if s.conn.coalescer != nil {
+		s.conn.coalescer.decide(p)
 	} else {
-		ctx, cancel := context.WithDeadline(ctx, p.deadline)
-		s.conn.decideBatch(ctx, p.one[:])
-		cancel()
+		p.err = errCallAborted
+		s.conn.send(p.one[:])
 	}
 	d, err := p.d, p.err
 	if err == nil && s.denials != nil {
@@ -86,9 +99,27 @@ func (s *redisStore) decideOnce(ctx context.Context, reqs []bucketRequest) (deci
 	return d, err
 }
 
-// decideBatch decides the requests of a batch, in order, in one call of
+// send makes one script call for a batch, past the circuit breaker, and
+// tells the breaker how it went.
+func (c *redisConn) send(batch []*pending) {
+	gen, ok := c.breaker.allow()
+	if !ok {
+		for _, p := range batch {
+			p.err = errCircuitOpen
+		}
+		circuitOpenErrors.Add(float64(len(batch)))
+		return
+	}
+	result := callFailed // unless the call returns: a panic is a failure
+	defer func() { c.breaker.done(gen, result) }()
+	result = c.call(batch)
+}
+
+// call decides the requests of a batch, in order, in one call of
 // lua/decide.lua.
-func (c *redisConn) decideBatch(ctx context.Context, batch []*pendingDecision) {
+func (c *redisConn) call(batch []*pending) callResult {
+	ctx, cancel := context.WithTimeout(context.Background(), c.callTimeout)
+	defer cancel()
 	args := scriptCall(batch)
 	sent := monotonicMicros()
 	cmd := redis.NewIntSliceCmd(ctx, args...)
@@ -112,19 +143,41 @@ func (c *redisConn) decideBatch(ctx context.Context, batch []*pendingDecision) {
 			p.err = err
 		}
 		storeDuration.Observe(end.Sub(p.queued).Seconds())
-		if p.err != nil {
-			storeErrors.WithLabelValues(errorKind(p.err)).Inc()
+		var bad *badBucketError
+		if errors.As(p.err, &bad) {
+			storeErrors.WithLabelValues(bad.kind).Inc()
+			c.report(bad.kind, p.err)
 		}
 	}
+	if err == nil {
+		return callAnswered
+	}
+	kind := errorKind(err)
+	storeErrors.WithLabelValues(kind).Inc()
+	c.report(kind, err)
+	return resultOf(err)
+}
+
+// resultOf is what a call's error says about Redis: a reply, even an error
+// reply, is an answer; a timeout or a broken connection is a failure.
+func resultOf(err error) callResult {
+	var redisErr redis.Error
+	switch {
+	case err == nil, errors.Is(err, errScriptReply), errors.As(err, &redisErr):
+		return callAnswered
+	case errors.Is(err, context.Canceled):
+		return callIgnored
+	}
+	return callFailed
 }
 
 // scriptCall is the EVALSHA of lua/decide.lua for the requests of a batch.
-func scriptCall(batch []*pendingDecision) []any {
+func scriptCall(batch []*pending) []any {
 	n := 0
 	for _, p := range batch {
 		n += len(p.reqs)
 	}
-	args := make([]any, 3, 3+n+len(batch)+5*n)
+	args := make([]any, 3, 3+n+len(batch)+6*n)
 	args[0], args[1], args[2] = "evalsha", decideSHA, n
 	for _, p := range batch {
 		for _, rq := range p.reqs {
@@ -134,11 +187,15 @@ func scriptCall(batch []*pendingDecision) []any {
 	for _, p := range batch {
 		args = append(args, len(p.reqs))
 		for _, rq := range p.reqs {
-			shadow := 0
+			op := 2 * int64(rq.op)
 			if rq.shadow {
-				shadow = 1
+				op++
 			}
-			args = append(args, rq.limit.interval, rq.limit.burst, rq.cost, rq.wait, shadow)
+			amount := rq.cost
+			if rq.op == opAdjust {
+				amount = rq.delta
+			}
+			args = append(args, op, rq.limit.interval, rq.limit.burst, rq.limit.slack, amount, rq.wait)
 		}
 	}
 	return args
@@ -147,7 +204,7 @@ func scriptCall(batch []*pendingDecision) []any {
 // decisionsFromScript reads the script's reply into each request's
 // decision, computing the remaining tokens and waits from the stored state
 // with the Go algorithm, and the TATs the script stored.
-func decisionsFromScript(res []int64, batch []*pendingDecision) error {
+func decisionsFromScript(res []int64, batch []*pending) error {
 	if len(res) == 0 {
 		return fmt.Errorf("%w: empty", errScriptReply)
 	}
@@ -166,9 +223,32 @@ func decisionsFromScript(res []int64, batch []*pendingDecision) error {
 	return nil
 }
 
-// decisionFromScript turns the script's reply for one request, {admitted,
-// allowed_1, tat_1, ...}, into its decision and the TATs the script stored.
+// Statuses of a request in the script's reply.
+const (
+	scriptDenied    = 0
+	scriptAdmitted  = 1
+	scriptWrongType = -1
+	scriptCorrupt   = -2
+)
+
+// decisionFromScript turns the script's reply for one request, {status,
+// allowed_1, tat_1, ..., allowed_m, tat_m}, into its decision and the TATs
+// the script stored.
 func decisionFromScript(now int64, res []int64, reqs []bucketRequest) (decision, []int64, error) {
+	switch res[0] {
+	case scriptWrongType, scriptCorrupt:
+		kind := "wrongtype"
+		if res[0] == scriptCorrupt {
+			kind = "corrupt"
+		}
+		key := reqs[0].key
+		for i := range reqs {
+			if res[1+2*i] < 0 {
+				key = reqs[i].key
+			}
+		}
+		return decision{}, nil, &badBucketError{kind: kind, key: key}
+	}
 	tats := make([]int64, len(reqs))
 	for i := range reqs {
 		tats[i] = res[2+2*i]
@@ -176,7 +256,7 @@ func decisionFromScript(now int64, res []int64, reqs []bucketRequest) (decision,
 	d, next := decideBuckets(tats, now, reqs)
 	// Redis's own verdict is the one that was charged; the Go algorithm is the
 	// same one, so they agree unless the script and bucket.go drift apart.
-	if d.admitted != (res[0] == 1) {
+	if d.admitted != (res[0] == scriptAdmitted) {
 		return decision{}, nil, fmt.Errorf("%w: Lua and Go disagree (admitted %d); is lua/decide.lua in step with bucket.go?", errScriptReply, res[0])
 	}
 	for i := range reqs {

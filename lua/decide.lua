@@ -1,119 +1,197 @@
--- Rate-limit decisions, each atomic, on Redis server time: one or more
--- requests, decided in order (concurrent requests of one Caddy instance are
--- coalesced into one call). The same algorithm as bucket.go (decideBuckets);
--- keep the two in step.
+-- Bucket operations on Redis server time: one or more requests per call
+-- (the concurrent requests of one Caddy instance are coalesced), each
+-- decided atomically, in order. The same algorithm as bucket.go (rebase,
+-- decideBuckets, adjust); keep the two in step.
 --
--- KEYS         the buckets of every request, request after request
--- ARGV         per request: m, its number of buckets, then per bucket:
---                interval  µs per token
---                burst     capacity in tokens
---                cost      of this request in tokens
---                wait      µs the request may be held for a slot (policy `wait`)
---                shadow    1 for a shadow policy (decided, never decisive)
+-- KEYS   the buckets of every request, request after request
+-- ARGV   per request: its bucket count, then six numbers per bucket:
+--          op        2 * code + shadow; codes: 1 take, 2 check, 3 adjust,
+--                    4 inspect, 5 reset (see bucketOp in bucket.go)
+--          interval  µs per token under the current config
+--          burst     capacity in tokens
+--          slack     µs a TAT may run beyond a full refill (reserved slots,
+--                    debt)
+--          amount    take, check: the cost; adjust: tokens charged (> 0)
+--                    or given back (< 0)
+--          wait      take: µs ahead a slot may be reserved (policy `wait`)
 --
--- A bucket is one number, its theoretical arrival time (TAT) in µs: it holds
--- (now + burst*interval - TAT) / interval tokens, at most burst. Charging a
--- request moves TAT forward cost*interval; a TAT up to `wait` beyond the
--- bucket's capacity is a slot reserved in the future. Every value stays
--- below 2^53, so Lua's doubles compute exactly what Go's integers do.
+-- A bucket is the string "<tat>:<interval>": its theoretical arrival time
+-- (TAT) in µs and the interval that TAT was written under. It holds
+-- (now + burst * interval - tat) / interval tokens, at most burst; taking
+-- cost tokens moves tat forward cost * interval; a tat in the past, or a
+-- missing key, is a full bucket. A bucket is read against the limit of the
+-- request (rebase): the tokens it owes are kept across a change of limit,
+-- at most what the current limit lets it owe. Every value stays below 2^53,
+-- so Lua's doubles compute exactly what Go's integers do.
 --
--- Returns {now, then per request: admitted, allowed_1, tat_1, ...,
--- allowed_m, tat_m}: tat_i is the bucket's TAT before this decision (0 when
--- the key was absent); the caller derives remaining tokens, waits and delays
--- from it with the Go code.
+-- Returns {now, then per request: status, then per bucket: allowed, tat}:
+--   status   1 admitted (or, for adjust, inspect and reset, applied),
+--            0 denied, -1 a bucket holds a value of another Redis type
+--            (WRONGTYPE), -2 a bucket holds a string that is not a bucket:
+--            a request with a bad key is neither admitted nor charged, and
+--            the other requests of the call are decided as usual
+--   allowed  1 when this bucket alone would admit the request; for a bad
+--            key, its status (-1 or -2)
+--   tat      the bucket's TAT before this request, rebased (0: absent); the
+--            caller derives tokens, waits and delays from it with bucket.go
 --
 -- Redis work is what costs: each key is read once per call and written at
--- most once, at the end, with what the call's last request left in it (a
--- bucket shared by the requests of a call, such as a global limit, costs
--- one GET and one SET per call, not per request). On Redis 7 and later,
--- whose SET takes NX and GET together, the first read of a key also
--- creates it charged as this request would charge a full bucket: the
--- common case (a missing key, a request admitted) costs one command. When
--- that guess is wrong (the request was denied by another bucket), the end
--- of the call puts the key back as it was, still inside the same atomic
--- script.
+-- most once, at the end, with what the call's last request left in it. On
+-- Redis 7 and later (SET takes NX and GET together) the first read of a
+-- key by a take also creates it as that take would charge a full bucket:
+-- the common case, a missing key and an admitted request, costs one
+-- command; when that guess is wrong, the end of the call puts the key back.
 
 if redis.replicate_commands then redis.replicate_commands() end
 
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) * 1000000 + tonumber(clock[2])
 -- redis.REDIS_VERSION_NUM and SET ... NX GET both came with Redis 7.0.
-local setnxget = redis.REDIS_VERSION_NUM ~= nil
+local set_get = redis.REDIS_VERSION_NUM ~= nil
 
--- The keys this call touched, in order: slot[key] is a key's index in
--- touched, cur and held: its TAT as the requests so far left it (0: absent,
--- a full bucket), and what Redis holds now.
-local slot, touched, cur, held, n = {}, {}, {}, {}, 0
+local TAKE, CHECK, ADJUST, RESET = 1, 2, 3, 5
+local WRONGTYPE, CORRUPT = -1, -2
 
-local out = {now}
-local stored, next, allowed, at = {}, {}, {}, {}
-local k, a = 0, 1 -- the request's first KEYS and ARGV, less one; its m
+-- The keys this call touched, by index in the order first touched.
+local index_of = {}                         -- key -> index
+local key_at = {}                           -- index -> key
+local tat_now, interval_now = {}, {}        -- as the requests so far left it
+local tat_stored, interval_stored = {}, {}  -- what Redis holds now
+local bad = {}                              -- index -> WRONGTYPE or CORRUPT
+local replace = {}                          -- index -> the key held another kind's slots
+local touched = 0
 
-while a <= #ARGV do
-  local m = tonumber(ARGV[a])
-  a = a + 1
-  local admitted = 1
-  for i = 1, m do
-    local key = KEYS[k + i]
-    local interval, burst, cost, wait = tonumber(ARGV[a]), tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
-    local j = slot[key]
-    local tat
-    if j then
-      tat = cur[j]
-    else
-      n = n + 1
-      j = n
-      touched[j], slot[key] = key, j
-      if setnxget and cost <= burst then
-        -- A full bucket admits any cost up to burst.
-        local span = cost * interval
-        local old = redis.call('SET', key, string.format('%.0f', now + span), 'PX', math.ceil(span / 1000), 'NX', 'GET')
-        if old then
-          tat = tonumber(old) or 0
-          held[j] = tat
-        else
-          tat = 0
-          held[j] = now + span
-        end
-      else
-        tat = tonumber(redis.call('GET', key)) or 0
-        held[j] = tat
-      end
-      cur[j] = tat
-    end
-    at[i] = j
-    stored[i] = tat
-    -- A TAT in the past is a full bucket; one ahead of a clock that went
-    -- backwards only makes the bucket stricter: state never moves backwards.
-    if tat < now then tat = now end
-    next[i] = tat + cost * interval
-    if cost <= burst and next[i] - now <= burst * interval + wait then
-      allowed[i] = 1
-    else
-      allowed[i] = 0
-      if ARGV[a + 4] ~= '1' then admitted = 0 end
-    end
-    a = a + 5
-  end
-  out[#out + 1] = admitted
-  for i = 1, m do
-    if admitted == 1 and allowed[i] == 1 then
-      cur[at[i]] = next[i]
-    end
-    out[#out + 1] = allowed[i]
-    out[#out + 1] = stored[i]
-  end
-  k = k + m
+local function encode(tat, interval)
+  return string.format('%.0f:%.0f', tat, interval)
 end
 
-for j = 1, n do
-  local tat = cur[j]
-  if tat ~= held[j] then
+-- read loads a key the first time the call touches it and returns its
+-- index.
+local function read(key, code, interval, burst, cost)
+  touched = touched + 1
+  local j = touched
+  index_of[key], key_at[j] = j, key
+  tat_now[j], interval_now[j] = 0, interval
+  tat_stored[j], interval_stored[j] = 0, interval
+  local value
+  if set_get and code == TAKE and cost <= burst then
+    -- A full bucket admits any cost up to burst.
+    local span = cost * interval
+    value = redis.pcall('SET', key, encode(now + span, interval), 'PX', math.ceil(span / 1000), 'NX', 'GET')
+    if not value then
+      tat_stored[j] = now + span
+      return j
+    end
+  else
+    value = redis.pcall('GET', key)
+    if not value then
+      return j
+    end
+  end
+  if type(value) == 'table' then -- an error reply
+    if not string.find(value.err or '', 'WRONGTYPE', 1, true) then
+      error(value)
+    end
+    if redis.call('TYPE', key).ok == 'zset' then
+      -- A concurrency policy's slots, left by an earlier config that gave
+      -- this name to another kind of policy: replaced.
+      replace[j] = true
+    else
+      bad[j] = WRONGTYPE
+    end
+    return j
+  end
+  local tat, stored_interval
+  local sep = string.find(value, ':', 1, true)
+  if sep then
+    tat, stored_interval = tonumber(string.sub(value, 1, sep - 1)), tonumber(string.sub(value, sep + 1))
+  else
+    tat, stored_interval = tonumber(value), interval -- written before intervals were stored
+  end
+  if not tat or not stored_interval or stored_interval <= 0 or tat ~= math.floor(tat) then
+    bad[j] = CORRUPT
+    return j
+  end
+  tat_now[j], interval_now[j] = tat, stored_interval
+  tat_stored[j], interval_stored[j] = tat, stored_interval
+  return j
+end
+
+local out = {now}
+local first_key, a = 0, 1 -- the request's first KEYS index less one; ARGV index
+local at, before, base, allowed = {}, {}, {}, {}
+
+while a <= #ARGV do
+  local count = tonumber(ARGV[a])
+  a = a + 1
+  local status = 1
+  for i = 1, count do
+    local key = KEYS[first_key + i]
+    local op = tonumber(ARGV[a])
+    local code, shadow = math.floor(op / 2), op % 2 == 1
+    local interval, burst, slack = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
+    local amount, wait = tonumber(ARGV[a + 4]), tonumber(ARGV[a + 5])
+    local j = index_of[key] or read(key, code, interval, burst, amount)
+    at[i] = j
+    if bad[j] then
+      status = bad[j]
+    end
+    -- Rebase: the tokens owed, at the current interval, at most what the
+    -- current limit lets a bucket owe.
+    local tat = tat_now[j]
+    local tau = interval * burst
+    if tat > now then
+      local ahead = tat - now
+      if interval_now[j] ~= interval then
+        ahead = math.floor(ahead * interval / interval_now[j])
+      end
+      tat = now + math.min(ahead, tau + slack)
+    end
+    before[i] = tat
+    if tat < now then tat = now end
+    base[i] = tat
+    allowed[i] = 1
+    if code == TAKE or code == CHECK then
+      if code == CHECK then wait = 0 end
+      if amount > burst or tat + amount * interval - now > tau + wait then
+        allowed[i] = 0
+        if not shadow and status == 1 then status = 0 end
+      end
+    end
+    a = a + 6
+  end
+  out[#out + 1] = status
+  a = a - 6 * count
+  for i = 1, count do
+    local j = at[i]
+    local code = math.floor(tonumber(ARGV[a]) / 2)
+    local interval, burst, slack, amount = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4])
+    if status >= 0 then
+      if code == TAKE and status == 1 and allowed[i] == 1 then
+        tat_now[j], interval_now[j] = base[i] + amount * interval, interval
+      elseif code == ADJUST then
+        local tat = math.min(base[i] + amount * interval, now + interval * burst + slack)
+        if tat <= now then tat = 0 end -- never beyond a full bucket
+        tat_now[j], interval_now[j] = tat, interval
+      elseif code == RESET then
+        tat_now[j] = 0
+      end
+    end
+    out[#out + 1] = bad[j] or allowed[i]
+    out[#out + 1] = before[i]
+    a = a + 6
+  end
+  first_key = first_key + count
+end
+
+for j = 1, touched do
+  local tat = tat_now[j]
+  if not bad[j] and (replace[j] or tat ~= tat_stored[j] or (tat > now and interval_now[j] ~= interval_stored[j])) then
     if tat > now then
       -- Expire once the bucket is full again: a missing key is a full bucket.
-      redis.call('SET', touched[j], string.format('%.0f', tat), 'PX', math.ceil((tat - now) / 1000))
-    else
-      redis.call('DEL', touched[j]) -- a guess undone: the key was absent
+      redis.call('SET', key_at[j], encode(tat, interval_now[j]), 'PX', math.ceil((tat - now) / 1000))
+    elseif tat_stored[j] ~= 0 or replace[j] then
+      redis.call('DEL', key_at[j])
     end
   end
 end
