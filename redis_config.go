@@ -345,11 +345,15 @@ func (c *redisConn) report(kind string, err error) {
 	c.logger.Warn("Redis unavailable; policies follow on_error", fields...)
 }
 
+// limiterACL is what the limiter's Redis user needs: its keys, and the
+// commands of lua/decide.lua (TYPE only to name a key that is not a bucket).
+const limiterACL = "~rl:* +evalsha +eval +time +get +set +del +type"
+
 // errorFixes is what to change for each permanent error kind.
 var errorFixes = map[string]string{
 	"wrongpass": "check the redis username and password (a {env.*} placeholder that is unset is an empty password)",
 	"noauth":    "Redis requires a password: set password (and username for an ACL user) in the redis block",
-	"noperm":    "grant the Redis user the commands and keys the limiter uses, e.g. ACL SETUSER <user> on ><password> ~<key_prefix>* &<key_prefix>* +evalsha +eval +time +get +set +del +publish +subscribe +config|get",
+	"noperm":    "grant the Redis user the commands and keys the limiter uses: ACL SETUSER <user> on ><password> " + limiterACL + " (with your key_prefix for rl:)",
 	"readonly":  "the address is a replica: point address at the master, or use sentinel <master_name> to follow failovers",
 	"oom":       "Redis is at maxmemory and may not evict: raise maxmemory, or use maxmemory-policy volatile-ttl (every bucket has a TTL)",
 	"wrongtype": "a bucket's key holds a value of another type (was it written by hand?): DEL the key named in this log; the requests of that key follow on_error until then",
