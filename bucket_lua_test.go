@@ -27,7 +27,7 @@ func newTestRedis(t *testing.T) (*testredis.Server, *redis.Client, *redisStore) 
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { conn.Destruct() })
-	return srv, client, &redisStore{conn: conn, denials: conn.denials}
+	return srv, client, &redisStore{conn: conn}
 }
 
 // evalDecide runs lua/decide.lua for requests in one call, with EVAL (as
@@ -42,7 +42,7 @@ func evalScript(ctx context.Context, client redis.UniversalClient, script string
 	for i, r := range requests {
 		batch[i] = &pending{reqs: r}
 	}
-	args := scriptCall(batch)
+	args := encodeCall(batch)
 	args[0], args[1] = "eval", script
 	return client.Do(ctx, args...).Int64Slice()
 }
@@ -183,7 +183,7 @@ func luaMatchesGoBucket(t *testing.T, client *redis.Client, script string) {
 			if want.admitted != (out[0] == scriptAdmitted) {
 				t.Fatalf("step %d, request %d: Lua status %d, Go admitted %v", step, r, out[0], want.admitted)
 			}
-			got, _, err := decisionFromScript(now, out, reqs)
+			got, _, err := decodeRequest(now, out, reqs)
 			if err != nil {
 				t.Fatalf("step %d, request %d: %v", step, r, err)
 			}
@@ -208,7 +208,7 @@ func luaMatchesGoBucket(t *testing.T, client *redis.Client, script string) {
 			}
 			requests++
 		}
-		if off != len(res) || decisionsFromScript(res, pb) != nil {
+		if off != len(res) || decodeReply(res, pb) != nil {
 			t.Fatalf("step %d: reply of %d numbers for %d requests", step, len(res), len(batch))
 		}
 		for _, reqs := range batch {
@@ -295,7 +295,7 @@ func TestLuaBadKeys(t *testing.T) {
 		t.Fatalf("the old slots are a %s, want replaced by a bucket", typ)
 	}
 	p := &pending{reqs: take("rl:p:{hash}")}
-	if err := decisionsFromScript([]int64{res[0], res[4], res[5], res[6]}, []*pending{p}); err != nil || p.err == nil || errorKind(p.err) != "wrongtype" || !strings.Contains(p.err.Error(), "rl:p:{hash}") {
+	if err := decodeReply([]int64{res[0], res[4], res[5], res[6]}, []*pending{p}); err != nil || p.err == nil || errorKind(p.err) != "wrongtype" || !strings.Contains(p.err.Error(), "rl:p:{hash}") {
 		t.Fatalf("a WRONGTYPE request: call error %v, request error %v (kind %s)", err, p.err, errorKind(p.err))
 	}
 }

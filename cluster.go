@@ -76,7 +76,7 @@ func (s *redisStore) decideAcrossSlots(reqs []bucketRequest, groups [][]int) (de
 			for k, i := range idx {
 				sub[k] = reqs[i]
 			}
-			parts[g], errs[g] = s.decideOnce(sub)
+			parts[g], errs[g] = s.decideInOneCall(sub)
 		}()
 	}
 	wg.Wait()
@@ -114,7 +114,7 @@ func (s *redisStore) decideAcrossSlots(reqs []bucketRequest, groups [][]int) (de
 			}
 		}
 		if len(refunds) > 0 {
-			_, err := s.decideOnce(refunds)
+			_, err := s.decideInOneCall(refunds)
 			refundErrs = append(refundErrs, err)
 		}
 	}

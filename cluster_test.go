@@ -42,7 +42,7 @@ func TestClusterDecisions(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer conn.Destruct()
-	rs := &redisStore{conn: conn, cluster: true}
+	rs := &redisStore{conn: conn}
 	kh := newKeyHasher("")
 	user := &Policy{keyPrefix: "rl:user:"}
 	global := &Policy{keyPrefix: "rl:global:"}

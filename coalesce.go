@@ -69,9 +69,9 @@ func (p *pending) release() {
 
 // coalescer coalesces the requests sent to one Redis.
 type coalescer struct {
-	// send makes one script call for a batch, filling in each member's
+	// call makes one script call for a batch, filling in each member's
 	// outcome.
-	send func(batch []*pending)
+	call func(batch []*pending)
 	// maxCalls bounds the calls in flight: the connections of the pool.
 	maxCalls int
 
@@ -80,13 +80,13 @@ type coalescer struct {
 	queue   []*pending
 }
 
-// decide returns once p's outcome is in.
-func (c *coalescer) decide(p *pending) {
+// submit returns once p's outcome is in.
+func (c *coalescer) submit(p *pending) {
 	c.mu.Lock()
 	if c.calling == 0 {
 		c.calling++
 		c.mu.Unlock()
-		c.call(p, p.one[:])
+		c.lead(p, p.one[:])
 		return
 	}
 	c.queue = append(c.queue, p)
@@ -96,13 +96,13 @@ func (c *coalescer) decide(p *pending) {
 		c.calling++
 		batch := c.take()
 		c.mu.Unlock()
-		c.call(p, batch) // p, the last to arrive, is in it
+		c.lead(p, batch) // p, the last to arrive, is in it
 		return
 	}
 	c.mu.Unlock()
 	<-p.done
 	if p.lead != nil {
-		c.call(p, p.lead)
+		c.lead(p, p.lead)
 	}
 }
 
@@ -115,16 +115,16 @@ func (c *coalescer) take() []*pending {
 	return batch
 }
 
-// call sends batch, which p belongs to and leads, then hands the next batch
+// lead sends batch, which p belongs to and leads, then hands the next batch
 // to one of its members and wakes the rest of its own.
-func (c *coalescer) call(p *pending, batch []*pending) {
+func (c *coalescer) lead(p *pending, batch []*pending) {
 	// Whatever happens to the call, the queue moves on and no member is
 	// left waiting.
 	defer c.finish(p, batch)
 	for _, m := range batch {
 		m.err = errCallAborted // until the call says otherwise
 	}
-	c.send(batch)
+	c.call(batch)
 }
 
 func (c *coalescer) finish(p *pending, batch []*pending) {

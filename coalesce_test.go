@@ -45,7 +45,8 @@ func TestCoalescedDecisions(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { conn.Destruct() })
-	rs := &redisStore{conn: conn} // no deny cache: every decision reaches Redis
+	conn.denials = nil // no deny cache: every decision reaches Redis
+	rs := &redisStore{conn: conn}
 	ctx := context.Background()
 
 	// Alone: one call per decision.
@@ -125,7 +126,7 @@ func TestCoalescerQueue(t *testing.T) {
 	var sizes []int
 	gates := map[int]chan struct{}{1: make(chan struct{}), 2: make(chan struct{}), 3: make(chan struct{})}
 	started := make(chan int, 10)
-	c := &coalescer{maxCalls: 3, send: func(batch []*pending) {
+	c := &coalescer{maxCalls: 3, call: func(batch []*pending) {
 		mu.Lock()
 		sizes = append(sizes, len(batch))
 		n := len(sizes)
@@ -155,7 +156,7 @@ func TestCoalescerQueue(t *testing.T) {
 			results <- r
 		}()
 		p := newPending(nil)
-		c.decide(p)
+		c.submit(p)
 		r.err = p.err
 	}
 	queued := func(want int) {

@@ -86,7 +86,7 @@ const (
 // deny answers a request from what the cache knows: with denied, a
 // decision denying it (every non-shadow bucket known, one certainly unable
 // to fit); with uncertain, the bucket to wait for.
-func (c *denyCache) deny(reqs []bucketRequest) (d decision, answer denyAnswer, gate bucketID) {
+func (c *denyCache) answer(reqs []bucketRequest) (d decision, answer denyAnswer, gate bucketID) {
 	now := c.now()
 	var vbuf [4]verdict
 	verdicts := vbuf[:0]

@@ -39,7 +39,7 @@ func TestDenyCacheClockBounds(t *testing.T) {
 		{1_000_000 + (fitsAt - redisNow) + 10, false}, // and beyond
 	} {
 		local = tc.local
-		d, answer, _ := c.deny([]bucketRequest{rq})
+		d, answer, _ := c.answer([]bucketRequest{rq})
 		ok := answer == denied
 		if ok != tc.deny {
 			t.Fatalf("at local %d: denied=%v, want %v", tc.local, ok, tc.deny)
@@ -60,21 +60,21 @@ func TestDenyCacheClockBounds(t *testing.T) {
 	}
 	// A request that costs more than the burst is denied without knowing
 	// anything; one on an unknown bucket goes to Redis.
-	if d, answer, _ := c.deny([]bucketRequest{{key: "new", limit: lim, op: opTake, cost: 3}}); answer != denied || d.verdicts[0].untilFits != neverFits {
+	if d, answer, _ := c.answer([]bucketRequest{{key: "new", limit: lim, op: opTake, cost: 3}}); answer != denied || d.verdicts[0].untilFits != neverFits {
 		t.Fatalf("cost above burst: %+v %v", d, answer)
 	}
-	if _, answer, _ := c.deny([]bucketRequest{{key: "new", limit: lim, op: opTake, cost: 1}}); answer != unknown {
+	if _, answer, _ := c.answer([]bucketRequest{{key: "new", limit: lim, op: opTake, cost: 1}}); answer != unknown {
 		t.Fatalf("a bucket never seen: %v, want unknown", answer)
 	}
 	// What Redis said is used for denyMaxAge only: then Redis must say it
 	// again (an operator may have reset the bucket), one flight at a time.
 	c.learn([]bucketRequest{rq}, decision{now: redisNow, verdicts: []verdict{{allowed: false}}}, []int64{tat + 3_600_000_000}, 1_000_000, 1_020_000)
 	local = 1_020_000 + denyMaxAge
-	if _, answer, _ := c.deny([]bucketRequest{rq}); answer != denied {
+	if _, answer, _ := c.answer([]bucketRequest{rq}); answer != denied {
 		t.Fatalf("a bucket drained for an hour, %d µs after Redis said so: %v, want denied", denyMaxAge, answer)
 	}
 	local++
-	if _, answer, gate := c.deny([]bucketRequest{rq}); answer != uncertain || gate != c.ids.of("k") {
+	if _, answer, gate := c.answer([]bucketRequest{rq}); answer != uncertain || gate != c.ids.of("k") {
 		t.Fatalf("a bucket drained for an hour, more than %d µs after Redis said so: %v, want uncertain", denyMaxAge, answer)
 	}
 }
@@ -172,7 +172,7 @@ func TestDenyCacheNeverWrong(t *testing.T) {
 			t.Fatal(err)
 		}
 		t.Cleanup(func() { conn.Destruct() })
-		stores = append(stores, &redisStore{conn: conn, denials: conn.denials})
+		stores = append(stores, &redisStore{conn: conn})
 	}
 	lim := limit{interval: 20_000, burst: 5} // 50/s
 	var cached, confirmed, refilled, wrong, admitted atomic.Int64
@@ -186,7 +186,7 @@ func TestDenyCacheNeverWrong(t *testing.T) {
 			rng := rand.New(rand.NewPCG(uint64(g), 7))
 			for time.Now().Before(deadline) {
 				rq := []bucketRequest{{key: fmt.Sprintf("rl:p:{%d}", rng.IntN(3)), limit: lim, op: opTake, cost: 1 + rng.Int64N(3)}}
-				if cd, answer, _ := s.denials.deny(rq); answer == denied {
+				if cd, answer, _ := s.conn.denials.answer(rq); answer == denied {
 					cached.Add(1)
 					// The truth: Redis decides the same request now.
 					res, err := evalDecide(context.Background(), s.conn.client, rq)

@@ -49,7 +49,9 @@ func policyMember(b []byte, name string, q, w int64) []byte {
 func limitMember(b []byte, name string, remaining, waitUS int64) []byte {
 	b = appendSFString(b, name)
 	b = append(b, ";r="...)
-	b = strconv.AppendInt(b, min(remaining, maxSFInteger), 10)
+	// A bucket in debt, or with slots reserved beyond its capacity, has no
+	// tokens left to offer: r is never negative.
+	b = strconv.AppendInt(b, min(max(remaining, 0), maxSFInteger), 10)
 	if waitUS == neverFits {
 		return b
 	}

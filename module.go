@@ -6,6 +6,7 @@ package ratelimit
 
 import (
 	"fmt"
+	"strings"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
@@ -72,6 +73,7 @@ type Handler struct {
 
 	store      store
 	closeStore func() error
+	config     any // the config load this handler belongs to (see budgets)
 	keyPrefix  string
 	hasher     *keyHasher
 	// allPolicyHdr is RateLimit-Policy when every policy matches and none
@@ -148,11 +150,26 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	}
 	h.allPolicyHdr = string(all)
 
+	// One name, one budget: across the handlers of this config (a config
+	// load has its own metrics registry).
+	h.config = ctx.GetMetricsRegistry()
+	if err := budgets.add(h.config, h); err != nil {
+		h.config = nil
+		return err
+	}
 	var err error
 	if h.store, h.closeStore, err = openStore(h.Redis, h.logger); err != nil {
 		return err
 	}
 	return nil
+}
+
+// storeName says where the handler's buckets are, for messages.
+func (h *Handler) storeName() string {
+	if h.Redis == nil {
+		return "in-process"
+	}
+	return fmt.Sprintf("Redis %s db %d, key_prefix %s", strings.Join(h.Redis.Addresses, ","), h.Redis.DB, h.keyPrefix)
 }
 
 // Validate checks the whole config, naming the field of each mistake (and,
@@ -211,6 +228,10 @@ const maxJitter = 10.0
 // Cleanup releases this config's reference to its Redis client; the client
 // is closed when no loaded config uses it any more.
 func (h *Handler) Cleanup() error {
+	if h.config != nil {
+		budgets.remove(h.config, h)
+		h.config = nil
+	}
 	if h.closeStore == nil {
 		return nil
 	}

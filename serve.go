@@ -31,7 +31,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 		return next.ServeHTTP(w, r)
 	}
 	defer res.release()
-	h.decide(r, &res)
+	h.reserve(r, &res)
 	if !res.admitted() {
 		return h.deny(w, r, rs, &res)
 	}
@@ -91,9 +91,10 @@ func (h *Handler) match(r *http.Request, repl *caddy.Replacer, rs *requestState,
 	return nil
 }
 
-// decide makes the request's one decision, or, when the store cannot,
-// applies each policy's on_error.
-func (h *Handler) decide(r *http.Request, res *reservation) {
+// reserve makes the request's one decision, taking the `wait` places it
+// may hold, or, when the store cannot decide, applies each policy's
+// on_error.
+func (h *Handler) reserve(r *http.Request, res *reservation) {
 	// A policy with `wait` may reserve a future slot only while it has room
 	// to hold the request until then.
 	res.places = res.placebuf[:0]

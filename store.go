@@ -38,11 +38,7 @@ func openStore(cfg *RedisConfig, logger *zap.Logger) (s store, close func() erro
 	if err != nil {
 		return nil, nil, fmt.Errorf("redis: %v", err)
 	}
-	conn := v.(*redisConn)
-	rs := &redisStore{conn: conn, cluster: rc.Cluster}
-	if !rc.Cluster {
-		rs.denials = conn.denials
-	}
+	rs := &redisStore{conn: v.(*redisConn)}
 	released := false
 	return rs, func() error {
 		if released {

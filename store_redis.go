@@ -45,25 +45,23 @@ func (e *badBucketError) Error() string {
 
 // redisStore decides against buckets in Redis.
 type redisStore struct {
-	conn    *redisConn
-	cluster bool       // keys in several slots take one script call per slot
-	denials *denyCache // nil in cluster mode, whose refunds move TATs back
+	conn *redisConn
 }
 
 func (s *redisStore) decide(ctx context.Context, reqs []bucketRequest) (decision, error) {
-	if s.denials != nil {
-		d, answer, gate := s.denials.deny(reqs)
+	if s.conn.denials != nil {
+		d, answer, gate := s.conn.denials.answer(reqs)
 		switch answer {
 		case denied:
 			return d, nil
 		case uncertain:
 			// One flight at a time for this bucket: once the one in the air
 			// lands, the cache knows what Redis said.
-			f, after := s.denials.flights.board(gate)
-			defer s.denials.flights.land(gate, f)
+			f, after := s.conn.denials.flights.board(gate)
+			defer s.conn.denials.flights.land(gate, f)
 			if after != nil {
 				<-after
-				if d, answer, _ := s.denials.deny(reqs); answer == denied {
+				if d, answer, _ := s.conn.denials.answer(reqs); answer == denied {
 					return d, nil
 				}
 			}
@@ -73,35 +71,35 @@ func (s *redisStore) decide(ctx context.Context, reqs []bucketRequest) (decision
 		circuitOpenErrors.Inc()
 		return decision{}, errCircuitOpen
 	}
-	if s.cluster {
+	if s.conn.cluster {
 		if groups := slotGroups(reqs); len(groups) > 1 {
 			return s.decideAcrossSlots(reqs, groups)
 		}
 	}
-	return s.decideOnce(reqs)
+	return s.decideInOneCall(reqs)
 }
 
-// decideOnce decides buckets that one script call can reach: a single
+// decideInOneCall decides buckets that one script call can reach: a single
 // Redis, or one Redis Cluster slot.
-func (s *redisStore) decideOnce(reqs []bucketRequest) (decision, error) {
+func (s *redisStore) decideInOneCall(reqs []bucketRequest) (decision, error) {
 	p := newPending(reqs)
 	if s.conn.coalescer != nil {
-		s.conn.coalescer.decide(p)
+		s.conn.coalescer.submit(p)
 	} else {
 		p.err = errCallAborted
-		s.conn.send(p.one[:])
+		s.conn.call(p.one[:])
 	}
 	d, err := p.d, p.err
-	if err == nil && s.denials != nil {
-		s.denials.learn(reqs, d, p.tats, p.sent, p.received)
+	if err == nil && s.conn.denials != nil {
+		s.conn.denials.learn(reqs, d, p.tats, p.sent, p.received)
 	}
 	p.release()
 	return d, err
 }
 
-// send makes one script call for a batch, past the circuit breaker, and
+// call makes one script call for a batch, past the circuit breaker, and
 // tells the breaker how it went.
-func (c *redisConn) send(batch []*pending) {
+func (c *redisConn) call(batch []*pending) {
 	gen, ok := c.breaker.allow()
 	if !ok {
 		for _, p := range batch {
@@ -112,15 +110,15 @@ func (c *redisConn) send(batch []*pending) {
 	}
 	result := callFailed // unless the call returns: a panic is a failure
 	defer func() { c.breaker.done(gen, result) }()
-	result = c.call(batch)
+	result = c.eval(batch)
 }
 
-// call decides the requests of a batch, in order, in one call of
+// eval decides the requests of a batch, in order, in one call of
 // lua/decide.lua.
-func (c *redisConn) call(batch []*pending) callResult {
+func (c *redisConn) eval(batch []*pending) callResult {
 	ctx, cancel := context.WithTimeout(context.Background(), c.callTimeout)
 	defer cancel()
-	args := scriptCall(batch)
+	args := encodeCall(batch)
 	sent := monotonicMicros()
 	cmd := redis.NewIntSliceCmd(ctx, args...)
 	_ = c.client.Process(ctx, cmd)
@@ -134,7 +132,7 @@ func (c *redisConn) call(batch []*pending) callResult {
 	received := monotonicMicros()
 	res, err := cmd.Result()
 	if err == nil {
-		err = decisionsFromScript(res, batch)
+		err = decodeReply(res, batch)
 	}
 	end := time.Now()
 	for _, p := range batch {
@@ -171,8 +169,8 @@ func resultOf(err error) callResult {
 	return callFailed
 }
 
-// scriptCall is the EVALSHA of lua/decide.lua for the requests of a batch.
-func scriptCall(batch []*pending) []any {
+// encodeCall is the EVALSHA of lua/decide.lua for the requests of a batch.
+func encodeCall(batch []*pending) []any {
 	n := 0
 	for _, p := range batch {
 		n += len(p.reqs)
@@ -201,10 +199,10 @@ func scriptCall(batch []*pending) []any {
 	return args
 }
 
-// decisionsFromScript reads the script's reply into each request's
+// decodeReply reads the script's reply into each request's
 // decision, computing the remaining tokens and waits from the stored state
 // with the Go algorithm, and the TATs the script stored.
-func decisionsFromScript(res []int64, batch []*pending) error {
+func decodeReply(res []int64, batch []*pending) error {
 	if len(res) == 0 {
 		return fmt.Errorf("%w: empty", errScriptReply)
 	}
@@ -214,7 +212,7 @@ func decisionsFromScript(res []int64, batch []*pending) error {
 		if len(res) < off+1+2*m {
 			return fmt.Errorf("%w: %d numbers for %d requests", errScriptReply, len(res), len(batch))
 		}
-		p.d, p.tats, p.err = decisionFromScript(now, res[off:off+1+2*m], p.reqs)
+		p.d, p.tats, p.err = decodeRequest(now, res[off:off+1+2*m], p.reqs)
 		off += 1 + 2*m
 	}
 	if off != len(res) {
@@ -231,10 +229,10 @@ const (
 	scriptCorrupt   = -2
 )
 
-// decisionFromScript turns the script's reply for one request, {status,
+// decodeRequest turns the script's reply for one request, {status,
 // allowed_1, tat_1, ..., allowed_m, tat_m}, into its decision and the TATs
 // the script stored.
-func decisionFromScript(now int64, res []int64, reqs []bucketRequest) (decision, []int64, error) {
+func decodeRequest(now int64, res []int64, reqs []bucketRequest) (decision, []int64, error) {
 	switch res[0] {
 	case scriptWrongType, scriptCorrupt:
 		kind := "wrongtype"

@@ -69,23 +69,23 @@ end
 -- index.
 local function read(key, code, interval, burst, cost)
   touched = touched + 1
-  local j = touched
-  index_of[key], key_at[j] = j, key
-  tat_now[j], interval_now[j] = 0, interval
-  tat_stored[j], interval_stored[j] = 0, interval
+  local bucket = touched
+  index_of[key], key_at[bucket] = bucket, key
+  tat_now[bucket], interval_now[bucket] = 0, interval
+  tat_stored[bucket], interval_stored[bucket] = 0, interval
   local value
   if set_get and code == TAKE and cost <= burst then
     -- A full bucket admits any cost up to burst.
     local span = cost * interval
     value = redis.pcall('SET', key, encode(now + span, interval), 'PX', math.ceil(span / 1000), 'NX', 'GET')
     if not value then
-      tat_stored[j] = now + span
-      return j
+      tat_stored[bucket] = now + span
+      return bucket
     end
   else
     value = redis.pcall('GET', key)
     if not value then
-      return j
+      return bucket
     end
   end
   if type(value) == 'table' then -- an error reply
@@ -95,11 +95,11 @@ local function read(key, code, interval, burst, cost)
     if redis.call('TYPE', key).ok == 'zset' then
       -- A concurrency policy's slots, left by an earlier config that gave
       -- this name to another kind of policy: replaced.
-      replace[j] = true
+      replace[bucket] = true
     else
-      bad[j] = WRONGTYPE
+      bad[bucket] = WRONGTYPE
     end
-    return j
+    return bucket
   end
   local tat, stored_interval
   local sep = string.find(value, ':', 1, true)
@@ -109,41 +109,41 @@ local function read(key, code, interval, burst, cost)
     tat, stored_interval = tonumber(value), interval -- written before intervals were stored
   end
   if not tat or not stored_interval or stored_interval <= 0 or tat ~= math.floor(tat) then
-    bad[j] = CORRUPT
-    return j
+    bad[bucket] = CORRUPT
+    return bucket
   end
-  tat_now[j], interval_now[j] = tat, stored_interval
-  tat_stored[j], interval_stored[j] = tat, stored_interval
-  return j
+  tat_now[bucket], interval_now[bucket] = tat, stored_interval
+  tat_stored[bucket], interval_stored[bucket] = tat, stored_interval
+  return bucket
 end
 
 local out = {now}
-local first_key, a = 0, 1 -- the request's first KEYS index less one; ARGV index
+local first_key, arg = 0, 1 -- the request's first KEYS index less one; its first ARGV index
 local at, before, base, allowed = {}, {}, {}, {}
 
-while a <= #ARGV do
-  local count = tonumber(ARGV[a])
-  a = a + 1
+while arg <= #ARGV do
+  local count = tonumber(ARGV[arg])
+  arg = arg + 1
   local status = 1
   for i = 1, count do
     local key = KEYS[first_key + i]
-    local op = tonumber(ARGV[a])
+    local op = tonumber(ARGV[arg])
     local code, shadow = math.floor(op / 2), op % 2 == 1
-    local interval, burst, slack = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
-    local amount, wait = tonumber(ARGV[a + 4]), tonumber(ARGV[a + 5])
-    local j = index_of[key] or read(key, code, interval, burst, amount)
-    at[i] = j
-    if bad[j] then
-      status = bad[j]
+    local interval, burst, slack = tonumber(ARGV[arg + 1]), tonumber(ARGV[arg + 2]), tonumber(ARGV[arg + 3])
+    local amount, wait = tonumber(ARGV[arg + 4]), tonumber(ARGV[arg + 5])
+    local bucket = index_of[key] or read(key, code, interval, burst, amount)
+    at[i] = bucket
+    if bad[bucket] then
+      status = bad[bucket]
     end
     -- Rebase: the tokens owed, at the current interval, at most what the
     -- current limit lets a bucket owe.
-    local tat = tat_now[j]
+    local tat = tat_now[bucket]
     local tau = interval * burst
     if tat > now then
       local ahead = tat - now
-      if interval_now[j] ~= interval then
-        ahead = math.floor(ahead * interval / interval_now[j])
+      if interval_now[bucket] ~= interval then
+        ahead = math.floor(ahead * interval / interval_now[bucket])
       end
       tat = now + math.min(ahead, tau + slack)
     end
@@ -158,40 +158,40 @@ while a <= #ARGV do
         if not shadow and status == 1 then status = 0 end
       end
     end
-    a = a + 6
+    arg = arg + 6
   end
   out[#out + 1] = status
-  a = a - 6 * count
+  arg = arg - 6 * count
   for i = 1, count do
-    local j = at[i]
-    local code = math.floor(tonumber(ARGV[a]) / 2)
-    local interval, burst, slack, amount = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4])
+    local bucket = at[i]
+    local code = math.floor(tonumber(ARGV[arg]) / 2)
+    local interval, burst, slack, amount = tonumber(ARGV[arg + 1]), tonumber(ARGV[arg + 2]), tonumber(ARGV[arg + 3]), tonumber(ARGV[arg + 4])
     if status >= 0 then
       if code == TAKE and status == 1 and allowed[i] == 1 then
-        tat_now[j], interval_now[j] = base[i] + amount * interval, interval
+        tat_now[bucket], interval_now[bucket] = base[i] + amount * interval, interval
       elseif code == ADJUST then
         local tat = math.min(base[i] + amount * interval, now + interval * burst + slack)
         if tat <= now then tat = 0 end -- never beyond a full bucket
-        tat_now[j], interval_now[j] = tat, interval
+        tat_now[bucket], interval_now[bucket] = tat, interval
       elseif code == RESET then
-        tat_now[j] = 0
+        tat_now[bucket] = 0
       end
     end
-    out[#out + 1] = bad[j] or allowed[i]
+    out[#out + 1] = bad[bucket] or allowed[i]
     out[#out + 1] = before[i]
-    a = a + 6
+    arg = arg + 6
   end
   first_key = first_key + count
 end
 
-for j = 1, touched do
-  local tat = tat_now[j]
-  if not bad[j] and (replace[j] or tat ~= tat_stored[j] or (tat > now and interval_now[j] ~= interval_stored[j])) then
+for bucket = 1, touched do
+  local tat = tat_now[bucket]
+  if not bad[bucket] and (replace[bucket] or tat ~= tat_stored[bucket] or (tat > now and interval_now[bucket] ~= interval_stored[bucket])) then
     if tat > now then
       -- Expire once the bucket is full again: a missing key is a full bucket.
-      redis.call('SET', key_at[j], encode(tat, interval_now[j]), 'PX', math.ceil((tat - now) / 1000))
-    elseif tat_stored[j] ~= 0 or replace[j] then
-      redis.call('DEL', key_at[j])
+      redis.call('SET', key_at[bucket], encode(tat, interval_now[bucket]), 'PX', math.ceil((tat - now) / 1000))
+    elseif tat_stored[bucket] ~= 0 or replace[bucket] then
+      redis.call('DEL', key_at[bucket])
     end
   end
 end

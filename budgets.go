@@ -1,0 +1,94 @@
+package ratelimit
+
+import (
+	"fmt"
+	"slices"
+	"sync"
+)
+
+// A policy's buckets are named by key prefix and policy name, so the same
+// name in two handlers (two sites, two routes) is one budget, on purpose.
+// budgets keeps, for each loaded config, the policies by name: two
+// definitions of one name must agree on what makes the budget (its rate,
+// burst, key, kind and store), or the config fails to load; the admin API
+// finds a policy by its name here.
+var budgets = budgetBook{configs: map[any]map[string][]definition{}}
+
+type budgetBook struct {
+	mu      sync.Mutex
+	configs map[any]map[string][]definition // by config (see Provision), then name
+	order   []any                           // configs, the latest last
+}
+
+// definition is one handler's policy of a name.
+type definition struct {
+	policy  *Policy
+	handler *Handler
+}
+
+// budgetShape is what two definitions of one policy name must share.
+func (d definition) budgetShape() string {
+	p := d.policy
+	return fmt.Sprintf("rate %s, burst %d, key %s, %s, store %s", p.Rate, p.limit.burst, p.Key, p.kind(), d.handler.storeName())
+}
+
+// kind names the policy's kind.
+func (p *Policy) kind() string { return "a rate policy" }
+
+// add records the handler's policies under config, failing (and recording
+// nothing) when one disagrees with a definition of the same name.
+func (b *budgetBook) add(config any, h *Handler) error {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	byName := b.configs[config]
+	for _, p := range h.Policies {
+		if defs := byName[p.Name]; len(defs) > 0 {
+			mine, theirs := definition{p, h}.budgetShape(), defs[0].budgetShape()
+			if mine != theirs {
+				return fmt.Errorf("policy %q: defined differently by two rate_limit handlers of this config: %s in one, %s in the other; "+
+					"a policy name is one budget (its buckets are named by it): give one of them another name", p.Name, mine, theirs)
+			}
+		}
+	}
+	if byName == nil {
+		byName = map[string][]definition{}
+		b.configs[config] = byName
+		b.order = append(b.order, config)
+	}
+	for _, p := range h.Policies {
+		byName[p.Name] = append(byName[p.Name], definition{p, h})
+	}
+	return nil
+}
+
+// remove forgets the handler's policies under config.
+func (b *budgetBook) remove(config any, h *Handler) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	byName := b.configs[config]
+	for name, defs := range byName {
+		defs = slices.DeleteFunc(defs, func(d definition) bool { return d.handler == h })
+		if len(defs) == 0 {
+			delete(byName, name)
+		} else {
+			byName[name] = defs
+		}
+	}
+	if len(byName) == 0 {
+		delete(b.configs, config)
+		b.order = slices.DeleteFunc(b.order, func(c any) bool { return c == config })
+	}
+}
+
+// find returns a definition of the named policy in the config loaded last
+// that has one.
+func (b *budgetBook) find(name string) (definition, bool) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	for i := len(b.order) - 1; i >= 0; i-- {
+		if defs := b.configs[b.order[i]][name]; len(defs) > 0 {
+			return defs[0], true
+		}
+	}
+	return definition{}, false
+}

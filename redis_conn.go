@@ -1,0 +1,155 @@
+package ratelimit
+
+import (
+	"context"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/redis/go-redis/v9"
+	"go.uber.org/zap"
+)
+
+// The connection to Redis that every config connecting the same way
+// shares: the client, the circuit breaker, the coalescing of calls, the
+// deny cache, and the reports of what went wrong.
+
+// redisConns shares Redis connections across config loads: Caddy
+// provisions a new config before it cleans up the old one, so a reload
+// reuses the open connections (and the circuit breaker's state) instead of
+// redialling.
+var redisConns = caddy.NewUsagePool()
+
+// redisConn is one Redis client with what every config using it shares:
+// the circuit breaker, the coalescing of calls and the deny cache.
+type redisConn struct {
+	client redis.UniversalClient
+	name   string // the addresses, for logs
+	// coalescer merges concurrent requests into one script call (see
+	// coalesce.go); nil in cluster mode, where a call reaches one slot only.
+	coalescer *coalescer
+	breaker   *breaker
+	// denials is shared by every config on this Redis: what one learned of
+	// a bucket holds for all. Nil in cluster mode, whose cross-slot refunds
+	// move TATs back.
+	denials *denyCache
+	// cluster: a Redis Cluster, where a script call reaches one slot, so
+	// requests whose buckets span slots take one call per slot.
+	cluster bool
+	// callTimeout bounds a call as a whole: waiting for a connection,
+	// connecting, and EVALSHA then EVAL when Redis lost the script.
+	callTimeout time.Duration
+	logger      *zap.Logger
+	reported    redisReports
+}
+
+func (c *redisConn) Destruct() error { return c.client.Close() }
+
+// noCoalescing sends every request in its own script call, for benchmarks
+// comparing.
+var noCoalescing = false
+
+func newRedisConn(c RedisConfig, logger *zap.Logger) (*redisConn, error) {
+	client, err := c.newClient()
+	if err != nil {
+		return nil, err
+	}
+	conn := &redisConn{
+		client:      client,
+		name:        strings.Join(c.Addresses, ","),
+		cluster:     c.Cluster,
+		callTimeout: c.dialTimeout() + 3*time.Duration(c.Timeout),
+		logger:      logger,
+	}
+	conn.breaker = newBreaker(func(from, to breakerState) {
+		switch {
+		case to == breakerOpen && from == breakerClosed:
+			circuitOpen.Inc()
+			logger.Warn("Redis unavailable: calls failed for "+breakerSpan.String()+"; requests follow on_error until a probe succeeds",
+				zap.String("redis", conn.name), zap.Duration("probe_every", breakerCooldown))
+		case to == breakerClosed:
+			circuitOpen.Dec()
+			logger.Info("Redis available again: circuit closed", zap.String("redis", conn.name))
+		default:
+			logger.Debug("circuit breaker", zap.String("redis", conn.name), zap.Stringer("from", from), zap.Stringer("to", to))
+		}
+	})
+	if !c.Cluster {
+		conn.denials = newDenyCache(monotonicMicros)
+		if !noCoalescing {
+			conn.coalescer = &coalescer{call: conn.call, maxCalls: c.poolSize()}
+		}
+	}
+	go conn.checkEviction()
+	return conn, nil
+}
+
+// checkEviction warns, once, when Redis may evict buckets to make room: a
+// bucket evicted is a full bucket, a budget given back. A managed Redis
+// that refuses CONFIG GET is not an error.
+func (c *redisConn) checkEviction() {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	res, err := c.client.ConfigGet(ctx, "maxmemory-policy").Result()
+	if err != nil {
+		c.logger.Debug("could not read maxmemory-policy", zap.String("redis", c.name), zap.Error(err))
+		return
+	}
+	if policy := res["maxmemory-policy"]; strings.HasPrefix(policy, "allkeys-") {
+		c.logger.Warn("Redis may evict rate-limit buckets to make room ("+policy+"): an evicted bucket is full again. "+
+			"Use maxmemory-policy volatile-ttl (buckets all have TTLs; those nearest to full expire first) or noeviction, "+
+			"or give the limiter its own Redis",
+			zap.String("redis", c.name), zap.String("maxmemory_policy", policy))
+	}
+}
+
+// redisReports logs each kind of Redis error at most once per
+// reportInterval: while Redis refuses every call, every request fails the
+// same way.
+type redisReports struct {
+	mu   sync.Mutex
+	last map[string]time.Time
+}
+
+const reportInterval = 10 * time.Second
+
+// report logs err, of the given kind, unless that kind was logged within
+// reportInterval. Errors of the configuration (a password, an ACL, a
+// replica) are logged at ERROR with what to change; a Redis that does not
+// answer at WARN.
+func (c *redisConn) report(kind string, err error) {
+	now := time.Now()
+	c.reported.mu.Lock()
+	if c.reported.last == nil {
+		c.reported.last = map[string]time.Time{}
+	}
+	if now.Sub(c.reported.last[kind]) < reportInterval {
+		c.reported.mu.Unlock()
+		return
+	}
+	c.reported.last[kind] = now
+	c.reported.mu.Unlock()
+	fields := []zap.Field{zap.String("redis", c.name), zap.String("kind", kind), zap.Error(err)}
+	if fix, permanent := errorFixes[kind]; permanent {
+		c.logger.Error("Redis refused rate-limit calls; policies follow on_error: "+fix, fields...)
+		return
+	}
+	c.logger.Warn("Redis unavailable; policies follow on_error", fields...)
+}
+
+// limiterACL is what the limiter's Redis user needs: its keys, and the
+// commands of lua/decide.lua (TYPE only to name a key that is not a bucket).
+const limiterACL = "~rl:* +evalsha +eval +time +get +set +del +type"
+
+// errorFixes is what to change for each permanent error kind.
+var errorFixes = map[string]string{
+	"wrongpass": "check the redis username and password (a {env.*} placeholder that is unset is an empty password)",
+	"noauth":    "Redis requires a password: set password (and username for an ACL user) in the redis block",
+	"noperm":    "grant the Redis user the commands and keys the limiter uses: ACL SETUSER <user> on ><password> " + limiterACL + " (with your key_prefix for rl:)",
+	"readonly":  "the address is a replica: point address at the master, or use sentinel <master_name> to follow failovers",
+	"oom":       "Redis is at maxmemory and may not evict: raise maxmemory, or use maxmemory-policy volatile-ttl (every bucket has a TTL)",
+	"wrongtype": "a bucket's key holds a value of another type (was it written by hand?): DEL the key named in this log; the requests of that key follow on_error until then",
+	"corrupt":   "a bucket's key holds a string that is not a bucket (was it written by hand?): DEL the key named in this log; the requests of that key follow on_error until then",
+	"script":    "the script's reply does not match this build: is another version of the module using the same Redis and key_prefix?",
+}
