@@ -17,58 +17,72 @@ func init() {
 	caddy.RegisterModule(Handler{})
 }
 
-// Handler limits the rate of requests with token buckets shared by every
-// Caddy instance through Redis (or kept in this process without a `redis`
-// block). Each request is checked against every policy whose matcher it
-// matches, in one atomic decision. A denied request gets a 429
-// `application/problem+json` response with `Retry-After`; every response
-// carries the `RateLimit-Policy` and `RateLimit` fields of the IETF draft.
+// Handler enforces rate limits that every Caddy instance of a deployment
+// shares: token buckets kept in Redis (or in this process, without a
+// `redis` block) and decided by one atomic script on Redis time, so that
+// four instances allowing "100 per minute" allow 100 per minute together.
+// Each request is checked against every policy that matches it, in one
+// decision: all of them admit and charge it, or it is denied and none is
+// charged. A denial is a 429 `application/problem+json` response with
+// `Retry-After` (or, on a site with `handle_errors`, a Caddy error of
+// status 429 with the same fields set); responses carry the
+// `RateLimit-Policy` and `RateLimit` fields of the IETF draft. Identities
+// are stored only as keyed hashes.
 //
-// The handler sets placeholders for later handlers and access logs:
-// `{http.rate_limit.decision}` (allowed, denied, shadow_denied, fail_open,
-// fail_closed, local_allowed or local_denied), `{http.rate_limit.policy}`
-// (the denying policy, or the one with the fewest tokens left),
-// `{http.rate_limit.remaining}` and `{http.rate_limit.retry_after}`.
+// The handler sets placeholders for later handlers and access logs (in
+// response headers, use a deferred `header >Name {placeholder}`):
 //
-// Keys accept placeholders. Identities are stored only as keyed hashes.
+// Placeholder | Value
+// ------------|------
+// `{http.rate_limit.decision}` | `allowed`, `delayed`, `denied`, `shadow_denied`, `fail_open`, `fail_closed`, `local_allowed` or `local_denied`
+// `{http.rate_limit.policy}` | the denying policy, or the one with the fewest tokens left
+// `{http.rate_limit.remaining}` | that policy's whole tokens left (empty when nothing was decided)
+// `{http.rate_limit.retry_after}` | the Retry-After sent, in seconds (0 when none)
 type Handler struct {
-	// Redis shares the buckets between all Caddy instances that point at the
-	// same Redis. Without it, buckets live in this process only.
+	// Shares the buckets through Redis with every Caddy instance that points
+	// at the same Redis (and key prefix). Without it, buckets live in this
+	// process only: one instance's limits.
 	Redis *RedisConfig `json:"redis,omitempty"`
 
-	// KeySecret keys the HMAC-SHA-256 hash that stands for each identity in
-	// storage keys. Set it (e.g. `{env.RATE_LIMIT_SECRET}`) so that keys
-	// cannot be linked to known identities; without it, plain SHA-256.
+	// The secret that keys the HMAC-SHA-256 hash standing for each identity
+	// in storage keys, so that keys cannot be linked to known identities
+	// (an IP address's plain hash can be reversed). Use a placeholder such
+	// as `{env.RATE_LIMIT_SECRET}`; one that resolves to nothing fails the
+	// config. Without it, plain SHA-256.
 	KeySecret string `json:"key_secret,omitempty"`
 
-	// OnError is what policies do when Redis cannot decide in time:
-	// `fail_open` admits the request, `fail_closed` answers 503, `local`
-	// decides with an in-process bucket. Default `fail_open`.
+	// What policies do when Redis cannot decide (down, or no answer within
+	// its timeout): `fail_open` admits the request, `fail_closed` answers
+	// 503, `local` decides with an in-process bucket. Only Redis failing
+	// engages it, never load. A policy can override it. Default `fail_open`.
 	OnError string `json:"on_error,omitempty"`
 
-	// Jitter spreads Retry-After upward by up to this fraction (0.2 = 20%)
-	// of the true wait, so denied clients do not all return at once. It is
-	// never below the true wait. Default 0.2; 0 disables it.
+	// How far Retry-After is spread, as a fraction (0.2 = 20%), so denied
+	// clients do not return together; never below the true wait. With it,
+	// clients that honour Retry-After are paced: given return slots at the
+	// rate the bucket refills, the denial answered at the fraction of a
+	// second that lands them on their slot. 0 turns both off. Default 0.2.
 	Jitter *float64 `json:"jitter,omitempty"`
 
-	// Headers selects the RateLimit fields sent on responses: `draft`
-	// (RateLimit-Policy and RateLimit, draft-ietf-httpapi-ratelimit-headers)
-	// or `off`. Retry-After is sent on denials either way. Default `draft`.
+	// The RateLimit fields sent on responses: `draft` (RateLimit-Policy and
+	// RateLimit, draft-ietf-httpapi-ratelimit-headers) or `off`. Retry-After
+	// is sent on denials either way. Default `draft`.
 	Headers string `json:"headers,omitempty"`
 
-	// Shadow evaluates and reports every policy without rejecting any
-	// request or adding response fields: a dry run for rolling out limits.
+	// Evaluates and reports every policy without rejecting any request or
+	// adding response fields: a dry run for rolling out limits.
 	Shadow bool `json:"shadow,omitempty"`
 
-	// Instances is how many Caddy instances share these limits. It matters
-	// only to the `local` failure mode: while Redis is away each instance
-	// decides alone, with 1/instances of every policy's rate and burst (at
-	// least one token), so that the fleet together stays within the budget.
-	// Default 1.
+	// How many Caddy instances share these limits. While Redis is away,
+	// `on_error local` gives each instance 1/instances of every policy's
+	// rate and burst (at least one token), so that the fleet together stays
+	// within the budget; and Retry-After pacing spaces each instance's
+	// return slots by instances tokens. Default 1.
 	Instances int `json:"instances,omitempty"`
 
-	// Policies are the budgets. Every policy that matches a request takes
-	// part in its decision.
+	// The budgets. Every policy that matches a request takes part in its
+	// decision. A policy name is one budget: the same name in two handlers
+	// shares its buckets, and must be defined the same way in both.
 	Policies []*Policy `json:"policies,omitempty"`
 
 	store      store

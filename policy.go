@@ -16,62 +16,63 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 )
 
-// Policy is one named budget: requests that match it are counted, per
+// Policy is one named budget: the requests that match it are counted, per
 // resolved key, in a token bucket of `burst` tokens that refills at `rate`.
 // Every policy that matches a request is decided with the others in one
 // atomic step: the request is admitted and charged by all of them, or
 // denied and charged by none.
 type Policy struct {
-	// Name identifies the policy in storage keys, response fields, metrics
-	// and logs. Letters, digits, `_`, `-` and `.`; unique in the handler.
+	// The policy's name, in storage keys, response fields, metrics and logs:
+	// 1 to 64 letters, digits, `_`, `-` and `.`. Unique in the handler; the
+	// same name in another handler is the same budget.
 	Name string `json:"name"`
 
-	// MatchRaw limits the policy to requests that match all these request
-	// matchers (a route class). Default: every request.
+	// Limits the policy to requests that match all these request matchers:
+	// one route class, never a raw path. Default: every request.
 	MatchRaw caddy.ModuleMap `json:"match,omitempty" caddy:"namespace=http.matchers"`
 
-	// Key partitions the budget: one bucket per distinct value. Accepts
+	// What partitions the budget: one bucket per distinct value. Accepts
 	// placeholders, e.g. `{http.auth.user.id}` or `{client_ip}`; a fixed
 	// string such as `global` makes one bucket for everyone. Requests whose
 	// key resolves to the empty string share one bucket. Required.
 	Key string `json:"key"`
 
-	// Rate is `N/duration`: N tokens (a positive integer) per duration, e.g.
-	// `100/1m` or `10/1s`. Required.
+	// How fast the bucket refills: `N/duration`, N tokens (a positive
+	// integer) per duration, e.g. `100/1m` or `10/1s`. Required.
 	Rate string `json:"rate"`
 
-	// Burst is the bucket's capacity: how many unit requests may pass at once
-	// after a quiet period. Default: N of the rate.
+	// The bucket's capacity: how many unit requests may pass at once after
+	// a quiet period. Default: the rate's N.
 	Burst int64 `json:"burst,omitempty"`
 
-	// Cost is the tokens one request takes: an integer (a JSON number or
-	// string) or a placeholder such as `{http.request.header.X-Cost}`. A
-	// value that does not resolve to a positive integer, or resolves above
-	// `max_cost`, is charged at `max_cost`. A request that costs more than
-	// `burst` can never pass. Default 1.
+	// The tokens one request takes: an integer (a JSON number or string) or
+	// a placeholder such as `{http.request.header.X-Cost}`. A value that
+	// does not resolve to a positive integer, or resolves above `max_cost`,
+	// is charged at `max_cost`. A request that costs more than `burst` can
+	// never pass (429 without Retry-After). Default 1.
 	Cost caddyhttp.WeakString `json:"cost,omitempty"`
 
-	// MaxCost caps a request's cost. Default: burst.
+	// The most one request is charged. Default: burst.
 	MaxCost int64 `json:"max_cost,omitempty"`
 
-	// OnError is what this policy does when the shared store cannot decide
-	// (Redis down or slow): `fail_open`, `fail_closed` or `local`.
-	// Default: the handler's `on_error`.
+	// What this policy does when the shared store cannot decide (Redis down
+	// or not answering): `fail_open`, `fail_closed` or `local`. Default: the
+	// handler's `on_error`.
 	OnError string `json:"on_error,omitempty"`
 
-	// Shadow evaluates and reports this policy without ever rejecting for it.
+	// Evaluates and reports this policy without ever rejecting for it.
 	Shadow bool `json:"shadow,omitempty"`
 
-	// Wait delays instead of rejecting: a request that cannot pass now but
-	// could within this duration reserves its slot (atomically, across all
+	// Delays instead of rejecting: a request that cannot pass now but could
+	// within this duration reserves its slot (atomically, across all
 	// instances) and is held until then, as NGINX `limit_req` without
 	// `nodelay`. Beyond it, the request is denied as usual. A request whose
 	// client goes away while held keeps its slot consumed: refunding it could
-	// admit more than the budget. Default 0: never wait.
+	// admit more than the budget. At most 24h. Default 0: never wait.
 	Wait caddy.Duration `json:"wait,omitempty"`
 
-	// MaxHeld bounds the requests this policy holds at once on this instance
-	// (with `wait`); beyond it, requests that would have to wait are denied.
+	// The most requests this policy holds at once on this instance (with
+	// `wait`); beyond it, requests that would have to wait are denied.
 	// Default 1024.
 	MaxHeld int `json:"max_held,omitempty"`
 

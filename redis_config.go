@@ -17,61 +17,65 @@ import (
 	"github.com/redis/go-redis/v9"
 )
 
-// RedisConfig points the limiter at Redis, where every Caddy instance of a
-// deployment shares the same buckets. Properties accept `{env.*}`
-// placeholders, resolved when the config is loaded.
+// RedisConfig points the limiter at the Redis where every Caddy instance of
+// a deployment keeps the same buckets: one server, a Redis Cluster, or a
+// master found through Sentinel. Values accept `{env.*}` placeholders,
+// resolved when the config is loaded.
 type RedisConfig struct {
-	// Addresses of the Redis server as host:port: one server; with `cluster`,
-	// seed nodes of a Redis Cluster; with `sentinel`, the sentinels.
+	// The Redis server as host:port; with `cluster`, seed nodes of the
+	// cluster; with `sentinel`, the sentinels. One address without either.
+	// Not a URL: username, password, db and tls have their own settings.
 	Addresses []string `json:"addresses,omitempty"`
 
-	// Cluster treats the addresses as nodes of a Redis Cluster.
+	// Treats the addresses as nodes of a Redis Cluster.
 	Cluster bool `json:"cluster,omitempty"`
 
-	// Sentinel is the master name to ask the sentinels at the addresses for.
+	// The master name to ask the sentinels at the addresses for; failovers
+	// are followed.
 	Sentinel string `json:"sentinel,omitempty"`
 
-	// Username for Redis ACL authentication.
+	// The user for Redis ACL authentication (see docs/redis.md for the ACL
+	// the limiter needs).
 	Username string `json:"username,omitempty"`
 
-	// Password for Redis authentication. Use a placeholder such as
+	// The password for Redis authentication. Use a placeholder such as
 	// `{env.REDIS_PASSWORD}` rather than writing it into the config.
 	Password string `json:"password,omitempty"`
 
-	// DB is the database number (not in cluster mode). Default 0.
+	// The database number (not with `cluster`). Default 0.
 	DB int `json:"db,omitempty"`
 
-	// TLS, when present, connects to Redis over TLS.
+	// Connects to Redis over TLS (1.2 or later) when present.
 	TLS *RedisTLS `json:"tls,omitempty"`
 
-	// Timeout bounds each call to Redis, from sending it to its reply: when
-	// it runs out, the requests of that call follow their policies'
+	// How long each call to Redis may take, from sending it to its reply:
+	// when it runs out, the requests of that call follow their policies'
 	// `on_error`. Connecting (TCP, TLS, authentication) may take up to
 	// max(timeout, 1s). Time a request spends queued in this instance
 	// behind other calls is not a Redis failure and is not bounded by it.
 	// At least 1ms. Default 100ms.
 	Timeout caddy.Duration `json:"timeout,omitempty"`
 
-	// PoolSize is the most connections kept open to each Redis server, and
-	// so the most calls in flight to it at once. Default: 10 per CPU.
+	// The most connections kept open to each Redis server, and so the most
+	// calls in flight to it at once. Default: 10 per CPU.
 	PoolSize int `json:"pool_size,omitempty"`
 
-	// KeyPrefix starts every storage key. Default `rl:`.
+	// What every storage key starts with: deployments that share a Redis
+	// keep apart with different prefixes. Default `rl:`.
 	KeyPrefix string `json:"key_prefix,omitempty"`
 }
 
 // RedisTLS configures TLS to Redis.
 type RedisTLS struct {
-	// CA is a PEM file of the certificate authorities that Redis's
-	// certificate must chain to. Default: the system's roots.
+	// A PEM file of the certificate authorities that Redis's certificate
+	// must chain to. Default: the system's roots.
 	CA string `json:"ca,omitempty"`
 
-	// ServerName is the name to verify Redis's certificate against.
-	// Default: the host of the address.
+	// The name to verify Redis's certificate against. Default: the host of
+	// the address.
 	ServerName string `json:"server_name,omitempty"`
 
-	// InsecureSkipVerify disables verification of the server's certificate.
-	// For testing only.
+	// Skips verifying the server's certificate. For testing only.
 	InsecureSkipVerify bool `json:"insecure_skip_verify,omitempty"`
 }
 
