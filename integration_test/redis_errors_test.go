@@ -21,7 +21,7 @@ func TestPermanentRedisErrors(t *testing.T) {
 	for _, tc := range []struct {
 		kind  string
 		setup func(t *testing.T, srv *testredis.Server) map[string]any // the redis block
-		fix   string                                                  // in the ERROR line
+		fix   string                                                   // in the ERROR line
 	}{
 		{"wrongpass", func(t *testing.T, srv *testredis.Server) map[string]any {
 			do(t, srv, "ACL", "SETUSER", "limiter", "on", ">right", "~rl:*", "+@all")
