@@ -1,7 +1,7 @@
 # The commands of the README: `make run`, `make demo`, `make test`, `make bench` and `make build`.
 GO ?= go
 
-.PHONY: run build test demo bench redis-server wrk check
+.PHONY: run build xcaddy test demo bench redis-server wrk check
 
 # Build Caddy with the module and serve Caddyfile.example on
 # http://localhost:8080 (in-process buckets: no Redis needed).
@@ -11,6 +11,17 @@ run:
 # A Caddy binary with the module, as xcaddy would build it.
 build:
 	$(GO) build -o bin/caddy ./cmd/caddy
+
+# The build of xcaddy.md, from this checkout (whose module need not be
+# published): xcaddy from the Go module proxy, then Caddy with the module,
+# then a check that the module is in the binary. A cold build takes minutes.
+XCADDY_CADDY ?= v2.11.9
+xcaddy:
+	$(GO) install github.com/caddyserver/xcaddy/cmd/xcaddy@v0.4.5
+	mkdir -p bin
+	cd "$$(mktemp -d)" && "$$($(GO) env GOPATH)/bin/xcaddy" build $(XCADDY_CADDY) \
+		--with github.com/ratelimit-caddy/caddy-ratelimit=$(CURDIR) --output $(CURDIR)/bin/caddy-xcaddy
+	bin/caddy-xcaddy list-modules | grep -x http.handlers.rate_limit
 
 # Every test: formatting, vet, the package under the race detector, and the
 # integration tests that run the built Caddy against real redis-server

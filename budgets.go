@@ -29,11 +29,11 @@ type definition struct {
 // budgetShape is what two definitions of one policy name must share.
 func (d definition) budgetShape() string {
 	p := d.policy
-	return fmt.Sprintf("rate %s, burst %d, key %s, %s, store %s", p.Rate, p.limit.burst, p.Key, p.kind(), d.handler.storeName())
+	return fmt.Sprintf("kind %s, rate %s, burst %d, key %s, store %s", p.kind(), p.Rate, p.limit.burst, p.Key, d.handler.storeName())
 }
 
 // kind names the policy's kind.
-func (p *Policy) kind() string { return "a rate policy" }
+func (p *Policy) kind() string { return "rate" }
 
 // add records the handler's policies under config, failing (and recording
 // nothing) when one disagrees with a definition of the same name.

@@ -41,6 +41,9 @@ type denyShard struct {
 	mu      sync.Mutex
 	known   map[bucketID]knownBucket // pointer-free: nothing for the GC to scan
 	sweepAt int
+	// forgotten are buckets an operator changed, and when: a reply to a
+	// call sent before that says nothing of them any more.
+	forgotten map[bucketID]int64
 }
 
 // knownBucket is what one Redis reply said of a bucket.
@@ -153,6 +156,15 @@ func (c *denyCache) learn(reqs []bucketRequest, d decision, tats []int64, sent, 
 		s, id := c.bucket(rq.key)
 		near := d.verdicts[i].remaining < rq.cost || !d.verdicts[i].allowed
 		s.mu.Lock()
+		if at, ok := s.forgotten[id]; ok {
+			if sent <= at {
+				s.mu.Unlock()
+				continue
+			}
+			if received-at > denyMaxAge {
+				delete(s.forgotten, id)
+			}
+		}
 		if near {
 			if len(s.known) >= s.sweepAt {
 				s.sweep(received)
@@ -169,8 +181,13 @@ func (c *denyCache) learn(reqs []bucketRequest, d decision, tats []int64, sent, 
 // changed it.
 func (c *denyCache) forget(key string) {
 	s, id := c.bucket(key)
+	now := c.now()
 	s.mu.Lock()
 	delete(s.known, id)
+	if s.forgotten == nil || len(s.forgotten) >= denyShardMax {
+		s.forgotten = map[bucketID]int64{}
+	}
+	s.forgotten[id] = now
 	s.mu.Unlock()
 }
 

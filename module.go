@@ -36,6 +36,7 @@ func init() {
 // ------------|------
 // `{http.rate_limit.decision}` | `allowed`, `delayed`, `denied`, `shadow_denied`, `fail_open`, `fail_closed`, `local_allowed` or `local_denied`
 // `{http.rate_limit.policy}` | the denying policy, or the one with the fewest tokens left
+// `{http.rate_limit.key}` | that policy's storage key (a hash, never the identity), to tie a hot Redis key to requests
 // `{http.rate_limit.remaining}` | that policy's whole tokens left (empty when nothing was decided)
 // `{http.rate_limit.retry_after}` | the Retry-After sent, in seconds (0 when none)
 type Handler struct {

@@ -153,3 +153,13 @@ func (p *pacer) holdDenial(r *http.Request, d time.Duration) {
 	case <-r.Context().Done():
 	}
 }
+
+// forget drops the return slots of the bucket under key: an operator reset
+// it, and clients told to come back later may come now.
+func (p *pacer) forget(key string) {
+	b := maphash.String(p.seed, key)
+	bs := &p.slots[b%paceShards]
+	bs.mu.Lock()
+	delete(bs.m, b)
+	bs.mu.Unlock()
+}

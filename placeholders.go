@@ -16,7 +16,8 @@ import (
 type requestState struct {
 	decision   outcome
 	policy     string
-	remaining  int64 // -1: not decided
+	key        string // that policy's storage key: a hash, never the identity
+	remaining  int64  // -1: not decided
 	retryAfter int64
 
 	// decided names the policies an earlier handler decided for this
@@ -53,6 +54,7 @@ func (rs *requestState) wasDecided(name string) bool { return slices.Contains(rs
 // ------------|------
 // `{http.rate_limit.decision}` | allowed, delayed, denied, shadow_denied, fail_open, fail_closed, local_allowed or local_denied
 // `{http.rate_limit.policy}` | the denying policy, or the one with the fewest tokens left
+// `{http.rate_limit.key}` | that policy's storage key (a hash, never the identity), to tie a hot Redis key to requests
 // `{http.rate_limit.remaining}` | that policy's whole tokens left (empty when nothing was decided)
 // `{http.rate_limit.retry_after}` | the Retry-After sent, in seconds (0 when none)
 func (rs *requestState) placeholder(key string) (any, bool) {
@@ -61,6 +63,8 @@ func (rs *requestState) placeholder(key string) (any, bool) {
 		return outcomeNames[rs.decision], true
 	case "http.rate_limit.policy":
 		return rs.policy, true
+	case "http.rate_limit.key":
+		return rs.key, true
 	case "http.rate_limit.remaining":
 		if rs.remaining < 0 {
 			return "", true

@@ -97,6 +97,7 @@ type Policy struct {
 	waitUS     int64         // Wait in µs
 	held       *atomic.Int64 // requests held by Wait right now
 	waiting    prometheus.Gauge
+	top        *topDenied // the identities it denied most, this instance
 }
 
 var policyName = regexp.MustCompile(`^[A-Za-z0-9_.-]{1,64}$`)
@@ -254,6 +255,7 @@ func (p *Policy) provision(ctx caddy.Context, h *Handler) error {
 		return err
 	}
 	p.decisions = policyCounters(p.Name)
+	p.top = topOf(p.Name)
 	p.held = new(atomic.Int64)
 	p.waiting = waiting.WithLabelValues(p.Name)
 	if p.MaxHeld == 0 {

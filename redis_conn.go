@@ -2,6 +2,8 @@ package ratelimit
 
 import (
 	"context"
+	"errors"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -42,9 +44,13 @@ type redisConn struct {
 	callTimeout time.Duration
 	logger      *zap.Logger
 	reported    redisReports
+	events      redisEvents
 }
 
-func (c *redisConn) Destruct() error { return c.client.Close() }
+func (c *redisConn) Destruct() error {
+	c.events.close()
+	return c.client.Close()
+}
 
 // noCoalescing sends every request in its own script call, for benchmarks
 // comparing.
@@ -152,4 +158,119 @@ var errorFixes = map[string]string{
 	"wrongtype": "a bucket's key holds a value of another type (was it written by hand?): DEL the key named in this log; the requests of that key follow on_error until then",
 	"corrupt":   "a bucket's key holds a string that is not a bucket (was it written by hand?): DEL the key named in this log; the requests of that key follow on_error until then",
 	"script":    "the script's reply does not match this build: is another version of the module using the same Redis and key_prefix?",
+}
+
+// Events between instances, on the Redis channel <key_prefix>events: a
+// message is "<event> <storage key>". "changed": an operator changed the
+// bucket (a reset, a grant): every instance forgets what it remembers of
+// it (deny cache, return slots), at once rather than within denyMaxAge.
+type redisEvents struct {
+	mu       sync.Mutex
+	ps       *redis.PubSub
+	channels map[string]bool
+	closed   bool
+	// mine are the events this instance announced, awaiting their echo.
+	mine map[string][]chan struct{}
+}
+
+const eventChanged = "changed"
+
+func eventsChannel(prefix string) string { return prefix + "events" }
+
+// watch subscribes, in the background (Caddy starts while Redis is away),
+// to the events of the buckets under prefix.
+func (c *redisConn) watch(prefix string) {
+	ch := eventsChannel(prefix)
+	e := &c.events
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.closed || e.channels[ch] {
+		return
+	}
+	if e.channels == nil {
+		e.channels, e.mine = map[string]bool{}, map[string][]chan struct{}{}
+	}
+	e.channels[ch] = true
+	if e.ps != nil {
+		ps := e.ps
+		go func() { _ = ps.Subscribe(context.Background(), ch) }()
+		return
+	}
+	// go-redis resubscribes after a lost connection by itself.
+	e.ps = c.client.Subscribe(context.Background())
+	ps := e.ps
+	go func() {
+		if err := ps.Subscribe(context.Background(), ch); err != nil {
+			c.logger.Debug("subscribing to rate-limit events", zap.String("redis", c.name), zap.Error(err))
+		}
+		for msg := range ps.Channel() {
+			event, key, _ := strings.Cut(msg.Payload, " ")
+			c.receive(event, key)
+		}
+	}()
+}
+
+// receive applies an event from any instance, this one included.
+func (c *redisConn) receive(event, key string) {
+	if event != eventChanged {
+		return
+	}
+	if c.denials != nil {
+		c.denials.forget(key)
+	}
+	pacing.forget(key)
+	e := &c.events
+	e.mu.Lock()
+	for _, w := range e.mine[key] {
+		select {
+		case <-w:
+		default:
+			close(w)
+		}
+	}
+	e.mu.Unlock()
+}
+
+// announce tells every instance that the bucket under key changed, and
+// returns once the message came back through Redis (so it reached every
+// subscriber), or after a second.
+func (c *redisConn) announce(ctx context.Context, prefix, key string) error {
+	echo := make(chan struct{})
+	e := &c.events
+	e.mu.Lock()
+	if e.mine == nil {
+		e.mine = map[string][]chan struct{}{}
+	}
+	e.mine[key] = append(e.mine[key], echo)
+	e.mu.Unlock()
+	defer func() {
+		e.mu.Lock()
+		e.mine[key] = slices.DeleteFunc(e.mine[key], func(w chan struct{}) bool { return w == echo })
+		if len(e.mine[key]) == 0 {
+			delete(e.mine, key)
+		}
+		e.mu.Unlock()
+	}()
+	if err := c.client.Publish(ctx, eventsChannel(prefix), eventChanged+" "+key).Err(); err != nil {
+		return err
+	}
+	select {
+	case <-echo:
+		return nil
+	case <-time.After(time.Second):
+		return errNoEcho
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+var errNoEcho = errors.New("the change was announced, but did not come back through Redis within 1s: other instances may take up to 1s to see it")
+
+func (e *redisEvents) close() {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	e.closed = true
+	if e.ps != nil {
+		_ = e.ps.Close()
+	}
 }

@@ -50,10 +50,13 @@ type reservation struct {
 	reqs     []bucketRequest
 	d        decision
 	outcome  outcome
-	// shown are the policies the decision's verdicts are of, in order: all
-	// the policies, the `local` ones when the store failed, none for
-	// fail_open.
-	shown []*Policy
+	// shown are the policies the decision's verdicts are of, in order, and
+	// their requests: all the policies, the `local` ones when the store
+	// failed, none for fail_open.
+	shown     []*Policy
+	shownReqs []bucketRequest
+	// identities are the resolved keys of policies, as sent (for top).
+	identities []string
 	// failClosed is the policy whose fail_closed answers 503.
 	failClosed *Policy
 	places     []*Policy // `wait` places taken
@@ -61,6 +64,7 @@ type reservation struct {
 
 	pbuf, placebuf, holdbuf [4]*Policy
 	rbuf                    [4]bucketRequest
+	ibuf                    [4]string
 }
 
 // admitted reports whether the request goes on.
@@ -69,7 +73,7 @@ func (res *reservation) admitted() bool { return res.failClosed == nil && res.d.
 // match finds the policies the request matches (skipping those a rate_limit
 // handler it passed through already decided) and their bucket requests.
 func (h *Handler) match(r *http.Request, repl *caddy.Replacer, rs *requestState, res *reservation) error {
-	res.policies, res.reqs = res.pbuf[:0], res.rbuf[:0]
+	res.policies, res.reqs, res.identities = res.pbuf[:0], res.rbuf[:0], res.ibuf[:0]
 	for _, p := range h.Policies {
 		ok, err := p.matches(r)
 		if err != nil {
@@ -78,11 +82,13 @@ func (h *Handler) match(r *http.Request, repl *caddy.Replacer, rs *requestState,
 		if !ok || rs.wasDecided(p.Name) {
 			continue
 		}
-		key := p.fixedKey
+		key, identity := p.fixedKey, p.keyTmpl.text
 		if key == "" {
-			key = p.storageKey(h.hasher, p.key(r, repl))
+			identity = p.key(r, repl)
+			key = p.storageKey(h.hasher, identity)
 		}
 		res.policies = append(res.policies, p)
+		res.identities = append(res.identities, identity)
 		res.reqs = append(res.reqs, bucketRequest{key: key, op: opTake, limit: p.limit, cost: p.cost(r, repl), shadow: p.shadow})
 	}
 	for _, p := range res.policies {
@@ -110,7 +116,7 @@ func (h *Handler) reserve(r *http.Request, res *reservation) {
 		h.withoutStore(r, res)
 		return
 	}
-	res.d, res.shown = d, res.policies
+	res.d, res.shown, res.shownReqs = d, res.policies, res.reqs
 	count(res.policies, d, outcomeAllowed, outcomeDenied)
 	switch {
 	case !d.admitted:
@@ -134,6 +140,7 @@ func (h *Handler) reserve(r *http.Request, res *reservation) {
 func (h *Handler) withoutStore(r *http.Request, res *reservation) {
 	var local []bucketRequest
 	var localPolicies []*Policy
+	var localIdentities []string
 	for i, p := range res.policies {
 		switch {
 		case p.onError == failClosed && !p.shadow:
@@ -143,12 +150,13 @@ func (h *Handler) withoutStore(r *http.Request, res *reservation) {
 		case p.onError == failLocal:
 			local = append(local, h.localRequest(res.reqs[i]))
 			localPolicies = append(localPolicies, p)
+			localIdentities = append(localIdentities, res.identities[i])
 		}
 	}
-	res.d, res.shown, res.outcome = decision{admitted: true}, nil, outcomeFailOpen
+	res.d, res.shown, res.shownReqs, res.outcome = decision{admitted: true}, nil, nil, outcomeFailOpen
 	if len(local) > 0 {
 		res.d, _ = localFallback.decide(r.Context(), local)
-		res.shown = localPolicies
+		res.shown, res.shownReqs, res.identities = localPolicies, local, localIdentities
 		count(localPolicies, res.d, outcomeLocalAllowed, outcomeLocalDenied)
 		res.outcome = outcomeLocalAllowed
 		if !res.d.admitted {
@@ -261,12 +269,14 @@ func (h *Handler) deny(w http.ResponseWriter, r *http.Request, rs *requestState,
 		}
 		denier = p
 		violated = append(violated, p.Name)
+		k := res.shownReqs[i].key
+		p.top.record(topIDs.of(k), k, res.identities[i])
 		switch {
 		case v.untilFits == neverFits || wait == neverFits:
 			wait = neverFits
 		case v.untilFits >= wait:
-			wait, key = v.untilFits, res.reqs[i].key
-			stride = res.reqs[i].cost * p.limit.interval * int64(max(1, h.Instances))
+			wait, key = v.untilFits, res.shownReqs[i].key
+			stride = res.shownReqs[i].cost * p.limit.interval * int64(max(1, h.Instances))
 		}
 	}
 	var ra int64
@@ -326,7 +336,7 @@ func handlesErrors(r *http.Request, status int) bool {
 // fields: this one's members are added.
 func (h *Handler) report(w http.ResponseWriter, rs *requestState, res *reservation, retryAfter int64) {
 	d := res.d
-	rs.decision, rs.retryAfter, rs.policy, rs.remaining = res.outcome, retryAfter, "", -1
+	rs.decision, rs.retryAfter, rs.policy, rs.remaining, rs.key = res.outcome, retryAfter, "", -1, ""
 	// The tightest enforced policy; among shadow ones only when no policy is
 	// enforced, so a dry run still says which policy would deny.
 	tightest, enforced := -1, false
@@ -340,6 +350,7 @@ func (h *Handler) report(w http.ResponseWriter, rs *requestState, res *reservati
 		return
 	}
 	rs.policy, rs.remaining = res.shown[tightest].Name, max(0, d.verdicts[tightest].remaining)
+	rs.key = res.shownReqs[tightest].key
 	if !h.headers || !enforced { // shadow policies never show in responses
 		return
 	}

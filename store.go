@@ -1,6 +1,7 @@
 package ratelimit
 
 import (
+	"cmp"
 	"context"
 	"fmt"
 
@@ -39,6 +40,8 @@ func openStore(cfg *RedisConfig, logger *zap.Logger) (s store, close func() erro
 		return nil, nil, fmt.Errorf("redis: %v", err)
 	}
 	rs := &redisStore{conn: v.(*redisConn)}
+	prefix := cmp.Or(rc.KeyPrefix, defaultKeyPrefix)
+	rs.conn.watch(prefix)
 	released := false
 	return rs, func() error {
 		if released {

@@ -1,0 +1,235 @@
+package ratelimit
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"go.uber.org/zap"
+)
+
+func init() {
+	caddy.RegisterModule(adminAPI{})
+}
+
+// adminAPI gives Caddy's admin API the operator's handles on buckets,
+// under /rate_limit/: inspect, reset and grant a bucket, and list the
+// identities a policy denied most. A policy is addressed by its name (one
+// name is one budget) and a bucket by the raw identity its key resolves
+// to, which is hashed exactly as the handler hashes it: nothing raw is
+// stored or logged, and this API's answers are the one place an identity
+// is shown. Inspect, reset and grant run through the policy's store, its
+// script and Redis clock, as decisions do; reset and grant reach every
+// instance at once (see redisConn.announce).
+//
+//	GET  /rate_limit/inspect?policy=<name>&identity=<id>
+//	POST /rate_limit/reset   {"policy": "<name>", "identity": "<id>"}
+//	POST /rate_limit/grant   {"policy": "<name>", "identity": "<id>", "tokens": <n>}
+//	GET  /rate_limit/top?policy=<name>&n=<n>
+type adminAPI struct{}
+
+// CaddyModule returns the Caddy module information.
+func (adminAPI) CaddyModule() caddy.ModuleInfo {
+	return caddy.ModuleInfo{
+		ID:  "admin.api.rate_limit",
+		New: func() caddy.Module { return new(adminAPI) },
+	}
+}
+
+// Routes returns the routes under /rate_limit/.
+func (a adminAPI) Routes() []caddy.AdminRoute {
+	return []caddy.AdminRoute{{Pattern: "/rate_limit/", Handler: caddy.AdminHandlerFunc(a.serve)}}
+}
+
+// adminRequest is what an admin call asks, from the query or a JSON body.
+type adminRequest struct {
+	Policy   string `json:"policy"`
+	Identity string `json:"identity"`
+	Tokens   int64  `json:"tokens"`
+	N        int    `json:"n"`
+}
+
+// bucketState is a bucket as inspect, reset and grant answer it.
+type bucketState struct {
+	Policy   string `json:"policy"`
+	Kind     string `json:"kind"`
+	Rate     string `json:"rate"`
+	Burst    int64  `json:"burst"`
+	Identity string `json:"identity"`
+	// Key is the bucket's storage key: a hash, which logs and access logs
+	// ({http.rate_limit.key}) show instead of the identity.
+	Key   string `json:"key"`
+	Store string `json:"store"`
+	// Tokens in the bucket now (negative: owed); NextToken and Full are
+	// seconds until one more token and until the bucket is full.
+	Tokens    int64   `json:"tokens"`
+	NextToken float64 `json:"next_token_seconds"`
+	Full      float64 `json:"full_seconds"`
+	// Granted is what grant gave back (at most what makes the bucket full).
+	Granted int64 `json:"granted,omitempty"`
+	// Announced: every instance was told of the reset or grant at once
+	// (otherwise within a second).
+	Announced *bool `json:"announced,omitempty"`
+}
+
+func (a adminAPI) serve(w http.ResponseWriter, r *http.Request) error {
+	action := strings.TrimPrefix(r.URL.Path, "/rate_limit/")
+	method := map[string]string{"inspect": http.MethodGet, "top": http.MethodGet, "reset": http.MethodPost, "grant": http.MethodPost}[action]
+	if method == "" {
+		return apiError(http.StatusNotFound, "no such rate_limit endpoint %q: use inspect, reset, grant or top", action)
+	}
+	if r.Method != method {
+		return apiError(http.StatusMethodNotAllowed, "%s takes %s", action, method)
+	}
+	var req adminRequest
+	if method == http.MethodPost {
+		body, err := io.ReadAll(io.LimitReader(r.Body, 1<<20))
+		if err != nil {
+			return apiError(http.StatusBadRequest, "reading the request: %v", err)
+		}
+		if err := json.Unmarshal(body, &req); err != nil {
+			return apiError(http.StatusBadRequest, "the body is not {\"policy\": ..., \"identity\": ..., \"tokens\": ...}: %v", err)
+		}
+	} else {
+		q := r.URL.Query()
+		req.Policy, req.Identity = q.Get("policy"), q.Get("identity")
+		if n := q.Get("n"); n != "" {
+			v, err := strconv.Atoi(n)
+			if err != nil || v < 1 {
+				return apiError(http.StatusBadRequest, "n: %q is not a positive integer", n)
+			}
+			req.N = v
+		}
+	}
+	if req.Policy == "" {
+		return apiError(http.StatusBadRequest, "policy: required")
+	}
+	def, ok := budgets.find(req.Policy)
+	if !ok {
+		return apiError(http.StatusNotFound, "policy %q: no such policy in the loaded config", req.Policy)
+	}
+	var answer any
+	var err error
+	switch action {
+	case "top":
+		answer = a.top(def, req)
+	case "inspect", "reset", "grant":
+		answer, err = a.bucket(r.Context(), action, def, req)
+	}
+	if err != nil {
+		return err
+	}
+	w.Header().Set("Content-Type", "application/json")
+	return json.NewEncoder(w).Encode(answer)
+}
+
+// bucket inspects, resets or grants tokens to one bucket.
+func (adminAPI) bucket(ctx context.Context, action string, def definition, req adminRequest) (*bucketState, error) {
+	p, h := def.policy, def.handler
+	key := p.fixedKey
+	if key == "" {
+		if req.Identity == "" {
+			return nil, apiError(http.StatusBadRequest, "identity: required: the value policy %q keys on (%s)", p.Name, p.Key)
+		}
+		key = p.storageKey(h.hasher, req.Identity)
+	}
+	rq := bucketRequest{key: key, limit: p.limit, op: opInspect}
+	switch action {
+	case "reset":
+		rq.op = opReset
+	case "grant":
+		if req.Tokens < 1 || req.Tokens > maxJSONInteger {
+			return nil, apiError(http.StatusBadRequest, "tokens: %d is not a positive integer", req.Tokens)
+		}
+		rq.op, rq.delta = opAdjust, -req.Tokens
+	}
+	before := int64(0)
+	if action == "grant" {
+		d, err := h.store.decide(ctx, []bucketRequest{{key: key, limit: p.limit, op: opInspect}})
+		if err != nil {
+			return nil, storeAPIError(err)
+		}
+		before = d.verdicts[0].remaining
+	}
+	d, err := h.store.decide(ctx, []bucketRequest{rq})
+	if err != nil {
+		return nil, storeAPIError(err)
+	}
+	v := d.verdicts[0]
+	st := &bucketState{
+		Policy: p.Name, Kind: p.kind(), Rate: p.Rate, Burst: p.limit.burst, Identity: req.Identity, Key: key, Store: h.storeName(),
+		Tokens: v.remaining, NextToken: seconds(v.untilFits), Full: seconds(p.limit.untilFull(v.remaining, v.untilFits)),
+	}
+	if action == "inspect" {
+		return st, nil
+	}
+	if action == "grant" {
+		st.Granted = v.remaining - before
+	}
+	// The change is made; every instance forgets what it remembered of the
+	// bucket.
+	announced := true
+	if rs, ok := h.store.(*redisStore); ok {
+		if err := rs.conn.announce(ctx, h.keyPrefix, key); err != nil {
+			announced = false
+			h.logger.Warn("announcing a rate-limit change", zap.String("policy", p.Name), zap.String("key", key), zap.Error(err))
+		}
+	} else {
+		pacing.forget(key)
+	}
+	st.Announced = &announced
+	h.logger.Info("rate limit bucket "+action, zap.String("policy", p.Name), zap.String("key", key), zap.Int64("tokens", v.remaining), zap.Int64("granted", st.Granted))
+	return st, nil
+}
+
+// topAnswer is what top answers.
+type topAnswer struct {
+	Policy     string     `json:"policy"`
+	Window     float64    `json:"window_seconds"`
+	Identities []topEntry `json:"identities"`
+}
+
+func (adminAPI) top(def definition, req adminRequest) topAnswer {
+	n := req.N
+	if n == 0 {
+		n = 10
+	}
+	return topAnswer{Policy: def.policy.Name, Window: topWindow.Seconds(), Identities: def.policy.top.top(n)}
+}
+
+// untilFull is the µs until a bucket that holds remaining tokens, the next
+// of which comes in next µs, is full.
+func (l limit) untilFull(remaining, next int64) int64 {
+	if remaining >= l.burst {
+		return 0
+	}
+	return next + (l.burst-max(remaining, 0)-1)*l.interval
+}
+
+func seconds(us int64) float64 {
+	return float64(us) / float64(time.Second/time.Microsecond)
+}
+
+func apiError(status int, format string, args ...any) error {
+	return caddy.APIError{HTTPStatus: status, Err: fmt.Errorf(format, args...)}
+}
+
+// storeAPIError is the answer when the store could not act: nothing was
+// changed that this instance knows of.
+func storeAPIError(err error) error {
+	msg := "the rate-limit store could not act (%v); nothing was changed"
+	if errors.Is(err, context.DeadlineExceeded) || resultOf(err) == callFailed {
+		msg = "the rate-limit store did not answer (%v): the change may not have been made; retry when it answers"
+	}
+	return apiError(http.StatusServiceUnavailable, msg, err)
+}
+
+// Interface guard.
+var _ caddy.AdminRouter = (*adminAPI)(nil)

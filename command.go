@@ -1,0 +1,176 @@
+package ratelimit
+
+import (
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"net/url"
+	"os"
+	"strconv"
+	"text/tabwriter"
+	"time"
+
+	caddycmd "github.com/caddyserver/caddy/v2/cmd"
+	"github.com/spf13/cobra"
+)
+
+// `caddy rate-limit`: the admin API's /rate_limit/ routes from the command
+// line, as `caddy reload` calls /load: the admin address from --address,
+// or from the config given with --config, or Caddy's default.
+
+func init() {
+	caddycmd.RegisterCommand(caddycmd.Command{
+		Name:  "rate-limit",
+		Usage: "inspect|reset|grant|top [--address <interface>] [--config <path> [--adapter <name>]] [--json]",
+		Short: "Inspects and resets the rate_limit buckets of a running Caddy",
+		Long: `
+Answers "why is this customer blocked, and can you unblock them?" through the
+admin API of a running Caddy:
+
+  caddy rate-limit inspect <policy> <identity>           tokens, burst, rate, time to full
+  caddy rate-limit reset   <policy> <identity>           a full bucket, on every instance at once
+  caddy rate-limit grant   <policy> <identity> <tokens>  gives tokens back
+  caddy rate-limit top     <policy> [n]                  the identities this instance denied most in the last 5 minutes
+
+The identity is the raw value the policy's key resolves to (an API key, a
+user id, an IP address); it is hashed as the handler hashes it. With Redis,
+inspect, reset and grant act on the shared bucket; top is this instance's.
+
+The admin endpoint is found as caddy reload finds it: from --address if given,
+otherwise from the config given with --config, otherwise the default.
+`,
+		CobraFunc: func(cmd *cobra.Command) {
+			cmd.PersistentFlags().String("address", "", "Address of the administration listener, if different from config")
+			cmd.PersistentFlags().StringP("config", "c", "", "Configuration file, to find the administration listener")
+			cmd.PersistentFlags().StringP("adapter", "a", "", "Name of config adapter to apply")
+			cmd.PersistentFlags().Bool("json", false, "Print the admin API's JSON answer")
+			cmd.AddCommand(
+				&cobra.Command{Use: "inspect <policy> <identity>", Short: "Shows a bucket: tokens, burst, rate, time to full",
+					Args: cobra.RangeArgs(1, 2), RunE: rateLimitCommand("inspect")},
+				&cobra.Command{Use: "reset <policy> <identity>", Short: "Makes a bucket full, on every instance at once",
+					Args: cobra.RangeArgs(1, 2), RunE: rateLimitCommand("reset")},
+				&cobra.Command{Use: "grant <policy> <identity> <tokens>", Short: "Gives tokens back to a bucket",
+					Args: cobra.ExactArgs(3), RunE: rateLimitCommand("grant")},
+				&cobra.Command{Use: "top <policy> [n]", Short: "Lists the identities this instance denied most in the last 5 minutes",
+					Args: cobra.RangeArgs(1, 2), RunE: rateLimitCommand("top")},
+			)
+		},
+	})
+}
+
+// rateLimitCommand runs one action against the admin API.
+func rateLimitCommand(action string) func(*cobra.Command, []string) error {
+	return func(cmd *cobra.Command, args []string) error {
+		cmd.SilenceUsage = true
+		flags := cmd.Flags()
+		address, _ := flags.GetString("address")
+		configFile, _ := flags.GetString("config")
+		adapter, _ := flags.GetString("adapter")
+		asJSON, _ := flags.GetBool("json")
+		adminAddr, err := caddycmd.DetermineAdminAPIAddress(address, nil, configFile, adapter)
+		if err != nil {
+			return fmt.Errorf("finding the admin API: %v", err)
+		}
+		req := adminRequest{Policy: args[0]}
+		if len(args) > 1 && action != "top" {
+			req.Identity = args[1]
+		}
+		var method, uri string
+		var body io.Reader
+		switch action {
+		case "inspect", "top":
+			method = http.MethodGet
+			q := url.Values{"policy": {req.Policy}}
+			if action == "inspect" {
+				q.Set("identity", req.Identity)
+			} else if len(args) > 1 {
+				q.Set("n", args[1])
+			}
+			uri = "/rate_limit/" + action + "?" + q.Encode()
+		case "grant":
+			n, err := strconv.ParseInt(args[2], 10, 64)
+			if err != nil || n < 1 {
+				return fmt.Errorf("tokens: %q is not a positive integer", args[2])
+			}
+			req.Tokens = n
+			fallthrough
+		case "reset":
+			method, uri = http.MethodPost, "/rate_limit/"+action
+			raw, _ := json.Marshal(req)
+			body = bytes.NewReader(raw)
+		}
+		resp, err := caddycmd.AdminAPIRequest(adminAddr, method, uri, nil, body)
+		if err != nil {
+			return err
+		}
+		defer resp.Body.Close()
+		raw, err := io.ReadAll(resp.Body)
+		if err != nil {
+			return err
+		}
+		if asJSON {
+			_, err := os.Stdout.Write(raw)
+			return err
+		}
+		return printAnswer(os.Stdout, action, raw)
+	}
+}
+
+// printAnswer writes an admin API answer for a person.
+func printAnswer(w io.Writer, action string, raw []byte) error {
+	if action == "top" {
+		var t topAnswer
+		if err := json.Unmarshal(raw, &t); err != nil {
+			return err
+		}
+		fmt.Fprintf(w, "Identities policy %s denied most on this instance in the last %s:\n", t.Policy, time.Duration(t.Window*float64(time.Second)))
+		if len(t.Identities) == 0 {
+			fmt.Fprintln(w, "(none)")
+			return nil
+		}
+		tw := tabwriter.NewWriter(w, 2, 4, 2, ' ', 0)
+		fmt.Fprintln(tw, "DENIALS\tAT MOST OVER BY\tIDENTITY\tKEY")
+		for _, e := range t.Identities {
+			id := strconv.Quote(e.Identity)
+			if e.Truncated {
+				id += "..."
+			}
+			fmt.Fprintf(tw, "%d\t%d\t%s\t%s\n", e.Denials, e.Error, id, e.Key)
+		}
+		return tw.Flush()
+	}
+	var st bucketState
+	if err := json.Unmarshal(raw, &st); err != nil {
+		return err
+	}
+	full := "full"
+	if st.Full > 0 {
+		full = fmt.Sprintf("next token in %s, full in %s", secondsString(st.NextToken), secondsString(st.Full))
+	}
+	switch action {
+	case "reset":
+		fmt.Fprintf(w, "%s %q: reset; %d of %d tokens, %s.\n", st.Policy, st.Identity, st.Tokens, st.Burst, full)
+	case "grant":
+		fmt.Fprintf(w, "%s %q: granted %d tokens; %d of %d now, %s.\n", st.Policy, st.Identity, st.Granted, st.Tokens, st.Burst, full)
+	default:
+		tw := tabwriter.NewWriter(w, 2, 4, 2, ' ', 0)
+		fmt.Fprintf(tw, "policy\t%s (%s policy: rate %s, burst %d)\n", st.Policy, st.Kind, st.Rate, st.Burst)
+		fmt.Fprintf(tw, "identity\t%q\n", st.Identity)
+		fmt.Fprintf(tw, "key\t%s\n", st.Key)
+		fmt.Fprintf(tw, "store\t%s\n", st.Store)
+		fmt.Fprintf(tw, "tokens\t%d of %d; %s\n", st.Tokens, st.Burst, full)
+		if err := tw.Flush(); err != nil {
+			return err
+		}
+	}
+	if st.Announced != nil && !*st.Announced {
+		fmt.Fprintln(w, "Other instances may take up to a second to see it (the announcement through Redis was not confirmed).")
+	}
+	return nil
+}
+
+func secondsString(s float64) string {
+	return time.Duration(s * float64(time.Second)).Round(time.Millisecond).String()
+}
