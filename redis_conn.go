@@ -144,9 +144,11 @@ func (c *redisConn) report(kind string, err error) {
 	c.logger.Warn("Redis unavailable; policies follow on_error", fields...)
 }
 
-// limiterACL is what the limiter's Redis user needs: its keys, and the
-// commands of lua/decide.lua (TYPE only to name a key that is not a bucket).
-const limiterACL = "~rl:* +evalsha +eval +time +get +set +del +type"
+// limiterACL is what the limiter's Redis user needs: its keys and channels
+// (rl: with the default key_prefix), the commands of lua/decide.lua (TYPE
+// only to name a key that is not a bucket), and PUBLISH and SUBSCRIBE for
+// the events between instances.
+const limiterACL = "~rl:* &rl:* +evalsha +eval +time +get +set +del +type +publish +subscribe"
 
 // errorFixes is what to change for each permanent error kind.
 var errorFixes = map[string]string{
