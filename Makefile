@@ -13,14 +13,16 @@ build:
 	$(GO) build -o bin/caddy ./cmd/caddy
 
 # The build of xcaddy.md, from this checkout (whose module need not be
-# published): xcaddy from the Go module proxy, then Caddy with the module,
-# then a check that the module is in the binary. A cold build takes minutes.
+# published: the @v0.0.0 stops xcaddy asking the module proxy for a
+# published version): xcaddy from the Go module proxy, then Caddy with the
+# module, then a check that the module is in the binary. A cold build takes
+# minutes.
 XCADDY_CADDY ?= v2.11.9
 xcaddy:
 	$(GO) install github.com/caddyserver/xcaddy/cmd/xcaddy@v0.4.5
 	mkdir -p bin
 	cd "$$(mktemp -d)" && "$$($(GO) env GOPATH)/bin/xcaddy" build $(XCADDY_CADDY) \
-		--with github.com/ratelimit-caddy/caddy-ratelimit=$(CURDIR) --output $(CURDIR)/bin/caddy-xcaddy
+		--with github.com/ratelimit-caddy/caddy-ratelimit@v0.0.0=$(CURDIR) --output $(CURDIR)/bin/caddy-xcaddy
 	bin/caddy-xcaddy list-modules | grep -x http.handlers.rate_limit
 
 # Every test: formatting, vet, the package under the race detector, and the
