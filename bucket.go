@@ -74,6 +74,10 @@ type bucketRequest struct {
 	delta int64
 	// shadow: decided apart; never changes whether the request is admitted.
 	shadow bool
+	// refundable: the bucket may be given tokens back after the response
+	// (settle), so what a decision said of it is not a lower bound on its
+	// state: the deny cache leaves it alone.
+	refundable bool
 	// wait: µs ahead an opTake may reserve a slot (policy `wait`, while the
 	// policy has room to hold the request); 0: now or never.
 	wait int64

@@ -32,8 +32,16 @@ func (d definition) budgetShape() string {
 	return fmt.Sprintf("kind %s, rate %s, burst %d, key %s, store %s", p.kind(), p.Rate, p.limit.burst, p.Key, d.handler.storeName())
 }
 
-// kind names the policy's kind.
-func (p *Policy) kind() string { return "rate" }
+// kind names the policy's kind: rate, and how it is charged.
+func (p *Policy) kind() string {
+	switch {
+	case p.ChargeIf != nil:
+		return "rate, charged if the response matches"
+	case p.Settle != nil:
+		return "rate, " + p.Settle.describe()
+	}
+	return "rate"
+}
 
 // add records the handler's policies under config, failing (and recording
 // nothing) when one disagrees with a definition of the same name.

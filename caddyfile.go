@@ -56,6 +56,9 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //	        on_error fail_open|fail_closed|local
 //	        shadow
 //	        wait     <duration> [<max_held>]
+//	        charge_if { <response matchers> }
+//	        settle   header|trailer <field> [max <n>]
+//	        settle   openai [max <n>]
 //	    }
 //	}
 //
@@ -315,6 +318,39 @@ func unmarshalPolicy(d *caddyfile.Dispenser) (*Policy, error) {
 				}
 				p.MaxHeld = n
 			}
+		case "charge_if":
+			// A response matcher, as Caddy's named ones: charge_if { status
+			// 401 403; header X-Failed }, or on one line.
+			matchers := map[string]caddyhttp.ResponseMatcher{}
+			if err := caddyhttp.ParseNamedResponseMatcher(d.NewFromNextSegment(), matchers); err != nil {
+				return nil, fmt.Errorf("%scharge_if: %w", s.prefix, err)
+			}
+			m := matchers["charge_if"]
+			if m.StatusCode == nil && m.Headers == nil {
+				return nil, s.errf(d, "charge_if: a response matcher is required, e.g. charge_if { status 401 403 }")
+			}
+			p.ChargeIf = &m
+		case "settle":
+			args := d.RemainingArgs()
+			st := new(Settle)
+			if len(args) > 0 {
+				st.From = args[0]
+				args = args[1:]
+			}
+			if st.From != settleOpenAI && len(args) > 0 {
+				st.Field, args = args[0], args[1:]
+			}
+			if len(args) == 2 && args[0] == "max" {
+				n, err := strconv.ParseInt(args[1], 10, 64)
+				if err != nil || n < 1 {
+					return nil, s.errf(d, "settle: max %q must be a positive integer", args[1])
+				}
+				st.Max, args = n, nil
+			}
+			if st.From == "" || len(args) > 0 {
+				return nil, s.errf(d, "settle: expected settle header|trailer <field> [max <n>], or settle openai [max <n>]")
+			}
+			p.Settle = st
 		default:
 			return nil, s.errf(d, "unrecognized subdirective %q", sub)
 		}

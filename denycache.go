@@ -105,6 +105,9 @@ func (c *denyCache) answer(reqs []bucketRequest) (d decision, answer denyAnswer,
 			verdicts = append(verdicts, verdict{untilFits: neverFits})
 			continue
 		}
+		if rq.refundable {
+			return decision{}, unknown, gate
+		}
 		s, id := c.bucket(rq.key)
 		s.mu.Lock()
 		k, found := s.known[id]
@@ -150,7 +153,7 @@ func (c *denyCache) answer(reqs []bucketRequest) (d decision, answer denyAnswer,
 // learn records what a Redis decision said of its buckets.
 func (c *denyCache) learn(reqs []bucketRequest, d decision, tats []int64, sent, received int64) {
 	for i, rq := range reqs {
-		if rq.shadow || !rq.op.admits() {
+		if rq.shadow || !rq.op.admits() || rq.refundable {
 			continue
 		}
 		s, id := c.bucket(rq.key)

@@ -21,6 +21,10 @@ var (
 		Namespace: "caddy", Subsystem: "rate_limit", Name: "decisions_total",
 		Help: "Rate-limit decisions by policy and outcome (allowed, delayed, denied, shadow_denied, fail_open, fail_closed, local_allowed, local_denied).",
 	}, []string{"policy", "outcome"})
+	chargesLost = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Namespace: "caddy", Subsystem: "rate_limit", Name: "charges_lost_total",
+		Help: "Charges after the response (charge_if, settle) that were not made: no usage reported, the client gone mid-stream, or the store unreachable. A lost settle leaves its reservation standing.",
+	}, []string{"policy"})
 	waiting = prometheus.NewGaugeVec(prometheus.GaugeOpts{
 		Namespace: "caddy", Subsystem: "rate_limit", Name: "waiting",
 		Help: "Requests held by a policy's wait setting right now.",
@@ -55,7 +59,7 @@ func registerMetrics(ctx caddy.Context) error {
 	if reg == nil {
 		return nil
 	}
-	for _, c := range []prometheus.Collector{decisionsTotal, waiting, storeDuration, storeErrors, circuitOpen, buckets} {
+	for _, c := range []prometheus.Collector{decisionsTotal, chargesLost, waiting, storeDuration, storeErrors, circuitOpen, buckets} {
 		if err := reg.Register(c); err != nil {
 			var are prometheus.AlreadyRegisteredError
 			if !errors.As(err, &are) {

@@ -76,6 +76,23 @@ type Policy struct {
 	// Default 1024.
 	MaxHeld int `json:"max_held,omitempty"`
 
+	// Charges only the responses that match this response matcher (status
+	// codes or classes such as 4xx, headers), e.g. failed logins. Before the
+	// request the policy only checks: the request is denied when the bucket
+	// cannot cover its cost; nothing is charged. A matching response charges
+	// the cost, if need be into debt (at most a burst below empty), which
+	// refills at the rate. A request whose handler fails with a Caddy error
+	// is matched by the error's status.
+	ChargeIf *caddyhttp.ResponseMatcher `json:"charge_if,omitempty"`
+
+	// Settles the request's cost against the usage the response reports:
+	// `cost` is reserved before the request, as always; then usage below it
+	// is given back (never beyond a full bucket) and usage above it charged
+	// as debt. With no usage reported (or the store unreachable, or the
+	// client gone mid-stream) the reservation stands, counted in
+	// caddy_rate_limit_charges_lost_total.
+	Settle *Settle `json:"settle,omitempty"`
+
 	// Provisioned state.
 	matchers          caddyhttp.MatcherSet
 	events            int64
@@ -98,6 +115,11 @@ type Policy struct {
 	held       *atomic.Int64 // requests held by Wait right now
 	waiting    prometheus.Gauge
 	top        *topDenied // the identities it denied most, this instance
+	// settleMax caps the usage one response settles (Settle.Max, or its
+	// default); debt is the most tokens the bucket may owe beyond empty.
+	settleMax   int64
+	debt        int64
+	chargesLost prometheus.Counter
 }
 
 var policyName = regexp.MustCompile(`^[A-Za-z0-9_.-]{1,64}$`)
@@ -200,7 +222,26 @@ func (p *Policy) check() error {
 		return fieldErr("max_held", "max_held: %d must be from 1 to %d", p.MaxHeld, maxHeld)
 	}
 	p.waitUS = int64(time.Duration(p.Wait) / time.Microsecond)
-	p.limit = limit{interval: interval, burst: burst, slack: p.waitUS}
+	p.debt, p.settleMax = 0, 0
+	switch {
+	case p.ChargeIf != nil && p.Settle != nil:
+		return fieldErr("settle", "charge_if and settle exclude each other: charge_if charges the cost of matching responses, settle the usage of every response")
+	case p.ChargeIf != nil:
+		if p.Wait != 0 {
+			return fieldErr("wait", "wait: a charge_if policy charges after the response, so it has no slot to reserve")
+		}
+		p.debt = burst // charges after the response may take it a burst below empty
+	case p.Settle != nil:
+		var err error
+		if p.settleMax, err = p.Settle.check(burst); err != nil {
+			return err
+		}
+		p.debt = p.settleMax // usage above the reservation is debt, up to a response's cap
+	}
+	if p.debt > (maxBucketSpan-burst*interval-p.waitUS)/interval {
+		return fieldErr("burst", "burst: %d tokens and a debt of %d take too long to refill at %s", burst, p.debt, p.Rate)
+	}
+	p.limit = limit{interval: interval, burst: burst, slack: p.waitUS + p.debt*interval}
 	if p.MaxCost < 0 || p.MaxCost > maxJSONInteger {
 		return fieldErr("max_cost", "max_cost: %d must be from 1 to %d", p.MaxCost, int64(maxJSONInteger))
 	}
@@ -256,6 +297,7 @@ func (p *Policy) provision(ctx caddy.Context, h *Handler) error {
 	}
 	p.decisions = policyCounters(p.Name)
 	p.top = topOf(p.Name)
+	p.chargesLost = chargesLost.WithLabelValues(p.Name)
 	p.held = new(atomic.Int64)
 	p.waiting = waiting.WithLabelValues(p.Name)
 	if p.MaxHeld == 0 {
@@ -277,6 +319,15 @@ func (p *Policy) provision(ctx caddy.Context, h *Handler) error {
 		}
 	}
 	return nil
+}
+
+// admissionOp is what the policy does to its bucket before the request:
+// take the cost, or, for charge_if, only check that it fits.
+func (p *Policy) admissionOp() bucketOp {
+	if p.ChargeIf != nil {
+		return opCheck
+	}
+	return opTake
 }
 
 // cost resolves what this request costs under the policy.

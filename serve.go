@@ -39,7 +39,10 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	if !res.holdForSlot(r) {
 		return nil // the client went away; its slot stays consumed
 	}
-	return next.ServeHTTP(w, r)
+	w = h.watchResponse(w, rs, &res)
+	err := next.ServeHTTP(w, r)
+	h.charge(r.Context(), w, rs, &res, err)
+	return err
 }
 
 // reservation is one request's decision and what the request holds until
@@ -61,10 +64,18 @@ type reservation struct {
 	failClosed *Policy
 	places     []*Policy // `wait` places taken
 	holding    []*Policy // of those, the policies holding the request now
+	// after are the policies charged after the response (charge_if,
+	// settle).
+	after []afterCharge
+	// The RateLimit fields of the handlers the request passed before, and
+	// whether this one added its own (which a response may update).
+	outerPolicyField, outerLimitField string
+	fieldsSent                        bool
 
 	pbuf, placebuf, holdbuf [4]*Policy
 	rbuf                    [4]bucketRequest
 	ibuf                    [4]string
+	afterbuf                [4]afterCharge
 }
 
 // admitted reports whether the request goes on.
@@ -89,7 +100,7 @@ func (h *Handler) match(r *http.Request, repl *caddy.Replacer, rs *requestState,
 		}
 		res.policies = append(res.policies, p)
 		res.identities = append(res.identities, identity)
-		res.reqs = append(res.reqs, bucketRequest{key: key, op: opTake, limit: p.limit, cost: p.cost(r, repl), shadow: p.shadow})
+		res.reqs = append(res.reqs, bucketRequest{key: key, op: p.admissionOp(), limit: p.limit, cost: p.cost(r, repl), shadow: p.shadow, refundable: p.Settle != nil})
 	}
 	for _, p := range res.policies {
 		rs.decided = append(rs.decided, p.Name)
@@ -335,11 +346,21 @@ func handlesErrors(r *http.Request, status int) bool {
 // request that passed through rate_limit handlers before keeps their
 // fields: this one's members are added.
 func (h *Handler) report(w http.ResponseWriter, rs *requestState, res *reservation, retryAfter int64) {
+	res.outerPolicyField, res.outerLimitField = rs.policyField, rs.limitField
+	if enforced := h.setPlaceholders(rs, res, retryAfter); enforced && h.headers {
+		h.writeFields(w.Header(), rs, res, false)
+		res.fieldsSent = true
+	}
+}
+
+// setPlaceholders sets the placeholders from the decision, and reports
+// whether an enforced (not shadow) policy took part in it.
+func (h *Handler) setPlaceholders(rs *requestState, res *reservation, retryAfter int64) (enforced bool) {
 	d := res.d
 	rs.decision, rs.retryAfter, rs.policy, rs.remaining, rs.key = res.outcome, retryAfter, "", -1, ""
 	// The tightest enforced policy; among shadow ones only when no policy is
 	// enforced, so a dry run still says which policy would deny.
-	tightest, enforced := -1, false
+	tightest := -1
 	for i, v := range d.verdicts {
 		e := !res.shown[i].shadow
 		if tightest < 0 || e && !enforced || e == enforced && tighter(v, d.verdicts[tightest]) {
@@ -347,19 +368,26 @@ func (h *Handler) report(w http.ResponseWriter, rs *requestState, res *reservati
 		}
 	}
 	if tightest < 0 { // fail_open: nothing was decided
-		return
+		return false
 	}
 	rs.policy, rs.remaining = res.shown[tightest].Name, max(0, d.verdicts[tightest].remaining)
 	rs.key = res.shownReqs[tightest].key
-	if !h.headers || !enforced { // shadow policies never show in responses
-		return
-	}
+	return enforced
+}
+
+// writeFields sets RateLimit-Policy and RateLimit: the members of the
+// handlers the request passed before, then this one's enforced policies.
+// With charged, a policy charged after the response reports what its
+// bucket holds once this response's own charge is made, as far as it is
+// known when the headers are written.
+func (h *Handler) writeFields(hdr http.Header, rs *requestState, res *reservation, charged bool) {
+	d := res.d
 	// Most requests match every policy: their RateLimit-Policy is fixed.
 	var pbuf, lbuf [256]byte
 	pol, lim := pbuf[:0], lbuf[:0]
-	all := len(d.verdicts) == len(h.Policies) && h.allPolicyHdr != "" && rs.policyField == ""
-	if rs.policyField != "" {
-		pol, lim = append(pol, rs.policyField...), append(lim, rs.limitField...)
+	all := len(d.verdicts) == len(h.Policies) && h.allPolicyHdr != "" && res.outerPolicyField == ""
+	if res.outerPolicyField != "" {
+		pol, lim = append(pol, res.outerPolicyField...), append(lim, res.outerLimitField...)
 	}
 	for i, v := range d.verdicts {
 		p := res.shown[i]
@@ -373,14 +401,17 @@ func (h *Handler) report(w http.ResponseWriter, rs *requestState, res *reservati
 		if !all {
 			pol = append(pol, p.policyHdr...)
 		}
-		lim = limitMember(lim, p.Name, v.remaining, v.untilFits)
+		remaining := v.remaining
+		if charged {
+			remaining = res.predicted(i)
+		}
+		lim = limitMember(lim, p.Name, remaining, v.untilFits)
 	}
 	policyField := h.allPolicyHdr
 	if !all {
 		policyField = string(pol)
 	}
 	rs.policyField, rs.limitField = policyField, string(lim)
-	hdr := w.Header()
 	hdr["Ratelimit-Policy"] = []string{policyField}
 	hdr["Ratelimit"] = []string{rs.limitField}
 }

@@ -14,6 +14,7 @@ import (
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/dunglas/httpsfv"
+	dto "github.com/prometheus/client_model/go"
 )
 
 // failingStore is a store that cannot decide, as Redis down.
@@ -57,6 +58,14 @@ type exchange struct {
 // serve sends a GET / with the header pairs through the handlers, nested
 // in order, the last one's next answering 200.
 func serve(handlers []*Handler, srv *caddyhttp.Server, header ...string) exchange {
+	return serveWith(handlers, srv, func(w http.ResponseWriter, r *http.Request) error {
+		w.WriteHeader(200)
+		return nil
+	}, header...)
+}
+
+// serveWith is serve with the upstream given.
+func serveWith(handlers []*Handler, srv *caddyhttp.Server, upstream func(http.ResponseWriter, *http.Request) error, header ...string) exchange {
 	r := httptest.NewRequest("GET", "/", nil)
 	for i := 0; i+1 < len(header); i += 2 {
 		r.Header.Set(header[i], header[i+1])
@@ -72,8 +81,7 @@ func serve(handlers []*Handler, srv *caddyhttp.Server, header ...string) exchang
 	var x exchange
 	var next caddyhttp.Handler = caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
 		x.passed = true
-		w.WriteHeader(200)
-		return nil
+		return upstream(w, r)
 	})
 	for i := len(handlers) - 1; i >= 0; i-- {
 		h, inner := handlers[i], next
@@ -333,4 +341,87 @@ func TestConflictingDefinitions(t *testing.T) {
 		t.Fatalf("another config redefining api: %v", err)
 	}
 	other.Cleanup()
+}
+
+// upstreamAnswering writes status with the header pairs.
+func upstreamAnswering(status int, header ...string) func(http.ResponseWriter, *http.Request) error {
+	return func(w http.ResponseWriter, r *http.Request) error {
+		for i := 0; i+1 < len(header); i += 2 {
+			w.Header().Set(header[i], header[i+1])
+		}
+		w.WriteHeader(status)
+		return nil
+	}
+}
+
+// TestServeHTTPChargeIf: a charge_if policy checks before the request and
+// charges only matching responses (a Caddy error by its status): after 5
+// failed logins the 6th attempt is denied before the upstream sees it,
+// even one that would succeed.
+func TestServeHTTPChargeIf(t *testing.T) {
+	c := &clock{t: 1000 * sec}
+	h := testHandler(t, &Handler{Jitter: jitterOff(), Policies: []*Policy{{Name: "failed_logins", Key: "{http.request.header.X-Client}", Rate: "5/15m",
+		ChargeIf: &caddyhttp.ResponseMatcher{StatusCode: []int{401, 403}}}}}, newMemoryStore(c.now))
+	ok := upstreamAnswering(200)
+	wrong := upstreamAnswering(401)
+	failing := func(http.ResponseWriter, *http.Request) error { return caddyhttp.Error(403, errors.New("forbidden")) }
+	for i := range 10 {
+		if x := serveWith([]*Handler{h}, nil, ok, "X-Client", "ivy"); x.status != 200 || fields(t, x.header, "RateLimit")["failed_logins"]["r"] != 5 {
+			t.Fatalf("successful login %d: %d %v, want 200 and nothing charged", i, x.status, x.header)
+		}
+	}
+	for i := range 5 {
+		up := wrong
+		if i == 4 {
+			up = failing // a handler's error counts by its status
+		}
+		x := serveWith([]*Handler{h}, nil, up, "X-Client", "ivy")
+		if !x.passed || fields(t, x.header, "RateLimit")["failed_logins"]["r"] != int64(4-i) || x.vars["remaining"] != strconv.Itoa(4-i) {
+			t.Fatalf("failed login %d: passed=%v RateLimit %v placeholders %v, want %d left after its own charge", i+1, x.passed, x.header.Get("RateLimit"), x.vars, 4-i)
+		}
+	}
+	x := serveWith([]*Handler{h}, nil, ok, "X-Client", "ivy")
+	if x.status != 429 || x.passed {
+		t.Fatalf("6th attempt, with the right password: %d passed=%v, want 429 before the upstream", x.status, x.passed)
+	}
+	if x := serveWith([]*Handler{h}, nil, ok, "X-Client", "jon"); x.status != 200 {
+		t.Fatalf("another client: %d", x.status)
+	}
+}
+
+// TestServeHTTPSettle: a settle policy reserves its cost, then gives back
+// usage below it, charges usage above it as debt (capped), and keeps the
+// reservation when no usage is reported.
+func TestServeHTTPSettle(t *testing.T) {
+	c := &clock{t: 1000 * sec}
+	h := testHandler(t, &Handler{Jitter: jitterOff(), Policies: []*Policy{{Name: "tokens", Key: "{http.request.header.X-Api-Key}", Rate: "1000/1h",
+		Cost: "{http.request.header.X-Max-Tokens}", MaxCost: 500, Settle: &Settle{From: settleHeader, Field: "X-Usage-Tokens", Max: 600}}}}, newMemoryStore(c.now))
+	lost := func() float64 {
+		var m dto.Metric
+		_ = h.Policies[0].chargesLost.Write(&m)
+		return m.GetCounter().GetValue()
+	}
+	step := func(reserve, usage string, wantField, wantAfter int64) {
+		t.Helper()
+		up := upstreamAnswering(200)
+		if usage != "" {
+			up = upstreamAnswering(200, "X-Usage-Tokens", usage)
+		}
+		x := serveWith([]*Handler{h}, nil, up, "X-Api-Key", "k", "X-Max-Tokens", reserve)
+		if x.status != 200 || fields(t, x.header, "RateLimit")["tokens"]["r"] != max(wantField, 0) || x.vars["remaining"] != strconv.FormatInt(max(wantAfter, 0), 10) {
+			t.Fatalf("reserve %s, usage %q: %d RateLimit %q placeholders %v, want r=%d and %d left once settled", reserve, usage, x.status, x.header.Get("RateLimit"), x.vars, wantField, wantAfter)
+		}
+	}
+	step("100", "40", 960, 960)  // 100 reserved, 60 given back
+	step("100", "160", 800, 800) // 60 more charged
+	before := lost()
+	step("100", "", 700, 700) // no usage: the reservation stands
+	step("100", "abc", 600, 600)
+	if lost()-before != 2 {
+		t.Fatalf("%v settles counted lost, want 2", lost()-before)
+	}
+	step("100", "999999", 0, 0) // capped at max 600
+	if x := serveWith([]*Handler{h}, nil, upstreamAnswering(200), "X-Api-Key", "k", "X-Max-Tokens", "1"); x.status != 429 {
+		t.Fatalf("an empty bucket: %d, want 429", x.status)
+	}
 }
