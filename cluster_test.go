@@ -81,4 +81,16 @@ func TestClusterDecisions(t *testing.T) {
 	if err != nil || d.verdicts[0].remaining != 97 {
 		t.Fatalf("global alone: %+v %v, want 97 left after the refunds", d, err)
 	}
+
+	// Settles after the response across slots: one adjustment per slot,
+	// each applied (here a refund of 2 to the global bucket and a charge of
+	// 1 into debt to the user's, whose limit allows a debt of a burst).
+	userLimit := limit{interval: 1_000_000, burst: 2, slack: 2_000_000}
+	d, err = rs.decide(ctx, []bucketRequest{
+		{key: userKey, limit: userLimit, op: opAdjust, delta: 1},
+		{key: globalKey, limit: limit{interval: 1_000_000, burst: 100}, op: opAdjust, delta: -2},
+	})
+	if err != nil || d.verdicts[0].remaining != -1 || d.verdicts[1].remaining != 99 {
+		t.Fatalf("settles across slots: %+v %v, want the user's bucket at -1 and the global at 99", d, err)
+	}
 }
