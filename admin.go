@@ -74,6 +74,9 @@ type bucketState struct {
 	Full      float64 `json:"full_seconds"`
 	// Granted is what grant gave back (at most what makes the bucket full).
 	Granted int64 `json:"granted,omitempty"`
+	// A concurrent policy's slots, and those held now (Tokens: those free).
+	Slots int64  `json:"slots,omitempty"`
+	InUse *int64 `json:"in_use,omitempty"`
 	// Announced: every instance was told of the reset or grant at once
 	// (otherwise within a second).
 	Announced *bool `json:"announced,omitempty"`
@@ -140,6 +143,9 @@ func (adminAPI) bucket(ctx context.Context, action string, def definition, req a
 		}
 		key = p.storageKey(h.hasher, req.Identity)
 	}
+	if p.Concurrent > 0 {
+		return adminAPI{}.slots(ctx, action, def, req, key)
+	}
 	rq := bucketRequest{key: key, limit: p.limit, op: opInspect}
 	switch action {
 	case "reset":
@@ -187,6 +193,31 @@ func (adminAPI) bucket(ctx context.Context, action string, def definition, req a
 	st.Announced = &announced
 	h.logger.Info("rate limit bucket "+action, zap.String("policy", p.Name), zap.String("key", key), zap.Int64("tokens", v.remaining), zap.Int64("granted", st.Granted))
 	return st, nil
+}
+
+// slots inspects or frees a concurrency policy's slots.
+func (adminAPI) slots(ctx context.Context, action string, def definition, req adminRequest, key string) (*bucketState, error) {
+	p, h := def.policy, def.handler
+	rq := bucketRequest{key: key, limit: p.limit, op: opCount}
+	switch action {
+	case "grant":
+		return nil, apiError(http.StatusBadRequest, "policy %q is a concurrency limit: it has slots, not tokens, to grant (reset frees them)", p.Name)
+	case "reset":
+		rq.op, rq.events = opFree, h.events
+	}
+	d, err := h.store.decide(ctx, []bucketRequest{rq})
+	if err != nil {
+		return nil, storeAPIError(err)
+	}
+	v := d.verdicts[0]
+	inUse := p.Concurrent - v.remaining
+	if action == "reset" {
+		inUse = 0
+		slotQueues.wake(key)
+		h.logger.Info("rate limit slots reset", zap.String("policy", p.Name), zap.String("key", key))
+	}
+	return &bucketState{Policy: p.Name, Kind: p.kind(), Slots: p.Concurrent, Identity: req.Identity, Key: key, Store: h.storeName(),
+		Tokens: p.Concurrent - inUse, InUse: &inUse}, nil
 }
 
 // topAnswer is what top answers.

@@ -58,10 +58,22 @@ const (
 	opInspect
 	// opReset makes the bucket full.
 	opReset
+	// opAcquire takes one of a concurrency policy's slots (a lease timed by
+	// the store's clock) when one is free and the request is admitted.
+	opAcquire
+	// opRelease frees the request's slot; opRenew extends its lease.
+	opRelease
+	opRenew
+	// opCount reads the slots held; opFree frees them all.
+	opCount
+	opFree
 )
 
 // admits reports whether the op takes part in an admission decision.
-func (op bucketOp) admits() bool { return op == opTake || op == opCheck }
+func (op bucketOp) admits() bool { return op == opTake || op == opCheck || op == opAcquire }
+
+// slots reports whether the op is on a concurrency policy's slots.
+func (op bucketOp) slots() bool { return op >= opAcquire }
 
 // bucketRequest is one operation on one bucket.
 type bucketRequest struct {
@@ -81,6 +93,9 @@ type bucketRequest struct {
 	// wait: µs ahead an opTake may reserve a slot (policy `wait`, while the
 	// policy has room to hold the request); 0: now or never.
 	wait int64
+	// lease names the request's slot (opAcquire, opRelease, opRenew);
+	// events is the channel that freeing slots is announced on.
+	lease, events string
 }
 
 // verdict is one bucket's part of a decision.
@@ -97,6 +112,9 @@ type verdict struct {
 	// delay in µs: until the slot this request reserved (policy `wait`);
 	// 0 when it passes now.
 	delay int64
+	// expired: a concurrency policy's leases the store reclaimed from
+	// holders that vanished.
+	expired int64
 }
 
 // decision is the outcome of one request across all its buckets.
@@ -162,13 +180,22 @@ func (l limit) adjust(tat, now, delta int64) int64 {
 }
 
 // decideBuckets is the whole decision of one request, given each bucket's
-// TAT at now as rebase read it: every non-shadow bucket of an admitting op
-// must fit for the request to be admitted; if it is, every opTake bucket
-// that fits is charged. Other ops are applied whatever the decision. It
-// returns the TATs to store where applied says the bucket changed.
+// TAT at now as rebase read it (for slots, the leases held): every
+// non-shadow bucket of an admitting op must fit (a slot be free) for the
+// request to be admitted; if it is, every opTake bucket that fits is
+// charged and every opAcquire takes its slot. Other ops are applied
+// whatever the decision. It returns the TATs to store where applied says
+// the bucket changed (for slots, the leases held after).
 func decideBuckets(tats []int64, now int64, reqs []bucketRequest) (decision, []int64) {
 	d := decision{admitted: true, now: now, verdicts: make([]verdict, len(reqs))}
 	for i, rq := range reqs {
+		if rq.op == opAcquire {
+			d.verdicts[i].allowed = tats[i] < rq.limit.burst
+			if !d.verdicts[i].allowed && !rq.shadow {
+				d.admitted = false
+			}
+			continue
+		}
 		if !rq.op.admits() {
 			d.verdicts[i].allowed = true
 			continue
@@ -185,6 +212,25 @@ func decideBuckets(tats []int64, now int64, reqs []bucketRequest) (decision, []i
 	next := append([]int64(nil), tats...)
 	for i, rq := range reqs {
 		v := &d.verdicts[i]
+		if rq.op.slots() {
+			held := tats[i]
+			switch {
+			case rq.op == opAcquire && d.admitted && v.allowed:
+				held++
+			case rq.op == opRelease:
+				held = max(0, held-1)
+			case rq.op == opFree:
+				held = 0
+			}
+			next[i] = held
+			// Free slots after the decision; a denied request waits a
+			// second, as long as anyone can say.
+			v.remaining = rq.limit.burst - held
+			if !v.allowed {
+				v.untilFits = slotWait
+			}
+			continue
+		}
 		base := start(tats[i], now)
 		switch {
 		case rq.op == opTake && d.admitted && v.allowed:
@@ -208,14 +254,18 @@ func decideBuckets(tats []int64, now int64, reqs []bucketRequest) (decision, []i
 	return d, next
 }
 
+// slotWait is the wait reported to a request denied a concurrency slot:
+// slots come free when other requests end, which nobody can tell.
+const slotWait = 1_000_000
+
 // applied reports whether the decision d changed the bucket of reqs[i]:
 // the store then writes next[i] under the request's limit (deleting the
 // bucket when next[i] is not ahead of now: full).
 func applied(reqs []bucketRequest, d decision, i int) bool {
 	switch reqs[i].op {
-	case opTake:
+	case opTake, opAcquire:
 		return d.admitted && d.verdicts[i].allowed
-	case opAdjust, opReset:
+	case opAdjust, opReset, opRelease, opRenew, opFree:
 		return true
 	}
 	return false

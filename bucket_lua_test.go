@@ -166,7 +166,7 @@ func luaMatchesGoBucket(t *testing.T, client *redis.Client, script string) {
 		pb := make([]*pending, len(batch))
 		for r, reqs := range batch {
 			pb[r] = &pending{reqs: reqs}
-			out := res[off : off+1+2*len(reqs)]
+			out := res[off : off+1+replyWidth*len(reqs)]
 			off += len(out)
 			tats := make([]int64, len(reqs))
 			for i, rq := range reqs {
@@ -175,8 +175,8 @@ func luaMatchesGoBucket(t *testing.T, client *redis.Client, script string) {
 				if b.tat > now && b.interval != rq.limit.interval {
 					rebased++
 				}
-				if got := start(out[2+2*i], now); got != start(tats[i], now) {
-					t.Fatalf("step %d, request %d: bucket %s: Redis held TAT %d, Go %d (now %d)", step, r, rq.key, out[2+2*i], tats[i], now)
+				if got := start(out[2+replyWidth*i], now); got != start(tats[i], now) {
+					t.Fatalf("step %d, request %d: bucket %s: Redis held TAT %d, Go %d (now %d)", step, r, rq.key, out[2+replyWidth*i], tats[i], now)
 				}
 			}
 			want, next := decideBuckets(tats, now, reqs)
@@ -270,13 +270,14 @@ func TestLuaBadKeys(t *testing.T) {
 	if err != nil {
 		t.Fatalf("a call with bad keys failed as a whole: %v", err)
 	}
-	statuses := []int64{res[1], res[4], res[7], res[12], res[15]}
+	// Each request: status, then 3 numbers per bucket.
+	statuses := []int64{res[1], res[5], res[9], res[16], res[20]}
 	want := []int64{scriptAdmitted, scriptWrongType, scriptCorrupt, scriptAdmitted, scriptAdmitted}
 	if fmt.Sprint(statuses) != fmt.Sprint(want) {
 		t.Fatalf("statuses %v, want %v (reply %v)", statuses, want, res)
 	}
-	if res[10] != scriptCorrupt || res[8] != 1 {
-		t.Fatalf("the bad bucket of a two-bucket request: reply %v", res[7:11])
+	if res[13] != scriptCorrupt || res[10] != 1 {
+		t.Fatalf("the bad bucket of a two-bucket request: reply %v", res[9:16])
 	}
 	// {b} was charged once: by the last request, not by the one whose other
 	// bucket was bad.
@@ -295,7 +296,7 @@ func TestLuaBadKeys(t *testing.T) {
 		t.Fatalf("the old slots are a %s, want replaced by a bucket", typ)
 	}
 	p := &pending{reqs: take("rl:p:{hash}")}
-	if err := decodeReply([]int64{res[0], res[4], res[5], res[6]}, []*pending{p}); err != nil || p.err == nil || errorKind(p.err) != "wrongtype" || !strings.Contains(p.err.Error(), "rl:p:{hash}") {
+	if err := decodeReply([]int64{res[0], res[5], res[6], res[7], res[8]}, []*pending{p}); err != nil || p.err == nil || errorKind(p.err) != "wrongtype" || !strings.Contains(p.err.Error(), "rl:p:{hash}") {
 		t.Fatalf("a WRONGTYPE request: call error %v, request error %v (kind %s)", err, p.err, errorKind(p.err))
 	}
 }
@@ -430,5 +431,95 @@ func BenchmarkRedisDecide(b *testing.B) {
 			})
 			b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "decisions/s")
 		})
+	}
+}
+
+// TestLuaSlots: concurrency slots in lua/decide.lua, against the Go
+// decision: at most N leases held; a request denied by any policy takes no
+// slot and charges no bucket, and one denied a slot charges nothing;
+// releasing from a full set announces it; an unrenewed lease expires and
+// is counted; renewing a lease that expired says so; a key of another type
+// fails alone, except a rate bucket left by an earlier config, replaced.
+func TestLuaSlots(t *testing.T) {
+	_, client, rs := newTestRedis(t)
+	ctx := context.Background()
+	slots := limit{interval: 200_000, burst: 2} // 2 slots, leases of 200 ms
+	acquire := func(key, lease string) bucketRequest {
+		return bucketRequest{key: key, limit: slots, op: opAcquire, cost: 1, lease: lease, events: "rl:events"}
+	}
+	decide := func(reqs ...bucketRequest) decision {
+		t.Helper()
+		d, err := rs.decide(ctx, reqs)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return d
+	}
+	if d := decide(acquire("rl:s:{a}", "l1")); !d.admitted || d.verdicts[0].remaining != 1 {
+		t.Fatalf("first slot: %+v", d)
+	}
+	if d := decide(acquire("rl:s:{a}", "l2")); !d.admitted || d.verdicts[0].remaining != 0 {
+		t.Fatalf("second slot: %+v", d)
+	}
+	if d := decide(acquire("rl:s:{a}", "l3")); d.admitted || d.verdicts[0].allowed || d.verdicts[0].untilFits != slotWait {
+		t.Fatalf("third slot of 2: %+v, want denied", d)
+	}
+	// All or nothing: a full set of slots leaves the rate bucket uncharged,
+	// and an empty rate bucket leaves the slot untaken.
+	rate := bucketRequest{key: "rl:r:{a}", limit: limit{interval: 1_000_000, burst: 1}, op: opTake, cost: 1}
+	if d := decide(acquire("rl:s:{a}", "l4"), rate); d.admitted || !d.verdicts[1].allowed {
+		t.Fatalf("slot full, rate free: %+v", d)
+	}
+	if d := decide(rate); !d.admitted {
+		t.Fatalf("the rate bucket was charged by a request denied a slot: %+v", d)
+	}
+	if d := decide(acquire("rl:s:{b}", "l5"), rate); d.admitted || !d.verdicts[0].allowed {
+		t.Fatalf("rate empty, slot free: %+v", d)
+	}
+	if n := client.ZCard(ctx, "rl:s:{b}").Val(); n != 0 {
+		t.Fatalf("%d slots taken by a request the rate policy denied", n)
+	}
+	// Releasing from a full set announces it to every instance.
+	sub := client.Subscribe(ctx, "rl:events")
+	defer sub.Close()
+	if _, err := sub.Receive(ctx); err != nil {
+		t.Fatal(err)
+	}
+	rel := acquire("rl:s:{a}", "l1")
+	rel.op = opRelease
+	decide(rel)
+	select {
+	case msg := <-sub.Channel():
+		if msg.Payload != "freed rl:s:{a}" {
+			t.Fatalf("announced %q", msg.Payload)
+		}
+	case <-time.After(2 * time.Second):
+		t.Fatal("no announcement of a slot freed from a full set")
+	}
+	// l2 is not renewed: it expires, and the next read reclaims it.
+	renew := acquire("rl:s:{a}", "l2")
+	renew.op = opRenew
+	time.Sleep(250 * time.Millisecond)
+	if d := decide(renew); d.verdicts[0].allowed {
+		t.Fatalf("renewing an expired lease: %+v, want not held", d)
+	}
+	d := decide(acquire("rl:s:{a}", "l6"), acquire("rl:s:{a}", "l7"))
+	if !d.admitted {
+		t.Fatalf("after the leases expired: %+v", d)
+	}
+	held := acquire("rl:s:{a}", "l6")
+	held.op = opRenew
+	if d := decide(held); !d.verdicts[0].allowed {
+		t.Fatalf("renewing a held lease: %+v", d)
+	}
+	// Another type under the key: a hash fails alone; a rate bucket of an
+	// earlier config is replaced.
+	client.HSet(ctx, "rl:s:{hash}", "x", "1")
+	client.Set(ctx, "rl:s:{old}", "1:1000", 0)
+	p := &pending{reqs: []bucketRequest{acquire("rl:s:{hash}", "l8")}}
+	q := &pending{reqs: []bucketRequest{acquire("rl:s:{old}", "l9")}}
+	rs.conn.call([]*pending{p, q})
+	if errorKind(p.err) != "wrongtype" || q.err != nil || !q.d.admitted {
+		t.Fatalf("a hash: %v; an old rate bucket: %+v %v", p.err, q.d, q.err)
 	}
 }

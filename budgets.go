@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"slices"
 	"sync"
+	"time"
 )
 
 // A policy's buckets are named by key prefix and policy name, so the same
@@ -29,12 +30,17 @@ type definition struct {
 // budgetShape is what two definitions of one policy name must share.
 func (d definition) budgetShape() string {
 	p := d.policy
+	if p.Concurrent > 0 {
+		return fmt.Sprintf("kind %s, %d slots, lease %s, key %s, store %s", p.kind(), p.Concurrent, time.Duration(p.limit.interval)*time.Microsecond, p.Key, d.handler.storeName())
+	}
 	return fmt.Sprintf("kind %s, rate %s, burst %d, key %s, store %s", p.kind(), p.Rate, p.limit.burst, p.Key, d.handler.storeName())
 }
 
 // kind names the policy's kind: rate, and how it is charged.
 func (p *Policy) kind() string {
 	switch {
+	case p.Concurrent > 0:
+		return "concurrent"
 	case p.ChargeIf != nil:
 		return "rate, charged if the response matches"
 	case p.Settle != nil:

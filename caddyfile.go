@@ -50,7 +50,7 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //	    policy <name> {
 //	        match { <request matchers> }
 //	        key      <template>
-//	        rate     <N>/<duration>
+//	        rate     <N>/<duration>   # or: concurrent <n>, with lease <duration>
 //	        burst    <n>
 //	        cost     <n | {placeholder}> [max <n>]
 //	        on_error fail_open|fail_closed|local
@@ -277,6 +277,14 @@ func unmarshalPolicy(d *caddyfile.Dispenser) (*Policy, error) {
 			}
 		case "burst":
 			if err := s.positiveArg(d, &p.Burst); err != nil {
+				return nil, err
+			}
+		case "concurrent":
+			if err := s.positiveArg(d, &p.Concurrent); err != nil {
+				return nil, err
+			}
+		case "lease":
+			if err := s.durationArg(d, &p.Lease); err != nil {
 				return nil, err
 			}
 		case "cost":

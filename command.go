@@ -145,6 +145,14 @@ func printAnswer(w io.Writer, action string, raw []byte) error {
 	if err := json.Unmarshal(raw, &st); err != nil {
 		return err
 	}
+	if st.InUse != nil {
+		fmt.Fprintf(w, "%s %q (concurrency limit, key %s): %d of %d slots in use", st.Policy, st.Identity, st.Key, *st.InUse, st.Slots)
+		if action == "reset" {
+			fmt.Fprint(w, ": all freed")
+		}
+		fmt.Fprintln(w, ".")
+		return nil
+	}
 	full := "full"
 	if st.Full > 0 {
 		full = fmt.Sprintf("next token in %s, full in %s", secondsString(st.NextToken), secondsString(st.Full))

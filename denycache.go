@@ -105,7 +105,7 @@ func (c *denyCache) answer(reqs []bucketRequest) (d decision, answer denyAnswer,
 			verdicts = append(verdicts, verdict{untilFits: neverFits})
 			continue
 		}
-		if rq.refundable {
+		if rq.refundable || rq.op.slots() {
 			return decision{}, unknown, gate
 		}
 		s, id := c.bucket(rq.key)
@@ -153,7 +153,7 @@ func (c *denyCache) answer(reqs []bucketRequest) (d decision, answer denyAnswer,
 // learn records what a Redis decision said of its buckets.
 func (c *denyCache) learn(reqs []bucketRequest, d decision, tats []int64, sent, received int64) {
 	for i, rq := range reqs {
-		if rq.shadow || !rq.op.admits() || rq.refundable {
+		if rq.shadow || !rq.op.admits() || rq.refundable || rq.op.slots() {
 			continue
 		}
 		s, id := c.bucket(rq.key)

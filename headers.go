@@ -42,6 +42,15 @@ func policyMember(b []byte, name string, q, w int64) []byte {
 	return strconv.AppendInt(b, w, 10)
 }
 
+// slotsMember is the RateLimit-Policy member of a concurrency policy:
+// "name";q=3;qu="concurrent-requests": no window.
+func slotsMember(b []byte, name string, slots int64) []byte {
+	b = appendSFString(b, name)
+	b = append(b, ";q="...)
+	b = strconv.AppendInt(b, min(slots, maxSFInteger), 10)
+	return append(b, `;qu="concurrent-requests"`...)
+}
+
 // limitMember is one member of RateLimit: "name";r=0;t=3, where r is the
 // whole tokens left and t the seconds (rounded up) until the next token, or
 // on a denial until the request would fit; 0 when the bucket is full. A

@@ -25,9 +25,17 @@ var (
 		Namespace: "caddy", Subsystem: "rate_limit", Name: "charges_lost_total",
 		Help: "Charges after the response (charge_if, settle) that were not made: no usage reported, the client gone mid-stream, or the store unreachable. A lost settle leaves its reservation standing.",
 	}, []string{"policy"})
+	inFlight = prometheus.NewGaugeVec(prometheus.GaugeOpts{
+		Namespace: "caddy", Subsystem: "rate_limit", Name: "in_flight",
+		Help: "Requests holding a concurrency policy's slot on this instance now.",
+	}, []string{"policy"})
+	leasesExpired = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Namespace: "caddy", Subsystem: "rate_limit", Name: "leases_expired_total",
+		Help: "Concurrency slots reclaimed from holders that vanished (their lease expired unrenewed): the leak signal.",
+	}, []string{"policy"})
 	waiting = prometheus.NewGaugeVec(prometheus.GaugeOpts{
 		Namespace: "caddy", Subsystem: "rate_limit", Name: "waiting",
-		Help: "Requests held by a policy's wait setting right now.",
+		Help: "Requests held by a policy's wait setting right now: for their reserved slot (rate), or for a free one (concurrent).",
 	}, []string{"policy"})
 	storeDuration = prometheus.NewHistogram(prometheus.HistogramOpts{
 		Namespace: "caddy", Subsystem: "rate_limit", Name: "store_duration_seconds",
@@ -59,7 +67,7 @@ func registerMetrics(ctx caddy.Context) error {
 	if reg == nil {
 		return nil
 	}
-	for _, c := range []prometheus.Collector{decisionsTotal, chargesLost, waiting, storeDuration, storeErrors, circuitOpen, buckets} {
+	for _, c := range []prometheus.Collector{decisionsTotal, chargesLost, inFlight, leasesExpired, waiting, storeDuration, storeErrors, circuitOpen, buckets} {
 		if err := reg.Register(c); err != nil {
 			var are prometheus.AlreadyRegisteredError
 			if !errors.As(err, &are) {

@@ -88,7 +88,8 @@ type Handler struct {
 
 	store      store
 	closeStore func() error
-	config     any // the config load this handler belongs to (see budgets)
+	config     any    // the config load this handler belongs to (see budgets)
+	events     string // the Redis channel of events between instances
 	keyPrefix  string
 	hasher     *keyHasher
 	// allPolicyHdr is RateLimit-Policy when every policy matches and none
@@ -138,6 +139,9 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	h.keyPrefix = defaultKeyPrefix
 	if h.Redis != nil && h.Redis.KeyPrefix != "" {
 		h.keyPrefix = h.Redis.KeyPrefix
+	}
+	if h.Redis != nil {
+		h.events = eventsChannel(h.keyPrefix)
 	}
 	secret := caddy.NewReplacer().ReplaceAll(h.KeySecret, "")
 	if h.KeySecret != "" && secret == "" {

@@ -38,8 +38,23 @@ type Policy struct {
 	Key string `json:"key"`
 
 	// How fast the bucket refills: `N/duration`, N tokens (a positive
-	// integer) per duration, e.g. `100/1m` or `10/1s`. Required.
-	Rate string `json:"rate"`
+	// integer) per duration, e.g. `100/1m` or `10/1s`. Required, unless the
+	// policy is `concurrent`.
+	Rate string `json:"rate,omitempty"`
+
+	// Makes the policy a concurrency limit instead of a rate: at most this
+	// many requests with the same key in flight at once, across all
+	// instances. A request takes a slot in the same atomic decision as its
+	// other policies, holds it on a lease renewed while it runs, and frees
+	// it when its handler chain returns (completion, error, client gone);
+	// the slots of an instance that died come back within `lease`.
+	Concurrent int64 `json:"concurrent,omitempty"`
+
+	// How long a concurrency slot is held without renewal: the time within
+	// which the slots of an instance that died come back. Renewed every
+	// third of it while the request runs, so a request may run for hours.
+	// At least 1s. Default 30s.
+	Lease caddy.Duration `json:"lease,omitempty"`
 
 	// The bucket's capacity: how many unit requests may pass at once after
 	// a quiet period. Default: the rate's N.
@@ -68,7 +83,9 @@ type Policy struct {
 	// instances) and is held until then, as NGINX `limit_req` without
 	// `nodelay`. Beyond it, the request is denied as usual. A request whose
 	// client goes away while held keeps its slot consumed: refunding it could
-	// admit more than the budget. At most 24h. Default 0: never wait.
+	// admit more than the budget. With `concurrent`, a request that finds no
+	// free slot waits up to this long for one to be freed on any instance.
+	// At most 24h. Default 0: never wait.
 	Wait caddy.Duration `json:"wait,omitempty"`
 
 	// The most requests this policy holds at once on this instance (with
@@ -120,6 +137,10 @@ type Policy struct {
 	settleMax   int64
 	debt        int64
 	chargesLost prometheus.Counter
+	// Concurrency policies: in flight on this instance, and the leases
+	// reclaimed from holders that vanished.
+	inFlight      prometheus.Gauge
+	leasesExpired prometheus.Counter
 }
 
 var policyName = regexp.MustCompile(`^[A-Za-z0-9_.-]{1,64}$`)
@@ -197,8 +218,11 @@ func (p *Policy) check() error {
 	if p.Key == "" {
 		return fieldErr("key", "key: required (e.g. {client_ip}, {http.auth.user.id} or global)")
 	}
+	if p.Concurrent != 0 || p.Lease != 0 {
+		return p.checkConcurrent()
+	}
 	if p.Rate == "" {
-		return fieldErr("rate", "rate: required (e.g. 100/1m)")
+		return fieldErr("rate", "rate: required (e.g. 100/1m), or concurrent <n>")
 	}
 	var err error
 	if p.events, p.period, err = parseRate(p.Rate); err != nil {
@@ -267,6 +291,40 @@ func (p *Policy) check() error {
 	return nil
 }
 
+// checkConcurrent checks a concurrency policy and derives its slots: a
+// limit of Concurrent slots whose interval is the lease.
+func (p *Policy) checkConcurrent() error {
+	switch {
+	case p.Concurrent == 0:
+		return fieldErr("lease", "lease: only a concurrent policy has leases")
+	case p.Concurrent < 1 || p.Concurrent > maxJSONInteger:
+		return fieldErr("concurrent", "concurrent: %d must be from 1 to %d", p.Concurrent, int64(maxJSONInteger))
+	case p.Rate != "":
+		return fieldErr("rate", "rate: a policy is a rate or concurrent, not both: give each its own policy (a request matching both is decided by both at once)")
+	case p.Burst != 0 || p.Cost != "" || p.MaxCost != 0:
+		return fieldErr("concurrent", "concurrent: a request takes one slot: burst and cost are for rate policies")
+	case p.ChargeIf != nil || p.Settle != nil:
+		return fieldErr("concurrent", "concurrent: charge_if and settle are for rate policies")
+	}
+	lease := time.Duration(p.Lease)
+	if lease == 0 {
+		lease = defaultLease
+	}
+	if lease < minLease || lease > maxWait {
+		return fieldErr("lease", "lease: %s must be from %s to %s", lease, minLease, maxWait)
+	}
+	if p.Wait < 0 || time.Duration(p.Wait) > maxWait {
+		return fieldErr("wait", "wait: %s must be between 0 and %s", time.Duration(p.Wait), maxWait)
+	}
+	if p.MaxHeld < 0 || p.MaxHeld > maxHeld {
+		return fieldErr("max_held", "max_held: %d must be from 1 to %d", p.MaxHeld, maxHeld)
+	}
+	p.limit = limit{interval: int64(lease / time.Microsecond), burst: p.Concurrent}
+	p.fixedCost, p.maxCost, p.waitUS, p.debt, p.settleMax = 1, 1, 0, 0, 0
+	p.keyTmpl, p.costTmpl = newTemplate(p.Key), newTemplate("")
+	return nil
+}
+
 // maxWait bounds how far ahead a request may reserve a slot.
 const maxWait = 24 * time.Hour
 
@@ -289,8 +347,12 @@ func (p *Policy) provision(ctx caddy.Context, h *Handler) error {
 	if p.keyTmpl.constant() { // e.g. `key global`: one bucket, one storage key
 		p.fixedKey = p.storageKey(h.hasher, p.keyTmpl.text)
 	}
-	q, w := fieldQuota(p.events, p.period)
-	p.policyHdr = policyMember(nil, p.Name, q, w)
+	if p.Concurrent > 0 {
+		p.policyHdr = slotsMember(nil, p.Name, p.Concurrent)
+	} else {
+		q, w := fieldQuota(p.events, p.period)
+		p.policyHdr = policyMember(nil, p.Name, q, w)
+	}
 	var err error
 	if p.deniedBody, err = json.Marshal(quotaExceeded([]string{p.Name})); err != nil {
 		return err
@@ -298,6 +360,8 @@ func (p *Policy) provision(ctx caddy.Context, h *Handler) error {
 	p.decisions = policyCounters(p.Name)
 	p.top = topOf(p.Name)
 	p.chargesLost = chargesLost.WithLabelValues(p.Name)
+	p.inFlight = inFlight.WithLabelValues(p.Name)
+	p.leasesExpired = leasesExpired.WithLabelValues(p.Name)
 	p.held = new(atomic.Int64)
 	p.waiting = waiting.WithLabelValues(p.Name)
 	if p.MaxHeld == 0 {
@@ -324,7 +388,10 @@ func (p *Policy) provision(ctx caddy.Context, h *Handler) error {
 // admissionOp is what the policy does to its bucket before the request:
 // take the cost, or, for charge_if, only check that it fits.
 func (p *Policy) admissionOp() bucketOp {
-	if p.ChargeIf != nil {
+	switch {
+	case p.Concurrent > 0:
+		return opAcquire
+	case p.ChargeIf != nil:
 		return opCheck
 	}
 	return opTake
@@ -409,7 +476,7 @@ func (p *Policy) matches(r *http.Request) (bool, error) {
 // hold takes one of the policy's places for a held request: false when all
 // MaxHeld are taken, or when the policy never waits.
 func (p *Policy) hold() bool {
-	if p.waitUS == 0 || p.shadow {
+	if p.Wait == 0 || p.shadow {
 		return false
 	}
 	if p.held.Add(1) > int64(p.MaxHeld) {

@@ -45,6 +45,7 @@ type redisConn struct {
 	logger      *zap.Logger
 	reported    redisReports
 	events      redisEvents
+	leases      leaseBook
 }
 
 func (c *redisConn) Destruct() error {
@@ -166,6 +167,7 @@ var errorFixes = map[string]string{
 // message is "<event> <storage key>". "changed": an operator changed the
 // bucket (a reset, a grant): every instance forgets what it remembers of
 // it (deny cache, return slots), at once rather than within denyMaxAge.
+// "freed": a concurrency slot was freed: the requests waiting for one try.
 type redisEvents struct {
 	mu       sync.Mutex
 	ps       *redis.PubSub
@@ -175,7 +177,12 @@ type redisEvents struct {
 	mine map[string][]chan struct{}
 }
 
-const eventChanged = "changed"
+// eventChanged: an operator changed the bucket; eventFreed: a concurrency
+// slot was freed from a full set (lua/decide.lua publishes it).
+const (
+	eventChanged = "changed"
+	eventFreed   = "freed"
+)
 
 func eventsChannel(prefix string) string { return prefix + "events" }
 
@@ -214,6 +221,10 @@ func (c *redisConn) watch(prefix string) {
 
 // receive applies an event from any instance, this one included.
 func (c *redisConn) receive(event, key string) {
+	if event == eventFreed {
+		slotQueues.wake(key)
+		return
+	}
 	if event != eventChanged {
 		return
 	}
@@ -267,6 +278,12 @@ func (c *redisConn) announce(ctx context.Context, prefix, key string) error {
 }
 
 var errNoEcho = errors.New("the change was announced, but did not come back through Redis within 1s: other instances may take up to 1s to see it")
+
+func (e *redisEvents) isClosed() bool {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return e.closed
+}
 
 func (e *redisEvents) close() {
 	e.mu.Lock()

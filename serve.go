@@ -72,10 +72,15 @@ type reservation struct {
 	outerPolicyField, outerLimitField string
 	fieldsSent                        bool
 
+	// leases are the concurrency slots the request holds, in leaseStore.
+	leases     []lease
+	leaseStore store
+
 	pbuf, placebuf, holdbuf [4]*Policy
 	rbuf                    [4]bucketRequest
 	ibuf                    [4]string
 	afterbuf                [4]afterCharge
+	leasebuf                [4]lease
 }
 
 // admitted reports whether the request goes on.
@@ -100,7 +105,11 @@ func (h *Handler) match(r *http.Request, repl *caddy.Replacer, rs *requestState,
 		}
 		res.policies = append(res.policies, p)
 		res.identities = append(res.identities, identity)
-		res.reqs = append(res.reqs, bucketRequest{key: key, op: p.admissionOp(), limit: p.limit, cost: p.cost(r, repl), shadow: p.shadow, refundable: p.Settle != nil})
+		rq := bucketRequest{key: key, op: p.admissionOp(), limit: p.limit, cost: p.cost(r, repl), shadow: p.shadow, refundable: p.Settle != nil}
+		if rq.op == opAcquire {
+			rq.lease, rq.events = leaseIDs(), h.events
+		}
+		res.reqs = append(res.reqs, rq)
 	}
 	for _, p := range res.policies {
 		rs.decided = append(rs.decided, p.Name)
@@ -116,12 +125,18 @@ func (h *Handler) reserve(r *http.Request, res *reservation) {
 	// to hold the request until then.
 	res.places = res.placebuf[:0]
 	for i, p := range res.policies {
-		if p.hold() {
+		if p.Concurrent == 0 && p.hold() {
 			res.reqs[i].wait = p.waitUS
 			res.places = append(res.places, p)
 		}
 	}
 	d, err := h.store.decide(r.Context(), res.reqs)
+	waited := false
+	if err == nil && !d.admitted {
+		// Denied for want of a concurrency slot, by policies that wait.
+		d, err = h.waitForSlot(r, res, d)
+		waited = d.admitted
+	}
 	if err != nil {
 		res.release() // a request decided without the store is never held
 		h.withoutStore(r, res)
@@ -129,10 +144,13 @@ func (h *Handler) reserve(r *http.Request, res *reservation) {
 	}
 	res.d, res.shown, res.shownReqs = d, res.policies, res.reqs
 	count(res.policies, d, outcomeAllowed, outcomeDenied)
+	if d.admitted {
+		h.takeSlots(res, h.store)
+	}
 	switch {
 	case !d.admitted:
 		res.outcome = outcomeDenied
-	case d.delay > 0:
+	case d.delay > 0 || waited:
 		res.outcome = outcomeDelayed
 	default:
 		res.outcome = outcomeAllowed
@@ -172,6 +190,8 @@ func (h *Handler) withoutStore(r *http.Request, res *reservation) {
 		res.outcome = outcomeLocalAllowed
 		if !res.d.admitted {
 			res.outcome = outcomeLocalDenied
+		} else {
+			h.takeSlots(res, localFallback)
 		}
 	}
 	for _, p := range res.policies {
@@ -187,7 +207,9 @@ func (h *Handler) withoutStore(r *http.Request, res *reservation) {
 func (h *Handler) localRequest(rq bucketRequest) bucketRequest {
 	rq.wait = 0
 	if n := int64(h.Instances); n > 1 {
-		rq.limit.interval = min(rq.limit.interval, maxBucketSpan/n) * n
+		if !rq.op.slots() { // a slot's interval is its lease
+			rq.limit.interval = min(rq.limit.interval, maxBucketSpan/n) * n
+		}
 		rq.limit.burst = max(1, rq.limit.burst/n)
 	}
 	return rq
@@ -218,8 +240,8 @@ func (res *reservation) holdForSlot(r *http.Request) bool {
 	}
 }
 
-// release gives back what the request holds: its `wait` places. It is
-// safe to call more than once.
+// release gives back what the request holds: its `wait` places and its
+// concurrency slots. It is safe to call more than once.
 func (res *reservation) release() {
 	for _, p := range res.holding {
 		p.waiting.Dec()
@@ -228,6 +250,7 @@ func (res *reservation) release() {
 		p.release()
 	}
 	res.holding, res.places = nil, nil
+	res.freeSlots()
 }
 
 // count adds a decision to each policy's decisions_total: a policy that
@@ -288,10 +311,16 @@ func (h *Handler) deny(w http.ResponseWriter, r *http.Request, rs *requestState,
 		case v.untilFits >= wait:
 			wait, key = v.untilFits, res.shownReqs[i].key
 			stride = res.shownReqs[i].cost * p.limit.interval * int64(max(1, h.Instances))
+			if res.shownReqs[i].op.slots() {
+				key = "" // slots come free when requests end: nothing to pace
+			}
 		}
 	}
 	var ra int64
-	if wait != neverFits {
+	if wait != neverFits && key == "" {
+		ra = retryAfter(wait, h.jitter)
+		w.Header().Set("Retry-After", strconv.FormatInt(ra, 10))
+	} else if wait != neverFits {
 		var hold time.Duration
 		ra, hold = pacing.pace(r.RemoteAddr, key, wait, stride, h.jitter)
 		if hold > 0 {
@@ -401,11 +430,14 @@ func (h *Handler) writeFields(hdr http.Header, rs *requestState, res *reservatio
 		if !all {
 			pol = append(pol, p.policyHdr...)
 		}
-		remaining := v.remaining
+		remaining, until := v.remaining, v.untilFits
 		if charged {
 			remaining = res.predicted(i)
 		}
-		lim = limitMember(lim, p.Name, remaining, v.untilFits)
+		if p.Concurrent > 0 {
+			until = neverFits // free slots have no window
+		}
+		lim = limitMember(lim, p.Name, remaining, until)
 	}
 	policyField := h.allPolicyHdr
 	if !all {

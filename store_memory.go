@@ -39,6 +39,10 @@ type memoryShard struct {
 	mu      sync.Mutex
 	buckets map[bucketID]storedBucket // pointer-free: nothing for the GC to scan
 	sweepAt int                       // sweep when the map reaches this size
+	// slots are the leases held on concurrency policies' slots: in this
+	// process they last until released (the process that would hold them
+	// is this one), so there are only as many as requests in flight.
+	slots map[bucketID]map[string]struct{}
 }
 
 // storedBucket is a bucket as the store holds it: its TAT and the interval
@@ -109,6 +113,10 @@ func (m *memoryStore) decide(_ context.Context, reqs []bucketRequest) (decision,
 	now := m.now()
 	tats := make([]int64, len(reqs))
 	for i, rq := range reqs {
+		if rq.op.slots() {
+			tats[i] = int64(len(m.shards[shards[i]].slots[ids[i]]))
+			continue
+		}
 		// A request of an earlier one in the same decision reads what that
 		// one left (a policy named twice is one bucket).
 		b := m.shards[shards[i]].buckets[ids[i]]
@@ -120,6 +128,10 @@ func (m *memoryStore) decide(_ context.Context, reqs []bucketRequest) (decision,
 			continue
 		}
 		s := &m.shards[shards[i]]
+		if rq.op.slots() {
+			d.verdicts[i].allowed = s.applySlots(ids[i], rq) || rq.op != opRenew
+			continue
+		}
 		if next[i] <= now {
 			delete(s.buckets, ids[i])
 			continue
@@ -127,6 +139,34 @@ func (m *memoryStore) decide(_ context.Context, reqs []bucketRequest) (decision,
 		s.store(ids[i], storedBucket{next[i], rq.limit.interval}, now)
 	}
 	return d, nil
+}
+
+// applySlots takes, frees or renews a lease; for opRenew it reports
+// whether the lease is still held.
+func (s *memoryShard) applySlots(id bucketID, rq bucketRequest) bool {
+	leases := s.slots[id]
+	switch rq.op {
+	case opAcquire:
+		if leases == nil {
+			if s.slots == nil {
+				s.slots = map[bucketID]map[string]struct{}{}
+			}
+			leases = map[string]struct{}{}
+			s.slots[id] = leases
+		}
+		leases[rq.lease] = struct{}{}
+	case opRelease:
+		delete(leases, rq.lease)
+	case opRenew:
+		_, held := leases[rq.lease]
+		return held
+	case opFree:
+		clear(leases)
+	}
+	if leases != nil && len(leases) == 0 {
+		delete(s.slots, id)
+	}
+	return true
 }
 
 // store writes a bucket, first sweeping the shard when it has grown enough

@@ -176,6 +176,8 @@ func encodeCall(batch []*pending) []any {
 		n += len(p.reqs)
 	}
 	args := make([]any, 3, 3+n+len(batch)+6*n)
+	// Values are sent as Redis sees them, strings; an empty events
+	// channel is never read.
 	args[0], args[1], args[2] = "evalsha", decideSHA, n
 	for _, p := range batch {
 		for _, rq := range p.reqs {
@@ -189,11 +191,14 @@ func encodeCall(batch []*pending) []any {
 			if rq.shadow {
 				op++
 			}
-			amount := rq.cost
-			if rq.op == opAdjust {
+			var amount, wait any = rq.cost, rq.wait
+			switch {
+			case rq.op == opAdjust:
 				amount = rq.delta
+			case rq.op.slots():
+				amount, wait = rq.lease, rq.events
 			}
-			args = append(args, op, rq.limit.interval, rq.limit.burst, rq.limit.slack, amount, rq.wait)
+			args = append(args, op, rq.limit.interval, rq.limit.burst, rq.limit.slack, amount, wait)
 		}
 	}
 	return args
@@ -209,11 +214,11 @@ func decodeReply(res []int64, batch []*pending) error {
 	now, off := res[0], 1
 	for _, p := range batch {
 		m := len(p.reqs)
-		if len(res) < off+1+2*m {
+		if len(res) < off+1+replyWidth*m {
 			return fmt.Errorf("%w: %d numbers for %d requests", errScriptReply, len(res), len(batch))
 		}
-		p.d, p.tats, p.err = decodeRequest(now, res[off:off+1+2*m], p.reqs)
-		off += 1 + 2*m
+		p.d, p.tats, p.err = decodeRequest(now, res[off:off+1+replyWidth*m], p.reqs)
+		off += 1 + replyWidth*m
 	}
 	if off != len(res) {
 		return fmt.Errorf("%w: %d numbers for %d requests", errScriptReply, len(res), len(batch))
@@ -229,9 +234,13 @@ const (
 	scriptCorrupt   = -2
 )
 
+// replyWidth is the numbers per bucket in the script's reply: allowed,
+// tat (or the slots held), expired leases.
+const replyWidth = 3
+
 // decodeRequest turns the script's reply for one request, {status,
-// allowed_1, tat_1, ..., allowed_m, tat_m}, into its decision and the TATs
-// the script stored.
+// allowed_1, tat_1, expired_1, ..., allowed_m, tat_m, expired_m}, into its
+// decision and the TATs the script stored.
 func decodeRequest(now int64, res []int64, reqs []bucketRequest) (decision, []int64, error) {
 	switch res[0] {
 	case scriptWrongType, scriptCorrupt:
@@ -241,7 +250,7 @@ func decodeRequest(now int64, res []int64, reqs []bucketRequest) (decision, []in
 		}
 		key := reqs[0].key
 		for i := range reqs {
-			if res[1+2*i] < 0 {
+			if res[1+replyWidth*i] < 0 {
 				key = reqs[i].key
 			}
 		}
@@ -249,16 +258,22 @@ func decodeRequest(now int64, res []int64, reqs []bucketRequest) (decision, []in
 	}
 	tats := make([]int64, len(reqs))
 	for i := range reqs {
-		tats[i] = res[2+2*i]
+		tats[i] = res[2+replyWidth*i]
 	}
 	d, next := decideBuckets(tats, now, reqs)
+	for i, rq := range reqs {
+		d.verdicts[i].expired = res[3+replyWidth*i]
+		if rq.op == opRenew { // allowed says the lease was still held
+			d.verdicts[i].allowed = res[1+replyWidth*i] == 1
+		}
+	}
 	// Redis's own verdict is the one that was charged; the Go algorithm is the
 	// same one, so they agree unless the script and bucket.go drift apart.
 	if d.admitted != (res[0] == scriptAdmitted) {
 		return decision{}, nil, fmt.Errorf("%w: Lua and Go disagree (admitted %d); is lua/decide.lua in step with bucket.go?", errScriptReply, res[0])
 	}
 	for i := range reqs {
-		if d.verdicts[i].allowed != (res[1+2*i] == 1) {
+		if d.verdicts[i].allowed != (res[1+replyWidth*i] == 1) {
 			return decision{}, nil, fmt.Errorf("%w: Lua and Go disagree on bucket %d", errScriptReply, i)
 		}
 	}

@@ -4,16 +4,20 @@
 -- decideBuckets, adjust); keep the two in step.
 --
 -- KEYS   the buckets of every request, request after request
--- ARGV   per request: its bucket count, then six numbers per bucket:
+-- ARGV   per request: its bucket count, then six values per bucket:
 --          op        2 * code + shadow; codes: 1 take, 2 check, 3 adjust,
---                    4 inspect, 5 reset (see bucketOp in bucket.go)
---          interval  µs per token under the current config
---          burst     capacity in tokens
+--                    4 inspect, 5 reset; for concurrency slots 6 acquire,
+--                    7 release, 8 renew, 9 count, 10 free (see bucketOp in
+--                    bucket.go)
+--          interval  µs per token under the current config (slots: the
+--                    lease)
+--          burst     capacity in tokens (slots: how many)
 --          slack     µs a TAT may run beyond a full refill (reserved slots,
 --                    debt)
 --          amount    take, check: the cost; adjust: tokens charged (> 0)
---                    or given back (< 0)
---          wait      take: µs ahead a slot may be reserved (policy `wait`)
+--                    or given back (< 0); slots: the lease's member
+--          wait      take: µs ahead a slot may be reserved (policy `wait`);
+--                    release, free: the channel of events between instances
 --
 -- A bucket is the string "<tat>:<interval>": its theoretical arrival time
 -- (TAT) in µs and the interval that TAT was written under. It holds
@@ -24,7 +28,14 @@
 -- at most what the current limit lets it owe. Every value stays below 2^53,
 -- so Lua's doubles compute exactly what Go's integers do.
 --
--- Returns {now, then per request: status, then per bucket: allowed, tat}:
+-- Concurrency slots are another kind of key: a sorted set of leases, each
+-- member's score the Redis time its lease expires. Expired leases (of an
+-- instance that died) are removed, and counted, whenever the key is read;
+-- a lease is renewed while its request runs. Slots are read and written at
+-- once, not at the end of the call.
+--
+-- Returns {now, then per request: status, then per bucket: allowed, tat,
+-- expired}:
 --   status   1 admitted (or, for adjust, inspect and reset, applied),
 --            0 denied, -1 a bucket holds a value of another Redis type
 --            (WRONGTYPE), -2 a bucket holds a string that is not a bucket:
@@ -33,7 +44,9 @@
 --   allowed  1 when this bucket alone would admit the request; for a bad
 --            key, its status (-1 or -2)
 --   tat      the bucket's TAT before this request, rebased (0: absent); the
---            caller derives tokens, waits and delays from it with bucket.go
+--            caller derives tokens, waits and delays from it with bucket.go;
+--            slots: the leases held before this request
+--   expired  slots: the expired leases removed (0 for buckets)
 --
 -- Redis work is what costs: each key is read once per call and written at
 -- most once, at the end, with what the call's last request left in it. On
@@ -50,6 +63,7 @@ local now = tonumber(clock[1]) * 1000000 + tonumber(clock[2])
 local set_get = redis.REDIS_VERSION_NUM ~= nil
 
 local TAKE, CHECK, ADJUST, RESET = 1, 2, 3, 5
+local ACQUIRE, RELEASE, RENEW, FREE = 6, 7, 8, 10
 local WRONGTYPE, CORRUPT = -1, -2
 
 -- The keys this call touched, by index in the order first touched.
@@ -117,9 +131,25 @@ local function read(key, code, interval, burst, cost)
   return bucket
 end
 
+-- slots reads a concurrency key: it removes the expired leases and
+-- returns the leases held and how many expired, or nil for a key of
+-- another type (a rate bucket left by an earlier config that gave the name
+-- to another kind of policy is replaced).
+local function slots(key)
+  local expired = redis.pcall('ZREMRANGEBYSCORE', key, '-inf', now)
+  if type(expired) == 'table' then
+    if redis.call('TYPE', key).ok ~= 'string' then
+      return nil
+    end
+    redis.call('DEL', key)
+    expired = 0
+  end
+  return redis.call('ZCARD', key), expired
+end
+
 local out = {now}
 local first_key, arg = 0, 1 -- the request's first KEYS index less one; its first ARGV index
-local at, before, base, allowed = {}, {}, {}, {}
+local at, before, base, allowed, expired = {}, {}, {}, {}, {}
 
 while arg <= #ARGV do
   local count = tonumber(ARGV[arg])
@@ -131,6 +161,21 @@ while arg <= #ARGV do
     local code, shadow = math.floor(op / 2), op % 2 == 1
     local interval, burst, slack = tonumber(ARGV[arg + 1]), tonumber(ARGV[arg + 2]), tonumber(ARGV[arg + 3])
     local amount, wait = tonumber(ARGV[arg + 4]), tonumber(ARGV[arg + 5])
+    expired[i] = 0
+    if code >= ACQUIRE then
+      local held, gone = slots(key)
+      at[i], allowed[i], before[i] = 0, 1, held or 0
+      if not held then
+        allowed[i] = WRONGTYPE
+        status = WRONGTYPE
+      else
+        expired[i] = gone
+        if code == ACQUIRE and held >= burst then
+          allowed[i] = 0
+          if not shadow and status == 1 then status = 0 end
+        end
+      end
+    else
     local bucket = index_of[key] or read(key, code, interval, burst, amount)
     at[i] = bucket
     if bad[bucket] then
@@ -158,6 +203,7 @@ while arg <= #ARGV do
         if not shadow and status == 1 then status = 0 end
       end
     end
+    end
     arg = arg + 6
   end
   out[#out + 1] = status
@@ -166,7 +212,24 @@ while arg <= #ARGV do
     local bucket = at[i]
     local code = math.floor(tonumber(ARGV[arg]) / 2)
     local interval, burst, slack, amount = tonumber(ARGV[arg + 1]), tonumber(ARGV[arg + 2]), tonumber(ARGV[arg + 3]), tonumber(ARGV[arg + 4])
-    if status >= 0 then
+    local key, member, channel = KEYS[first_key + i], ARGV[arg + 4], ARGV[arg + 5]
+    if status >= 0 and code >= ACQUIRE then
+      if code == ACQUIRE and status == 1 and allowed[i] == 1 then
+        redis.call('ZADD', key, now + interval, member)
+        redis.call('PEXPIRE', key, math.ceil(interval / 1000))
+      elseif code == RENEW then
+        allowed[i] = redis.call('ZADD', key, 'XX', 'CH', now + interval, member)
+        if allowed[i] == 1 then redis.call('PEXPIRE', key, math.ceil(interval / 1000)) end
+      elseif code == RELEASE then
+        -- A slot freed from a full set: waiters on every instance may try.
+        if redis.call('ZREM', key, member) == 1 and before[i] >= burst then
+          redis.call('PUBLISH', channel, 'freed ' .. key)
+        end
+      elseif code == FREE then
+        redis.call('DEL', key)
+        redis.call('PUBLISH', channel, 'freed ' .. key)
+      end
+    elseif status >= 0 then
       if code == TAKE and status == 1 and allowed[i] == 1 then
         tat_now[bucket], interval_now[bucket] = base[i] + amount * interval, interval
       elseif code == ADJUST then
@@ -179,6 +242,7 @@ while arg <= #ARGV do
     end
     out[#out + 1] = bad[bucket] or allowed[i]
     out[#out + 1] = before[i]
+    out[#out + 1] = expired[i]
     arg = arg + 6
   end
   first_key = first_key + count
