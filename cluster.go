@@ -106,11 +106,21 @@ func (s *redisStore) decideAcrossSlots(reqs []bucketRequest, groups [][]int) (de
 		}
 		var refunds []bucketRequest
 		for k, i := range idx {
-			if rq := reqs[i]; rq.op == opTake && parts[g].verdicts[k].allowed {
+			rq := reqs[i]
+			if !parts[g].verdicts[k].allowed {
+				continue
+			}
+			v := &d.verdicts[i]
+			switch rq.op {
+			case opTake:
 				refunds = append(refunds, bucketRequest{key: rq.key, limit: rq.limit, op: opAdjust, delta: -rq.cost})
-				v := &d.verdicts[i]
 				v.remaining = min(v.remaining+rq.cost, rq.limit.burst)
 				v.delay = 0
+			case opAcquire: // the slot taken is freed
+				rel := rq
+				rel.op = opRelease
+				refunds = append(refunds, rel)
+				v.remaining = min(v.remaining+1, rq.limit.burst)
 			}
 		}
 		if len(refunds) > 0 {

@@ -93,4 +93,20 @@ func TestClusterDecisions(t *testing.T) {
 	if err != nil || d.verdicts[0].remaining != -1 || d.verdicts[1].remaining != 99 {
 		t.Fatalf("settles across slots: %+v %v, want the user's bucket at -1 and the global at 99", d, err)
 	}
+
+	// A concurrency slot in one slot, a rate bucket in another: a request
+	// the rate bucket denies frees the slot it took.
+	slots := (&Policy{keyPrefix: "rl:exports:"}).storageKey(kh, "global")
+	if slotOf(slots) == slotOf(userKey) {
+		t.Fatalf("test keys share slot %d; pick others", slotOf(slots))
+	}
+	acquire := bucketRequest{key: slots, limit: limit{interval: 30_000_000, burst: 1}, op: opAcquire, cost: 1, lease: "lease-1"}
+	d, err = rs.decide(ctx, []bucketRequest{acquire, {key: userKey, limit: userLimit, op: opTake, cost: 1}})
+	if err != nil || d.admitted || !d.verdicts[0].allowed {
+		t.Fatalf("slot free, user in debt: %+v %v, want denied by the user's bucket", d, err)
+	}
+	acquire.lease = "lease-2"
+	if d, err := rs.decide(ctx, []bucketRequest{acquire}); err != nil || !d.admitted {
+		t.Fatalf("the slot after a denied request: %+v %v, want free (the denied request's lease freed)", d, err)
+	}
 }

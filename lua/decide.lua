@@ -31,8 +31,9 @@
 -- Concurrency slots are another kind of key: a sorted set of leases, each
 -- member's score the Redis time its lease expires. Expired leases (of an
 -- instance that died) are removed, and counted, whenever the key is read;
--- a lease is renewed while its request runs. Slots are read and written at
--- once, not at the end of the call.
+-- a lease is renewed while its request runs; the key itself outlives its
+-- leases by a lease, so that expired ones are found and counted. Slots are
+-- read and written at once, not at the end of the call.
 --
 -- Returns {now, then per request: status, then per bucket: allowed, tat,
 -- expired}:
@@ -216,10 +217,10 @@ while arg <= #ARGV do
     if status >= 0 and code >= ACQUIRE then
       if code == ACQUIRE and status == 1 and allowed[i] == 1 then
         redis.call('ZADD', key, now + interval, member)
-        redis.call('PEXPIRE', key, math.ceil(interval / 1000))
+        redis.call('PEXPIRE', key, math.ceil(2 * interval / 1000))
       elseif code == RENEW then
         allowed[i] = redis.call('ZADD', key, 'XX', 'CH', now + interval, member)
-        if allowed[i] == 1 then redis.call('PEXPIRE', key, math.ceil(interval / 1000)) end
+        if allowed[i] == 1 then redis.call('PEXPIRE', key, math.ceil(2 * interval / 1000)) end
       elseif code == RELEASE then
         -- A slot freed from a full set: waiters on every instance may try.
         if redis.call('ZREM', key, member) == 1 and before[i] >= burst then
