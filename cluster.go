@@ -1,6 +1,7 @@
 package ratelimit
 
 import (
+	"context"
 	"errors"
 	"strings"
 	"sync"
@@ -64,7 +65,7 @@ func slotGroups(reqs []bucketRequest) [][]int {
 }
 
 // decideAcrossSlots decides a request whose buckets span several slots.
-func (s *redisStore) decideAcrossSlots(reqs []bucketRequest, groups [][]int) (decision, error) {
+func (s *redisStore) decideAcrossSlots(ctx context.Context, reqs []bucketRequest, groups [][]int) (decision, error) {
 	parts := make([]decision, len(groups))
 	errs := make([]error, len(groups))
 	var wg sync.WaitGroup
@@ -76,7 +77,7 @@ func (s *redisStore) decideAcrossSlots(reqs []bucketRequest, groups [][]int) (de
 			for k, i := range idx {
 				sub[k] = reqs[i]
 			}
-			parts[g], errs[g] = s.decideInOneCall(sub)
+			parts[g], errs[g] = s.decideInOneCall(ctx, sub)
 		}()
 	}
 	wg.Wait()
@@ -124,7 +125,7 @@ func (s *redisStore) decideAcrossSlots(reqs []bucketRequest, groups [][]int) (de
 			}
 		}
 		if len(refunds) > 0 {
-			_, err := s.decideInOneCall(refunds)
+			_, err := s.decideInOneCall(context.WithoutCancel(ctx), refunds)
 			refundErrs = append(refundErrs, err)
 		}
 	}

@@ -1,6 +1,7 @@
 package ratelimit
 
 import (
+	"errors"
 	"sync"
 	"time"
 )
@@ -39,6 +40,9 @@ const (
 type pending struct {
 	reqs   []bucketRequest
 	queued time.Time
+	// gone is closed when the client went away: a request still queued then
+	// is dropped, neither decided nor charged (nil: never).
+	gone <-chan struct{}
 
 	// The outcome, with the monotonic µs just before the call was sent and
 	// just after its reply (what the deny cache learns from).
@@ -54,9 +58,9 @@ type pending struct {
 
 var pendingPool = sync.Pool{New: func() any { return &pending{done: make(chan struct{}, 1)} }}
 
-func newPending(reqs []bucketRequest) *pending {
+func newPending(reqs []bucketRequest, gone <-chan struct{}) *pending {
 	p := pendingPool.Get().(*pending)
-	p.reqs = reqs
+	p.reqs, p.gone = reqs, gone
 	p.queued = time.Now()
 	p.one[0] = p
 	return p
@@ -121,11 +125,30 @@ func (c *coalescer) lead(p *pending, batch []*pending) {
 	// Whatever happens to the call, the queue moves on and no member is
 	// left waiting.
 	defer c.finish(p, batch)
-	for _, m := range batch {
+	live := batch
+	for i, m := range batch {
+		select {
+		case <-m.gone:
+			// Its client went away while it queued: its place is freed.
+			m.err = errClientGone
+			if len(live) == len(batch) {
+				live = append([]*pending(nil), batch[:i]...)
+			}
+			continue
+		default:
+		}
 		m.err = errCallAborted // until the call says otherwise
+		if len(live) != len(batch) {
+			live = append(live, m)
+		}
 	}
-	c.call(batch)
+	if len(live) > 0 {
+		c.call(live)
+	}
 }
+
+// errClientGone: the request's client went away before it was decided.
+var errClientGone = errors.New("rate limit: the client went away before its decision")
 
 func (c *coalescer) finish(p *pending, batch []*pending) {
 	var next []*pending

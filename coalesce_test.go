@@ -155,7 +155,7 @@ func TestCoalescerQueue(t *testing.T) {
 			}
 			results <- r
 		}()
-		p := newPending(nil)
+		p := newPending(nil, nil)
 		c.submit(p)
 		r.err = p.err
 	}
@@ -233,5 +233,70 @@ func TestCoalescerQueue(t *testing.T) {
 	}
 	if want := []int{1, parallelBatch, parallelBatch, maxBatch, 70 - maxBatch, 1}; !slices.Equal(sizes, want) {
 		t.Fatalf("calls carried %v requests, want %v", sizes, want)
+	}
+}
+
+// TestCoalescerDropsGone: a request whose client went away while it queued
+// is dropped from its call, neither decided nor charged.
+func TestCoalescerDropsGone(t *testing.T) {
+	gate := make(chan struct{})
+	var mu sync.Mutex
+	var sizes []int
+	c := &coalescer{maxCalls: 1, call: func(batch []*pending) {
+		mu.Lock()
+		sizes = append(sizes, len(batch))
+		first := len(sizes) == 1
+		mu.Unlock()
+		if first {
+			<-gate
+		}
+		for _, m := range batch {
+			m.err = nil
+		}
+	}}
+	results := make(chan error, 3)
+	submit := func(gone <-chan struct{}) {
+		p := newPending(nil, gone)
+		c.submit(p)
+		results <- p.err
+	}
+	go submit(nil)
+	for {
+		c.mu.Lock()
+		busy := c.calling == 1
+		c.mu.Unlock()
+		if busy {
+			break
+		}
+		time.Sleep(time.Millisecond)
+	}
+	gone := make(chan struct{})
+	go submit(gone)
+	go submit(nil)
+	for {
+		c.mu.Lock()
+		n := len(c.queue)
+		c.mu.Unlock()
+		if n == 2 {
+			break
+		}
+		time.Sleep(time.Millisecond)
+	}
+	close(gone) // that client goes away while queued
+	close(gate)
+	var errs []error
+	for range 3 {
+		errs = append(errs, <-results)
+	}
+	dropped := 0
+	for _, err := range errs {
+		if errors.Is(err, errClientGone) {
+			dropped++
+		} else if err != nil {
+			t.Fatal(err)
+		}
+	}
+	if dropped != 1 || !slices.Equal(sizes, []int{1, 1}) {
+		t.Fatalf("dropped %d, calls of %v requests: want the gone request dropped from the second call", dropped, sizes)
 	}
 }

@@ -129,7 +129,7 @@ func (c *redisConn) renew() {
 			// Each lease its own request, so that one bad key fails alone.
 			batch := make([]*pending, len(g))
 			for i := range g {
-				batch[i] = newPending(g[i : i+1])
+				batch[i] = newPending(g[i:i+1], nil)
 			}
 			c.call(batch)
 			for _, p := range batch {

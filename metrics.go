@@ -39,12 +39,12 @@ var (
 	}, []string{"policy"})
 	storeDuration = prometheus.NewHistogram(prometheus.HistogramOpts{
 		Namespace: "caddy", Subsystem: "rate_limit", Name: "store_duration_seconds",
-		Help:    "Round-trip time of decisions in Redis, failed ones included.",
+		Help:    "How long requests waited for Redis: queued behind other calls, and their call; failed ones included.",
 		Buckets: []float64{.0001, .00025, .0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1},
 	})
 	storeErrors = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Namespace: "caddy", Subsystem: "rate_limit", Name: "store_errors_total",
-		Help: "Redis calls that failed, by kind (timeout, connection, wrongpass, noauth, noperm, readonly, oom, loading, redis, script); requests that skipped Redis (circuit_open); requests whose own bucket key holds something else (wrongtype, corrupt).",
+		Help: "Redis calls that failed, by kind (timeout, connection, wrongpass, noauth, noperm, readonly, oom, loading, busy, masterdown, clusterdown, redis, script); requests that skipped Redis (circuit_open); requests whose own bucket key holds something else (wrongtype, corrupt).",
 	}, []string{"kind"})
 	// circuitOpenErrors is the circuit_open child, counted on the path
 	// that must stay cheapest while Redis is down.

@@ -14,16 +14,18 @@ import (
 // access log reads them, and, for a second handler nested in the first,
 // the policies decided already and the RateLimit fields sent so far.
 type requestState struct {
+	decided    bool // a rate_limit handler decided the request
 	decision   outcome
 	policy     string
 	key        string // that policy's storage key: a hash, never the identity
 	remaining  int64  // -1: not decided
 	retryAfter int64
 
-	// decided names the policies an earlier handler decided for this
-	// request: a policy is one budget, charged once per request.
-	decided    []string
-	decidedBuf [4]string
+	// policies names the policies decided for this request (by an earlier
+	// handler, for a later one): a policy is one budget, charged once per
+	// request.
+	policies   []string // the policies decided (see wasDecided)
+	policyBuf  [4]string
 	// The members of RateLimit-Policy and RateLimit set by earlier
 	// handlers, which later ones add to.
 	policyField, limitField string
@@ -39,14 +41,14 @@ func requestStateOf(r *http.Request, repl *caddy.Replacer) *requestState {
 		return rs
 	}
 	rs := &requestState{remaining: -1}
-	rs.decided = rs.decidedBuf[:0]
+	rs.policies = rs.policyBuf[:0]
 	caddyhttp.SetVar(r.Context(), stateVar, rs)
 	repl.Map(rs.placeholder)
 	return rs
 }
 
 // wasDecided reports whether an earlier handler decided the policy.
-func (rs *requestState) wasDecided(name string) bool { return slices.Contains(rs.decided, name) }
+func (rs *requestState) wasDecided(name string) bool { return slices.Contains(rs.policies, name) }
 
 // placeholder resolves the handler's placeholders:
 //
@@ -60,6 +62,9 @@ func (rs *requestState) wasDecided(name string) bool { return slices.Contains(rs
 func (rs *requestState) placeholder(key string) (any, bool) {
 	switch key {
 	case "http.rate_limit.decision":
+		if !rs.decided { // no policy matched
+			return "", true
+		}
 		return outcomeNames[rs.decision], true
 	case "http.rate_limit.policy":
 		return rs.policy, true

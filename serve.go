@@ -32,6 +32,9 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	}
 	defer res.release()
 	h.reserve(r, &res)
+	if res.clientGone {
+		return nil // nobody to answer
+	}
 	if !res.admitted() {
 		return h.deny(w, r, rs, &res)
 	}
@@ -62,6 +65,8 @@ type reservation struct {
 	identities []string
 	// failClosed is the policy whose fail_closed answers 503.
 	failClosed *Policy
+	// clientGone: the client went away while its decision queued.
+	clientGone bool
 	places     []*Policy // `wait` places taken
 	holding    []*Policy // of those, the policies holding the request now
 	// after are the policies charged after the response (charge_if,
@@ -112,7 +117,7 @@ func (h *Handler) match(r *http.Request, repl *caddy.Replacer, rs *requestState,
 		res.reqs = append(res.reqs, rq)
 	}
 	for _, p := range res.policies {
-		rs.decided = append(rs.decided, p.Name)
+		rs.policies = append(rs.policies, p.Name)
 	}
 	return nil
 }
@@ -136,6 +141,10 @@ func (h *Handler) reserve(r *http.Request, res *reservation) {
 		// Denied for want of a concurrency slot, by policies that wait.
 		d, err = h.waitForSlot(r, res, d)
 		waited = d.admitted
+	}
+	if errors.Is(err, errClientGone) {
+		res.clientGone = true
+		return
 	}
 	if err != nil {
 		res.release() // a request decided without the store is never held
@@ -283,7 +292,7 @@ var errRateLimited = errors.New("rate limit exceeded")
 func (h *Handler) deny(w http.ResponseWriter, r *http.Request, rs *requestState, res *reservation) error {
 	if res.failClosed != nil {
 		ra := retryAfter(time.Second.Microseconds(), h.jitter)
-		rs.decision, rs.policy, rs.remaining, rs.retryAfter = outcomeFailClosed, res.failClosed.Name, -1, ra
+		rs.decided, rs.decision, rs.policy, rs.remaining, rs.retryAfter = true, outcomeFailClosed, res.failClosed.Name, -1, ra
 		w.Header().Set("Retry-After", strconv.FormatInt(ra, 10))
 		if handlesErrors(r, http.StatusServiceUnavailable) {
 			return caddyhttp.Error(http.StatusServiceUnavailable, errStoreUnavailable)
@@ -386,7 +395,7 @@ func (h *Handler) report(w http.ResponseWriter, rs *requestState, res *reservati
 // whether an enforced (not shadow) policy took part in it.
 func (h *Handler) setPlaceholders(rs *requestState, res *reservation, retryAfter int64) (enforced bool) {
 	d := res.d
-	rs.decision, rs.retryAfter, rs.policy, rs.remaining, rs.key = res.outcome, retryAfter, "", -1, ""
+	rs.decided, rs.decision, rs.retryAfter, rs.policy, rs.remaining, rs.key = true, res.outcome, retryAfter, "", -1, ""
 	// The tightest enforced policy; among shadow ones only when no policy is
 	// enforced, so a dry run still says which policy would deny.
 	tightest := -1

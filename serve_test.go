@@ -490,3 +490,17 @@ func TestServeHTTPConcurrent(t *testing.T) {
 		})
 	}
 }
+
+// TestServeHTTPNoPolicyMatched: a request no policy matches passes
+// untouched: no fields, and empty placeholders.
+func TestServeHTTPNoPolicyMatched(t *testing.T) {
+	c := &clock{t: 1000 * sec}
+	h := testHandler(t, &Handler{Policies: []*Policy{{Name: "posts", Key: "global", Rate: "1/1h",
+		MatchRaw: caddy.ModuleMap{"method": json.RawMessage(`["POST"]`)}}}}, newMemoryStore(c.now))
+	for range 3 {
+		x := serve([]*Handler{h}, nil)
+		if x.status != 200 || !x.passed || x.header.Get("RateLimit") != "" || x.vars["decision"] != "" || x.vars["policy"] != "" {
+			t.Fatalf("a GET that no policy matches: %d %v placeholders %v", x.status, x.header, x.vars)
+		}
+	}
+}

@@ -28,8 +28,8 @@ type memoryStore struct {
 const (
 	memoryShards = 64
 	// memoryMaxBuckets bounds the buckets of one in-process store: about
-	// 110 bytes each (the map's slots included), so at most about 28 MiB
-	// (see TestMemoryStoreBound).
+	// 130 bytes each (the map's slots included), so at most 32 MiB (see
+	// TestMemoryStoreBound).
 	memoryMaxBuckets = 1 << 18
 	shardMaxBuckets  = memoryMaxBuckets / memoryShards
 	minSweep         = 1024

@@ -73,16 +73,16 @@ func (s *redisStore) decide(ctx context.Context, reqs []bucketRequest) (decision
 	}
 	if s.conn.cluster {
 		if groups := slotGroups(reqs); len(groups) > 1 {
-			return s.decideAcrossSlots(reqs, groups)
+			return s.decideAcrossSlots(ctx, reqs, groups)
 		}
 	}
-	return s.decideInOneCall(reqs)
+	return s.decideInOneCall(ctx, reqs)
 }
 
 // decideInOneCall decides buckets that one script call can reach: a single
 // Redis, or one Redis Cluster slot.
-func (s *redisStore) decideInOneCall(reqs []bucketRequest) (decision, error) {
-	p := newPending(reqs)
+func (s *redisStore) decideInOneCall(ctx context.Context, reqs []bucketRequest) (decision, error) {
+	p := newPending(reqs, ctx.Done())
 	if s.conn.coalescer != nil {
 		s.conn.coalescer.submit(p)
 	} else {
@@ -163,7 +163,7 @@ func resultOf(err error) callResult {
 	switch {
 	case err == nil, errors.Is(err, errScriptReply), errors.As(err, &redisErr):
 		return callAnswered
-	case errors.Is(err, context.Canceled):
+	case errors.Is(err, context.Canceled), errors.Is(err, errClientGone):
 		return callIgnored
 	}
 	return callFailed
