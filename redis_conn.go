@@ -147,9 +147,10 @@ func (c *redisConn) report(kind string, err error) {
 
 // limiterACL is what the limiter's Redis user needs: its keys and channels
 // (rl: with the default key_prefix), the commands of lua/decide.lua (TYPE
-// only to name a key that is not a bucket), and PUBLISH and SUBSCRIBE for
-// the events between instances.
-const limiterACL = "~rl:* &rl:* +evalsha +eval +time +get +set +del +type +publish +subscribe"
+// only to name a key that is not a bucket; the sorted-set commands for
+// concurrency slots), and PUBLISH and SUBSCRIBE for the events between
+// instances.
+const limiterACL = "~rl:* &rl:* +evalsha +eval +time +get +set +del +type +publish +subscribe +zadd +zrem +zcard +zremrangebyscore +pexpire"
 
 // errorFixes is what to change for each permanent error kind.
 var errorFixes = map[string]string{

@@ -60,7 +60,7 @@ func testCA(t *testing.T) (caFile, certFile, keyFile string, pool *x509.CertPool
 }
 
 // limiterACL is the ACL docs/redis.md gives the limiter's Redis user.
-const limiterACL = "~rl:* &rl:* +evalsha +eval +time +get +set +del +type +publish +subscribe"
+const limiterACL = "~rl:* &rl:* +evalsha +eval +time +get +set +del +type +publish +subscribe +zadd +zrem +zcard +zremrangebyscore +pexpire"
 
 // TestRedisTLSAndACL: a Redis that speaks only TLS, with an ACL user for
 // the limiter. With the right CA and credentials Caddy limits exactly;
@@ -78,8 +78,11 @@ func TestRedisTLSAndACL(t *testing.T) {
 		t.Fatal(err)
 	}
 	policy := map[string]any{"name": "per_user", "key": "{http.request.header.X-User}", "rate": "3/1h"}
+	// A concurrency policy beside it: its slots need the ACL's sorted-set
+	// commands and the events channel.
+	slots := map[string]any{"name": "slots", "key": "{http.request.header.X-User}", "concurrent": 5}
 	withRedis := func(password, ca string) map[string]any {
-		h := limiter("", map[string]any{"on_error": "fail_closed"}, policy)
+		h := limiter("", map[string]any{"on_error": "fail_closed"}, policy, slots)
 		h["redis"] = map[string]any{"addresses": []string{srv.Addr}, "username": "limiter", "password": password,
 			"tls": map[string]any{"ca": ca}, "timeout": "1s"}
 		return h
