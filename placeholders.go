@@ -24,8 +24,8 @@ type requestState struct {
 	// policies names the policies decided for this request (by an earlier
 	// handler, for a later one): a policy is one budget, charged once per
 	// request.
-	policies   []string // the policies decided (see wasDecided)
-	policyBuf  [4]string
+	policies  []string // the policies decided (see wasDecided)
+	policyBuf [4]string
 	// The members of RateLimit-Policy and RateLimit set by earlier
 	// handlers, which later ones add to.
 	policyField, limitField string
