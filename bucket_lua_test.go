@@ -166,7 +166,7 @@ func luaMatchesGoBucket(t *testing.T, client *redis.Client, script string) {
 		pb := make([]*pending, len(batch))
 		for r, reqs := range batch {
 			pb[r] = &pending{reqs: reqs}
-			out := res[off : off+1+replyWidth*len(reqs)]
+			out := res[off : off+replyLen(reqs)]
 			off += len(out)
 			tats := make([]int64, len(reqs))
 			for i, rq := range reqs {
@@ -175,8 +175,8 @@ func luaMatchesGoBucket(t *testing.T, client *redis.Client, script string) {
 				if b.tat > now && b.interval != rq.limit.interval {
 					rebased++
 				}
-				if got := start(out[2+replyWidth*i], now); got != start(tats[i], now) {
-					t.Fatalf("step %d, request %d: bucket %s: Redis held TAT %d, Go %d (now %d)", step, r, rq.key, out[2+replyWidth*i], tats[i], now)
+				if got := start(out[2+2*i], now); got != start(tats[i], now) { // rate buckets: 2 numbers each
+					t.Fatalf("step %d, request %d: bucket %s: Redis held TAT %d, Go %d (now %d)", step, r, rq.key, out[2+2*i], tats[i], now)
 				}
 			}
 			want, next := decideBuckets(tats, now, reqs)
@@ -270,14 +270,14 @@ func TestLuaBadKeys(t *testing.T) {
 	if err != nil {
 		t.Fatalf("a call with bad keys failed as a whole: %v", err)
 	}
-	// Each request: status, then 3 numbers per bucket.
-	statuses := []int64{res[1], res[5], res[9], res[16], res[20]}
+	// Each request: status, then 2 numbers per bucket.
+	statuses := []int64{res[1], res[4], res[7], res[12], res[15]}
 	want := []int64{scriptAdmitted, scriptWrongType, scriptCorrupt, scriptAdmitted, scriptAdmitted}
 	if fmt.Sprint(statuses) != fmt.Sprint(want) {
 		t.Fatalf("statuses %v, want %v (reply %v)", statuses, want, res)
 	}
-	if res[13] != scriptCorrupt || res[10] != 1 {
-		t.Fatalf("the bad bucket of a two-bucket request: reply %v", res[9:16])
+	if res[10] != scriptCorrupt || res[8] != 1 {
+		t.Fatalf("the bad bucket of a two-bucket request: reply %v", res[7:11])
 	}
 	// {b} was charged once: by the last request, not by the one whose other
 	// bucket was bad.
@@ -296,7 +296,7 @@ func TestLuaBadKeys(t *testing.T) {
 		t.Fatalf("the old slots are a %s, want replaced by a bucket", typ)
 	}
 	p := &pending{reqs: take("rl:p:{hash}")}
-	if err := decodeReply([]int64{res[0], res[5], res[6], res[7], res[8]}, []*pending{p}); err != nil || p.err == nil || errorKind(p.err) != "wrongtype" || !strings.Contains(p.err.Error(), "rl:p:{hash}") {
+	if err := decodeReply([]int64{res[0], res[4], res[5], res[6]}, []*pending{p}); err != nil || p.err == nil || errorKind(p.err) != "wrongtype" || !strings.Contains(p.err.Error(), "rl:p:{hash}") {
 		t.Fatalf("a WRONGTYPE request: call error %v, request error %v (kind %s)", err, p.err, errorKind(p.err))
 	}
 }

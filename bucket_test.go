@@ -2,8 +2,10 @@ package ratelimit
 
 import (
 	"context"
+	"os"
 	"runtime"
 	"strconv"
+	"strings"
 	"testing"
 )
 
@@ -221,6 +223,7 @@ func TestMemoryStoreBound(t *testing.T) {
 	var before runtime.MemStats
 	runtime.GC()
 	runtime.ReadMemStats(&before)
+	rssBefore := processRSS()
 	const drained, nearlyFull = 100_000, 900_000
 	for i := range drained {
 		mustDecide(t, m, req("d"+strconv.Itoa(i), 60*sec, 10, 10)) // all 10 tokens: 10 minutes to refill
@@ -233,8 +236,8 @@ func TestMemoryStoreBound(t *testing.T) {
 	runtime.ReadMemStats(&after)
 	n := m.len()
 	grew := int64(after.HeapAlloc) - int64(before.HeapAlloc)
-	t.Logf("1,000,000 identities: %d buckets kept (bound %d), heap +%.1f MiB (%.0f bytes per bucket kept)",
-		n, memoryMaxBuckets, float64(grew)/(1<<20), float64(grew)/float64(n))
+	t.Logf("1,000,000 identities: %d buckets kept (bound %d), heap +%.1f MiB (%.0f bytes per bucket kept); the test process's RSS %.0f MiB before, %.0f MiB after",
+		n, memoryMaxBuckets, float64(grew)/(1<<20), float64(grew)/float64(n), float64(rssBefore)/1024, float64(processRSS())/1024)
 	if n > memoryMaxBuckets {
 		t.Fatalf("%d buckets kept, more than the bound %d", n, memoryMaxBuckets)
 	}
@@ -246,4 +249,16 @@ func TestMemoryStoreBound(t *testing.T) {
 			t.Fatalf("drained bucket %d was forgotten (admitted again) while nearly full ones were kept", i)
 		}
 	}
+}
+
+// processRSS is this process's resident set size in KiB, from /proc.
+func processRSS() int64 {
+	b, _ := os.ReadFile("/proc/self/status")
+	for _, line := range strings.Split(string(b), "\n") {
+		if v, ok := strings.CutPrefix(line, "VmRSS:"); ok {
+			n, _ := strconv.ParseInt(strings.TrimSuffix(strings.TrimSpace(v), " kB"), 10, 64)
+			return n
+		}
+	}
+	return 0
 }

@@ -204,21 +204,21 @@ func encodeCall(batch []*pending) []any {
 	return args
 }
 
-// decodeReply reads the script's reply into each request's
-// decision, computing the remaining tokens and waits from the stored state
-// with the Go algorithm, and the TATs the script stored.
+// decodeReply reads the script's reply into each request's decision,
+// computing the remaining tokens and waits from the stored state with the
+// Go algorithm, and the TATs the script stored.
 func decodeReply(res []int64, batch []*pending) error {
 	if len(res) == 0 {
 		return fmt.Errorf("%w: empty", errScriptReply)
 	}
 	now, off := res[0], 1
 	for _, p := range batch {
-		m := len(p.reqs)
-		if len(res) < off+1+replyWidth*m {
+		n := replyLen(p.reqs)
+		if len(res) < off+n {
 			return fmt.Errorf("%w: %d numbers for %d requests", errScriptReply, len(res), len(batch))
 		}
-		p.d, p.tats, p.err = decodeRequest(now, res[off:off+1+replyWidth*m], p.reqs)
-		off += 1 + replyWidth*m
+		p.d, p.tats, p.err = decodeRequest(now, res[off:off+n], p.reqs)
+		off += n
 	}
 	if off != len(res) {
 		return fmt.Errorf("%w: %d numbers for %d requests", errScriptReply, len(res), len(batch))
@@ -234,14 +234,35 @@ const (
 	scriptCorrupt   = -2
 )
 
-// replyWidth is the numbers per bucket in the script's reply: allowed,
-// tat (or the slots held), expired leases.
-const replyWidth = 3
+// replyWidth is the numbers per bucket in the script's reply: allowed and
+// tat, and for slots, the leases held and those that expired.
+func replyWidth(op bucketOp) int {
+	if op.slots() {
+		return 3
+	}
+	return 2
+}
 
-// decodeRequest turns the script's reply for one request, {status,
-// allowed_1, tat_1, expired_1, ..., allowed_m, tat_m, expired_m}, into its
-// decision and the TATs the script stored.
+// replyLen is the numbers of a request's reply: its status, then each
+// bucket's.
+func replyLen(reqs []bucketRequest) int {
+	n := 1
+	for _, rq := range reqs {
+		n += replyWidth(rq.op)
+	}
+	return n
+}
+
+// decodeRequest turns the script's reply for one request, {status, then
+// per bucket: allowed, tat (or the leases held) [, expired leases]}, into
+// its decision and the TATs the script stored.
 func decodeRequest(now int64, res []int64, reqs []bucketRequest) (decision, []int64, error) {
+	var allowedAt [8]int
+	at := allowedAt[:0]
+	for i, off := 0, 1; i < len(reqs); i++ {
+		at = append(at, off)
+		off += replyWidth(reqs[i].op)
+	}
 	switch res[0] {
 	case scriptWrongType, scriptCorrupt:
 		kind := "wrongtype"
@@ -250,7 +271,7 @@ func decodeRequest(now int64, res []int64, reqs []bucketRequest) (decision, []in
 		}
 		key := reqs[0].key
 		for i := range reqs {
-			if res[1+replyWidth*i] < 0 {
+			if res[at[i]] < 0 {
 				key = reqs[i].key
 			}
 		}
@@ -258,13 +279,15 @@ func decodeRequest(now int64, res []int64, reqs []bucketRequest) (decision, []in
 	}
 	tats := make([]int64, len(reqs))
 	for i := range reqs {
-		tats[i] = res[2+replyWidth*i]
+		tats[i] = res[at[i]+1]
 	}
 	d, next := decideBuckets(tats, now, reqs)
 	for i, rq := range reqs {
-		d.verdicts[i].expired = res[3+replyWidth*i]
+		if rq.op.slots() {
+			d.verdicts[i].expired = res[at[i]+2]
+		}
 		if rq.op == opRenew { // allowed says the lease was still held
-			d.verdicts[i].allowed = res[1+replyWidth*i] == 1
+			d.verdicts[i].allowed = res[at[i]] == 1
 		}
 	}
 	// Redis's own verdict is the one that was charged; the Go algorithm is the
@@ -273,7 +296,7 @@ func decodeRequest(now int64, res []int64, reqs []bucketRequest) (decision, []in
 		return decision{}, nil, fmt.Errorf("%w: Lua and Go disagree (admitted %d); is lua/decide.lua in step with bucket.go?", errScriptReply, res[0])
 	}
 	for i := range reqs {
-		if d.verdicts[i].allowed != (res[1+replyWidth*i] == 1) {
+		if d.verdicts[i].allowed != (res[at[i]] == 1) {
 			return decision{}, nil, fmt.Errorf("%w: Lua and Go disagree on bucket %d", errScriptReply, i)
 		}
 	}

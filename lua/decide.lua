@@ -77,7 +77,7 @@ local replace = {}                          -- index -> the key held another kin
 local touched = 0
 
 local function encode(tat, interval)
-  return string.format('%.0f:%.0f', tat, interval)
+  return string.format('%d:%d', tat, interval)
 end
 
 -- read loads a key the first time the call touches it and returns its
@@ -148,9 +148,12 @@ local function slots(key)
   return redis.call('ZCARD', key), expired
 end
 
-local out = {now}
+local out, n_out = {now}, 1
 local first_key, arg = 0, 1 -- the request's first KEYS index less one; its first ARGV index
-local at, before, base, allowed, expired = {}, {}, {}, {}, {}
+-- Per bucket of the request: its index, code and interval; whether it
+-- alone would admit; its TAT before (rebased; slots: leases held), and the
+-- TAT a take or adjust leaves it with; expired leases.
+local at, codes, intervals, allowed, before, after, expired = {}, {}, {}, {}, {}, {}, {}
 
 while arg <= #ARGV do
   local count = tonumber(ARGV[arg])
@@ -160,61 +163,58 @@ while arg <= #ARGV do
     local key = KEYS[first_key + i]
     local op = tonumber(ARGV[arg])
     local code, shadow = math.floor(op / 2), op % 2 == 1
-    local interval, burst, slack = tonumber(ARGV[arg + 1]), tonumber(ARGV[arg + 2]), tonumber(ARGV[arg + 3])
-    local amount, wait = tonumber(ARGV[arg + 4]), tonumber(ARGV[arg + 5])
-    expired[i] = 0
+    local interval, burst = tonumber(ARGV[arg + 1]), tonumber(ARGV[arg + 2])
+    codes[i], intervals[i], allowed[i] = code, interval, 1
     if code >= ACQUIRE then
       local held, gone = slots(key)
-      at[i], allowed[i], before[i] = 0, 1, held or 0
+      at[i], before[i], expired[i] = 0, held or 0, gone or 0
       if not held then
-        allowed[i] = WRONGTYPE
-        status = WRONGTYPE
-      else
-        expired[i] = gone
-        if code == ACQUIRE and held >= burst then
-          allowed[i] = 0
-          if not shadow and status == 1 then status = 0 end
-        end
-      end
-    else
-    local bucket = index_of[key] or read(key, code, interval, burst, amount)
-    at[i] = bucket
-    if bad[bucket] then
-      status = bad[bucket]
-    end
-    -- Rebase: the tokens owed, at the current interval, at most what the
-    -- current limit lets a bucket owe.
-    local tat = tat_now[bucket]
-    local tau = interval * burst
-    if tat > now then
-      local ahead = tat - now
-      if interval_now[bucket] ~= interval then
-        ahead = math.floor(ahead * interval / interval_now[bucket])
-      end
-      tat = now + math.min(ahead, tau + slack)
-    end
-    before[i] = tat
-    if tat < now then tat = now end
-    base[i] = tat
-    allowed[i] = 1
-    if code == TAKE or code == CHECK then
-      if code == CHECK then wait = 0 end
-      if amount > burst or tat + amount * interval - now > tau + wait then
+        allowed[i], status = WRONGTYPE, WRONGTYPE
+      elseif code == ACQUIRE and held >= burst then
         allowed[i] = 0
         if not shadow and status == 1 then status = 0 end
       end
-    end
+    else
+      local slack, amount = tonumber(ARGV[arg + 3]), tonumber(ARGV[arg + 4])
+      local bucket = index_of[key] or read(key, code, interval, burst, amount)
+      at[i] = bucket
+      if bad[bucket] then
+        status = bad[bucket]
+      end
+      -- Rebase: the tokens owed, at the current interval, at most what the
+      -- current limit lets a bucket owe.
+      local tat = tat_now[bucket]
+      local tau = interval * burst
+      if tat > now then
+        local ahead = tat - now
+        if interval_now[bucket] ~= interval then
+          ahead = math.floor(ahead * interval / interval_now[bucket])
+        end
+        tat = now + math.min(ahead, tau + slack)
+      end
+      before[i] = tat
+      if tat < now then tat = now end
+      if code == TAKE or code == CHECK then
+        local wait = code == TAKE and tonumber(ARGV[arg + 5]) or 0
+        if amount > burst or tat + amount * interval - now > tau + wait then
+          allowed[i] = 0
+          if not shadow and status == 1 then status = 0 end
+        end
+        after[i] = tat + amount * interval
+      elseif code == ADJUST then
+        after[i] = math.min(tat + amount * interval, now + tau + slack)
+        if after[i] <= now then after[i] = 0 end -- never beyond a full bucket
+      end
     end
     arg = arg + 6
   end
-  out[#out + 1] = status
-  arg = arg - 6 * count
+  n_out = n_out + 1
+  out[n_out] = status
   for i = 1, count do
-    local bucket = at[i]
-    local code = math.floor(tonumber(ARGV[arg]) / 2)
-    local interval, burst, slack, amount = tonumber(ARGV[arg + 1]), tonumber(ARGV[arg + 2]), tonumber(ARGV[arg + 3]), tonumber(ARGV[arg + 4])
-    local key, member, channel = KEYS[first_key + i], ARGV[arg + 4], ARGV[arg + 5]
+    local bucket, code = at[i], codes[i]
     if status >= 0 and code >= ACQUIRE then
+      local a = arg - 6 * (count - i + 1) -- this bucket's ARGV
+      local key, interval, member = KEYS[first_key + i], intervals[i], ARGV[a + 4]
       if code == ACQUIRE and status == 1 and allowed[i] == 1 then
         redis.call('ZADD', key, now + interval, member)
         redis.call('PEXPIRE', key, math.ceil(2 * interval / 1000))
@@ -223,28 +223,26 @@ while arg <= #ARGV do
         if allowed[i] == 1 then redis.call('PEXPIRE', key, math.ceil(2 * interval / 1000)) end
       elseif code == RELEASE then
         -- A slot freed from a full set: waiters on every instance may try.
-        if redis.call('ZREM', key, member) == 1 and before[i] >= burst then
-          redis.call('PUBLISH', channel, 'freed ' .. key)
+        if redis.call('ZREM', key, member) == 1 and before[i] >= tonumber(ARGV[a + 2]) then
+          redis.call('PUBLISH', ARGV[a + 5], 'freed ' .. key)
         end
       elseif code == FREE then
         redis.call('DEL', key)
-        redis.call('PUBLISH', channel, 'freed ' .. key)
+        redis.call('PUBLISH', ARGV[a + 5], 'freed ' .. key)
       end
     elseif status >= 0 then
-      if code == TAKE and status == 1 and allowed[i] == 1 then
-        tat_now[bucket], interval_now[bucket] = base[i] + amount * interval, interval
-      elseif code == ADJUST then
-        local tat = math.min(base[i] + amount * interval, now + interval * burst + slack)
-        if tat <= now then tat = 0 end -- never beyond a full bucket
-        tat_now[bucket], interval_now[bucket] = tat, interval
+      if code == TAKE and status == 1 and allowed[i] == 1 or code == ADJUST then
+        tat_now[bucket], interval_now[bucket] = after[i], intervals[i]
       elseif code == RESET then
         tat_now[bucket] = 0
       end
     end
-    out[#out + 1] = bad[bucket] or allowed[i]
-    out[#out + 1] = before[i]
-    out[#out + 1] = expired[i]
-    arg = arg + 6
+    out[n_out + 1], out[n_out + 2] = bad[bucket] or allowed[i], before[i]
+    n_out = n_out + 2
+    if code >= ACQUIRE then
+      n_out = n_out + 1
+      out[n_out] = expired[i]
+    end
   end
   first_key = first_key + count
 end

@@ -1,7 +1,8 @@
 // Command bench measures what the limiter costs, side by side with plain
-// Caddy in one run: five Caddy instances (plain `respond`; rate_limit with
+// Caddy in one run: seven Caddy instances (plain `respond`; rate_limit with
 // Redis and 10,000 identities, nothing denied; the same in-process; one
-// abusive identity, nearly everything denied; two policies per request) are
+// abusive identity, nearly everything denied; two policies per request; a
+// reservation settled after the response; a concurrency slot) are
 // loaded in turn with wrk, round after round, each run of a limited one
 // paired with a run of plain Caddy next to it; the medians of the pairs'
 // ratios are the results. It also reads Redis's own cost per script call,
@@ -43,7 +44,7 @@ var (
 	duration    = flag.Duration("duration", 5*time.Second, "wrk run per scenario and round")
 	connections = flag.Int("connections", 32, "wrk connections")
 	threads     = flag.Int("threads", 2, "wrk threads")
-	only        = flag.String("only", "abcde", "scenarios to run (plain Caddy, (a), always runs); the latency and key-size parts need b and d")
+	only        = flag.String("only", "abcdefg", "scenarios to run (plain Caddy, (a), always runs); the latency and key-size parts need b and d")
 )
 
 // scenario is one Caddy configuration under load.
@@ -51,6 +52,7 @@ type scenario struct {
 	name, label string
 	handler     map[string]any // nil: plain respond
 	redis       bool
+	usage       bool   // the response reports a usage (X-Usage-Tokens)
 	script      string // wrk Lua: how requests vary
 	in          *testcaddy.Instance
 	runs        []wrkRun
@@ -76,6 +78,12 @@ local n = 0
 request = function()
   n = n + 1
   return wrk.format("GET", "/", {["X-User"] = "user-" .. (math.random(10000))})
+end
+`
+
+const reservingLua = `
+request = function()
+  return wrk.format("GET", "/", {["X-User"] = "user-" .. (math.random(10000)), ["X-Max-Tokens"] = "10"})
 end
 `
 
@@ -115,7 +123,7 @@ func main() {
 		}
 		return p
 	}
-	identities, abuser := writeScript("identities.lua", identitiesLua), writeScript("abuser.lua", abuserLua)
+	identities, abuser, reserving := writeScript("identities.lua", identitiesLua), writeScript("abuser.lua", abuserLua), writeScript("reserving.lua", reservingLua)
 
 	limiter := func(withRedis bool, policies ...map[string]any) map[string]any {
 		h := map[string]any{"handler": "rate_limit", "key_secret": "bench", "policies": policies}
@@ -133,6 +141,14 @@ func main() {
 			map[string]any{"name": "per_user", "key": "{http.request.header.X-User}", "rate": "10/1s", "burst": 10})},
 		{name: "e", label: "rate_limit, Redis, two policies", redis: true, script: identities, handler: limiter(true, perUser,
 			map[string]any{"name": "global", "key": "global", "rate": "1000000/1s"})},
+		// A reservation of 10 tokens settled against the 3 the response
+		// reports in a header: two script operations per request.
+		{name: "f", label: "rate_limit, Redis, settle header, 10,000 identities", redis: true, script: reserving, usage: true, handler: limiter(true,
+			map[string]any{"name": "tokens", "key": "{http.request.header.X-User}", "rate": "100000/1s", "cost": "{http.request.header.X-Max-Tokens}", "max_cost": 10,
+				"settle": map[string]any{"from": "header", "field": "X-Usage-Tokens"}})},
+		// A concurrency slot taken and freed per request.
+		{name: "g", label: "rate_limit, Redis, concurrent, 10,000 identities", redis: true, script: identities, handler: limiter(true,
+			map[string]any{"name": "slots", "key": "{http.request.header.X-User}", "concurrent": 100})},
 	}
 	byName := map[string]*scenario{}
 	kept := scenarios[:0]
@@ -144,10 +160,15 @@ func main() {
 	}
 	scenarios = kept
 	respond := map[string]any{"handler": "static_response", "status_code": 200, "body": "ok"}
+	reporting := map[string]any{"handler": "static_response", "status_code": 200, "body": "ok",
+		"headers": map[string]any{"X-Usage-Tokens": []string{"3"}}}
 	for _, sc := range scenarios {
-		if sc.handler == nil {
+		switch {
+		case sc.handler == nil:
 			sc.in = testcaddy.Start(s, bin, nil, respond)
-		} else {
+		case sc.usage:
+			sc.in = testcaddy.Start(s, bin, nil, sc.handler, reporting)
+		default:
 			sc.in = testcaddy.Start(s, bin, nil, sc.handler, respond)
 		}
 	}
