@@ -262,11 +262,9 @@ func unmarshalPolicy(d *caddyfile.Dispenser) (*Policy, error) {
 		}
 		switch sub := d.Val(); sub {
 		case "match":
-			set, err := caddyhttp.ParseCaddyfileNestedMatcherSet(d)
-			if err != nil { // it has the line already
-				return nil, fmt.Errorf("%smatch: %w", s.prefix, err)
+			if err := s.matchArg(d, p); err != nil {
+				return nil, err
 			}
-			p.MatchRaw = set
 		case "key":
 			if err := s.oneArg(d, &p.Key); err != nil {
 				return nil, err
@@ -437,6 +435,16 @@ func (s *section) fail(err error) error {
 		}
 	}
 	return at.Errf("%s%s", s.prefix, msg)
+}
+
+// matchArg reads a policy's (or zone's) match block.
+func (s *section) matchArg(d *caddyfile.Dispenser, p *Policy) error {
+	set, err := caddyhttp.ParseCaddyfileNestedMatcherSet(d)
+	if err != nil { // it has the line already
+		return fmt.Errorf("%smatch: %w", s.prefix, err)
+	}
+	p.MatchRaw = set
+	return nil
 }
 
 func (s *section) oneArg(d *caddyfile.Dispenser, dst *string) error {

@@ -6,7 +6,6 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
-	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"go.uber.org/zap"
 )
 
@@ -28,11 +27,9 @@ func unmarshalZone(d *caddyfile.Dispenser) (*Policy, error) {
 		}
 		switch sub := d.Val(); sub {
 		case "match":
-			set, err := caddyhttp.ParseCaddyfileNestedMatcherSet(d)
-			if err != nil { // it has the line already
-				return nil, fmt.Errorf("%smatch: %w", s.prefix, err)
+			if err := s.matchArg(d, p); err != nil {
+				return nil, err
 			}
-			p.MatchRaw = set
 		case "key":
 			if err := s.oneArg(d, &p.Key); err != nil {
 				return nil, err
