@@ -282,7 +282,7 @@ func (res *reservation) predicted(i int) int64 {
 	return v
 }
 
-// describeSettle is the Caddyfile form of a settle, for messages.
+// describe is the Caddyfile form of a settle, for messages.
 func (s *Settle) describe() string {
 	if s.Field == "" {
 		return "settle " + s.From

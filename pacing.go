@@ -14,16 +14,16 @@ import (
 // are spread so that clients that honour them return no faster than the
 // bucket refills, and never earlier than their true wait.
 //
-// Each bucket has a calendar of return slots, one every cost × interval
+// Each bucket has a calendar of return turns, one every cost × interval
 // (× instances: the instances of a fleet keep their own calendars): a
-// denied client is given the next free slot, at least its true wait and at
-// least a second away, at a random point of the slot (up to jitter of the
+// denied client is given the next free turn, at least its true wait and at
+// least a second away, at a random point of the turn (up to jitter of the
 // wait). Retry-After is whole seconds, and whole seconds
 // alone cannot spread a herd: clients that start together and honour them
 // exactly come back together, second after second, however many seconds
 // each is told. So the denial is answered at the fraction of a second that
-// puts the client's return, response time plus Retry-After, on its slot:
-// the slots, and with them the clients, spread over the second.
+// puts the client's return, response time plus Retry-After, on its turn:
+// the turns, and with them the clients, spread over the second.
 //
 // Only clients that honour Retry-After are paced. A connection that comes
 // back before it was told to is answered at once (with a Retry-After
@@ -31,7 +31,7 @@ import (
 // instance holds at most maxPacedDenials denials at once. `jitter 0`
 // turns pacing off: Retry-After is then the true wait, rounded up.
 type pacer struct {
-	slots [paceShards]paceShard // per bucket: the next free return slot
+	turns [paceShards]paceShard // per bucket: the next free return turn
 	conns [paceShards]paceShard // per connection: when it was told to return
 	seed  maphash.Seed
 	held  atomic.Int64
@@ -45,7 +45,7 @@ const (
 	paceShardMax = 4096
 	// maxPacedDenials bounds the denials one instance holds at once.
 	maxPacedDenials = 4096
-	// paceHorizon bounds how far ahead a slot is given: a bucket whose
+	// paceHorizon bounds how far ahead a turn is given: a bucket whose
 	// calendar is booked further (far more clients than it can serve) tells
 	// the later ones to come back within it, spread by jitter.
 	paceHorizon = 60 * time.Second
@@ -63,15 +63,15 @@ var pacing = newPacer(monotonicMicros)
 
 func newPacer(now func() int64) *pacer {
 	p := &pacer{seed: maphash.MakeSeed(), now: now}
-	for i := range p.slots {
-		p.slots[i].m = map[uint64]int64{}
+	for i := range p.turns {
+		p.turns[i].m = map[uint64]int64{}
 		p.conns[i].m = map[uint64]int64{}
 	}
 	return p
 }
 
 // pace returns the Retry-After, in whole seconds, for a denial whose true
-// wait is untilFits µs on the bucket under key, whose slots are stride µs
+// wait is untilFits µs on the bucket under key, whose turns are stride µs
 // apart, and how long to hold the response first. conn identifies the
 // client's connection.
 func (p *pacer) pace(conn, key string, untilFits, stride int64, jitter float64) (retryAfter int64, hold time.Duration) {
@@ -88,14 +88,14 @@ func (p *pacer) pace(conn, key string, untilFits, stride int64, jitter float64) 
 	early := known && now < told-earlyTolerance.Microseconds()
 	cs.mu.Unlock()
 
-	// The slot: the bucket's next free one, at least the true wait and a
+	// The turn: the bucket's next free one, at least the true wait and a
 	// second away, within the horizon; then spread by jitter, within the
-	// slot (a wider spread would bunch slots together again).
+	// turn (a wider spread would bunch turns together again).
 	at := now + max(wait, second)
 	spread := int64(float64(at-now) * jitter)
 	if !early {
 		b := maphash.String(p.seed, key)
-		bs := &p.slots[b%paceShards]
+		bs := &p.turns[b%paceShards]
 		bs.mu.Lock()
 		if next := bs.m[b]; next > at {
 			at = min(next, now+max(wait, second)+paceHorizon.Microseconds())
@@ -154,11 +154,11 @@ func (p *pacer) holdDenial(r *http.Request, d time.Duration) {
 	}
 }
 
-// forget drops the return slots of the bucket under key: an operator reset
+// forget drops the return turns of the bucket under key: an operator reset
 // it, and clients told to come back later may come now.
 func (p *pacer) forget(key string) {
 	b := maphash.String(p.seed, key)
-	bs := &p.slots[b%paceShards]
+	bs := &p.turns[b%paceShards]
 	bs.mu.Lock()
 	delete(bs.m, b)
 	bs.mu.Unlock()

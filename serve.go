@@ -39,7 +39,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 		return h.deny(w, r, rs, &res)
 	}
 	h.report(w, rs, &res, 0)
-	if !res.holdForSlot(r) {
+	if !res.holdUntilDue(r) {
 		return nil // the client went away; its slot stays consumed
 	}
 	w = h.watchResponse(w, rs, &res)
@@ -49,8 +49,8 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 }
 
 // reservation is one request's decision and what the request holds until
-// it returns: its places among the requests each `wait` policy may hold,
-// released in one place (release).
+// it returns: its places among the requests each `wait` policy may hold
+// and its concurrency leases, all released in one place (release).
 type reservation struct {
 	policies []*Policy
 	reqs     []bucketRequest
@@ -224,9 +224,10 @@ func (h *Handler) localRequest(rq bucketRequest) bucketRequest {
 	return rq
 }
 
-// holdForSlot holds an admitted request until the slot it reserved. It
+// holdUntilDue holds an admitted request until the time its `wait`
+// reserved. It
 // returns false when the client went away first.
-func (res *reservation) holdForSlot(r *http.Request) bool {
+func (res *reservation) holdUntilDue(r *http.Request) bool {
 	res.holding = res.holdbuf[:0]
 	for _, p := range res.places {
 		for i, q := range res.policies {
