@@ -3,6 +3,7 @@ package ratelimit
 import (
 	"context"
 	"errors"
+	"net"
 	"slices"
 	"strings"
 	"sync"
@@ -99,6 +100,9 @@ func (c *redisConn) checkEviction() {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	res, err := c.client.ConfigGet(ctx, "maxmemory-policy").Result()
+	if errors.Is(err, redis.ErrClosed) || errors.Is(err, net.ErrClosed) {
+		return // the handler was cleaned up first
+	}
 	if err != nil {
 		c.logger.Debug("could not read maxmemory-policy", zap.String("redis", c.name), zap.Error(err))
 		return
