@@ -309,16 +309,23 @@ func TestClientKillUnderLoad(t *testing.T) {
 			srv := testredis.Start(t)
 			in := startCaddy(t, limiter(srv.Addr, map[string]any{"on_error": mode},
 				map[string]any{"name": "roomy", "key": "{http.request.header.X-Api-Key}", "rate": "100000/1s"}), echo())
+			killed := make(chan string, 1)
 			go func() {
 				time.Sleep(1500 * time.Millisecond)
-				if _, err := srv.Do("CLIENT", "KILL", "TYPE", "normal"); err != nil {
+				n, err := srv.Do("CLIENT", "KILL", "TYPE", "normal")
+				if err != nil {
 					t.Errorf("CLIENT KILL: %v", err)
 				}
+				killed <- n
 			}()
 			f := flood(t, []*instance{in}, 64, 3*time.Second, func(c, _ int) string { return "client-" + strconv.Itoa(c) })
-			t.Logf("%s, CLIENT KILL under 64 connections, %v: %d requests; decisions %v", mode, f.elapsed.Round(time.Millisecond), f.sent, f.decisions)
-			if n := f.failures(); n > 64 {
-				t.Errorf("%d requests followed %s after one CLIENT KILL, want at most 64 (the calls in flight)", n, mode)
+			n := <-killed
+			t.Logf("%s, CLIENT KILL (%s connections cut) under 64 connections, %v: %d requests; decisions %v", mode, n, f.elapsed.Round(time.Millisecond), f.sent, f.decisions)
+			if n == "" || n == "0" {
+				t.Errorf("CLIENT KILL cut no connection of the limiter's")
+			}
+			if lost := f.failures(); lost > 64 {
+				t.Errorf("%d requests followed %s after one CLIENT KILL, want at most 64 (the calls in flight)", lost, mode)
 			}
 			if logMentions(t, in, "circuit open") {
 				t.Errorf("the circuit breaker opened")

@@ -11,12 +11,14 @@ import (
 	"time"
 
 	"github.com/ratelimit-caddy/caddy-ratelimit/internal/testcaddy"
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/testredis"
 )
 
 // caddyBin is the Caddy binary with the module, built once for all tests.
 var caddyBin string
 
 func TestMain(m *testing.M) {
+	testredis.RunProxyIfAsked() // this process may be a test's Redis proxy
 	dir, err := os.MkdirTemp("", "rate-limit-it-")
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)

@@ -1,8 +1,13 @@
 package testredis
 
 import (
+	"bufio"
+	"fmt"
 	"io"
 	"net"
+	"os"
+	"os/exec"
+	"strings"
 	"sync"
 	"time"
 )
@@ -11,31 +16,108 @@ import (
 // fixed time in each direction: a Redis that answers correctly but far away
 // (a 20 ms round trip is oneWay = 10 ms). Order and throughput are kept:
 // bytes are delayed, not rate-limited.
+//
+// It runs in a process of its own (the test binary, started again; see
+// RunProxyIfAsked). In the test's own process its goroutines queue behind
+// the load generator's: under a 1,024-connection flood, chunks were
+// forwarded up to 64 ms late each way, a Redis far slower than the one the
+// test means. A process of its own is scheduled by the kernel beside the
+// others, as a network would be.
 type Proxy struct {
 	Addr string
 
-	target string
-	oneWay time.Duration
-	l      net.Listener
-	mu     sync.Mutex
-	conns  []net.Conn
-	closed bool
+	cmd   *exec.Cmd
+	stdin io.WriteCloser
+	once  sync.Once
 }
 
-// StartProxy starts a Proxy to target and stops it when the test ends.
+// proxyEnv asks a test binary started by StartProxy to be the proxy:
+// "<target>,<one-way delay>".
+const proxyEnv = "TESTREDIS_PROXY"
+
+// StartProxy starts a Proxy to target and stops it, by its PID, when the
+// test ends. The test binary's TestMain must call RunProxyIfAsked first.
 func StartProxy(t TB, target string, oneWay time.Duration) *Proxy {
 	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
+	exe, err := os.Executable()
 	if err != nil {
 		t.Fatalf("proxy: %v", err)
 	}
-	p := &Proxy{Addr: l.Addr().String(), target: target, oneWay: oneWay, l: l}
+	cmd := exec.Command(exe)
+	cmd.Env = append(os.Environ(), proxyEnv+"="+target+","+oneWay.String())
+	cmd.Stderr = os.Stderr
+	stdin, err := cmd.StdinPipe()
+	if err != nil {
+		t.Fatalf("proxy: %v", err)
+	}
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatalf("proxy: %v", err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatalf("proxy: %v", err)
+	}
+	p := &Proxy{cmd: cmd, stdin: stdin}
 	t.Cleanup(p.Close)
-	go p.accept()
+	addr := make(chan string, 1)
+	go func() {
+		line, _ := bufio.NewReader(stdout).ReadString('\n')
+		addr <- strings.TrimSpace(line)
+	}()
+	select {
+	case p.Addr = <-addr:
+	case <-time.After(10 * time.Second):
+	}
+	if p.Addr == "" {
+		p.Close()
+		t.Fatalf("proxy: the proxy process did not report its address (did TestMain call RunProxyIfAsked?)")
+	}
 	return p
 }
 
-func (p *Proxy) accept() {
+// Close stops the proxy process, cutting every proxied connection.
+func (p *Proxy) Close() {
+	p.once.Do(func() {
+		_ = p.stdin.Close()
+		_ = p.cmd.Process.Kill()
+		_ = p.cmd.Wait()
+	})
+}
+
+// RunProxyIfAsked is to be called first in TestMain: in a process started
+// by StartProxy it runs the proxy, prints its address and exits when its
+// parent closes stdin or goes away; otherwise it returns at once.
+func RunProxyIfAsked() {
+	spec := os.Getenv(proxyEnv)
+	if spec == "" {
+		return
+	}
+	target, delay, _ := strings.Cut(spec, ",")
+	oneWay, err := time.ParseDuration(delay)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "proxy:", err)
+		os.Exit(2)
+	}
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "proxy:", err)
+		os.Exit(2)
+	}
+	p := &proxy{target: target, oneWay: oneWay, l: l}
+	go p.accept()
+	fmt.Println(l.Addr().String())
+	_, _ = io.Copy(io.Discard, os.Stdin)
+	os.Exit(0)
+}
+
+// proxy is the proxy process's state.
+type proxy struct {
+	target string
+	oneWay time.Duration
+	l      net.Listener
+}
+
+func (p *proxy) accept() {
 	for {
 		c, err := p.l.Accept()
 		if err != nil {
@@ -45,31 +127,14 @@ func (p *Proxy) accept() {
 	}
 }
 
-func (p *Proxy) serve(client net.Conn) {
+func (p *proxy) serve(client net.Conn) {
 	server, err := net.DialTimeout("tcp", p.target, 5*time.Second)
 	if err != nil {
 		client.Close()
 		return
 	}
-	if !p.track(client, server) {
-		return
-	}
 	go p.pump(server, client)
 	p.pump(client, server)
-}
-
-// track remembers a pair of connections for Close; false when closed.
-func (p *Proxy) track(cs ...net.Conn) bool {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	if p.closed {
-		for _, c := range cs {
-			c.Close()
-		}
-		return false
-	}
-	p.conns = append(p.conns, cs...)
-	return true
 }
 
 // chunk is what one read got, and when.
@@ -79,7 +144,7 @@ type chunk struct {
 }
 
 // pump copies src to dst, each chunk oneWay after it was read.
-func (p *Proxy) pump(src, dst net.Conn) {
+func (p *proxy) pump(src, dst net.Conn) {
 	defer src.Close()
 	defer dst.Close()
 	chunks := make(chan chunk, 4096)
@@ -109,18 +174,5 @@ func (p *Proxy) pump(src, dst net.Conn) {
 		_ = tcp.CloseWrite()
 	} else {
 		_, _ = io.Copy(io.Discard, src)
-	}
-}
-
-// Close stops accepting and cuts every proxied connection.
-func (p *Proxy) Close() {
-	p.mu.Lock()
-	p.closed = true
-	conns := p.conns
-	p.conns = nil
-	p.mu.Unlock()
-	p.l.Close()
-	for _, c := range conns {
-		c.Close()
 	}
 }
