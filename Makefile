@@ -41,8 +41,9 @@ demo: redis-server
 	$(GO) run ./cmd/demo
 
 # What the limiter costs: plain Caddy against rate_limit (Redis, in-process,
-# an abusive identity, two policies) under wrk, side by side in one run, then
-# the Go benchmarks of the decision path with allocations per operation.
+# an abusive identity with and without Retry-After pacing, two policies, a
+# settle, a concurrency slot) under wrk, side by side in one run, then the Go
+# benchmarks of the decision path with allocations per operation.
 bench: redis-server wrk
 	$(GO) run ./cmd/bench
 	$(GO) test -run '^$$' -bench . -benchmem -count 3 .

@@ -1,8 +1,9 @@
 // Command bench measures what the limiter costs, side by side with plain
-// Caddy in one run: seven Caddy instances (plain `respond`; rate_limit with
+// Caddy in one run: eight Caddy instances (plain `respond`; rate_limit with
 // Redis and 10,000 identities, nothing denied; the same in-process; one
 // abusive identity, nearly everything denied; two policies per request; a
-// reservation settled after the response; a concurrency slot) are
+// reservation settled after the response; a concurrency slot; the abusive
+// identity again with Retry-After pacing off) are
 // loaded in turn with wrk, round after round, each run of a limited one
 // paired with a run of plain Caddy next to it; the medians of the pairs'
 // ratios are the results. It also reads Redis's own cost per script call,
@@ -44,7 +45,7 @@ var (
 	duration    = flag.Duration("duration", 5*time.Second, "wrk run per scenario and round")
 	connections = flag.Int("connections", 32, "wrk connections")
 	threads     = flag.Int("threads", 2, "wrk threads")
-	only        = flag.String("only", "abcdefg", "scenarios to run (plain Caddy, (a), always runs); the latency and key-size parts need b and d")
+	only        = flag.String("only", "abcdefgh", "scenarios to run (plain Caddy, (a), always runs); the latency and key-size parts need b and d")
 )
 
 // scenario is one Caddy configuration under load.
@@ -149,6 +150,11 @@ func main() {
 		// A concurrency slot taken and freed per request.
 		{name: "g", label: "rate_limit, Redis, concurrent, 10,000 identities", redis: true, script: identities, handler: limiter(true,
 			map[string]any{"name": "slots", "key": "{http.request.header.X-User}", "concurrent": 100})},
+		// (d) with pacing off: the first denial of each of wrk's new
+		// connections is not held (see docs/http.md), so the two side by
+		// side show what pacing costs a client that ignores Retry-After.
+		{name: "h", label: "rate_limit, Redis, one abusive identity, jitter 0", redis: true, script: abuser, handler: withJitter0(limiter(true,
+			map[string]any{"name": "per_user", "key": "{http.request.header.X-User}", "rate": "10/1s", "burst": 10}))},
 	}
 	byName := map[string]*scenario{}
 	kept := scenarios[:0]
@@ -492,4 +498,10 @@ func median(v []float64) float64 {
 		return c[len(c)/2]
 	}
 	return (c[len(c)/2-1] + c[len(c)/2]) / 2
+}
+
+// withJitter0 turns Retry-After pacing off in a rate_limit handler.
+func withJitter0(h map[string]any) map[string]any {
+	h["jitter"] = 0
+	return h
 }
