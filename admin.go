@@ -146,29 +146,27 @@ func (adminAPI) bucket(ctx context.Context, action string, def definition, req a
 	if p.Concurrent > 0 {
 		return adminAPI{}.slots(ctx, action, def, req, key)
 	}
-	rq := bucketRequest{key: key, limit: p.limit, op: opInspect}
+	// A grant reads the bucket and gives the tokens back in one decision:
+	// each of its buckets reads the state from before it, so the first says
+	// what the grant found, atomically.
+	inspect := bucketRequest{key: key, limit: p.limit, op: opInspect}
+	reqs := []bucketRequest{inspect}
 	switch action {
 	case "reset":
-		rq.op = opReset
+		reqs[0].op = opReset
 	case "grant":
 		if req.Tokens < 1 || req.Tokens > maxJSONInteger {
 			return nil, apiError(http.StatusBadRequest, "tokens: %d is not a positive integer", req.Tokens)
 		}
-		rq.op, rq.delta = opAdjust, -req.Tokens
+		grant := inspect
+		grant.op, grant.delta = opAdjust, -req.Tokens
+		reqs = append(reqs, grant)
 	}
-	before := int64(0)
-	if action == "grant" {
-		d, err := h.store.decide(ctx, []bucketRequest{{key: key, limit: p.limit, op: opInspect}})
-		if err != nil {
-			return nil, storeAPIError(err)
-		}
-		before = d.verdicts[0].remaining
-	}
-	d, err := h.store.decide(ctx, []bucketRequest{rq})
+	d, err := h.store.decide(ctx, reqs)
 	if err != nil {
 		return nil, storeAPIError(err)
 	}
-	v := d.verdicts[0]
+	v := d.verdicts[len(reqs)-1]
 	st := &bucketState{
 		Policy: p.Name, Kind: p.kind(), Rate: p.Rate, Burst: p.limit.burst, Identity: req.Identity, Key: key, Store: h.storeName(),
 		Tokens: v.remaining, NextToken: seconds(v.untilFits), Full: seconds(p.limit.untilFull(v.remaining, v.untilFits)),
@@ -177,7 +175,7 @@ func (adminAPI) bucket(ctx context.Context, action string, def definition, req a
 		return st, nil
 	}
 	if action == "grant" {
-		st.Granted = v.remaining - before
+		st.Granted = v.remaining - d.verdicts[0].remaining
 	}
 	// The change is made; every instance forgets what it remembered of the
 	// bucket.

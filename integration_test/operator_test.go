@@ -149,6 +149,9 @@ func TestOperatorInspectAndGrant(t *testing.T) {
 		drainOn(t, []*instance{in}, "eve")
 		out := rateLimitCLI(t, in, "grant", "per_user", "eve", "3")
 		t.Logf("caddy rate-limit grant per_user eve 3: %s", strings.TrimSpace(out))
+		if !strings.Contains(out, "granted 3 tokens; 3 of 5") {
+			t.Errorf("grant 3 to a drained bucket says %q, want granted 3 tokens; 3 of 5", strings.TrimSpace(out))
+		}
 		got := []int{}
 		for range 4 {
 			got = append(got, get(t, in.URL, "X-User", "eve").status)
