@@ -239,11 +239,8 @@ func (p *Policy) check() error {
 	if burst > maxBucketSpan/interval {
 		return fieldErr("burst", "burst: %d tokens take too long to refill at %s", burst, p.Rate)
 	}
-	if p.Wait < 0 || time.Duration(p.Wait) > maxWait {
-		return fieldErr("wait", "wait: %s must be between 0 and %s", time.Duration(p.Wait), maxWait)
-	}
-	if p.MaxHeld < 0 || p.MaxHeld > maxHeld {
-		return fieldErr("max_held", "max_held: %d must be from 1 to %d", p.MaxHeld, maxHeld)
+	if err := p.checkWait(); err != nil {
+		return err
 	}
 	p.waitUS = int64(time.Duration(p.Wait) / time.Microsecond)
 	p.debt, p.settleMax = 0, 0
@@ -313,15 +310,24 @@ func (p *Policy) checkConcurrent() error {
 	if lease < minLease || lease > maxWait {
 		return fieldErr("lease", "lease: %s must be from %s to %s", lease, minLease, maxWait)
 	}
+	if err := p.checkWait(); err != nil {
+		return err
+	}
+	p.limit = limit{interval: int64(lease / time.Microsecond), burst: p.Concurrent}
+	p.fixedCost, p.maxCost, p.waitUS, p.debt, p.settleMax = 1, 1, 0, 0, 0
+	p.keyTmpl, p.costTmpl = newTemplate(p.Key), newTemplate("")
+	return nil
+}
+
+// checkWait checks wait and max_held, the same for rate and concurrency
+// policies.
+func (p *Policy) checkWait() error {
 	if p.Wait < 0 || time.Duration(p.Wait) > maxWait {
 		return fieldErr("wait", "wait: %s must be between 0 and %s", time.Duration(p.Wait), maxWait)
 	}
 	if p.MaxHeld < 0 || p.MaxHeld > maxHeld {
 		return fieldErr("max_held", "max_held: %d must be from 1 to %d", p.MaxHeld, maxHeld)
 	}
-	p.limit = limit{interval: int64(lease / time.Microsecond), burst: p.Concurrent}
-	p.fixedCost, p.maxCost, p.waitUS, p.debt, p.settleMax = 1, 1, 0, 0, 0
-	p.keyTmpl, p.costTmpl = newTemplate(p.Key), newTemplate("")
 	return nil
 }
 
