@@ -292,8 +292,8 @@ func unmarshalPolicy(d *caddyfile.Dispenser) (*Policy, error) {
 			}
 			p.Cost = caddyhttp.WeakString(args[0])
 			if len(args) == 3 {
-				n, err := strconv.ParseInt(args[2], 10, 64)
-				if err != nil || n < 1 {
+				n, ok := positive(args[2])
+				if !ok {
 					return nil, s.errf(d, "cost: max %q must be a positive integer", args[2])
 				}
 				p.MaxCost = n
@@ -347,8 +347,8 @@ func unmarshalPolicy(d *caddyfile.Dispenser) (*Policy, error) {
 				st.Field, args = args[0], args[1:]
 			}
 			if len(args) == 2 && args[0] == "max" {
-				n, err := strconv.ParseInt(args[1], 10, 64)
-				if err != nil || n < 1 {
+				n, ok := positive(args[1])
+				if !ok {
 					return nil, s.errf(d, "settle: max %q must be a positive integer", args[1])
 				}
 				st.Max, args = n, nil
@@ -492,12 +492,18 @@ func (s *section) positiveArg(d *caddyfile.Dispenser, dst *int64) error {
 	if err := s.oneArg(d, &v); err != nil {
 		return err
 	}
-	n, err := strconv.ParseInt(v, 10, 64)
-	if err != nil || n < 1 {
+	n, ok := positive(v)
+	if !ok {
 		return s.errf(d, "%s: %q must be a positive integer", sub, v)
 	}
 	*dst = n
 	return nil
+}
+
+// positive parses a positive integer.
+func positive(v string) (int64, bool) {
+	n, err := strconv.ParseInt(v, 10, 64)
+	return n, err == nil && n >= 1
 }
 
 // durationArg reads a positive duration.
