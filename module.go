@@ -177,7 +177,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		return err
 	}
 	var err error
-	if h.store, h.closeStore, err = openStore(h.Redis, h.logger); err != nil {
+	if h.store, h.closeStore, err = openStore(h.Redis, h.keyPrefix, h.logger); err != nil {
 		return err
 	}
 	return nil

@@ -101,7 +101,7 @@ func (c RedisConfig) resolved() RedisConfig {
 }
 
 // poolKey identifies a connection: configs that connect the same way share
-// one client, which survives config reloads (see redisClients).
+// one client, which survives config reloads (see redisConns).
 func (c RedisConfig) poolKey() string {
 	c.KeyPrefix = "" // not a connection setting
 	b, _ := json.Marshal(c)

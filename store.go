@@ -1,7 +1,6 @@
 package ratelimit
 
 import (
-	"cmp"
 	"context"
 	"fmt"
 
@@ -21,8 +20,9 @@ type store interface {
 // openStore returns the store a handler's buckets live in: this process's
 // without a redis block; otherwise a Redis one, on a connection shared with
 // every config that connects the same way (so that it survives reloads,
-// circuit breaker and all). close releases the handler's use of it.
-func openStore(cfg *RedisConfig, logger *zap.Logger) (s store, close func() error, err error) {
+// circuit breaker and all), listening to the events of the buckets under
+// keyPrefix. close releases the handler's use of it.
+func openStore(cfg *RedisConfig, keyPrefix string, logger *zap.Logger) (s store, close func() error, err error) {
 	if cfg == nil {
 		return processMemory, func() error { return nil }, nil
 	}
@@ -40,8 +40,7 @@ func openStore(cfg *RedisConfig, logger *zap.Logger) (s store, close func() erro
 		return nil, nil, fmt.Errorf("redis: %v", err)
 	}
 	rs := &redisStore{conn: v.(*redisConn)}
-	prefix := cmp.Or(rc.KeyPrefix, defaultKeyPrefix)
-	rs.conn.watch(prefix)
+	rs.conn.watch(keyPrefix)
 	released := false
 	return rs, func() error {
 		if released {
