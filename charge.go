@@ -19,7 +19,7 @@ import (
 // settles it against the usage the response reports: the difference is
 // given back, or charged as debt. The charge or settle of a request is one
 // script call once its handler chain returns, on the store that admitted
-// it.
+// it (reservation.decidedBy).
 
 // Settle takes a policy's true cost from the response.
 type Settle struct {
@@ -242,12 +242,8 @@ func (h *Handler) charge(ctx context.Context, w http.ResponseWriter, rs *request
 	if len(reqs) == 0 {
 		return
 	}
-	st := h.store
-	if res.outcome == outcomeLocalAllowed {
-		st = localFallback
-	}
 	// The charge is owed even if the client went away.
-	d, serr := st.decide(context.WithoutCancel(ctx), reqs)
+	d, serr := res.decidedBy.decide(context.WithoutCancel(ctx), reqs)
 	if serr != nil {
 		for _, i := range charged {
 			res.shown[i].chargesLost.Inc()

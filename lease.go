@@ -255,9 +255,9 @@ func (h *Handler) waitForSlot(r *http.Request, res *reservation, d decision) (de
 	}
 }
 
-// takeSlots records the slots an admitted request holds: renewed while it
-// runs, freed by release.
-func (h *Handler) takeSlots(res *reservation, st store) {
+// takeSlots records the slots an admitted request holds in the store that
+// decided it: renewed while it runs, freed by release.
+func (res *reservation) takeSlots() {
 	res.leases = res.leasebuf[:0]
 	for i, p := range res.shown {
 		rq := res.shownReqs[i]
@@ -277,8 +277,7 @@ func (h *Handler) takeSlots(res *reservation, st store) {
 	if len(res.leases) == 0 {
 		return
 	}
-	res.leaseStore = st
-	if rs, ok := st.(*redisStore); ok {
+	if rs, ok := res.decidedBy.(*redisStore); ok {
 		rs.conn.hold(res.leases)
 	}
 }
@@ -296,12 +295,12 @@ func (res *reservation) freeSlots() {
 		rels = append(rels, rq)
 		l.policy.inFlight.Dec()
 	}
-	if rs, ok := res.leaseStore.(*redisStore); ok {
+	if rs, ok := res.decidedBy.(*redisStore); ok {
 		rs.conn.drop(res.leases)
 	}
 	// A slot not freed (the store unreachable) comes back when its lease
 	// expires.
-	_, _ = res.leaseStore.decide(context.Background(), rels)
+	_, _ = res.decidedBy.decide(context.Background(), rels)
 	for _, rq := range rels {
 		slotQueues.wake(rq.key)
 	}

@@ -56,6 +56,10 @@ type reservation struct {
 	reqs     []bucketRequest
 	d        decision
 	outcome  outcome
+	// decidedBy is the store that decided the request, which holds its
+	// slots and takes its charges after the response: the handler's, or the
+	// `local` fallback while that failed; nil when nothing decided it.
+	decidedBy store
 	// shown are the policies the decision's verdicts are of, in order, and
 	// their requests: all the policies, the `local` ones when the store
 	// failed, none for fail_open.
@@ -77,9 +81,8 @@ type reservation struct {
 	outerPolicyField, outerLimitField string
 	fieldsSent                        bool
 
-	// leases are the concurrency slots the request holds, in leaseStore.
-	leases     []lease
-	leaseStore store
+	// leases are the concurrency slots the request holds, in decidedBy.
+	leases []lease
 
 	pbuf, placebuf, holdbuf [4]*Policy
 	rbuf                    [4]bucketRequest
@@ -151,10 +154,10 @@ func (h *Handler) reserve(r *http.Request, res *reservation) {
 		h.withoutStore(r, res)
 		return
 	}
-	res.d, res.shown, res.shownReqs = d, res.policies, res.reqs
+	res.d, res.shown, res.shownReqs, res.decidedBy = d, res.policies, res.reqs, h.store
 	count(res.policies, d, outcomeAllowed, outcomeDenied)
 	if d.admitted {
-		h.takeSlots(res, h.store)
+		res.takeSlots()
 	}
 	switch {
 	case !d.admitted:
@@ -194,13 +197,13 @@ func (h *Handler) withoutStore(r *http.Request, res *reservation) {
 	res.d, res.shown, res.shownReqs, res.outcome = decision{admitted: true}, nil, nil, outcomeFailOpen
 	if len(local) > 0 {
 		res.d, _ = localFallback.decide(r.Context(), local)
-		res.shown, res.shownReqs, res.identities = localPolicies, local, localIdentities
+		res.shown, res.shownReqs, res.identities, res.decidedBy = localPolicies, local, localIdentities, localFallback
 		count(localPolicies, res.d, outcomeLocalAllowed, outcomeLocalDenied)
 		res.outcome = outcomeLocalAllowed
 		if !res.d.admitted {
 			res.outcome = outcomeLocalDenied
 		} else {
-			h.takeSlots(res, localFallback)
+			res.takeSlots()
 		}
 	}
 	for _, p := range res.policies {
