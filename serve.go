@@ -228,8 +228,7 @@ func (h *Handler) localRequest(rq bucketRequest) bucketRequest {
 }
 
 // holdUntilDue holds an admitted request until the time its `wait`
-// reserved. It
-// returns false when the client went away first.
+// reserved. It returns false when the client went away first.
 func (res *reservation) holdUntilDue(r *http.Request) bool {
 	res.holding = res.holdbuf[:0]
 	for _, p := range res.places {
@@ -330,19 +329,11 @@ func (h *Handler) deny(w http.ResponseWriter, r *http.Request, rs *requestState,
 		}
 	}
 	var ra int64
-	if wait != neverFits && key == "" {
-		ra = retryAfter(wait, h.jitter)
-		w.Header().Set("Retry-After", strconv.FormatInt(ra, 10))
-	} else if wait != neverFits {
-		var hold time.Duration
-		ra, hold = pacing.pace(r.RemoteAddr, key, wait, stride, h.jitter)
-		if hold > 0 {
-			pacing.holdDenial(r, hold)
-			for i := range res.d.verdicts {
-				if v := &res.d.verdicts[i]; !v.allowed && v.untilFits != neverFits {
-					v.untilFits = max(0, v.untilFits-hold.Microseconds())
-				}
-			}
+	if wait != neverFits { // a request that can never fit gets no Retry-After
+		if key == "" {
+			ra = retryAfter(wait, h.jitter)
+		} else {
+			ra = res.paced(r, key, wait, stride, h.jitter)
 		}
 		w.Header().Set("Retry-After", strconv.FormatInt(ra, 10))
 	}
@@ -357,6 +348,23 @@ func (h *Handler) deny(w http.ResponseWriter, r *http.Request, rs *requestState,
 		return writeProblemBody(w, http.StatusTooManyRequests, denier.deniedBody)
 	}
 	return writeProblem(w, quotaExceeded(violated))
+}
+
+// paced is the Retry-After of a denial on the bucket under key, from its
+// calendar (see pacing.go), once the response has been held the fraction
+// of a second that puts the client's return on its turn. The waits the
+// RateLimit field reports are shorter by that hold.
+func (res *reservation) paced(r *http.Request, key string, wait, stride int64, jitter float64) int64 {
+	ra, hold := pacing.pace(r.RemoteAddr, key, wait, stride, jitter)
+	if hold > 0 {
+		pacing.holdDenial(r, hold)
+		for i := range res.d.verdicts {
+			if v := &res.d.verdicts[i]; !v.allowed && v.untilFits != neverFits {
+				v.untilFits = max(0, v.untilFits-hold.Microseconds())
+			}
+		}
+	}
+	return ra
 }
 
 // errStoreUnavailable is the error of a fail_closed 503 handed to a site's
