@@ -64,6 +64,15 @@ func slotGroups(reqs []bucketRequest) [][]int {
 	return groups
 }
 
+// pick is the requests of one slot group.
+func pick(reqs []bucketRequest, idx []int) []bucketRequest {
+	out := make([]bucketRequest, len(idx))
+	for k, i := range idx {
+		out[k] = reqs[i]
+	}
+	return out
+}
+
 // decideAcrossSlots decides a request whose buckets span several slots.
 func (s *redisStore) decideAcrossSlots(ctx context.Context, reqs []bucketRequest, groups [][]int) (decision, error) {
 	parts := make([]decision, len(groups))
@@ -73,11 +82,7 @@ func (s *redisStore) decideAcrossSlots(ctx context.Context, reqs []bucketRequest
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			sub := make([]bucketRequest, len(idx))
-			for k, i := range idx {
-				sub[k] = reqs[i]
-			}
-			parts[g], errs[g] = s.decideInOneCall(ctx, sub)
+			parts[g], errs[g] = s.decideInOneCall(ctx, pick(reqs, idx))
 		}()
 	}
 	wg.Wait()

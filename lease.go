@@ -118,11 +118,7 @@ func (c *redisConn) renew() {
 		if c.cluster {
 			groups = nil
 			for _, idx := range slotGroups(due) {
-				var g []bucketRequest
-				for _, i := range idx {
-					g = append(g, due[i])
-				}
-				groups = append(groups, g)
+				groups = append(groups, pick(due, idx))
 			}
 		}
 		for _, g := range groups {
