@@ -60,9 +60,9 @@ type Handler struct {
 
 	// How far Retry-After is spread, as a fraction (0.2 = 20%), so denied
 	// clients do not return together; never below the true wait. With it,
-	// clients that honour Retry-After are paced: given return slots at the
+	// clients that honour Retry-After are paced: given return turns at the
 	// rate the bucket refills, the denial answered at the fraction of a
-	// second that lands them on their slot. 0 turns both off. Default 0.2.
+	// second that lands them on their turn. 0 turns both off. Default 0.2.
 	Jitter *float64 `json:"jitter,omitempty"`
 
 	// The RateLimit fields sent on responses: `draft` (RateLimit-Policy and
@@ -78,7 +78,7 @@ type Handler struct {
 	// `on_error local` gives each instance 1/instances of every policy's
 	// rate and burst (at least one token), so that the fleet together stays
 	// within the budget; and Retry-After pacing spaces each instance's
-	// return slots by instances tokens. Default 1.
+	// return turns by instances tokens. Default 1.
 	Instances int `json:"instances,omitempty"`
 
 	// The budgets. Every policy that matches a request takes part in its

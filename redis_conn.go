@@ -171,7 +171,7 @@ var errorFixes = map[string]string{
 // Events between instances, on the Redis channel <key_prefix>events: a
 // message is "<event> <storage key>". "changed": an operator changed the
 // bucket (a reset, a grant): every instance forgets what it remembers of
-// it (deny cache, return slots), at once rather than within denyMaxAge.
+// it (deny cache, return turns), at once rather than within denyMaxAge.
 // "freed": a concurrency slot was freed: the requests waiting for one try.
 type redisEvents struct {
 	mu       sync.Mutex

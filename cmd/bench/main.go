@@ -134,12 +134,12 @@ func main() {
 		return h
 	}
 	perUser := map[string]any{"name": "per_user", "key": "{http.request.header.X-User}", "rate": "100000/1s"}
+	abusive := map[string]any{"name": "per_user", "key": "{http.request.header.X-User}", "rate": "10/1s", "burst": 10}
 	scenarios := []*scenario{
 		{name: "a", label: "plain Caddy respond", script: identities},
 		{name: "b", label: "rate_limit, Redis, 10,000 identities", redis: true, script: identities, handler: limiter(true, perUser)},
 		{name: "c", label: "rate_limit, in-process, 10,000 identities", script: identities, handler: limiter(false, perUser)},
-		{name: "d", label: "rate_limit, Redis, one abusive identity", redis: true, script: abuser, handler: limiter(true,
-			map[string]any{"name": "per_user", "key": "{http.request.header.X-User}", "rate": "10/1s", "burst": 10})},
+		{name: "d", label: "rate_limit, Redis, one abusive identity", redis: true, script: abuser, handler: limiter(true, abusive)},
 		{name: "e", label: "rate_limit, Redis, two policies", redis: true, script: identities, handler: limiter(true, perUser,
 			map[string]any{"name": "global", "key": "global", "rate": "1000000/1s"})},
 		// A reservation of 10 tokens settled against the 3 the response
@@ -153,8 +153,7 @@ func main() {
 		// (d) with pacing off: the first denial of each of wrk's new
 		// connections is not held (see docs/http.md), so the two side by
 		// side show what pacing costs a client that ignores Retry-After.
-		{name: "h", label: "rate_limit, Redis, one abusive identity, jitter 0", redis: true, script: abuser, handler: withJitter0(limiter(true,
-			map[string]any{"name": "per_user", "key": "{http.request.header.X-User}", "rate": "10/1s", "burst": 10}))},
+		{name: "h", label: "rate_limit, Redis, one abusive identity, jitter 0", redis: true, script: abuser, handler: withJitter0(limiter(true, abusive))},
 	}
 	byName := map[string]*scenario{}
 	kept := scenarios[:0]
