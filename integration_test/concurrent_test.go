@@ -261,7 +261,12 @@ func TestConcurrentDisconnect(t *testing.T) {
 	}
 	wctx, wcancel := context.WithCancel(context.Background())
 	go func() { _, _ = send(wctx, in, "queue", 0) }()
-	time.Sleep(50 * time.Millisecond)
+	// The waiter is in the queue before it goes away.
+	for deadline := time.Now().Add(2 * time.Second); metricValue(t, in, "caddy_rate_limit_waiting", map[string]string{"policy": "exports"}) < 1; time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the waiter was not waiting within 2s")
+		}
+	}
 	wcancel()
 	stay := make(chan time.Time)
 	go func() {
@@ -357,10 +362,12 @@ func TestConcurrentWithRate(t *testing.T) {
 	if b := inspect(t, in, "per_user", "pat"); b.Tokens != 1 {
 		t.Fatalf("denied a slot, the rate bucket has %d tokens, want 1 (charged once, by the long request)", b.Tokens)
 	}
-	for up.now("pat") == 1 {
-		time.Sleep(5 * time.Millisecond)
+	// The long request ends: its slot is freed once its handler returns.
+	for deadline := time.Now().Add(2 * time.Second); inUse() != 0; time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the long request's slot was not freed within 2s of it ending")
+		}
 	}
-	time.Sleep(50 * time.Millisecond)
 	if status, _ := send(context.Background(), in, "pat", 0); status != 200 {
 		t.Fatalf("second: %d", status)
 	}
