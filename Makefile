@@ -13,17 +13,19 @@ build:
 	$(GO) build -o bin/caddy ./cmd/caddy
 
 # The build of xcaddy.md, from this checkout (whose module need not be
-# published: the @v0.0.0 stops xcaddy asking the module proxy for a
-# published version): xcaddy from the Go module proxy, then Caddy with the
-# module, then a check that the module is in the binary. A cold build takes
-# minutes.
+# published: the @<version>=<path> stops xcaddy asking the module proxy for
+# a published version, and is the version list-modules shows): xcaddy from
+# the Go module proxy, then Caddy with the module, then a check that the
+# module and its version are in the binary. A cold build takes minutes.
 XCADDY_CADDY ?= v2.11.9
+# The module's version (version.go), which list-modules --versions shows.
+VERSION := $(shell sed -n 's/^const Version = "\(.*\)"/\1/p' version.go)
 xcaddy:
 	$(GO) install github.com/caddyserver/xcaddy/cmd/xcaddy@v0.4.5
 	mkdir -p bin
 	cd "$$(mktemp -d)" && "$$($(GO) env GOPATH)/bin/xcaddy" build $(XCADDY_CADDY) \
-		--with github.com/ratelimit-caddy/caddy-ratelimit@v0.0.0=$(CURDIR) --output $(CURDIR)/bin/caddy-xcaddy
-	bin/caddy-xcaddy list-modules | grep -x http.handlers.rate_limit
+		--with github.com/ratelimit-caddy/caddy-ratelimit@$(VERSION)=$(CURDIR) --output $(CURDIR)/bin/caddy-xcaddy
+	bin/caddy-xcaddy list-modules --versions | grep -x 'http.handlers.rate_limit $(VERSION)'
 
 # Every test: formatting, vet, the package under the race detector, and the
 # integration tests that run the built Caddy against real redis-server

@@ -7,6 +7,7 @@ package ratelimit
 import (
 	"fmt"
 	"strings"
+	"sync"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
@@ -110,6 +111,9 @@ func (Handler) CaddyModule() caddy.ModuleInfo {
 
 const defaultJitter = 0.2
 
+// announceVersion logs the module's version once per process.
+var announceVersion sync.Once
+
 // Bounds of numeric settings, well beyond any real deployment.
 const (
 	maxInstances = 10_000
@@ -120,6 +124,7 @@ const (
 // Provision sets up the handler: its defaults, its policies and its store.
 func (h *Handler) Provision(ctx caddy.Context) error {
 	h.logger = ctx.Logger()
+	announceVersion.Do(func() { h.logger.Info("rate_limit module", zap.String("version", Version)) })
 	if err := registerMetrics(ctx); err != nil {
 		return err
 	}
