@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
+	"github.com/redis/go-redis/v9"
 	"go.uber.org/zap"
 )
 
@@ -33,6 +34,8 @@ func init() {
 //	POST /rate_limit/reset   {"policy": "<name>", "identity": "<id>"}
 //	POST /rate_limit/grant   {"policy": "<name>", "identity": "<id>", "tokens": <n>}
 //	GET  /rate_limit/top?policy=<name>&n=<n>
+//	GET  /rate_limit/format
+//	POST /rate_limit/format  {"format": "v1" | "v2"}
 type adminAPI struct{}
 
 // CaddyModule returns the Caddy module information.
@@ -84,9 +87,12 @@ type bucketState struct {
 
 func (a adminAPI) serve(w http.ResponseWriter, r *http.Request) error {
 	action := strings.TrimPrefix(r.URL.Path, "/rate_limit/")
+	if action == "format" {
+		return a.format(w, r)
+	}
 	method := map[string]string{"inspect": http.MethodGet, "top": http.MethodGet, "reset": http.MethodPost, "grant": http.MethodPost}[action]
 	if method == "" {
-		return apiError(http.StatusNotFound, "no such rate_limit endpoint %q: use inspect, reset, grant or top", action)
+		return apiError(http.StatusNotFound, "no such rate_limit endpoint %q: use inspect, reset, grant, top or format", action)
 	}
 	if r.Method != method {
 		return apiError(http.StatusMethodNotAllowed, "%s takes %s", action, method)
@@ -262,3 +268,71 @@ func storeAPIError(err error) error {
 
 // Interface guard.
 var _ caddy.AdminRouter = (*adminAPI)(nil)
+
+// formatAnswer is what /rate_limit/format answers: for each Redis (and
+// key prefix) of the loaded config, the fleet marker and the format this
+// instance writes buckets in.
+type formatAnswer struct {
+	Stores []storeFormat `json:"stores"`
+}
+
+type storeFormat struct {
+	Store string `json:"store"`
+	// Marker is the fleet's marker: "v2" once set, "v1" otherwise.
+	Marker string `json:"marker"`
+	// Writes is the format this instance writes buckets in.
+	Writes string `json:"writes"`
+}
+
+// format shows, or sets, the fleet marker of every Redis store of the
+// loaded config (see upgrade.go).
+func (adminAPI) format(w http.ResponseWriter, r *http.Request) error {
+	var set string
+	switch r.Method {
+	case http.MethodGet:
+	case http.MethodPost:
+		var req struct {
+			Format string `json:"format"`
+		}
+		body, err := io.ReadAll(io.LimitReader(r.Body, 1<<16))
+		if err == nil {
+			err = json.Unmarshal(body, &req)
+		}
+		if err != nil || req.Format != markerV1 && req.Format != markerV2 {
+			return apiError(http.StatusBadRequest, `the body is not {"format": "v1"} or {"format": "v2"}`)
+		}
+		set = req.Format
+	default:
+		return apiError(http.StatusMethodNotAllowed, "format takes GET or POST")
+	}
+	var answer formatAnswer
+	seen := map[string]bool{}
+	for _, h := range budgets.handlers() {
+		rs, ok := h.store.(*redisStore)
+		if !ok || seen[h.storeName()] {
+			continue
+		}
+		seen[h.storeName()] = true
+		ctx := r.Context()
+		if set != "" {
+			if err := rs.conn.setFormat(ctx, h.keyPrefix, set); err != nil {
+				return storeAPIError(err)
+			}
+			rs.conn.readFormat()
+			h.logger.Info("rate limit storage format set", zap.String("store", h.storeName()), zap.String("format", set))
+		}
+		marker, err := rs.conn.client.Get(ctx, formatMarker(h.keyPrefix)).Result()
+		if err != nil && !errors.Is(err, redis.Nil) {
+			return storeAPIError(err)
+		}
+		if marker != markerV2 {
+			marker = markerV1
+		}
+		answer.Stores = append(answer.Stores, storeFormat{Store: h.storeName(), Marker: marker, Writes: formatName(int(rs.conn.format.Load()))})
+	}
+	if len(answer.Stores) == 0 {
+		return apiError(http.StatusNotFound, "the loaded config has no rate_limit handler with a redis block")
+	}
+	w.Header().Set("Content-Type", "application/json")
+	return json.NewEncoder(w).Encode(answer)
+}

@@ -106,3 +106,21 @@ func (b *budgetBook) find(name string) (definition, bool) {
 	}
 	return definition{}, false
 }
+
+// handlers returns the handlers of the config loaded last.
+func (b *budgetBook) handlers() []*Handler {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if len(b.order) == 0 {
+		return nil
+	}
+	var hs []*Handler
+	for _, defs := range b.configs[b.order[len(b.order)-1]] {
+		for _, d := range defs {
+			if !slices.Contains(hs, d.handler) {
+				hs = append(hs, d.handler)
+			}
+		}
+	}
+	return hs
+}

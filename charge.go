@@ -187,7 +187,11 @@ func (h *Handler) charge(ctx context.Context, w http.ResponseWriter, rs *request
 		return
 	}
 	if !aw.wroteHeader {
-		// No response was written: a Caddy error's status stands for it.
+		// No response was written: a Caddy error's status stands for it, or,
+		// when the client went away first, no response at all: a charge_if
+		// attempt then keeps its charge (aborting must not be a way to try
+		// for free).
+		gone := ctx.Err() != nil
 		status := http.StatusInternalServerError
 		var he caddyhttp.HandlerError
 		if errors.As(err, &he) && he.StatusCode != 0 {
@@ -196,6 +200,11 @@ func (h *Handler) charge(ctx context.Context, w http.ResponseWriter, rs *request
 			status = http.StatusOK
 		}
 		res.responseKnown(status, w.Header())
+		for k := range res.after {
+			if gone && res.shown[res.after[k].i].ChargeIf != nil {
+				res.after[k].charge = true
+			}
+		}
 		if res.fieldsSent {
 			h.writeFields(w.Header(), rs, res, true) // Caddy writes the error's response with them
 		}
@@ -208,10 +217,10 @@ func (h *Handler) charge(ctx context.Context, w http.ResponseWriter, rs *request
 		delta := int64(0)
 		switch {
 		case p.ChargeIf != nil:
-			if !a.charge {
-				continue
+			if a.charge {
+				continue // the reservation is the charge
 			}
-			delta = rq.cost
+			delta = -rq.cost // a response that does not match owes nothing
 		default:
 			switch p.Settle.From {
 			case settleTrailer:
@@ -260,22 +269,37 @@ func (h *Handler) charge(ctx context.Context, w http.ResponseWriter, rs *request
 
 // predicted is what a charged-after policy's bucket holds once this
 // response's own charge is made, as far as it is known when the headers
-// are written.
-func (res *reservation) predicted(i int) int64 {
-	v := res.d.verdicts[i].remaining
+// are written: its whole tokens, and the µs until the next (0 when full).
+func (res *reservation) predicted(i int) (remaining, untilNext int64) {
+	v := res.d.verdicts[i]
 	for _, a := range res.after {
 		if a.i != i {
 			continue
 		}
 		p, rq := res.shown[i], res.shownReqs[i]
 		switch {
-		case p.ChargeIf != nil && a.charge:
-			return v - rq.cost
+		case p.ChargeIf != nil && !a.charge:
+			return p.limit.adjusted(v, -rq.cost)
 		case p.Settle != nil && a.settled:
-			return min(v-(a.usage-rq.cost), p.limit.burst)
+			return p.limit.adjusted(v, a.usage-rq.cost)
 		}
 	}
-	return v
+	return v.remaining, v.untilFits
+}
+
+// adjusted is what a bucket of verdict v holds after delta more tokens are
+// charged (given back when negative): whole tokens move the time to the
+// next token only when the bucket becomes full (none), or was full (a whole
+// interval: a full bucket holds no fraction of a token).
+func (l limit) adjusted(v verdict, delta int64) (remaining, untilNext int64) {
+	remaining, untilNext = v.remaining-delta, v.untilFits
+	switch {
+	case remaining >= l.burst:
+		return l.burst, 0
+	case untilNext == 0 && delta != 0:
+		untilNext = l.interval
+	}
+	return remaining, untilNext
 }
 
 // describe is the Caddyfile form of a settle, for messages.

@@ -37,7 +37,7 @@ func TestClusterDecisions(t *testing.T) {
 		}
 	}
 
-	conn, err := newRedisConn(RedisConfig{Addresses: c.Addrs(), Cluster: true, Timeout: 0}.resolved(), zap.NewNop())
+	conn, err := newRedisConn(RedisConfig{Addresses: c.Addrs(), Cluster: true, Timeout: testTimeout}.resolved(), zap.NewNop())
 	if err != nil {
 		t.Fatal(err)
 	}

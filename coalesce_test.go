@@ -40,7 +40,7 @@ func scriptCalls(t *testing.T, srv *testredis.Server) int {
 // down to 0, each once.
 func TestCoalescedDecisions(t *testing.T) {
 	srv := testredis.Start(t)
-	conn, err := newRedisConn(RedisConfig{Addresses: []string{srv.Addr}}.resolved(), zap.NewNop())
+	conn, err := newRedisConn(RedisConfig{Addresses: []string{srv.Addr}, Timeout: testTimeout}.resolved(), zap.NewNop())
 	if err != nil {
 		t.Fatal(err)
 	}

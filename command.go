@@ -23,7 +23,7 @@ import (
 func init() {
 	caddycmd.RegisterCommand(caddycmd.Command{
 		Name:  "rate-limit",
-		Usage: "inspect|reset|grant|top [--address <interface>] [--config <path> [--adapter <name>]] [--json]",
+		Usage: "inspect|reset|grant|top|format [--address <interface>] [--config <path> [--adapter <name>]] [--json]",
 		Short: "Inspects and resets the rate_limit buckets of a running Caddy",
 		Long: `
 Answers "why is this customer blocked, and can you unblock them?" through the
@@ -33,6 +33,8 @@ admin API of a running Caddy:
   caddy rate-limit reset   <policy> <identity>           a full bucket, on every instance at once
   caddy rate-limit grant   <policy> <identity> <tokens>  gives tokens back
   caddy rate-limit top     <policy> [n]                  the identities this instance denied most in the last 5 minutes
+  caddy rate-limit format  [v1|v2]                       the fleet's storage format: v2 once every instance runs
+                                                         v0.3.0 or later, v1 before rolling back (docs/redis.md)
 
 The identity is the raw value the policy's key resolves to (an API key, a
 user id, an IP address); it is hashed as the handler hashes it. With Redis,
@@ -55,6 +57,8 @@ otherwise from the config given with --config, otherwise the default.
 					Args: cobra.ExactArgs(3), RunE: rateLimitCommand("grant")},
 				&cobra.Command{Use: "top <policy> [n]", Short: "Lists the identities this instance denied most in the last 5 minutes",
 					Args: cobra.RangeArgs(1, 2), RunE: rateLimitCommand("top")},
+				&cobra.Command{Use: "format [v1|v2]", Short: "Shows or sets the format the fleet stores buckets in (see docs/redis.md, Upgrading)",
+					Args: cobra.RangeArgs(0, 1), RunE: rateLimitCommand("format")},
 			)
 		},
 	})
@@ -73,13 +77,25 @@ func rateLimitCommand(action string) func(*cobra.Command, []string) error {
 		if err != nil {
 			return fmt.Errorf("finding the admin API: %v", err)
 		}
-		req := adminRequest{Policy: args[0]}
+		var req adminRequest
+		if len(args) > 0 && action != "format" {
+			req.Policy = args[0]
+		}
 		if len(args) > 1 && action != "top" {
 			req.Identity = args[1]
 		}
 		var method, uri string
 		var body io.Reader
 		switch action {
+		case "format":
+			method, uri = http.MethodGet, "/rate_limit/format"
+			if len(args) == 1 {
+				if args[0] != markerV1 && args[0] != markerV2 {
+					return fmt.Errorf("format: %q is not v1 or v2", args[0])
+				}
+				method = http.MethodPost
+				body = bytes.NewReader([]byte(`{"format":"` + args[0] + `"}`))
+			}
 		case "inspect", "top":
 			method = http.MethodGet
 			q := url.Values{"policy": {req.Policy}}
@@ -120,6 +136,16 @@ func rateLimitCommand(action string) func(*cobra.Command, []string) error {
 
 // printAnswer writes an admin API answer for a person.
 func printAnswer(w io.Writer, action string, raw []byte) error {
+	if action == "format" {
+		var f formatAnswer
+		if err := json.Unmarshal(raw, &f); err != nil {
+			return err
+		}
+		for _, st := range f.Stores {
+			fmt.Fprintf(w, "%s: fleet marker %s; this instance writes %s.\n", st.Store, st.Marker, st.Writes)
+		}
+		return nil
+	}
 	if action == "top" {
 		var t topAnswer
 		if err := json.Unmarshal(raw, &t); err != nil {

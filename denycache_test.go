@@ -167,7 +167,7 @@ func TestDenyCacheNeverWrong(t *testing.T) {
 	srv := testredis.Start(t)
 	var stores []*redisStore
 	for range 4 {
-		conn, err := newRedisConn(RedisConfig{Addresses: []string{srv.Addr}, PoolSize: 8}.resolved(), zap.NewNop())
+		conn, err := newRedisConn(RedisConfig{Addresses: []string{srv.Addr}, PoolSize: 8, Timeout: testTimeout}.resolved(), zap.NewNop())
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -94,11 +94,13 @@ type Policy struct {
 	MaxHeld int `json:"max_held,omitempty"`
 
 	// Charges only the responses that match this response matcher (status
-	// codes or classes such as 4xx, headers), e.g. failed logins. Before the
-	// request the policy only checks: the request is denied when the bucket
-	// cannot cover its cost; nothing is charged. A matching response charges
-	// the cost, if need be into debt (at most a burst below empty), which
-	// refills at the rate. A request whose handler fails with a Caddy error
+	// codes or classes such as 4xx, headers), e.g. failed logins. The cost
+	// is reserved before the request, as any policy charges it: the request
+	// is denied when the bucket cannot cover it, so an attacker's parallel
+	// attempts are counted while they run, and at most burst of them reach
+	// the handlers behind. A response that does not match gives the cost
+	// back; a matching one, or a request whose client went away before any
+	// response, keeps it. A request whose handler fails with a Caddy error
 	// is matched by the error's status.
 	ChargeIf *caddyhttp.ResponseMatcher `json:"charge_if,omitempty"`
 
@@ -249,9 +251,8 @@ func (p *Policy) check() error {
 		return fieldErr("settle", "charge_if and settle exclude each other: charge_if charges the cost of matching responses, settle the usage of every response")
 	case p.ChargeIf != nil:
 		if p.Wait != 0 {
-			return fieldErr("wait", "wait: a charge_if policy charges after the response, so it has no slot to reserve")
+			return fieldErr("wait", "wait: a charge_if policy gives back what a response does not owe, so it has no slot to reserve")
 		}
-		p.debt = burst // charges after the response may take it a burst below empty
 	case p.Settle != nil:
 		var err error
 		if p.settleMax, err = p.Settle.check(burst); err != nil {
@@ -392,16 +393,19 @@ func (p *Policy) provision(ctx caddy.Context, h *Handler) error {
 }
 
 // admissionOp is what the policy does to its bucket before the request:
-// take the cost, or, for charge_if, only check that it fits.
+// take a slot, or take the cost (which charge_if and settle may give back
+// after the response).
 func (p *Policy) admissionOp() bucketOp {
-	switch {
-	case p.Concurrent > 0:
+	if p.Concurrent > 0 {
 		return opAcquire
-	case p.ChargeIf != nil:
-		return opCheck
 	}
 	return opTake
 }
+
+// refundable reports whether the policy's buckets may be given tokens back
+// after the response (charge_if, settle): what a decision said of them is
+// then no lower bound on their state, and the deny cache leaves them alone.
+func (p *Policy) refundable() bool { return p.ChargeIf != nil || p.Settle != nil }
 
 // cost resolves what this request costs under the policy.
 func (p *Policy) cost(r *http.Request, repl *caddy.Replacer) int64 {

@@ -7,6 +7,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
@@ -47,10 +48,16 @@ type redisConn struct {
 	reported    redisReports
 	events      redisEvents
 	leases      leaseBook
+	// format is the format buckets are written in (format.go), from the
+	// fleet marker (upgrade.go); formatChanged asks to read the marker again.
+	format        atomic.Int32
+	formatChanged chan struct{}
+	closed        chan struct{}
 }
 
 func (c *redisConn) Destruct() error {
 	c.events.close()
+	close(c.closed)
 	return c.client.Close()
 }
 
@@ -69,7 +76,11 @@ func newRedisConn(c RedisConfig, logger *zap.Logger) (*redisConn, error) {
 		cluster:     c.Cluster,
 		callTimeout: c.dialTimeout() + 3*time.Duration(c.Timeout),
 		logger:      logger,
+
+		formatChanged: make(chan struct{}, 1),
+		closed:        make(chan struct{}),
 	}
+	conn.format.Store(formatV1)
 	conn.breaker = newBreaker(func(from, to breakerState) {
 		switch {
 		case to == breakerOpen && from == breakerClosed:
@@ -90,6 +101,7 @@ func newRedisConn(c RedisConfig, logger *zap.Logger) (*redisConn, error) {
 		}
 	}
 	go conn.checkEviction()
+	go conn.followFormat()
 	return conn, nil
 }
 
@@ -173,10 +185,12 @@ var errorFixes = map[string]string{
 // bucket (a reset, a grant): every instance forgets what it remembers of
 // it (deny cache, return turns), at once rather than within denyMaxAge.
 // "freed": a concurrency slot was freed: the requests waiting for one try.
+// "format <key_prefix>": the fleet marker changed (upgrade.go).
 type redisEvents struct {
 	mu       sync.Mutex
 	ps       *redis.PubSub
 	channels map[string]bool
+	watched  []string // the key prefixes, in the order first watched
 	closed   bool
 	// mine are the events this instance announced, awaiting their echo.
 	mine map[string][]chan struct{}
@@ -187,6 +201,7 @@ type redisEvents struct {
 const (
 	eventChanged = "changed"
 	eventFreed   = "freed"
+	eventFormat  = "format"
 )
 
 func eventsChannel(prefix string) string { return prefix + "events" }
@@ -205,6 +220,11 @@ func (c *redisConn) watch(prefix string) {
 		e.channels, e.mine = map[string]bool{}, map[string][]chan struct{}{}
 	}
 	e.channels[ch] = true
+	e.watched = append(e.watched, prefix)
+	select {
+	case c.formatChanged <- struct{}{}: // read the new prefix's marker
+	default:
+	}
 	if e.ps != nil {
 		ps := e.ps
 		go func() { _ = ps.Subscribe(context.Background(), ch) }()
@@ -226,8 +246,15 @@ func (c *redisConn) watch(prefix string) {
 
 // receive applies an event from any instance, this one included.
 func (c *redisConn) receive(event, key string) {
-	if event == eventFreed {
+	switch event {
+	case eventFreed:
 		slotQueues.wake(key)
+		return
+	case eventFormat:
+		select {
+		case c.formatChanged <- struct{}{}:
+		default:
+		}
 		return
 	}
 	if event != eventChanged {
@@ -283,6 +310,13 @@ func (c *redisConn) announce(ctx context.Context, prefix, key string) error {
 }
 
 var errNoEcho = errors.New("the change was announced, but did not come back through Redis within 1s: other instances may take up to 1s to see it")
+
+// prefixes are the key prefixes watched.
+func (e *redisEvents) prefixes() []string {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return slices.Clone(e.watched)
+}
 
 func (e *redisEvents) isClosed() bool {
 	e.mu.Lock()

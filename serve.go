@@ -113,7 +113,7 @@ func (h *Handler) match(r *http.Request, repl *caddy.Replacer, rs *requestState,
 		}
 		res.policies = append(res.policies, p)
 		res.identities = append(res.identities, identity)
-		rq := bucketRequest{key: key, op: p.admissionOp(), limit: p.limit, cost: p.cost(r, repl), shadow: p.shadow, refundable: p.Settle != nil}
+		rq := bucketRequest{key: key, op: p.admissionOp(), limit: p.limit, cost: p.cost(r, repl), shadow: p.shadow, refundable: p.refundable()}
 		if rq.op == opAcquire {
 			rq.lease, rq.events = leaseIDs(), h.events
 		}
@@ -155,7 +155,11 @@ func (h *Handler) reserve(r *http.Request, res *reservation) {
 		return
 	}
 	res.d, res.shown, res.shownReqs, res.decidedBy = d, res.policies, res.reqs, h.store
-	count(res.policies, d, outcomeAllowed, outcomeDenied)
+	admitted := outcomeAllowed
+	if waited {
+		admitted = outcomeDelayed // it waited for a concurrency slot
+	}
+	count(res.policies, d, admitted, outcomeDenied)
 	if d.admitted {
 		res.takeSlots()
 	}
@@ -453,7 +457,7 @@ func (h *Handler) writeFields(hdr http.Header, rs *requestState, res *reservatio
 		}
 		remaining, until := v.remaining, v.untilFits
 		if charged {
-			remaining = res.predicted(i)
+			remaining, until = res.predicted(i)
 		}
 		if p.Concurrent > 0 {
 			until = neverFits // free slots have no window

@@ -9,6 +9,8 @@ import (
 	"net/http/httptest"
 	"strconv"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -387,6 +389,66 @@ func TestServeHTTPChargeIf(t *testing.T) {
 	}
 	if x := serveWith([]*Handler{h}, nil, ok, "X-Client", "jon"); x.status != 200 {
 		t.Fatalf("another client: %d", x.status)
+	}
+}
+
+// TestServeHTTPChargeIfHoldsTheCost: a charge_if policy reserves the cost
+// while the attempt runs, so parallel attempts are counted before their
+// responses come: of 64 at once, burst reach the handler behind. A response
+// that does not match gives the cost back; an attempt whose client went
+// away before any response keeps it; the first charged 401 reports the
+// time to the next token (a bucket that is not full has a t).
+func TestServeHTTPChargeIfHoldsTheCost(t *testing.T) {
+	c := &clock{t: 1000 * sec}
+	h := testHandler(t, &Handler{Jitter: jitterOff(), Policies: []*Policy{{Name: "failed_logins", Key: "{http.request.header.X-Client}", Rate: "5/15m",
+		ChargeIf: &caddyhttp.ResponseMatcher{StatusCode: []int{401}}}}}, newMemoryStore(c.now))
+	x := serveWith([]*Handler{h}, nil, upstreamAnswering(401), "X-Client", "eve")
+	if f := fields(t, x.header, "RateLimit")["failed_logins"]; f["r"] != 4 || f["t"] != 180 {
+		t.Fatalf("first failed login: RateLimit %v, want r=4;t=180 (a token every 3 minutes)", x.header.Get("RateLimit"))
+	}
+	if x := serveWith([]*Handler{h}, nil, upstreamAnswering(200), "X-Client", "eve"); fields(t, x.header, "RateLimit")["failed_logins"]["r"] != 4 {
+		t.Fatalf("a success gives its reservation back: RateLimit %v, want r=4", x.header.Get("RateLimit"))
+	}
+	// 64 attempts at once, each held in the handler until all have arrived
+	// or been denied.
+	var reached, denied atomic.Int64
+	gate := make(chan struct{})
+	var wg sync.WaitGroup
+	for range 64 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			x := serveWith([]*Handler{h}, nil, func(w http.ResponseWriter, r *http.Request) error {
+				reached.Add(1)
+				<-gate
+				w.WriteHeader(401)
+				return nil
+			}, "X-Client", "mallory")
+			if x.status == 429 {
+				denied.Add(1)
+			}
+		}()
+	}
+	for deadline := time.Now().Add(10 * time.Second); reached.Load()+denied.Load() < 64 && time.Now().Before(deadline); {
+		time.Sleep(time.Millisecond)
+	}
+	close(gate)
+	wg.Wait()
+	if reached.Load() != 5 || denied.Load() != 59 {
+		t.Fatalf("64 parallel attempts: %d reached the handler, %d denied; want 5 and 59", reached.Load(), denied.Load())
+	}
+	// A client that goes away before the response keeps its charge.
+	ctx, cancel := context.WithCancel(context.Background())
+	r := httptest.NewRequest("GET", "/", nil).WithContext(ctx)
+	r.Header.Set("X-Client", "oscar")
+	repl := caddy.NewReplacer()
+	r = r.WithContext(context.WithValue(context.WithValue(r.Context(), caddy.ReplacerCtxKey, repl), caddyhttp.VarsCtxKey, map[string]any{}))
+	_ = h.ServeHTTP(httptest.NewRecorder(), r, caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
+		cancel()
+		return caddyhttp.Error(http.StatusBadGateway, context.Canceled) // as reverse_proxy returns
+	}))
+	if x := serveWith([]*Handler{h}, nil, upstreamAnswering(200), "X-Client", "oscar"); fields(t, x.header, "RateLimit")["failed_logins"]["r"] != 4 {
+		t.Fatalf("after an aborted attempt: RateLimit %v, want r=4 (the abort kept its charge)", x.header.Get("RateLimit"))
 	}
 }
 

@@ -118,7 +118,7 @@ func (c *redisConn) call(batch []*pending) {
 func (c *redisConn) eval(batch []*pending) callResult {
 	ctx, cancel := context.WithTimeout(context.Background(), c.callTimeout)
 	defer cancel()
-	args := encodeCall(batch)
+	args := encodeCall(batch, int(c.format.Load()))
 	sent := monotonicMicros()
 	cmd := redis.NewIntSliceCmd(ctx, args...)
 	_ = c.client.Process(ctx, cmd)
@@ -169,13 +169,14 @@ func resultOf(err error) callResult {
 	return callFailed
 }
 
-// encodeCall is the EVALSHA of lua/decide.lua for the requests of a batch.
-func encodeCall(batch []*pending) []any {
+// encodeCall is the EVALSHA of lua/decide.lua for the requests of a batch,
+// whose buckets it writes in the given format (see format.go).
+func encodeCall(batch []*pending, format int) []any {
 	n := 0
 	for _, p := range batch {
 		n += len(p.reqs)
 	}
-	args := make([]any, 3, 3+n+len(batch)+6*n)
+	args := make([]any, 3, 4+n+len(batch)+6*n)
 	// Values are sent as Redis sees them, strings; an empty events
 	// channel is never read.
 	args[0], args[1], args[2] = "evalsha", decideSHA, n
@@ -184,6 +185,7 @@ func encodeCall(batch []*pending) []any {
 			args = append(args, rq.key)
 		}
 	}
+	args = append(args, format)
 	for _, p := range batch {
 		args = append(args, len(p.reqs))
 		for _, rq := range p.reqs {

@@ -127,11 +127,18 @@ func TestFailedLogins(t *testing.T) {
 		body, _ := io.ReadAll(resp.Body)
 		return response{resp.StatusCode, resp.Header, body}
 	}
+	// A successful login gives its reservation back once its response is
+	// known, which may land just after the client has the response: the
+	// next login, sent at once to the other instance, may still see the
+	// one before reserved (r=4). Nothing stays charged.
 	for i := range 10 {
-		if r := login(fleet[i%2], "right"); r.status != 200 || remainingOf(t, r.header)["failed_logins"] != 5 {
-			t.Fatalf("successful login %d: %d RateLimit %q, want 200 and nothing charged", i+1, r.status, r.header.Get("RateLimit"))
+		if r := login(fleet[i%2], "right"); r.status != 200 || remainingOf(t, r.header)["failed_logins"] < 4 {
+			t.Fatalf("successful login %d: %d RateLimit %q, want 200 and at most the one before still reserved", i+1, r.status, r.header.Get("RateLimit"))
 		}
 	}
+	waitFor(t, "the successful logins' reservations given back", func() bool {
+		return inspect(t, fleet[0], "failed_logins", "mallory").Tokens == 5
+	})
 	for i := range 5 {
 		r := login(fleet[i%2], "wrong")
 		if r.status != 401 || remainingOf(t, r.header)["failed_logins"] != int64(4-i) {

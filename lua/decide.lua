@@ -4,7 +4,8 @@
 -- decideBuckets, adjust); keep the two in step.
 --
 -- KEYS   the buckets of every request, request after request
--- ARGV   per request: its bucket count, then six values per bucket:
+-- ARGV   first the format buckets are written in (1 or 2, see format.go);
+--        then per request: its bucket count, then six values per bucket:
 --          op        2 * code + shadow; codes: 1 take, 2 check, 3 adjust,
 --                    4 inspect, 5 reset; for concurrency slots 6 acquire,
 --                    7 release, 8 renew, 9 count, 10 free (see bucketOp in
@@ -19,8 +20,9 @@
 --          wait      take: µs ahead a slot may be reserved (policy `wait`);
 --                    release, free: the channel of events between instances
 --
--- A bucket is the string "<tat>:<interval>": its theoretical arrival time
--- (TAT) in µs and the interval that TAT was written under. It holds
+-- A bucket is its theoretical arrival time (TAT) in µs and the interval
+-- that TAT was written under, stored in one of the formats of format.go
+-- (read in all of them; written in the call's). It holds
 -- (now + burst * interval - tat) / interval tokens, at most burst; taking
 -- cost tokens moves tat forward cost * interval; a tat in the past, or a
 -- missing key, is a full bucket. A bucket is read against the limit of the
@@ -76,8 +78,64 @@ local bad = {}                              -- index -> WRONGTYPE or CORRUPT
 local replace = {}                          -- index -> the key held another kind's slots
 local touched = 0
 
+-- The formats of format.go: v1 "<tat>:<interval>"; v2 one integer, the
+-- interval's code then the TAT's offset from EPOCH in 15 digits; v0 (read
+-- only) "<tat>".
+local EPOCH, OFFSETS = 1700000000000000, 1000000000000000
+local compact = tonumber(ARGV[1]) == 2
+local codes = {} -- interval -> its v2 code, or false
+
+local function code_of(interval)
+  local code = codes[interval]
+  if code ~= nil then return code end
+  code = false
+  if interval < 1000 then
+    code = 9 + interval
+  else
+    local m, e = interval, 0
+    while m >= 1000 and m % 10 == 0 do
+      m, e = m / 10, e + 1
+    end
+    if m < 1000 and 1009 + (e - 1) * 900 + m - 100 <= 9222 then
+      code = 1009 + (e - 1) * 900 + m - 100
+    end
+  end
+  codes[interval] = code
+  return code
+end
+
+local function interval_of(code)
+  if not code or code < 10 or code > 9222 or code ~= math.floor(code) then return nil end
+  local i = code - 10
+  if i < 999 then return i + 1 end
+  i = i - 999
+  return (i % 900 + 100) * 10 ^ (math.floor(i / 900) + 1)
+end
+
 local function encode(tat, interval)
+  if compact then
+    local code, off = code_of(interval), tat - EPOCH
+    if code and off >= 0 and off < OFFSETS then
+      return string.format('%d%015d', code, off)
+    end
+  end
   return string.format('%d:%d', tat, interval)
+end
+
+-- decode reads a value in any format: its TAT and interval, or nil.
+local function decode(value, interval)
+  local sep = string.find(value, ':', 1, true)
+  if sep then
+    return tonumber(string.sub(value, 1, sep - 1)), tonumber(string.sub(value, sep + 1))
+  end
+  local n = #value
+  if n <= 16 then
+    return tonumber(value), interval -- v0: written before intervals were stored
+  end
+  if n > 19 then return nil end
+  local off = tonumber(string.sub(value, -15))
+  if not off or off < 0 or off ~= math.floor(off) then return nil end
+  return EPOCH + off, interval_of(tonumber(string.sub(value, 1, n - 15)))
 end
 
 -- read loads a key the first time the call touches it and returns its
@@ -116,13 +174,7 @@ local function read(key, code, interval, burst, cost)
     end
     return bucket
   end
-  local tat, stored_interval
-  local sep = string.find(value, ':', 1, true)
-  if sep then
-    tat, stored_interval = tonumber(string.sub(value, 1, sep - 1)), tonumber(string.sub(value, sep + 1))
-  else
-    tat, stored_interval = tonumber(value), interval -- written before intervals were stored
-  end
+  local tat, stored_interval = decode(value, interval)
   if not tat or not stored_interval or stored_interval <= 0 or tat ~= math.floor(tat) then
     bad[bucket] = CORRUPT
     return bucket
@@ -149,7 +201,7 @@ local function slots(key)
 end
 
 local out, n_out = {now}, 1
-local first_key, arg = 0, 1 -- the request's first KEYS index less one; its first ARGV index
+local first_key, arg = 0, 2 -- the request's first KEYS index less one; its first ARGV index
 -- Per bucket of the request: its index, code and interval; whether it
 -- alone would admit; its TAT before (rebased; slots: leases held), and the
 -- TAT a take or adjust leaves it with; expired leases.

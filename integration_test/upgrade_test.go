@@ -1,0 +1,287 @@
+package integration_test
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/testcaddy"
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/testredis"
+)
+
+// A rolling upgrade: the previous release (testcaddy.PreviousRelease,
+// built from the repository's history) and this build on one Redis, with
+// requests alternating between them, admit exactly what one build would,
+// whichever goes first; and once the fleet marker says v2, buckets are
+// stored in the compact format, which the previous release reads as "owes
+// everything": it denies rather than over-admits.
+
+var previous struct {
+	once sync.Once
+	bin  string
+	err  error
+}
+
+// previousBin is the previous release's Caddy binary, built once.
+func previousBin(t *testing.T) string {
+	t.Helper()
+	previous.once.Do(func() {
+		previous.bin = filepath.Join(filepath.Dir(caddyBin), "caddy-previous")
+		previous.err = testcaddy.BuildRelease(".", testcaddy.PreviousRelease, previous.bin)
+	})
+	if previous.err != nil {
+		t.Fatalf("building the previous release %s: %v", testcaddy.PreviousRelease, previous.err)
+	}
+	return previous.bin
+}
+
+// startBinary is startCaddy with another Caddy binary.
+func startBinary(t *testing.T, bin string, handlers ...map[string]any) *instance {
+	t.Helper()
+	in := &instance{testcaddy.Start(t, bin, nil, handlers...)}
+	t.Cleanup(func() {
+		in.Stop()
+		if t.Failed() {
+			out, _ := os.ReadFile(in.Log)
+			t.Logf("caddy log (%s, %s):\n%s", filepath.Base(bin), in.URL, out)
+		}
+	})
+	return in
+}
+
+// mixedFleet is an instance of the previous release and one of this build
+// with the same handlers.
+func mixedFleet(t *testing.T, handlers ...map[string]any) (old, cur *instance) {
+	t.Helper()
+	return startBinary(t, previousBin(t), handlers...), startCaddy(t, handlers...)
+}
+
+// getWith sends a GET with the given headers and returns the status.
+func getWith(t *testing.T, c *http.Client, url string, hdr map[string]string) int {
+	t.Helper()
+	req, _ := http.NewRequest("GET", url, nil)
+	for k, v := range hdr {
+		req.Header.Set(k, v)
+	}
+	resp, err := c.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, _ = io.Copy(io.Discard, resp.Body)
+	resp.Body.Close()
+	return resp.StatusCode
+}
+
+// alternate sends n requests with hdr, alternating between the two
+// instances (first goes first), and returns how many got 200.
+func alternate(t *testing.T, first, second *instance, n int, hdr map[string]string) int {
+	t.Helper()
+	c := newClient()
+	ok := 0
+	for i := range n {
+		in := first
+		if i%2 == 1 {
+			in = second
+		}
+		if getWith(t, c, in.URL+"/", hdr) == 200 {
+			ok++
+		}
+	}
+	return ok
+}
+
+// orders runs a subtest with the previous release first, then with this
+// build first.
+func orders(t *testing.T, old, cur *instance, test func(t *testing.T, first, second *instance, id string)) {
+	t.Run("previous first", func(t *testing.T) { test(t, old, cur, "a") })
+	t.Run("this build first", func(t *testing.T) { test(t, cur, old, "b") })
+}
+
+func TestUpgradeMixedFleet(t *testing.T) {
+	srv := testredis.Start(t)
+	t.Run("rate", func(t *testing.T) {
+		policy := map[string]any{"name": "per_key", "key": "{http.request.header.X-Key}", "rate": "5/1h", "burst": 5}
+		old, cur := mixedFleet(t, limiter(srv.Addr, nil, policy), respond())
+		orders(t, old, cur, func(t *testing.T, first, second *instance, id string) {
+			got := alternate(t, first, second, 12, map[string]string{"X-Key": "rate-" + id})
+			t.Logf("12 requests alternating, burst 5: %d admitted", got)
+			if got != 5 {
+				t.Errorf("admitted %d, want exactly the burst, 5", got)
+			}
+			// The issue's case: one build charges 3 of the burst, the other
+			// admits exactly the 2 left.
+			key := map[string]string{"X-Key": "part-" + id}
+			c := newClient()
+			n := 0
+			for range 3 {
+				if getWith(t, c, first.URL+"/", key) == 200 {
+					n++
+				}
+			}
+			for range 4 {
+				if getWith(t, c, second.URL+"/", key) == 200 {
+					n++
+				}
+			}
+			if n != 5 {
+				t.Errorf("3 then 4 requests on the two builds: %d admitted, want 5", n)
+			}
+		})
+	})
+	t.Run("concurrent", func(t *testing.T) {
+		up := startHoldingUpstream(t)
+		old, cur := mixedFleet(t, limiter(srv.Addr, nil, slotsPolicy(2)), proxyTo(up.addr))
+		orders(t, old, cur, func(t *testing.T, first, second *instance, id string) {
+			key := "slots-" + id
+			// Holders, alternating, until both slots are taken; then every
+			// other request is denied on both builds.
+			ctx, cancel := context.WithCancel(context.Background())
+			var held sync.WaitGroup
+			statuses := make(chan int, 2)
+			for i, in := range []*instance{first, second} {
+				held.Add(1)
+				go func() {
+					defer held.Done()
+					status, _ := send(ctx, in, key, 30*time.Second)
+					statuses <- status
+				}()
+				waitFor(t, fmt.Sprintf("holder %d at the upstream", i+1), func() bool { return up.now(key) == i+1 })
+			}
+			denied := 0
+			for i := range 6 {
+				in := first
+				if i%2 == 1 {
+					in = second
+				}
+				if status, _ := send(context.Background(), in, key, 0); status == 429 {
+					denied++
+				}
+			}
+			most := up.mostAtOnce(key)
+			cancel()
+			held.Wait()
+			t.Logf("concurrent 2, two holders on the two builds: %d of 6 more denied, most at once %d", denied, most)
+			if denied != 6 || most != 2 {
+				t.Errorf("%d of 6 denied, most at once %d: want 6 and 2", denied, most)
+			}
+			// The slots are free again, for either build.
+			waitFor(t, "the holders' slots free", func() bool {
+				status, _ := send(context.Background(), second, key, 0)
+				return status == 200
+			})
+		})
+	})
+	t.Run("charge_if", func(t *testing.T) {
+		var seen atomic.Int64
+		upstream := startCounting(t, &seen, func(w http.ResponseWriter) { w.WriteHeader(http.StatusUnauthorized) })
+		policy := map[string]any{"name": "failed", "key": "{http.request.header.X-Key}", "rate": "5/15m", "burst": 5,
+			"charge_if": map[string]any{"status_code": []int{401}}}
+		old, cur := mixedFleet(t, limiter(srv.Addr, nil, policy), proxyTo(upstream))
+		orders(t, old, cur, func(t *testing.T, first, second *instance, id string) {
+			before := seen.Load()
+			alternate(t, first, second, 12, map[string]string{"X-Key": "login-" + id})
+			got := seen.Load() - before
+			t.Logf("12 failed logins alternating, burst 5: %d reached the upstream", got)
+			if got != 5 {
+				t.Errorf("%d reached the upstream, want exactly the burst, 5", got)
+			}
+		})
+	})
+	t.Run("settle", func(t *testing.T) {
+		var seen atomic.Int64
+		upstream := startCounting(t, &seen, func(w http.ResponseWriter) { w.Header().Set("X-Usage-Tokens", "5") })
+		policy := map[string]any{"name": "tokens", "key": "{http.request.header.X-Key}", "rate": "50/1h", "burst": 50,
+			"cost": "10", "settle": map[string]any{"from": "header", "field": "X-Usage-Tokens"}}
+		old, cur := mixedFleet(t, limiter(srv.Addr, nil, policy), proxyTo(upstream))
+		orders(t, old, cur, func(t *testing.T, first, second *instance, id string) {
+			got := alternate(t, first, second, 14, map[string]string{"X-Key": "llm-" + id})
+			// Each admitted request reserves 10 and settles 5: admitted while
+			// 50 - 5n >= 10, so 9.
+			t.Logf("14 requests alternating, reserve 10, settle 5, burst 50: %d admitted", got)
+			if got != 9 {
+				t.Errorf("admitted %d, want 9", got)
+			}
+		})
+	})
+	t.Run("format v2", func(t *testing.T) {
+		policy := map[string]any{"name": "per_key", "key": "{http.request.header.X-Key}", "rate": "100/1m", "burst": 5}
+		old, cur := mixedFleet(t, limiter(srv.Addr, nil, policy), respond())
+		setFormat(t, cur, "v2")
+		c := newClient()
+		// This build writes v2; the previous release reads it as a bucket
+		// that owes everything, and denies: never more than the burst.
+		key := map[string]string{"X-Key": "compact"}
+		if getWith(t, c, cur.URL+"/", key) != 200 {
+			t.Fatal("first request denied")
+		}
+		oldAdmitted := 0
+		for range 5 {
+			if getWith(t, c, old.URL+"/", key) == 200 {
+				oldAdmitted++
+			}
+		}
+		curAdmitted := alternate(t, cur, cur, 10, key)
+		t.Logf("after v2: the previous release admitted %d of 5 on a v2 bucket, this build %d more of 10 (burst 5, 1 taken)", oldAdmitted, curAdmitted)
+		if oldAdmitted != 0 || curAdmitted != 4 {
+			t.Errorf("previous release admitted %d (want 0), this build %d (want 4)", oldAdmitted, curAdmitted)
+		}
+		setFormat(t, cur, "v1")
+	})
+}
+
+// startCounting starts an upstream that counts its requests and answers
+// with answer.
+func startCounting(t *testing.T, seen *atomic.Int64, answer func(w http.ResponseWriter)) string {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		seen.Add(1)
+		answer(w)
+	})}
+	go func() { _ = srv.Serve(l) }()
+	t.Cleanup(func() { srv.Close() })
+	return l.Addr().String()
+}
+
+// setFormat sets the fleet marker through the admin API and waits until
+// the instance writes in that format.
+func setFormat(t *testing.T, in *instance, format string) {
+	t.Helper()
+	resp, err := http.Post(in.Admin+"/rate_limit/format", "application/json", strings.NewReader(`{"format":"`+format+`"}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	var answer struct {
+		Stores []struct{ Marker, Writes string }
+	}
+	if err := json.NewDecoder(resp.Body).Decode(&answer); err != nil || resp.StatusCode != 200 || len(answer.Stores) != 1 ||
+		answer.Stores[0].Marker != format || answer.Stores[0].Writes != format {
+		t.Fatalf("setting format %s: %d %+v (%v)", format, resp.StatusCode, answer, err)
+	}
+}
+
+// waitFor polls cond every 10 ms for at most 10 s.
+func waitFor(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("%s: not within 10s", what)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
