@@ -141,6 +141,7 @@ func (adminAPI) bucket(ctx context.Context, action string, def definition, req a
 		if req.Identity == "" {
 			return nil, apiError(http.StatusBadRequest, "identity: required: the value policy %q keys on (%s)", p.Name, p.Key)
 		}
+		req.Identity = p.identityOf(req.Identity) // a client address names its network's bucket, as in the handler
 		key = p.storageKey(h.hasher, req.Identity)
 	}
 	if p.Concurrent > 0 {
