@@ -224,6 +224,9 @@ type topAnswer struct {
 	Policy     string     `json:"policy"`
 	Window     float64    `json:"window_seconds"`
 	Identities []topEntry `json:"identities"`
+	// Truncated: the identities are not all those denied in the window
+	// (more than n were, or the sketch forgot some).
+	Truncated bool `json:"truncated"`
 }
 
 func (adminAPI) top(def definition, req adminRequest) topAnswer {
@@ -231,7 +234,8 @@ func (adminAPI) top(def definition, req adminRequest) topAnswer {
 	if n == 0 {
 		n = 10
 	}
-	return topAnswer{Policy: def.policy.Name, Window: topWindow.Seconds(), Identities: def.policy.top.top(n)}
+	ids, truncated := def.policy.top.top(n)
+	return topAnswer{Policy: def.policy.Name, Window: topWindow.Seconds(), Identities: ids, Truncated: truncated}
 }
 
 // untilFull is the µs until a bucket that holds remaining tokens, the next

@@ -177,6 +177,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 			return fmt.Errorf("policy %q: %v", p.Name, err)
 		}
 	}
+	h.warnUnauthenticatedKeys(ctx)
 
 	var all []byte
 	for _, p := range h.Policies {
