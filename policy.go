@@ -32,8 +32,12 @@ type Policy struct {
 
 	// What partitions the budget: one bucket per distinct value. Accepts
 	// placeholders, e.g. `{http.auth.user.id}` or `{client_ip}`; a fixed
-	// string such as `global` makes one bucket for everyone. Requests whose
-	// key resolves to the empty string share one bucket. Required.
+	// string such as `global` makes one bucket for everyone. A client
+	// address in it (`{client_ip}`, `{remote_host}` or
+	// `{http.request.remote}`, alone or among other parts; in JSON by
+	// these names or their long forms) is kept as its network: see
+	// `ipv6_prefix` and `ipv4_prefix`. Requests whose key resolves to the
+	// empty string share one bucket. Required.
 	Key string `json:"key"`
 
 	// How fast the bucket refills: `N/duration`, N tokens (a positive
