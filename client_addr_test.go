@@ -267,3 +267,52 @@ func TestServeHTTPClientPrefixes(t *testing.T) {
 		t.Errorf("per address: identity %q", got)
 	}
 }
+
+// FuzzParseTemplate: the split of any template into literals and
+// placeholders resolves as Caddy's replacer resolves the template, and
+// masking any value, as a host or host:port, never panics and is stable.
+func FuzzParseTemplate(f *testing.F) {
+	f.Add("{client_ip}-{http.request.uri.path}", "2001:db8::1")
+	f.Add(`a\{b}{user.id\}c}`, "[::ffff:1.2.3.4]:80")
+	f.Fuzz(func(t *testing.T, tmpl, value string) {
+		if len(tmpl) > 512 {
+			return
+		}
+		r := httptest.NewRequest("GET", "/a", nil)
+		repl := caddyhttp.NewTestReplacer(r)
+		repl.Set("user.id", value)
+		parts, ok := parseTemplate(tmpl)
+		if ok {
+			var long []templatePart // the parts with no address, which resolve unmasked
+			for _, p := range parts {
+				if p.addr == notAddr {
+					long = append(long, p)
+				}
+			}
+			if len(long) == len(parts) {
+				if got, want := resolveParts(parts, repl, addrMask{v4: 32, v6: 64}), repl.ReplaceAll(tmpl, ""); got != want {
+					t.Fatalf("%q: parts %+v resolve to %q, ReplaceAll to %q", tmpl, parts, got, want)
+				}
+			}
+		}
+		m := addrMask{v4: 24, v6: 64}
+		for _, kind := range []addrKind{addrHost, addrHostPort} {
+			once := m.masked(value, kind)
+			if m.masked(once, kind) != once {
+				t.Fatalf("%q masked to %q, which masks to %q", value, once, m.masked(once, kind))
+			}
+		}
+	})
+}
+
+func BenchmarkAddrMask(b *testing.B) {
+	m := addrMask{v4: 32, v6: 64}
+	for _, in := range []string{"2001:db8:1:2::9", "192.0.2.7"} {
+		b.Run(in, func(b *testing.B) {
+			b.ReportAllocs()
+			for b.Loop() {
+				_ = m.masked(in, addrHost)
+			}
+		})
+	}
+}
