@@ -176,7 +176,7 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return err
 			}
 			if sub == "zone" && h.mholtZone == nil {
-				h.mholtZone = &ignoredSubdirective{name: sub, file: at.File(), line: at.Line()}
+				h.mholtZone = &sourceLine{file: at.File(), line: at.Line()}
 			}
 			if line, dup := policyLines[p.Name]; dup {
 				if sub == "zone" {

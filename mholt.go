@@ -158,9 +158,16 @@ func (ig ignoredSubdirective) why(haveRedis bool) string {
 	}
 }
 
+// sourceLine is a line of a Caddyfile.
+type sourceLine struct {
+	file string
+	line int
+}
+
 // warnCaddyfile reports, at adapt time, a subdirective that is accepted
-// but ignored. A handler directive cannot add to the adapter's warnings
-// (httpcaddyfile.Helper keeps that list unexported), so the warning is
+// but ignored, or does not do what its author may expect. A handler
+// directive cannot add to the adapter's warnings (httpcaddyfile.Helper
+// keeps that list unexported), so the warning is
 // logged as `caddy adapt` and `caddy run` log the adapter's own: at WARN,
 // under the adapter's name, with the file and line (as Caddy's own
 // deprecated directives do). Tests replace it to collect the warnings.

@@ -115,7 +115,7 @@ type Handler struct {
 	logger       *zap.Logger
 	// mholtZone is where the Caddyfile first used mholt/caddy-ratelimit's
 	// zone syntax (see parseCaddyfile).
-	mholtZone *ignoredSubdirective
+	mholtZone *sourceLine
 }
 
 // CaddyModule returns the Caddy module information.
