@@ -147,6 +147,7 @@ func (adminAPI) bucket(ctx context.Context, action string, def definition, req a
 		if req.Identity == "" {
 			return nil, apiError(http.StatusBadRequest, "identity: required: the value policy %q keys on (%s)", p.Name, p.Key)
 		}
+		req.Identity = p.identityOf(req.Identity) // a client address names its network's bucket, as in the handler
 		key = p.storageKey(h.hasher, req.Identity)
 	}
 	if p.Concurrent > 0 {
@@ -229,6 +230,9 @@ type topAnswer struct {
 	Policy     string     `json:"policy"`
 	Window     float64    `json:"window_seconds"`
 	Identities []topEntry `json:"identities"`
+	// Truncated: the identities are not all those denied in the window
+	// (more than n were, or the sketch forgot some).
+	Truncated bool `json:"truncated"`
 }
 
 func (adminAPI) top(def definition, req adminRequest) topAnswer {
@@ -236,7 +240,8 @@ func (adminAPI) top(def definition, req adminRequest) topAnswer {
 	if n == 0 {
 		n = 10
 	}
-	return topAnswer{Policy: def.policy.Name, Window: topWindow.Seconds(), Identities: def.policy.top.top(n)}
+	ids, truncated := def.policy.top.top(n)
+	return topAnswer{Policy: def.policy.Name, Window: topWindow.Seconds(), Identities: ids, Truncated: truncated}
 }
 
 // untilFull is the µs until a bucket that holds remaining tokens, the next

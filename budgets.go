@@ -30,10 +30,14 @@ type definition struct {
 // budgetShape is what two definitions of one policy name must share.
 func (d definition) budgetShape() string {
 	p := d.policy
-	if p.Concurrent > 0 {
-		return fmt.Sprintf("kind %s, %d slots, lease %s, key %s, store %s", p.kind(), p.Concurrent, time.Duration(p.limit.interval)*time.Microsecond, p.Key, d.handler.storeName())
+	key := p.Key
+	if p.keyTmpl.usesAddr() { // the mask is part of the key: another makes other buckets
+		key += " (" + p.addrMask.String() + ")"
 	}
-	return fmt.Sprintf("kind %s, rate %s, burst %d, key %s, store %s", p.kind(), p.Rate, p.limit.burst, p.Key, d.handler.storeName())
+	if p.Concurrent > 0 {
+		return fmt.Sprintf("kind %s, %d slots, lease %s, key %s, store %s", p.kind(), p.Concurrent, time.Duration(p.limit.interval)*time.Microsecond, key, d.handler.storeName())
+	}
+	return fmt.Sprintf("kind %s, rate %s, burst %d, key %s, store %s", p.kind(), p.Rate, p.limit.burst, key, d.handler.storeName())
 }
 
 // kind names the policy's kind: rate, and how it is charged.

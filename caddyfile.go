@@ -3,6 +3,7 @@ package ratelimit
 import (
 	"errors"
 	"fmt"
+	"slices"
 	"strconv"
 	"strings"
 
@@ -22,8 +23,30 @@ func init() {
 func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error) {
 	rl := new(Handler)
 	err := rl.UnmarshalCaddyfile(h.Dispenser)
+	if err == nil && rl.mholtZone != nil && !orderedByUser(h.Option("order")) {
+		warnCaddyfile(rl.mholtZone.file, rl.mholtZone.line, mholtOrderWarning)
+	}
 	return rl, err
 }
+
+// orderedByUser reports whether the Caddyfile's `order` global options
+// (the directive order they built, nil without any) moved rate_limit from
+// where this module registers it, right after forward_auth.
+func orderedByUser(option any) bool {
+	order, _ := option.([]string)
+	i := slices.Index(order, "rate_limit")
+	return i == 0 || i > 0 && order[i-1] != "forward_auth"
+}
+
+// mholtOrderWarning is the warning for mholt/caddy-ratelimit's syntax in a
+// Caddyfile that leaves rate_limit at this module's place in the directive
+// order, which is not that module's.
+const mholtOrderWarning = "rate_limit: a zone is mholt/caddy-ratelimit's syntax, whose rate_limit runs before basic_auth by default " +
+	"(since July 2024); this module's runs after basic_auth and forward_auth, so that keys can use {http.auth.user.id}. " +
+	"A limit meant to stop password guessing now runs after the password check. To keep mholt's order, add " +
+	"`order rate_limit before basic_auth` to the global options, or write rate_limit before basic_auth in a route { } block, " +
+	"where directives run in the order written (a rate_limit already in such a block is in its place: the global " +
+	"option silences this warning). See docs/migrating.md"
 
 // UnmarshalCaddyfile sets up the handler from Caddyfile tokens. Syntax:
 //
@@ -46,6 +69,8 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //	    headers    draft|off
 //	    shadow
 //	    instances  <n>
+//	    ipv6_prefix <bits>
+//	    ipv4_prefix <bits>
 //
 //	    policy <name> {
 //	        match { <request matchers> }
@@ -59,16 +84,21 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //	        charge_if { <response matchers> }
 //	        settle   header|trailer <field> [max <n>]
 //	        settle   openai [max <n>]
+//	        ipv6_prefix <bits>
+//	        ipv4_prefix <bits>
 //	    }
 //	}
 //
 // mholt/caddy-ratelimit's syntax is accepted too, so that its Caddyfiles
 // adapt unchanged: `zone <name> { match {...} key <k> events <N> window <W> }`
 // is `policy <name> { match {...} key <k> rate <N>/<W> burst <N> }` (a zone
-// without a key is one bucket for everyone, as there), and its
-// `distributed {...}`, `storage <module...>`, `sweep_interval <d>` and
-// `log_key` are accepted and ignored with a warning that says why they are
-// not needed (its `jitter <fraction>` is ours).
+// without a key is one bucket for everyone, as there; its `ipv4_prefix`
+// and `ipv6_prefix` are the policy's), and its `distributed {...}`,
+// `storage <module...>`, `sweep_interval <d>`, `log_key` and
+// `disable_metrics` are accepted and ignored with a warning that says why
+// they are not needed (its `jitter <fraction>` is ours). A zone in a
+// Caddyfile without an `order` for rate_limit gets a warning: mholt's
+// rate_limit runs before basic_auth, this one after.
 //
 // Each block is checked, once read, by the same checks as the JSON config
 // (Validate), so that `caddy adapt` reports the same mistakes as `caddy
@@ -84,7 +114,7 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	for d.NextBlock(0) {
 		sub := d.Val()
 		switch sub {
-		case "policy", "zone", "distributed", "storage", "sweep_interval", "log_key":
+		case "policy", "zone", "distributed", "storage", "sweep_interval", "log_key", "disable_metrics":
 		default:
 			if err := top.once(d); err != nil {
 				return err
@@ -127,6 +157,14 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			if err := top.intArg(d, &h.Instances, 1); err != nil {
 				return err
 			}
+		case "ipv6_prefix":
+			if err := top.prefixArg(d, &h.IPv6Prefix, 128, false); err != nil {
+				return err
+			}
+		case "ipv4_prefix":
+			if err := top.prefixArg(d, &h.IPv4Prefix, 32, false); err != nil {
+				return err
+			}
 		case "policy", "zone": // a zone is mholt/caddy-ratelimit's policy
 			at := *d // the policy's line
 			read := unmarshalPolicy
@@ -137,6 +175,9 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			if err != nil {
 				return err
 			}
+			if sub == "zone" && h.mholtZone == nil {
+				h.mholtZone = &sourceLine{file: at.File(), line: at.Line()}
+			}
 			if line, dup := policyLines[p.Name]; dup {
 				if sub == "zone" {
 					return at.Errf("zone %q: a zone or policy of that name is defined already (at line %d)", p.Name, line)
@@ -145,7 +186,7 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			}
 			policyLines[p.Name] = at.Line()
 			h.Policies = append(h.Policies, p)
-		case "distributed", "storage", "sweep_interval", "log_key":
+		case "distributed", "storage", "sweep_interval", "log_key", "disable_metrics":
 			ig, err := skipMholtSubdirective(d)
 			if err != nil {
 				return err
@@ -357,6 +398,14 @@ func unmarshalPolicy(d *caddyfile.Dispenser) (*Policy, error) {
 				return nil, s.errf(d, "settle: expected settle header|trailer <field> [max <n>], or settle openai [max <n>]")
 			}
 			p.Settle = st
+		case "ipv6_prefix":
+			if err := s.prefixArg(d, &p.IPv6Prefix, 128, false); err != nil {
+				return nil, err
+			}
+		case "ipv4_prefix":
+			if err := s.prefixArg(d, &p.IPv4Prefix, 32, false); err != nil {
+				return nil, err
+			}
 		default:
 			return nil, s.errf(d, "unrecognized subdirective %q", sub)
 		}
@@ -364,7 +413,24 @@ func unmarshalPolicy(d *caddyfile.Dispenser) (*Policy, error) {
 	if err := p.check(); err != nil {
 		return nil, s.fail(err)
 	}
+	s.warnUnusedPrefix(p)
 	return p, nil
+}
+
+// warnUnusedPrefix warns when the policy sets a prefix length but its key
+// holds no client address to apply it to: a key read from a header (as
+// X-Real-IP) is not masked.
+func (s *section) warnUnusedPrefix(p *Policy) {
+	if p.keyTmpl.usesAddr() {
+		return
+	}
+	for _, sub := range []string{"ipv6_prefix", "ipv4_prefix"} {
+		if at, ok := s.seen[sub]; ok {
+			warnCaddyfile(at.File(), at.Line(), fmt.Sprintf("rate_limit: %s%s applies to a client address in the key "+
+				"({client_ip}, {remote_host}, {http.request.remote}), and key %s has none: it does nothing. "+
+				"Behind a proxy, key on {client_ip} with the server's trusted_proxies instead of on a header", s.prefix, sub, p.Key))
+		}
+	}
 }
 
 // section is one block of the Caddyfile being read: its line, the prefix
@@ -495,6 +561,29 @@ func (s *section) positiveArg(d *caddyfile.Dispenser, dst *int64) error {
 	n, ok := positive(v)
 	if !ok {
 		return s.errf(d, "%s: %q must be a positive integer", sub, v)
+	}
+	*dst = n
+	return nil
+}
+
+// prefixArg reads a prefix length, 1 to all bits (0 too when zero, for
+// mholt/caddy-ratelimit's zones, where 0 means the whole address).
+func (s *section) prefixArg(d *caddyfile.Dispenser, dst *int, all int, zero bool) error {
+	sub := d.Val()
+	var v string
+	if err := s.oneArg(d, &v); err != nil {
+		return err
+	}
+	least := 1
+	if zero {
+		least = 0
+	}
+	n, err := strconv.Atoi(v)
+	if err != nil || n < least || n > all || strings.HasPrefix(v, "+") {
+		return s.errf(d, "%s: %q must be an integer from %d to %d (the leading bits of a client address kept in keys)", sub, v, least, all)
+	}
+	if n == 0 {
+		n = all
 	}
 	*dst = n
 	return nil

@@ -338,6 +338,26 @@ func TestJSONConfigErrors(t *testing.T) {
 			want:    []string{`policy "api"`, "defined twice"},
 		},
 		{
+			name:    "ipv6_prefix above 128",
+			handler: `{"ipv6_prefix":129,"policies":[{"name":"api","key":"{client_ip}","rate":"10/1s"}]}`,
+			want:    []string{"ipv6_prefix: 129 must be from 1 to 128"},
+		},
+		{
+			name:    "ipv4_prefix negative",
+			handler: `{"ipv4_prefix":-8,"policies":[{"name":"api","key":"{client_ip}","rate":"10/1s"}]}`,
+			want:    []string{"ipv4_prefix: -8 must be from 1 to 32"},
+		},
+		{
+			name:    "policy ipv4_prefix above 32",
+			handler: `{"policies":[{"name":"api","key":"{client_ip}","rate":"10/1s","ipv4_prefix":33}]}`,
+			want:    []string{`policy "api"`, "ipv4_prefix: 33 must be from 1 to 32"},
+		},
+		{
+			name:    "concurrent policy ipv6_prefix above 128",
+			handler: `{"policies":[{"name":"api","key":"{client_ip}","concurrent":3,"ipv6_prefix":200}]}`,
+			want:    []string{`policy "api"`, "ipv6_prefix: 200 must be from 1 to 128"},
+		},
+		{
 			name:    "bad on_error",
 			handler: `{"on_error":"fail_maybe","policies":[{"name":"api","key":"{client_ip}","rate":"10/1s"}]}`,
 			want:    []string{`on_error: "fail_maybe"`},

@@ -34,7 +34,8 @@ func inZone(line string) string {
 
 // TestCaddyfileErrors feeds every subdirective of the handler, of its redis
 // block, of a policy and of mholt/caddy-ratelimit's syntax that the parser
-// accepts (zone, distributed, storage, sweep_interval, log_key) a malformed
+// accepts (zone, distributed, storage, sweep_interval, log_key,
+// disable_metrics) a malformed
 // value (missing, extra, of the wrong
 // type or out of range) through the real Caddyfile adapter, and requires an
 // error that names the subdirective and the line of the mistake, in
@@ -75,6 +76,18 @@ func TestCaddyfileErrors(t *testing.T) {
 		// 10^10 instances overflowed the local fallback's interval (int64
 		// µs), and the in-process bucket then admitted every request.
 		{"instances", "overflowing the local bucket", "on_error local\ninstances 10000000000 " + mark + "\n" + base},
+		{"ipv6_prefix", "missing value", "ipv6_prefix " + mark + "\n" + base},
+		{"ipv6_prefix", "extra value", "ipv6_prefix 64 48 " + mark + "\n" + base},
+		{"ipv6_prefix", "zero", "ipv6_prefix 0 " + mark + "\n" + base},
+		{"ipv6_prefix", "above 128", "ipv6_prefix 129 " + mark + "\n" + base},
+		{"ipv6_prefix", "negative", "ipv6_prefix -64 " + mark + "\n" + base},
+		{"ipv6_prefix", "not a number", "ipv6_prefix /64 " + mark + "\n" + base},
+		{"ipv6_prefix", "fractional", "ipv6_prefix 56.5 " + mark + "\n" + base},
+		{"ipv6_prefix", "twice", "ipv6_prefix 64\nipv6_prefix 48 " + mark + "\n" + base},
+		{"ipv4_prefix", "missing value", "ipv4_prefix " + mark + "\n" + base},
+		{"ipv4_prefix", "zero", "ipv4_prefix 0 " + mark + "\n" + base},
+		{"ipv4_prefix", "above 32", "ipv4_prefix 33 " + mark + "\n" + base},
+		{"ipv4_prefix", "not a number", "ipv4_prefix 255.255.255.0 " + mark + "\n" + base},
 		{"policy", "no name", "policy { " + mark + "\n\tkey k\n\trate 1/1s\n}\n"},
 		{"policy", "extra argument", "policy a b { " + mark + "\n\tkey k\n\trate 1/1s\n}\n"},
 		{"policy", "bad name", "policy \"per user\" { " + mark + "\n\tkey k\n\trate 1/1s\n}\n"},
@@ -120,6 +133,12 @@ func TestCaddyfileErrors(t *testing.T) {
 		{"sweep_interval", "not a duration", "sweep_interval often " + mark + "\n" + base},
 		{"sweep_interval", "zero", "sweep_interval 0s " + mark + "\n" + base},
 		{"log_key", "extra value", "log_key yes " + mark + "\n" + base},
+		{"disable_metrics", "extra value", "disable_metrics yes " + mark + "\n" + base},
+		{"ipv6_prefix", "zone: above 128", inZone("ipv6_prefix 129 " + mark)},
+		{"ipv6_prefix", "zone: not a number", inZone("ipv6_prefix all " + mark)},
+		{"ipv6_prefix", "zone: twice", inZone("ipv6_prefix 64\n\tipv6_prefix 56 " + mark)},
+		{"ipv4_prefix", "zone: above 32", inZone("ipv4_prefix 33 " + mark)},
+		{"ipv4_prefix", "zone: missing value", inZone("ipv4_prefix " + mark)},
 
 		// The redis block's subdirectives.
 		{"address", "missing value", "redis {\n\taddress " + mark + "\n}\n" + base},
@@ -212,6 +231,14 @@ func TestCaddyfileErrors(t *testing.T) {
 		// One value out of range: the error should point at its line, not
 		// only at the policy's.
 		{"wait", "longer than a day", inPolicy("wait 25h " + mark)},
+		{"ipv6_prefix", "policy: missing value", inPolicy("ipv6_prefix " + mark)},
+		{"ipv6_prefix", "policy: zero", inPolicy("ipv6_prefix 0 " + mark)},
+		{"ipv6_prefix", "policy: above 128", inPolicy("ipv6_prefix 129 " + mark)},
+		{"ipv6_prefix", "policy: not a number", inPolicy("ipv6_prefix sixty-four " + mark)},
+		{"ipv6_prefix", "policy: twice", inPolicy("ipv6_prefix 64\n\tipv6_prefix 48 " + mark)},
+		{"ipv4_prefix", "policy: zero", inPolicy("ipv4_prefix 0 " + mark)},
+		{"ipv4_prefix", "policy: above 32", inPolicy("ipv4_prefix 33 " + mark)},
+		{"ipv4_prefix", "policy: not a number", inPolicy("ipv4_prefix /24 " + mark)},
 		{"brust", "unknown subdirective", inPolicy("brust 5 " + mark)},
 	} {
 		t.Run(tc.sub+"/"+tc.name, func(t *testing.T) {

@@ -165,7 +165,13 @@ func printAnswer(w io.Writer, action string, raw []byte) error {
 			}
 			fmt.Fprintf(tw, "%d\t%d\t%s\t%s\n", e.Denials, e.Error, id, e.Key)
 		}
-		return tw.Flush()
+		if err := tw.Flush(); err != nil {
+			return err
+		}
+		if t.Truncated {
+			fmt.Fprintln(w, "(truncated: more identities were denied than listed)")
+		}
+		return nil
 	}
 	var st bucketState
 	if err := json.Unmarshal(raw, &st); err != nil {

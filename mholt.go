@@ -11,8 +11,10 @@ import (
 
 // unmarshalZone reads mholt/caddy-ratelimit's zone as a policy of the same
 // name: `events N window W` is `rate N/W burst N` (a full bucket admits N
-// at once, as an empty sliding window does, then N per W), and a zone
-// without a key is one bucket for everyone, as there.
+// at once, as an empty sliding window does, then N per W), a zone without
+// a key is one bucket for everyone, as there, and `ipv4_prefix` and
+// `ipv6_prefix` are the policy's (0, there the whole address, is the
+// whole address: 32 or 128).
 func unmarshalZone(d *caddyfile.Dispenser) (*Policy, error) {
 	p := new(Policy)
 	s, err := newNamedSection(d, "zone", &p.Name)
@@ -45,8 +47,16 @@ func unmarshalZone(d *caddyfile.Dispenser) (*Policy, error) {
 			if dur, err := caddy.ParseDuration(window); err != nil || dur <= 0 {
 				return nil, s.errf(d, "window: %q is not a positive duration", window)
 			}
+		case "ipv6_prefix":
+			if err := s.prefixArg(d, &p.IPv6Prefix, 128, true); err != nil {
+				return nil, err
+			}
+		case "ipv4_prefix":
+			if err := s.prefixArg(d, &p.IPv4Prefix, 32, true); err != nil {
+				return nil, err
+			}
 		default:
-			return nil, s.errf(d, "unrecognized subdirective %q (a zone takes match, key, events and window)", sub)
+			return nil, s.errf(d, "unrecognized subdirective %q (a zone takes match, key, events, window, ipv4_prefix and ipv6_prefix)", sub)
 		}
 	}
 	if events == 0 || window == "" {
@@ -62,6 +72,7 @@ func unmarshalZone(d *caddyfile.Dispenser) (*Policy, error) {
 		s.seen["rate"], s.seen["burst"] = s.seen["events"], s.seen["events"]
 		return nil, s.fail(fmt.Errorf("events %d window %s: %w", events, window, err))
 	}
+	s.warnUnusedPrefix(p)
 	return p, nil
 }
 
@@ -74,7 +85,8 @@ type ignoredSubdirective struct {
 }
 
 // skipMholtSubdirective consumes `distributed [{...}]`, `storage
-// <module...> [{...}]`, `sweep_interval <duration>` or `log_key`, checking
+// <module...> [{...}]`, `sweep_interval <duration>`, `log_key` or
+// `disable_metrics`, checking
 // what mholt/caddy-ratelimit checked, so that a typo still fails.
 func skipMholtSubdirective(d *caddyfile.Dispenser) (ignoredSubdirective, error) {
 	ig := ignoredSubdirective{name: d.Val(), file: d.File(), line: d.Line()}
@@ -112,7 +124,7 @@ func skipMholtSubdirective(d *caddyfile.Dispenser) (ignoredSubdirective, error) 
 		if dur, err := caddy.ParseDuration(s); err != nil || dur <= 0 {
 			return ig, d.Errf("sweep_interval: %q is not a positive duration", s)
 		}
-	case "log_key":
+	case "log_key", "disable_metrics":
 		if err := newSection(d, "").noArg(d); err != nil {
 			return ig, err
 		}
@@ -136,15 +148,26 @@ func (ig ignoredSubdirective) why(haveRedis bool) string {
 	case "sweep_interval":
 		return "rate_limit: sweep_interval" + from + " is not needed and is ignored: Redis keys expire by themselves when their " +
 			"bucket is full again, and the in-process store sweeps full buckets as it grows"
+	case "disable_metrics":
+		return "rate_limit: disable_metrics" + from + " is ignored: this module's metrics are labelled by policy, outcome and error kind, " +
+			"never by key, so they stay a few series per policy (mholt's had a series per key). They are in Caddy's metrics registry " +
+			"(the admin API's /metrics), with Caddy's own"
 	default: // log_key
 		return "rate_limit: log_key" + from + " is ignored: raw keys are never logged or stored, only keyed hashes. " +
 			"Denials are logged at DEBUG with the policy; log_append rate_limit_policy {http.rate_limit.policy} adds it to access logs"
 	}
 }
 
+// sourceLine is a line of a Caddyfile.
+type sourceLine struct {
+	file string
+	line int
+}
+
 // warnCaddyfile reports, at adapt time, a subdirective that is accepted
-// but ignored. A handler directive cannot add to the adapter's warnings
-// (httpcaddyfile.Helper keeps that list unexported), so the warning is
+// but ignored, or does not do what its author may expect. A handler
+// directive cannot add to the adapter's warnings (httpcaddyfile.Helper
+// keeps that list unexported), so the warning is
 // logged as `caddy adapt` and `caddy run` log the adapter's own: at WARN,
 // under the adapter's name, with the file and line (as Caddy's own
 // deprecated directives do). Tests replace it to collect the warnings.

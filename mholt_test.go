@@ -1,6 +1,7 @@
 package ratelimit
 
 import (
+	"strconv"
 	"strings"
 	"testing"
 
@@ -16,7 +17,7 @@ func TestMholtSyntaxWarnings(t *testing.T) {
 	const zone = "\tzone z {\n\t\tkey {remote_host}\n\t\tevents 2\n\t\twindow 5s\n\t}\n"
 	for _, tc := range []struct {
 		name string
-		body string   // the rate_limit block's body; the subdirective is on its line 2 (Caddyfile line 3)
+		body string   // the rate_limit block's body; the subdirective is on its line 2 (Caddyfile line 6)
 		want []string // substrings of the one warning
 	}{
 		{"distributed alone", "\tdistributed\n" + zone,
@@ -33,10 +34,14 @@ func TestMholtSyntaxWarnings(t *testing.T) {
 			[]string{"sweep_interval", "not needed", "expire"}},
 		{"log_key", "\tlog_key\n" + zone,
 			[]string{"log_key", "never logged", "{http.rate_limit.policy}"}},
+		{"disable_metrics", "\tdisable_metrics\n" + zone,
+			[]string{"disable_metrics", "ignored", "never by key", "/metrics"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			got := collectCaddyfileWarnings(t)
-			input := ":8080 {\nrate_limit {\n" + tc.body + "}\nrespond ok\n}\n"
+			// The order option keeps the zone's warning about the directive
+			// order (TestMholtOrderWarning) out of these.
+			input := "{\n\torder rate_limit before basic_auth\n}\n:8080 {\nrate_limit {\n" + tc.body + "}\nrespond ok\n}\n"
 			_, warnings, err := caddyconfig.GetAdapter("caddyfile").Adapt([]byte(input), nil)
 			if err != nil {
 				t.Fatalf("adapting:\n%s\n%v", input, err)
@@ -50,8 +55,8 @@ func TestMholtSyntaxWarnings(t *testing.T) {
 				t.Fatalf("want one warning, got %q", *got)
 			}
 			w := (*got)[0]
-			if !strings.HasPrefix(w, "Caddyfile:3: rate_limit: ") {
-				t.Errorf("warning %q does not name Caddyfile:3 and the directive", w)
+			if !strings.HasPrefix(w, "Caddyfile:6: rate_limit: ") {
+				t.Errorf("warning %q does not name Caddyfile:6 and the directive", w)
 			}
 			for _, s := range tc.want {
 				if !strings.Contains(w, s) {
@@ -104,5 +109,106 @@ func TestMholtZones(t *testing.T) {
 		if _, err := adapt(tc.body); err == nil || !strings.Contains(err.Error(), tc.want) {
 			t.Errorf("%q: got error %v, want one containing %q", tc.body, err, tc.want)
 		}
+	}
+}
+
+// TestMholtOrderWarning: a zone (mholt/caddy-ratelimit's syntax) in a
+// Caddyfile that leaves rate_limit at this module's place in the directive
+// order, after basic_auth where mholt's runs before it, gets one warning at
+// the zone's line that says how to keep mholt's order; a Caddyfile that
+// orders rate_limit itself, or uses only this module's syntax, gets none.
+func TestMholtOrderWarning(t *testing.T) {
+	const zone = "rate_limit {\n\tzone z {\n\t\tkey {remote_host}\n\t\tevents 2\n\t\twindow 5s\n\t}\n}\n"
+	const policy = "rate_limit {\n\tpolicy p {\n\t\tkey {remote_host}\n\t\trate 2/5s\n\t}\n}\n"
+	for _, tc := range []struct {
+		name, global, site string
+		warn               bool
+	}{
+		{"zone, no order", "", zone, true},
+		{"zone, order of another directive", "order header first\n", zone, true},
+		{"zone, before basic_auth", "order rate_limit before basic_auth\n", zone, false},
+		{"zone, before basicauth (the old name, as mholt's old README)", "order rate_limit before basicauth\n", zone, false},
+		{"zone, after basic_auth", "order rate_limit after basic_auth\n", zone, false},
+		{"zone, first", "order rate_limit first\n", zone, false},
+		{"zone in a route, no order", "", "route {\n" + zone + "respond ok\n}\n", true},
+		{"policy, no order", "", policy, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			input := ":8080 {\n" + tc.site + "respond ok\n}\n"
+			if tc.global != "" {
+				input = "{\n" + tc.global + "}\n" + input
+			}
+			got := collectCaddyfileWarnings(t)
+			if _, _, err := caddyconfig.GetAdapter("caddyfile").Adapt([]byte(input), nil); err != nil {
+				t.Fatalf("adapting:\n%s\n%v", input, err)
+			}
+			var order []string
+			for _, w := range *got {
+				if strings.Contains(w, "basic_auth") {
+					order = append(order, w)
+				}
+			}
+			if !tc.warn {
+				if len(order) != 0 {
+					t.Fatalf("want no warning about the order, got %q", order)
+				}
+				return
+			}
+			if len(order) != 1 {
+				t.Fatalf("want one warning about the order, got %q", *got)
+			}
+			zoneLine := strings.Count(input[:strings.Index(input, "zone z")], "\n") + 1
+			for _, s := range []string{"Caddyfile:" + strconv.Itoa(zoneLine) + ": rate_limit: ", "mholt/caddy-ratelimit", "before basic_auth",
+				"order rate_limit before basic_auth", "route { }", "in the order written", "docs/migrating.md"} {
+				if !strings.Contains(order[0], s) {
+					t.Errorf("warning %q does not say %q", order[0], s)
+				}
+			}
+		})
+	}
+}
+
+// TestMholtZonePrefixes: a zone's ipv4_prefix and ipv6_prefix are the
+// policy's, mholt's 0 (no grouping) the whole address; out of range or not
+// a number fails at the line; a prefix on a key without a client address
+// warns that it does nothing.
+func TestMholtZonePrefixes(t *testing.T) {
+	adapt := func(body string) (*Handler, []string, error) {
+		got := collectCaddyfileWarnings(t)
+		h := new(Handler)
+		err := h.UnmarshalCaddyfile(caddyfile.NewTestDispenser("rate_limit {\n" + body + "}\n"))
+		return h, *got, err
+	}
+	h, warnings, err := adapt("zone a {\n\tkey {remote_host}\n\tevents 3\n\twindow 1m\n\tipv6_prefix 48\n\tipv4_prefix 24\n}\n" +
+		"zone b {\n\tkey {remote_host}\n\tevents 3\n\twindow 1m\n\tipv6_prefix 0\n\tipv4_prefix 0\n}\n")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(warnings) != 0 {
+		t.Errorf("warnings: %q", warnings)
+	}
+	if a, b := h.Policies[0], h.Policies[1]; a.IPv6Prefix != 48 || a.IPv4Prefix != 24 || b.IPv6Prefix != 128 || b.IPv4Prefix != 32 {
+		t.Errorf("zone a: /%d /%d, want /48 /24; zone b: /%d /%d, want /128 /32", a.IPv6Prefix, a.IPv4Prefix, b.IPv6Prefix, b.IPv4Prefix)
+	}
+	for _, tc := range []struct{ line, want string }{
+		{"ipv6_prefix 129", `zone "z": ipv6_prefix: "129" must be an integer from 0 to 128`},
+		{"ipv4_prefix 33", `zone "z": ipv4_prefix: "33" must be an integer from 0 to 32`},
+		{"ipv6_prefix -1", `ipv6_prefix: "-1" must be`},
+		{"ipv6_prefix sixty-four", `ipv6_prefix: "sixty-four" must be`},
+		{"ipv6_prefix", "ipv6_prefix: a value is required"},
+		{"ipv6_prefix 64 64", "ipv6_prefix: one value expected"},
+	} {
+		_, _, err := adapt("zone z {\n\tkey {remote_host}\n\tevents 3\n\twindow 1m\n\t" + tc.line + "\n}\n")
+		if err == nil || !strings.Contains(err.Error(), tc.want) || !strings.Contains(err.Error(), "Testfile:6") {
+			t.Errorf("%q: got error %v, want one containing %q at Testfile:6", tc.line, err, tc.want)
+		}
+	}
+	_, warnings, err = adapt("zone z {\n\tkey {http.request.header.X-Real-IP}\n\tevents 3\n\twindow 1m\n\tipv6_prefix 64\n}\n")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(warnings) != 1 || !strings.HasPrefix(warnings[0], "Testfile:6: rate_limit: zone \"z\": ipv6_prefix applies to a client address") ||
+		!strings.Contains(warnings[0], "trusted_proxies") {
+		t.Errorf("a prefix on a header key: warnings %q", warnings)
 	}
 }

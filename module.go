@@ -75,6 +75,20 @@ type Handler struct {
 	// adding response fields: a dry run for rolling out limits.
 	Shadow bool `json:"shadow,omitempty"`
 
+	// How many leading bits of an IPv6 client address policies' keys keep
+	// ({client_ip}, {remote_host}, {http.request.remote}): all the
+	// addresses of one network share a bucket. One subscriber line or one
+	// cloud VM is given a /64, 2^64 addresses, so a key of whole IPv6
+	// addresses would let one client take a fresh bucket per request;
+	// Cloudflare counts IPv6 clients by /64 too. 1 to 128 (128: one bucket
+	// per address). A policy can override it. Default 64.
+	IPv6Prefix int `json:"ipv6_prefix,omitempty"`
+
+	// How many leading bits of an IPv4 client address policies' keys keep,
+	// e.g. 24 for one bucket per /24. 1 to 32. A policy can override it.
+	// Default 32 (one bucket per address).
+	IPv4Prefix int `json:"ipv4_prefix,omitempty"`
+
 	// How many Caddy instances share these limits. While Redis is away,
 	// `on_error local` gives each instance 1/instances of every policy's
 	// rate and burst (at least one token), so that the fleet together stays
@@ -99,6 +113,9 @@ type Handler struct {
 	jitter       float64
 	headers      bool
 	logger       *zap.Logger
+	// mholtZone is where the Caddyfile first used mholt/caddy-ratelimit's
+	// zone syntax (see parseCaddyfile).
+	mholtZone *sourceLine
 }
 
 // CaddyModule returns the Caddy module information.
@@ -160,6 +177,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 			return fmt.Errorf("policy %q: %v", p.Name, err)
 		}
 	}
+	h.warnUnauthenticatedKeys(ctx)
 
 	var all []byte
 	for _, p := range h.Policies {
@@ -242,6 +260,12 @@ func (h *Handler) checkOwn() error {
 	}
 	if h.Headers != "" && h.Headers != "draft" && h.Headers != "off" {
 		return fieldErr("headers", "headers: %q is not draft or off", h.Headers)
+	}
+	if err := checkPrefix("ipv6_prefix", h.IPv6Prefix, 128); err != nil {
+		return err
+	}
+	if err := checkPrefix("ipv4_prefix", h.IPv4Prefix, 32); err != nil {
+		return err
 	}
 	return nil
 }

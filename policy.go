@@ -4,7 +4,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/http"
-	"net/textproto"
 	"regexp"
 	"strconv"
 	"strings"
@@ -33,8 +32,12 @@ type Policy struct {
 
 	// What partitions the budget: one bucket per distinct value. Accepts
 	// placeholders, e.g. `{http.auth.user.id}` or `{client_ip}`; a fixed
-	// string such as `global` makes one bucket for everyone. Requests whose
-	// key resolves to the empty string share one bucket. Required.
+	// string such as `global` makes one bucket for everyone. A client
+	// address in it (`{client_ip}`, `{remote_host}` or
+	// `{http.request.remote}`, alone or among other parts; in JSON by
+	// these names or their long forms) is kept as its network: see
+	// `ipv6_prefix` and `ipv4_prefix`. Requests whose key resolves to the
+	// empty string share one bucket. Required.
 	Key string `json:"key"`
 
 	// How fast the bucket refills: `N/duration`, N tokens (a positive
@@ -104,6 +107,20 @@ type Policy struct {
 	// is matched by the error's status.
 	ChargeIf *caddyhttp.ResponseMatcher `json:"charge_if,omitempty"`
 
+	// How many leading bits of an IPv6 client address the key keeps, where
+	// it uses one ({client_ip}, {remote_host}, {http.request.remote}): all
+	// the addresses of one network share a bucket. One subscriber line or
+	// one cloud VM is given a /64, 2^64 addresses, so a key of whole IPv6
+	// addresses would let one client take a fresh bucket per request;
+	// Cloudflare counts IPv6 clients by /64 too. 1 to 128 (128: one bucket
+	// per address). Default: the handler's, or 64.
+	IPv6Prefix int `json:"ipv6_prefix,omitempty"`
+
+	// How many leading bits of an IPv4 client address the key keeps, e.g.
+	// 24 for one bucket per /24. 1 to 32. Default: the handler's, or 32
+	// (one bucket per address).
+	IPv4Prefix int `json:"ipv4_prefix,omitempty"`
+
 	// Settles the request's cost against the usage the response reports:
 	// `cost` is reserved before the request, as always; then usage below it
 	// is given back (never beyond a full bucket) and usage above it charged
@@ -143,6 +160,9 @@ type Policy struct {
 	// reclaimed from holders that vanished.
 	inFlight      prometheus.Gauge
 	leasesExpired prometheus.Counter
+
+	// addrMask is what the key keeps of a client address.
+	addrMask addrMask
 }
 
 var policyName = regexp.MustCompile(`^[A-Za-z0-9_.-]{1,64}$`)
@@ -219,6 +239,12 @@ func (p *Policy) check() error {
 	}
 	if p.Key == "" {
 		return fieldErr("key", "key: required (e.g. {client_ip}, {http.auth.user.id} or global)")
+	}
+	if err := checkPrefix("ipv6_prefix", p.IPv6Prefix, 128); err != nil {
+		return err
+	}
+	if err := checkPrefix("ipv4_prefix", p.IPv4Prefix, 32); err != nil {
+		return err
 	}
 	if p.Concurrent != 0 || p.Lease != 0 {
 		return p.checkConcurrent()
@@ -351,6 +377,7 @@ func (p *Policy) provision(ctx caddy.Context, h *Handler) error {
 	}
 	p.shadow = p.Shadow || h.Shadow
 	p.keyPrefix = h.keyPrefix + p.Name + ":"
+	p.addrMask = maskOf(p.IPv4Prefix, p.IPv6Prefix, h.IPv4Prefix, h.IPv6Prefix)
 	if p.keyTmpl.constant() { // e.g. `key global`: one bucket, one storage key
 		p.fixedKey = p.storageKey(h.hasher, p.keyTmpl.text)
 	}
@@ -412,68 +439,17 @@ func (p *Policy) cost(r *http.Request, repl *caddy.Replacer) int64 {
 	if p.fixedCost > 0 {
 		return p.fixedCost
 	}
-	v, err := strconv.ParseInt(p.costTmpl.resolve(r, repl), 10, 64)
+	v, err := strconv.ParseInt(p.costTmpl.resolve(r, repl, p.addrMask), 10, 64)
 	if err != nil || v < 1 || v > p.maxCost {
 		return p.maxCost
 	}
 	return v
 }
 
-// key resolves the policy's key template for this request.
+// key resolves the policy's key template for this request, its client
+// address masked to the policy's prefix lengths.
 func (p *Policy) key(r *http.Request, repl *caddy.Replacer) string {
-	return p.keyTmpl.resolve(r, repl)
-}
-
-// template is a key or cost template, resolved per request as
-// repl.ReplaceAll(text, "") would, but faster in the common cases: a
-// template that is one placeholder is looked up without scanning it, and
-// one request header ({http.request.header.X-Api-Key}, the Caddyfile's
-// {header.X-Api-Key}) is read from the request directly.
-type template struct {
-	text     string
-	variable string // the placeholder's name when text is exactly one
-	header   string // the canonical field name when that is a request header
-}
-
-func newTemplate(text string) template {
-	t := template{text: text, variable: soleVariable(text)}
-	if field, ok := strings.CutPrefix(t.variable, reqHeaderPlaceholder); ok {
-		t.header = textproto.CanonicalMIMEHeaderKey(field)
-	}
-	return t
-}
-
-// constant reports whether the template resolves to its own text: no
-// placeholder, no escape.
-func (t template) constant() bool { return !strings.ContainsAny(t.text, "{}\\") }
-
-// reqHeaderPlaceholder prefixes Caddy's request header placeholders.
-const reqHeaderPlaceholder = "http.request.header."
-
-func (t template) resolve(r *http.Request, repl *caddy.Replacer) string {
-	switch {
-	case t.header != "":
-		// What Caddy's placeholder gives: the field's values joined by commas.
-		vals := r.Header[t.header]
-		if len(vals) == 1 {
-			return vals[0]
-		}
-		return strings.Join(vals, ",")
-	case t.variable != "":
-		v, _ := repl.GetString(t.variable) // unknown: empty, as ReplaceAll
-		return v
-	default:
-		return repl.ReplaceAll(t.text, "")
-	}
-}
-
-// soleVariable is the name of the placeholder that tmpl consists of, or ""
-// when tmpl is anything else.
-func soleVariable(tmpl string) string {
-	if len(tmpl) < 3 || tmpl[0] != '{' || tmpl[len(tmpl)-1] != '}' || strings.ContainsAny(tmpl[1:len(tmpl)-1], "{}\\") {
-		return ""
-	}
-	return tmpl[1 : len(tmpl)-1]
+	return p.keyTmpl.resolve(r, repl, p.addrMask)
 }
 
 func (p *Policy) matches(r *http.Request) (bool, error) {

@@ -38,7 +38,7 @@ func TestResolveMatchesReplaceAll(t *testing.T) {
 		repl.Set("user.empty", "")
 		repl.Set("user.nil", nil)
 		for _, tmpl := range templates {
-			if got, want := newTemplate(tmpl).resolve(r, repl), repl.ReplaceAll(tmpl, ""); got != want {
+			if got, want := newTemplate(tmpl).resolve(r, repl, addrMask{}), repl.ReplaceAll(tmpl, ""); got != want {
 				t.Errorf("headers %v, template %q: resolved %q, ReplaceAll %q", headers, tmpl, got, want)
 			}
 		}
@@ -55,7 +55,7 @@ func TestResolveMatchesReplaceAll(t *testing.T) {
 			t.Errorf("template %q: constant %v", tmpl, !constant)
 		}
 		// What the constant text resolves to is the text itself.
-		if constant && newTemplate(tmpl).resolve(httptest.NewRequest("GET", "/", nil), caddy.NewReplacer()) != tmpl {
+		if constant && newTemplate(tmpl).resolve(httptest.NewRequest("GET", "/", nil), caddy.NewReplacer(), addrMask{}) != tmpl {
 			t.Errorf("template %q does not resolve to itself", tmpl)
 		}
 	}

@@ -337,6 +337,15 @@ func TestConflictingDefinitions(t *testing.T) {
 	if !strings.Contains(err.Error(), "rate 20/1s") || !strings.Contains(err.Error(), "rate 10/1s") {
 		t.Fatalf("the error does not name both definitions: %v", err)
 	}
+	// Another prefix length for the key's client address is another
+	// partition: other buckets under the same name.
+	otherPrefix := &Handler{IPv6Prefix: 48, Policies: []*Policy{{Name: "api", Key: "{client_ip}", Rate: "10/1s"}}}
+	if err := otherPrefix.Provision(ctx); err == nil {
+		otherPrefix.Cleanup()
+		t.Fatal("a second definition of api with ipv6_prefix 48 provisioned")
+	} else if !strings.Contains(err.Error(), "IPv6 /48") || !strings.Contains(err.Error(), "IPv6 /64") {
+		t.Fatalf("the error does not name both prefixes: %v", err)
+	}
 	// Another config (a reload) may redefine it.
 	ctx2, cancel2 := caddy.NewContext(caddy.Context{Context: context.Background()})
 	defer cancel2()

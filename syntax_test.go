@@ -89,7 +89,7 @@ const (
 
 // mholtSubdirectives are mholt/caddy-ratelimit's, which the parser accepts
 // so that its Caddyfiles adapt, and docs/migrating.md documents.
-var mholtSubdirectives = []string{"zone", "distributed", "storage", "sweep_interval", "log_key"}
+var mholtSubdirectives = []string{"zone", "distributed", "storage", "sweep_interval", "log_key", "disable_metrics"}
 
 // syntaxBlock returns the first ```caddyfile block after the heading
 // "## Caddyfile syntax".

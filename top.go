@@ -32,6 +32,7 @@ const (
 type topSummary struct {
 	minute   int64 // Unix minute
 	counters []topCounter
+	dropped  bool // an identity was forgotten for another (Space-Saving)
 }
 
 type topCounter struct {
@@ -68,7 +69,7 @@ func (t *topDenied) record(id bucketID, key, identity string) {
 	defer t.mu.Unlock()
 	s := &t.minutes[minute%topMinutes]
 	if s.minute != minute {
-		s.minute, s.counters = minute, s.counters[:0]
+		s.minute, s.counters, s.dropped = minute, s.counters[:0], false
 	}
 	for i := range s.counters {
 		if s.counters[i].bucket == id {
@@ -92,6 +93,7 @@ func (t *topDenied) record(id bucketID, key, identity string) {
 			least = i
 		}
 	}
+	s.dropped = true
 	c := &s.counters[least]
 	*c = topCounter{bucket: id, key: key, identity: identity, cut: cut, count: c.count + 1, err: c.count}
 }
@@ -106,8 +108,11 @@ type topEntry struct {
 }
 
 // top returns the n identities denied most in the last topWindow, those
-// with the most denials for certain first.
-func (t *topDenied) top(n int) []topEntry {
+// with the most denials for certain first. truncated says that the list
+// is not all the identities denied in the window: more than n were, or the
+// sketch forgot some for others (their denials are then in the error
+// bounds of those that took their places).
+func (t *topDenied) top(n int) (_ []topEntry, truncated bool) {
 	minute := t.now().Unix() / 60
 	byBucket := map[bucketID]*topEntry{}
 	t.mu.Lock()
@@ -115,6 +120,7 @@ func (t *topDenied) top(n int) []topEntry {
 		if s.minute <= minute-topMinutes || s.minute > minute {
 			continue
 		}
+		truncated = truncated || s.dropped
 		for _, c := range s.counters {
 			e := byBucket[c.bucket]
 			if e == nil {
@@ -137,5 +143,5 @@ func (t *topDenied) top(n int) []topEntry {
 		}
 		return int(b.Denials - a.Denials)
 	})
-	return out[:min(n, len(out))]
+	return out[:min(n, len(out))], truncated || len(out) > n
 }

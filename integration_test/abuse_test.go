@@ -537,7 +537,8 @@ func TestClientIPSpoofing(t *testing.T) {
 		if fmt.Sprint(got) != "[200 200 200 429 429 429]" {
 			t.Errorf("X-Forwarded-For that is not an IP: statuses %v, want the peer's one bucket of 3", got)
 		}
-		want := map[string]bool{plainKey("per_ip", "2001:db8::7"): true, plainKey("per_ip", "127.0.0.1"): true}
+		// The IPv6 client's bucket is its /64's (ipv6_prefix, default 64).
+		want := map[string]bool{plainKey("per_ip", "2001:db8::/64"): true, plainKey("per_ip", "127.0.0.1"): true}
 		for i := range 10 {
 			want[plainKey("per_ip", fmt.Sprintf("198.51.100.%d", i+1))] = true
 		}
@@ -548,7 +549,7 @@ func TestClientIPSpoofing(t *testing.T) {
 			}
 		}
 		if len(keys) != len(want) {
-			t.Errorf("%d per_ip keys, want %d (10 IPs, 2001:db8::7, the peer)", len(keys), len(want))
+			t.Errorf("%d per_ip keys, want %d (10 IPs, 2001:db8::/64, the peer)", len(keys), len(want))
 		}
 
 		// Caddy's default (not strict) takes the left-most IP: behind a

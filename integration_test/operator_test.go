@@ -247,6 +247,7 @@ func TestOperatorTop(t *testing.T) {
 			Identity string `json:"identity"`
 			Denials  int64  `json:"denials"`
 		} `json:"identities"`
+		Truncated bool `json:"truncated"`
 	}
 	status, body := adminCall(t, in, "GET", "/rate_limit/top?policy=per_user&n=1000", "")
 	if status != 200 || json.Unmarshal([]byte(body), &top) != nil {
@@ -258,8 +259,12 @@ func TestOperatorTop(t *testing.T) {
 	if len(top.Identities) > 5*64 {
 		t.Fatalf("top kept %d identities for 100,001 denied: not bounded", len(top.Identities))
 	}
-	if !strings.HasPrefix(strings.Split(out, "\n")[2], "2") || !strings.Contains(out, `"abuser"`) {
-		t.Errorf("the CLI's top does not list the abuser first:\n%s", out)
+	if !top.Truncated {
+		t.Errorf("top of 100,001 identities denied, %d listed: not truncated", len(top.Identities))
+	}
+	if !strings.HasPrefix(strings.Split(out, "\n")[2], "2") || !strings.Contains(out, `"abuser"`) ||
+		!strings.Contains(out, "(truncated: more identities were denied than listed)") {
+		t.Errorf("the CLI's top does not list the abuser first, then say it is truncated:\n%s", out)
 	}
 
 	// Audit: a reset and a grant are logged at INFO with the policy and the

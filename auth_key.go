@@ -1,0 +1,131 @@
+package ratelimit
+
+import (
+	"encoding/json"
+	"reflect"
+	"regexp"
+	"strings"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"go.uber.org/zap"
+)
+
+// warnUnauthenticatedKeys warns, at provision, of each policy keyed on an
+// authenticated identity ({http.auth.user.id}, ...) in an HTTP app that
+// has no authentication handler at all: the placeholder is then empty for
+// every request, and every request shares the policy's empty-key bucket,
+// one budget for everyone, silently. It warns only when it is sure: the
+// app's routes (every server's routes, error routes and named routes, with
+// the subroutes and other handlers in them, provisioned or still JSON) hold
+// no `authentication` handler (basic_auth, or a plugin's provider). An
+// authentication handler elsewhere in the app, even on another site, keeps
+// it quiet: which routes run before this handler cannot be known at
+// provision (several routes compile into one chain per request).
+func (h *Handler) warnUnauthenticatedKeys(ctx caddy.Context) {
+	var keyed []*Policy
+	for _, p := range h.Policies {
+		if strings.Contains(p.Key, "{http.auth.") {
+			keyed = append(keyed, p)
+		}
+	}
+	if len(keyed) == 0 {
+		return
+	}
+	app := httpAppOf(ctx)
+	if app == nil || mayAuthenticate(app) {
+		return
+	}
+	for _, p := range keyed {
+		h.logger.Warn("rate_limit: policy "+p.Name+" keys on "+p.Key+", but this config has no authentication handler "+
+			"(basic_auth, or another http.handlers.authentication): the placeholder is empty for every request, so every request "+
+			"shares the policy's empty-key bucket, one budget for everyone. Add basic_auth before rate_limit, or key on what "+
+			"identifies the client: forward_auth sets request headers, not {http.auth.*} (with copy_headers Remote-User, key on "+
+			"{http.request.header.Remote-User})",
+			zap.String("policy", p.Name), zap.String("key", p.Key))
+	}
+}
+
+// httpAppOf is the HTTP app being provisioned with the handler, from the
+// lineage of modules Caddy is provisioning; nil when the handler is
+// provisioned outside one.
+func httpAppOf(ctx caddy.Context) *caddyhttp.App {
+	for _, m := range ctx.Modules() {
+		if app, ok := m.(*caddyhttp.App); ok {
+			return app
+		}
+	}
+	return nil
+}
+
+// mayAuthenticate reports whether the app may hold an authentication
+// handler: one found, or a config too large to search (then it does not
+// know, and says it may).
+func mayAuthenticate(app *caddyhttp.App) bool {
+	s := authSearch{seen: map[uintptr]bool{}, budget: authSearchBudget}
+	return s.found(reflect.ValueOf(app.Servers))
+}
+
+// authSearchBudget bounds the values an authSearch visits.
+const authSearchBudget = 1_000_000
+
+// authHandlerJSON is an authentication handler in a config's JSON.
+var authHandlerJSON = regexp.MustCompile(`"handler"\s*:\s*"authentication"`)
+
+var rawMessageType = reflect.TypeFor[json.RawMessage]()
+
+// authSearch walks the exported fields of a config's values: the modules
+// Caddy provisioned already (routes' Handlers, a Subroute's Routes, a
+// reverse_proxy's handle_response routes...) and the JSON of those it has
+// not yet (routes' HandlersRaw, which holds nested subroutes as text).
+type authSearch struct {
+	seen   map[uintptr]bool
+	budget int
+}
+
+func (s *authSearch) found(v reflect.Value) bool {
+	if s.budget--; s.budget < 0 {
+		return true
+	}
+	switch v.Kind() {
+	case reflect.Interface:
+		return !v.IsNil() && s.found(v.Elem())
+	case reflect.Pointer:
+		if v.IsNil() || s.seen[v.Pointer()] {
+			return false
+		}
+		s.seen[v.Pointer()] = true
+		if m, ok := v.Interface().(caddy.Module); ok && caddy.GetModuleID(m) == "http.handlers.authentication" {
+			return true
+		}
+		return s.found(v.Elem())
+	case reflect.Struct:
+		t := v.Type()
+		for i := range t.NumField() {
+			if t.Field(i).IsExported() && s.found(v.Field(i)) {
+				return true
+			}
+		}
+	case reflect.Slice:
+		if v.Type() == rawMessageType {
+			return authHandlerJSON.Match(v.Bytes())
+		}
+		if v.Type().Elem().Kind() == reflect.Uint8 {
+			return false
+		}
+		fallthrough
+	case reflect.Array:
+		for i := range v.Len() {
+			if s.found(v.Index(i)) {
+				return true
+			}
+		}
+	case reflect.Map:
+		for it := v.MapRange(); it.Next(); {
+			if s.found(it.Value()) {
+				return true
+			}
+		}
+	}
+	return false
+}
