@@ -75,11 +75,15 @@ type bucketState struct {
 	Tokens    int64   `json:"tokens"`
 	NextToken float64 `json:"next_token_seconds"`
 	Full      float64 `json:"full_seconds"`
-	// Granted is what grant gave back (at most what makes the bucket full).
-	Granted int64 `json:"granted,omitempty"`
-	// A concurrent policy's slots, and those held now (Tokens: those free).
-	Slots int64  `json:"slots,omitempty"`
-	InUse *int64 `json:"in_use,omitempty"`
+	// Granted is what grant gave back (at most what makes the bucket full:
+	// 0 for a full one).
+	Granted *int64 `json:"granted,omitempty"`
+	// A concurrent policy's slots, and those held now (Tokens: those free);
+	// after a reset, the running requests' (kept), and Dropped, the stale
+	// leases of holders that vanished.
+	Slots   int64  `json:"slots,omitempty"`
+	InUse   *int64 `json:"in_use,omitempty"`
+	Dropped *int64 `json:"dropped,omitempty"`
 	// Announced: every instance was told of the reset or grant at once
 	// (otherwise within a second).
 	Announced *bool `json:"announced,omitempty"`
@@ -181,8 +185,10 @@ func (adminAPI) bucket(ctx context.Context, action string, def definition, req a
 	if action == "inspect" {
 		return st, nil
 	}
+	var granted int64
 	if action == "grant" {
-		st.Granted = v.remaining - d.verdicts[0].remaining
+		granted = v.remaining - d.verdicts[0].remaining
+		st.Granted = &granted
 	}
 	// The change is made; every instance forgets what it remembered of the
 	// bucket.
@@ -196,19 +202,23 @@ func (adminAPI) bucket(ctx context.Context, action string, def definition, req a
 		pacing.forget(key)
 	}
 	st.Announced = &announced
-	h.logger.Info("rate limit bucket "+action, zap.String("policy", p.Name), zap.String("key", key), zap.Int64("tokens", v.remaining), zap.Int64("granted", st.Granted))
+	h.logger.Info("rate limit bucket "+action, zap.String("policy", p.Name), zap.String("key", key), zap.Int64("tokens", v.remaining), zap.Int64("granted", granted))
 	return st, nil
 }
 
 // slots inspects or frees a concurrency policy's slots.
 func (adminAPI) slots(ctx context.Context, action string, def definition, req adminRequest, key string) (*bucketState, error) {
 	p, h := def.policy, def.handler
-	rq := bucketRequest{key: key, limit: p.limit, op: opCount}
+	rq := bucketRequest{key: key, limit: p.limit, op: opCount, leasesExpired: p.leasesExpired}
 	switch action {
 	case "grant":
-		return nil, apiError(http.StatusBadRequest, "policy %q is a concurrency limit: it has slots, not tokens, to grant (reset frees them)", p.Name)
+		return nil, apiError(http.StatusBadRequest, "policy %q is a concurrency limit: it has slots, not tokens, to grant (reset drops its stale leases)", p.Name)
 	case "reset":
-		rq.op, rq.events = opFree, h.events
+		// Running requests keep their slots: the limit holds. Stale leases,
+		// of holders that vanished, go: those not renewed for most of a
+		// lease, when a running request's is renewed every third of it
+		// (and may spend another third on its way to Redis).
+		rq.op, rq.events, rq.delta = opFree, h.events, p.limit.interval/staleAfter
 	}
 	d, err := h.store.decide(ctx, []bucketRequest{rq})
 	if err != nil {
@@ -216,14 +226,20 @@ func (adminAPI) slots(ctx context.Context, action string, def definition, req ad
 	}
 	v := d.verdicts[0]
 	inUse := p.Concurrent - v.remaining
+	st := &bucketState{Policy: p.Name, Kind: p.kind(), Slots: p.Concurrent, Identity: req.Identity, Key: key, Store: h.storeName(),
+		Tokens: v.remaining, InUse: &inUse}
 	if action == "reset" {
-		inUse = 0
+		dropped := v.expired
+		st.Dropped = &dropped
 		slotQueues.wake(key)
-		h.logger.Info("rate limit slots reset", zap.String("policy", p.Name), zap.String("key", key))
+		h.logger.Info("rate limit slots reset", zap.String("policy", p.Name), zap.String("key", key), zap.Int64("running_kept", inUse), zap.Int64("stale_dropped", dropped))
 	}
-	return &bucketState{Policy: p.Name, Kind: p.kind(), Slots: p.Concurrent, Identity: req.Identity, Key: key, Store: h.storeName(),
-		Tokens: p.Concurrent - inUse, InUse: &inUse}, nil
+	return st, nil
 }
+
+// staleAfter: a reset drops the leases with less than 1/staleAfter of
+// their lease left (not renewed for the rest of it).
+const staleAfter = 5
 
 // topAnswer is what top answers.
 type topAnswer struct {

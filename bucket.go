@@ -61,12 +61,17 @@ const (
 	// opAcquire takes one of a concurrency policy's slots (a lease timed by
 	// the store's clock) when one is free and the request is admitted.
 	opAcquire
-	// opRelease frees the request's slot; opRenew extends its lease.
+	// opRelease frees the request's slot; opRenew extends its lease, when
+	// it is still held.
 	opRelease
 	opRenew
-	// opCount reads the slots held; opFree frees them all.
+	// opCount reads the slots held; opFree frees those not renewed lately
+	// (stale), keeping the leases of running requests.
 	opCount
 	opFree
+	// opRestore puts back the lease of a running request that the store
+	// lost (a flush, a failover).
+	opRestore
 )
 
 // admits reports whether the op takes part in an admission decision.
@@ -82,7 +87,8 @@ type bucketRequest struct {
 	op    bucketOp
 	// cost: tokens the request needs (opTake, opCheck).
 	cost int64
-	// delta: tokens opAdjust charges (> 0) or gives back (< 0).
+	// delta: tokens opAdjust charges (> 0) or gives back (< 0); for
+	// opFree, the µs a lease must have left to be kept.
 	delta int64
 	// shadow: decided apart; never changes whether the request is admitted.
 	shadow bool
@@ -93,10 +99,16 @@ type bucketRequest struct {
 	// wait: µs ahead an opTake may reserve a slot (policy `wait`, while the
 	// policy has room to hold the request); 0: now or never.
 	wait int64
-	// lease names the request's slot (opAcquire, opRelease, opRenew);
-	// events is the channel that freeing slots is announced on.
+	// lease names the request's slot (opAcquire, opRelease, opRenew,
+	// opRestore); events is the channel that freeing slots is announced on.
 	lease, events string
+	// leasesExpired counts the leases a slot op finds expired, of holders
+	// that vanished (nil for rate buckets).
+	leasesExpired counter
 }
+
+// counter is a metric that counts (a Prometheus counter).
+type counter interface{ Add(float64) }
 
 // verdict is one bucket's part of a decision.
 type verdict struct {
@@ -219,8 +231,6 @@ func decideBuckets(tats []int64, now int64, reqs []bucketRequest) (decision, []i
 				held++
 			case rq.op == opRelease:
 				held = max(0, held-1)
-			case rq.op == opFree:
-				held = 0
 			}
 			next[i] = held
 			// Free slots after the decision; a denied request waits a
@@ -265,7 +275,7 @@ func applied(reqs []bucketRequest, d decision, i int) bool {
 	switch reqs[i].op {
 	case opTake, opAcquire:
 		return d.admitted && d.verdicts[i].allowed
-	case opAdjust, opReset, opRelease, opRenew, opFree:
+	case opAdjust, opReset, opRelease, opRenew, opFree, opRestore:
 		return true
 	}
 	return false

@@ -179,8 +179,8 @@ func printAnswer(w io.Writer, action string, raw []byte) error {
 	}
 	if st.InUse != nil {
 		fmt.Fprintf(w, "%s %q (concurrency limit, key %s): %d of %d slots in use", st.Policy, st.Identity, st.Key, *st.InUse, st.Slots)
-		if action == "reset" {
-			fmt.Fprint(w, ": all freed")
+		if action == "reset" && st.Dropped != nil {
+			fmt.Fprintf(w, "; reset: %d running, kept; %d stale, dropped", *st.InUse, *st.Dropped)
 		}
 		fmt.Fprintln(w, ".")
 		return nil
@@ -193,7 +193,11 @@ func printAnswer(w io.Writer, action string, raw []byte) error {
 	case "reset":
 		fmt.Fprintf(w, "%s %q: reset; %d of %d tokens, %s.\n", st.Policy, st.Identity, st.Tokens, st.Burst, full)
 	case "grant":
-		fmt.Fprintf(w, "%s %q: granted %d tokens; %d of %d now, %s.\n", st.Policy, st.Identity, st.Granted, st.Tokens, st.Burst, full)
+		var granted int64
+		if st.Granted != nil {
+			granted = *st.Granted
+		}
+		fmt.Fprintf(w, "%s %q: granted %d tokens; %d of %d now, %s.\n", st.Policy, st.Identity, granted, st.Tokens, st.Burst, full)
 	default:
 		tw := tabwriter.NewWriter(w, 2, 4, 2, ' ', 0)
 		fmt.Fprintf(tw, "policy\t%s (%s policy: rate %s, burst %d)\n", st.Policy, st.Kind, st.Rate, st.Burst)

@@ -34,13 +34,19 @@ var leaseIDs = func() func() string {
 const (
 	defaultLease = 30 * time.Second
 	minLease     = time.Second
-	// renewEvery is how often the renewer looks for leases due: those
-	// renewed more than a third of their lease ago.
+	// renewEvery is how often, at most, the renewer looks for leases due:
+	// those whose last renewal was sent a third of their lease ago. A
+	// shorter lease is looked at every twelfth of it, so that a renewal
+	// sent up to a twelfth late, and a third of the lease on its way to
+	// Redis, still lands before the lease runs out.
 	renewEvery = 250 * time.Millisecond
 	// slotPoll is how often a waiting request at the head of its queue
 	// tries again without having been woken: a slot whose lease expired
 	// (its holder vanished) frees no event.
 	slotPoll = 250 * time.Millisecond
+	// retryEvery is how soon a release that could not reach the store is
+	// sent again: until it is made, or its lease has run out anyway.
+	retryEvery = 100 * time.Millisecond
 )
 
 // lease is one slot a request holds.
@@ -50,16 +56,33 @@ type lease struct {
 }
 
 // leaseBook is the leases a Redis connection's instance holds, renewed in
-// the background while they are held.
+// the background while they are held, and the releases the store has not
+// confirmed yet, sent again until it does.
 type leaseBook struct {
 	mu      sync.Mutex
 	leases  map[string]*heldLease
+	pending map[string]*pendingRelease
+	tick    time.Duration // how often the renewer looks
 	running bool
 }
 
 type heldLease struct {
 	rq      bucketRequest
-	renewed time.Time
+	policy  *Policy
+	renewed time.Time // when its last renewal (or acquire) was sent
+	// lost: a renewal found the lease gone from the store (a flush, a
+	// failover, or expired): it is put back (opRestore), for its request
+	// runs. restoring: that call is in flight, so a release must follow it
+	// (released).
+	lost, restoring, released bool
+}
+
+// pendingRelease is a release the store has not confirmed.
+type pendingRelease struct {
+	rq      bucketRequest // its opRelease
+	policy  *Policy
+	expires time.Time // after which the lease is free in the store anyway
+	next    time.Time // when to send it again
 }
 
 // hold registers leases to renew, starting the renewer the first time.
@@ -68,11 +91,12 @@ func (c *redisConn) hold(leases []lease) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if b.leases == nil {
-		b.leases = map[string]*heldLease{}
+		b.leases, b.pending, b.tick = map[string]*heldLease{}, map[string]*pendingRelease{}, renewEvery
 	}
 	now := time.Now()
 	for _, l := range leases {
-		b.leases[l.rq.lease] = &heldLease{rq: l.rq, renewed: now}
+		b.leases[l.rq.lease] = &heldLease{rq: l.rq, policy: l.policy, renewed: now}
+		b.tick = min(b.tick, leaseOf(l.rq)/12)
 	}
 	if !b.running {
 		b.running = true
@@ -80,58 +104,158 @@ func (c *redisConn) hold(leases []lease) {
 	}
 }
 
-// drop stops renewing leases.
-func (c *redisConn) drop(leases []lease) {
+func leaseOf(rq bucketRequest) time.Duration {
+	return time.Duration(rq.limit.interval) * time.Microsecond
+}
+
+// release frees leases in the store, at once; a release that cannot reach
+// it is kept and sent again (see renew).
+func (c *redisConn) release(s store, leases []lease) {
 	b := &c.leases
+	var rels []bucketRequest
+	var policies []*Policy
 	b.mu.Lock()
 	for _, l := range leases {
+		if h := b.leases[l.rq.lease]; h != nil && h.restoring {
+			// A restore in flight could land after this release: the renewer
+			// releases the lease once the restore is back.
+			h.released = true
+			continue
+		}
 		delete(b.leases, l.rq.lease)
+		rq := l.rq
+		rq.op = opRelease
+		rels, policies = append(rels, rq), append(policies, l.policy)
+	}
+	b.mu.Unlock()
+	if len(rels) == 0 {
+		return
+	}
+	if _, err := s.decide(context.Background(), rels); err != nil {
+		c.retryReleases(rels, policies)
+	}
+}
+
+// retryReleases keeps releases that failed, to send again.
+func (c *redisConn) retryReleases(rels []bucketRequest, policies []*Policy) {
+	b := &c.leases
+	now := time.Now()
+	b.mu.Lock()
+	for i, rq := range rels {
+		b.pending[rq.lease] = &pendingRelease{rq: rq, policy: policies[i], expires: now.Add(leaseOf(rq)), next: now.Add(retryEvery)}
 	}
 	b.mu.Unlock()
 }
 
-// renew renews the leases due, every renewEvery, in one script call (one
-// per slot in cluster mode), until the connection closes.
+// renew, every tick until the connection closes: renews the leases due,
+// puts back those the store lost, and sends again the releases it did not
+// confirm.
 func (c *redisConn) renew() {
-	t := time.NewTicker(renewEvery)
-	defer t.Stop()
-	for range t.C {
-		if c.events.isClosed() {
+	for {
+		b := &c.leases
+		b.mu.Lock()
+		tick := b.tick
+		b.mu.Unlock()
+		select {
+		case <-c.closed:
 			return
+		case <-time.After(tick):
 		}
+		var due []*heldLease
+		var reqs []bucketRequest
+		var retries []*pendingRelease
 		now := time.Now()
-		var due []bucketRequest
-		c.leases.mu.Lock()
-		for _, l := range c.leases.leases {
-			if now.Sub(l.renewed) >= time.Duration(l.rq.limit.interval)*time.Microsecond/3 {
+		b.mu.Lock()
+		for _, l := range b.leases {
+			switch {
+			case l.restoring:
+			case l.lost:
+				l.restoring, l.lost, l.renewed = true, false, now
+				rq := l.rq
+				rq.op = opRestore
+				due, reqs = append(due, l), append(reqs, rq)
+			case now.Sub(l.renewed) >= leaseOf(l.rq)/3:
 				l.renewed = now
 				rq := l.rq
 				rq.op = opRenew
-				due = append(due, rq)
+				due, reqs = append(due, l), append(reqs, rq)
 			}
 		}
-		c.leases.mu.Unlock()
-		if len(due) == 0 {
-			continue
-		}
-		groups := [][]bucketRequest{due}
-		if c.cluster {
-			groups = nil
-			for _, idx := range slotGroups(due) {
-				groups = append(groups, pick(due, idx))
+		for id, p := range b.pending {
+			switch {
+			case now.After(p.expires):
+				delete(b.pending, id) // free in the store by now
+			case now.After(p.next):
+				p.next = now.Add(retryEvery)
+				retries = append(retries, p)
+				reqs = append(reqs, p.rq)
 			}
 		}
-		for _, g := range groups {
-			// Each lease its own request, so that one bad key fails alone.
-			batch := make([]*pending, len(g))
-			for i := range g {
-				batch[i] = newPending(g[i:i+1], nil)
-			}
-			c.call(batch)
-			for _, p := range batch {
-				p.release()
-			}
+		b.mu.Unlock()
+		if len(reqs) > 0 {
+			// Apart from the ticks: a slow Redis must not hold back the next
+			// renewals.
+			go c.renewNow(due, reqs, retries)
 		}
+	}
+}
+
+// renewNow sends the renewals, restores and retried releases of one tick
+// (due's first, then retries'), each its own request so that one bad key
+// fails alone, in one script call (one per slot in cluster mode), and
+// records what the store said.
+func (c *redisConn) renewNow(due []*heldLease, reqs []bucketRequest, retries []*pendingRelease) {
+	results := make([]*pending, len(reqs))
+	groups := [][]int{nil}
+	for i := range reqs {
+		results[i] = newPending(reqs[i:i+1], nil)
+		groups[0] = append(groups[0], i)
+	}
+	if c.cluster {
+		groups = slotGroups(reqs)
+	}
+	for _, g := range groups {
+		batch := make([]*pending, len(g))
+		for k, i := range g {
+			batch[k] = results[i]
+		}
+		c.call(batch)
+	}
+	var rels []bucketRequest
+	var relPolicies []*Policy
+	b := &c.leases
+	b.mu.Lock()
+	for i, l := range due {
+		p := results[i]
+		switch {
+		case reqs[i].op == opRestore:
+			l.restoring = false
+			switch {
+			case l.released: // its request ended meanwhile
+				delete(b.leases, l.rq.lease)
+				rq := l.rq
+				rq.op = opRelease
+				rels, relPolicies = append(rels, rq), append(relPolicies, l.policy)
+			case p.err != nil:
+				l.lost = true // try again next tick
+			}
+		case p.err == nil && !p.d.verdicts[0].allowed:
+			l.lost = true // the store lost it: put it back next tick
+		}
+	}
+	for k, r := range retries {
+		if results[len(due)+k].err == nil {
+			delete(b.pending, r.rq.lease)
+		} else if r.policy != nil {
+			r.policy.releaseRetries.Inc()
+		}
+	}
+	b.mu.Unlock()
+	for _, p := range results {
+		p.release()
+	}
+	if len(rels) > 0 {
+		c.retryReleases(rels, relPolicies)
 	}
 }
 
@@ -260,11 +384,7 @@ func (res *reservation) takeSlots() {
 		if rq.op != opAcquire {
 			continue
 		}
-		v := res.d.verdicts[i]
-		if v.expired > 0 {
-			p.leasesExpired.Add(float64(v.expired))
-		}
-		if !v.allowed {
+		if !res.d.verdicts[i].allowed {
 			continue // a shadow policy's slot, not taken
 		}
 		res.leases = append(res.leases, lease{policy: p, rq: rq})
@@ -278,27 +398,28 @@ func (res *reservation) takeSlots() {
 	}
 }
 
-// freeSlots frees the request's slots, in one store call, and wakes the
-// requests this instance has waiting for them.
+// freeSlots frees the request's slots, in one store call (with Redis, a
+// release that cannot reach it is sent again until it does, or its lease
+// has run out), and wakes the requests this instance has waiting for them.
 func (res *reservation) freeSlots() {
 	if len(res.leases) == 0 {
 		return
 	}
-	var rels []bucketRequest
 	for _, l := range res.leases {
-		rq := l.rq
-		rq.op = opRelease
-		rels = append(rels, rq)
 		l.policy.inFlight.Dec()
 	}
 	if rs, ok := res.decidedBy.(*redisStore); ok {
-		rs.conn.drop(res.leases)
+		rs.conn.release(rs, res.leases)
+	} else {
+		rels := make([]bucketRequest, len(res.leases))
+		for i, l := range res.leases {
+			rels[i] = l.rq
+			rels[i].op = opRelease
+		}
+		_, _ = res.decidedBy.decide(context.Background(), rels)
 	}
-	// A slot not freed (the store unreachable) comes back when its lease
-	// expires.
-	_, _ = res.decidedBy.decide(context.Background(), rels)
-	for _, rq := range rels {
-		slotQueues.wake(rq.key)
+	for _, l := range res.leases {
+		slotQueues.wake(l.rq.key)
 	}
 	res.leases = nil
 }

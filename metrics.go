@@ -33,6 +33,10 @@ var (
 		Namespace: "caddy", Subsystem: "rate_limit", Name: "leases_expired_total",
 		Help: "Concurrency slots reclaimed from holders that vanished (their lease expired unrenewed): the leak signal.",
 	}, []string{"policy"})
+	releaseRetries = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Namespace: "caddy", Subsystem: "rate_limit", Name: "release_retries_total",
+		Help: "Releases of concurrency slots sent again because Redis did not confirm them: each is retried until it is made or its lease has run out (the slot is free then anyway).",
+	}, []string{"policy"})
 	waiting = prometheus.NewGaugeVec(prometheus.GaugeOpts{
 		Namespace: "caddy", Subsystem: "rate_limit", Name: "waiting",
 		Help: "Requests held by a policy's wait setting right now: for their reserved slot (rate), or for a free one (concurrent).",
@@ -67,7 +71,7 @@ func registerMetrics(ctx caddy.Context) error {
 	if reg == nil {
 		return nil
 	}
-	for _, c := range []prometheus.Collector{decisionsTotal, chargesLost, inFlight, leasesExpired, waiting, storeDuration, storeErrors, circuitOpen, buckets} {
+	for _, c := range []prometheus.Collector{decisionsTotal, chargesLost, inFlight, leasesExpired, releaseRetries, waiting, storeDuration, storeErrors, circuitOpen, buckets} {
 		if err := reg.Register(c); err != nil {
 			var are prometheus.AlreadyRegisteredError
 			if !errors.As(err, &are) {

@@ -156,10 +156,11 @@ type Policy struct {
 	settleMax   int64
 	debt        int64
 	chargesLost prometheus.Counter
-	// Concurrency policies: in flight on this instance, and the leases
-	// reclaimed from holders that vanished.
-	inFlight      prometheus.Gauge
-	leasesExpired prometheus.Counter
+	// Concurrency policies: in flight on this instance, the leases
+	// reclaimed from holders that vanished, and the releases sent again.
+	inFlight       prometheus.Gauge
+	leasesExpired  prometheus.Counter
+	releaseRetries prometheus.Counter
 
 	// addrMask is what the key keeps of a client address.
 	addrMask addrMask
@@ -396,6 +397,7 @@ func (p *Policy) provision(ctx caddy.Context, h *Handler) error {
 	p.chargesLost = chargesLost.WithLabelValues(p.Name)
 	p.inFlight = inFlight.WithLabelValues(p.Name)
 	p.leasesExpired = leasesExpired.WithLabelValues(p.Name)
+	p.releaseRetries = releaseRetries.WithLabelValues(p.Name)
 	p.held = new(atomic.Int64)
 	p.waiting = waiting.WithLabelValues(p.Name)
 	if p.MaxHeld == 0 {

@@ -115,7 +115,7 @@ func (h *Handler) match(r *http.Request, repl *caddy.Replacer, rs *requestState,
 		res.identities = append(res.identities, identity)
 		rq := bucketRequest{key: key, op: p.admissionOp(), limit: p.limit, cost: p.cost(r, repl), shadow: p.shadow, refundable: p.refundable()}
 		if rq.op == opAcquire {
-			rq.lease, rq.events = leaseIDs(), h.events
+			rq.lease, rq.events, rq.leasesExpired = leaseIDs(), h.events, p.leasesExpired
 		}
 		res.reqs = append(res.reqs, rq)
 	}

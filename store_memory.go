@@ -142,11 +142,13 @@ func (m *memoryStore) decide(_ context.Context, reqs []bucketRequest) (decision,
 }
 
 // applySlots takes, frees or renews a lease; for opRenew it reports
-// whether the lease is still held.
+// whether the lease is still held. In this process a lease lasts until its
+// request releases it (the process that holds it is this one), so none is
+// ever stale: opFree keeps them all.
 func (s *memoryShard) applySlots(id bucketID, rq bucketRequest) bool {
 	leases := s.slots[id]
 	switch rq.op {
-	case opAcquire:
+	case opAcquire, opRestore:
 		if leases == nil {
 			if s.slots == nil {
 				s.slots = map[bucketID]map[string]struct{}{}
@@ -160,8 +162,6 @@ func (s *memoryShard) applySlots(id bucketID, rq bucketRequest) bool {
 	case opRenew:
 		_, held := leases[rq.lease]
 		return held
-	case opFree:
-		clear(leases)
 	}
 	if leases != nil && len(leases) == 0 {
 		delete(s.slots, id)

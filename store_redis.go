@@ -197,6 +197,8 @@ func encodeCall(batch []*pending, format int) []any {
 			switch {
 			case rq.op == opAdjust:
 				amount = rq.delta
+			case rq.op == opFree:
+				amount, wait = rq.delta, rq.events
 			case rq.op.slots():
 				amount, wait = rq.lease, rq.events
 			}
@@ -287,6 +289,11 @@ func decodeRequest(now int64, res []int64, reqs []bucketRequest) (decision, []in
 	for i, rq := range reqs {
 		if rq.op.slots() {
 			d.verdicts[i].expired = res[at[i]+2]
+			// Wherever a lease is found expired (an acquire admitted or
+			// denied, a renewal, an inspect, a reset), it is counted.
+			if n := d.verdicts[i].expired; n > 0 && rq.leasesExpired != nil {
+				rq.leasesExpired.Add(float64(n))
+			}
 		}
 		if rq.op == opRenew { // allowed says the lease was still held
 			d.verdicts[i].allowed = res[at[i]] == 1

@@ -8,15 +8,16 @@
 --        then per request: its bucket count, then six values per bucket:
 --          op        2 * code + shadow; codes: 1 take, 2 check, 3 adjust,
 --                    4 inspect, 5 reset; for concurrency slots 6 acquire,
---                    7 release, 8 renew, 9 count, 10 free (see bucketOp in
---                    bucket.go)
+--                    7 release, 8 renew, 9 count, 10 free, 11 restore (see
+--                    bucketOp in bucket.go)
 --          interval  µs per token under the current config (slots: the
 --                    lease)
 --          burst     capacity in tokens (slots: how many)
 --          slack     µs a TAT may run beyond a full refill (reserved slots,
 --                    debt)
 --          amount    take, check: the cost; adjust: tokens charged (> 0)
---                    or given back (< 0); slots: the lease's member
+--                    or given back (< 0); slots: the lease's member; free:
+--                    the µs a lease must have left to be kept
 --          wait      take: µs ahead a slot may be reserved (policy `wait`);
 --                    release, free: the channel of events between instances
 --
@@ -33,9 +34,12 @@
 -- Concurrency slots are another kind of key: a sorted set of leases, each
 -- member's score the Redis time its lease expires. Expired leases (of an
 -- instance that died) are removed, and counted, whenever the key is read;
--- a lease is renewed while its request runs; the key itself outlives its
--- leases by a lease, so that expired ones are found and counted. Slots are
--- read and written at once, not at the end of the call.
+-- a lease is renewed while its request runs (renew extends a lease still
+-- held; restore puts back one Redis lost, in a flush or a failover); free
+-- drops the leases not renewed lately (stale: their holders vanished) and
+-- keeps those of running requests; the key itself outlives its leases by a
+-- lease, so that expired ones are found and counted. Slots are read and
+-- written at once, not at the end of the call.
 --
 -- Returns {now, then per request: status, then per bucket: allowed, tat,
 -- expired}:
@@ -48,8 +52,8 @@
 --            key, its status (-1 or -2)
 --   tat      the bucket's TAT before this request, rebased (0: absent); the
 --            caller derives tokens, waits and delays from it with bucket.go;
---            slots: the leases held before this request
---   expired  slots: the expired leases removed (0 for buckets)
+--            slots: the leases held before this request (free: after it)
+--   expired  slots: the expired leases removed (free: and the stale ones)
 --
 -- Redis work is what costs: each key is read once per call and written at
 -- most once, at the end, with what the call's last request left in it. On
@@ -66,7 +70,7 @@ local now = tonumber(clock[1]) * 1000000 + tonumber(clock[2])
 local set_get = redis.REDIS_VERSION_NUM ~= nil
 
 local TAKE, CHECK, ADJUST, RESET = 1, 2, 3, 5
-local ACQUIRE, RELEASE, RENEW, FREE = 6, 7, 8, 10
+local ACQUIRE, RELEASE, RENEW, FREE, RESTORE = 6, 7, 8, 10, 11
 local WRONGTYPE, CORRUPT = -1, -2
 
 -- The keys this call touched, by index in the order first touched.
@@ -278,9 +282,15 @@ while arg <= #ARGV do
         if redis.call('ZREM', key, member) == 1 and before[i] >= tonumber(ARGV[a + 2]) then
           redis.call('PUBLISH', ARGV[a + 5], 'freed ' .. key)
         end
+      elseif code == RESTORE then
+        redis.call('ZADD', key, now + interval, member)
+        redis.call('PEXPIRE', key, math.ceil(2 * interval / 1000))
       elseif code == FREE then
-        redis.call('DEL', key)
-        redis.call('PUBLISH', ARGV[a + 5], 'freed ' .. key)
+        local stale = redis.call('ZREMRANGEBYSCORE', key, '-inf', now + tonumber(member))
+        before[i], expired[i] = before[i] - stale, expired[i] + stale
+        if stale > 0 then
+          redis.call('PUBLISH', ARGV[a + 5], 'freed ' .. key)
+        end
       end
     elseif status >= 0 then
       if code == TAKE and status == 1 and allowed[i] == 1 or code == ADJUST then
