@@ -548,3 +548,66 @@ func TestLuaSlots(t *testing.T) {
 		t.Fatalf("a hash: %v; an old rate bucket: %+v %v", p.err, q.d, q.err)
 	}
 }
+
+// countedLeases counts what leasesExpired is given.
+type countedLeases struct{ n atomic.Int64 }
+
+func (c *countedLeases) Add(v float64) { c.n.Add(int64(v)) }
+
+// TestLuaSlotsFaults: a restore puts back a lease the store lost; a reset
+// (free) keeps the leases of running requests and drops the stale ones;
+// expired leases are counted by whatever op finds them: a denied acquire, a
+// renewal, a count.
+func TestLuaSlotsFaults(t *testing.T) {
+	_, client, rs := newTestRedis(t)
+	ctx := context.Background()
+	slots := limit{interval: 10_000_000, burst: 2} // 2 slots, leases of 10 s
+	expired := &countedLeases{}
+	op := func(o bucketOp, key, lease string) bucketRequest {
+		return bucketRequest{key: key, limit: slots, op: o, lease: lease, events: "rl:events", leasesExpired: expired}
+	}
+	decide := func(reqs ...bucketRequest) decision {
+		t.Helper()
+		d, err := rs.decide(ctx, reqs)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return d
+	}
+	decide(op(opAcquire, "rl:s:{f}", "a"))
+	client.Del(ctx, "rl:s:{f}") // as a FLUSHALL would
+	if d := decide(op(opRenew, "rl:s:{f}", "a")); d.verdicts[0].allowed {
+		t.Fatalf("renewing a lost lease: %+v, want not held", d)
+	}
+	decide(op(opRestore, "rl:s:{f}", "a"))
+	if d := decide(op(opRenew, "rl:s:{f}", "a")); !d.verdicts[0].allowed {
+		t.Fatalf("renewing a restored lease: %+v, want held", d)
+	}
+	// Free: a lease with 9 s left is a running request's; one with 1 s left
+	// was not renewed for most of its lease: stale.
+	now := time.Now().UnixMicro()
+	client.ZAdd(ctx, "rl:s:{f}", redis.Z{Score: float64(now + 1_000_000), Member: "stale"})
+	free := op(opFree, "rl:s:{f}", "")
+	free.delta = slots.interval / staleAfter
+	if d := decide(free); d.verdicts[0].remaining != 1 || d.verdicts[0].expired != 1 {
+		t.Fatalf("reset: %+v, want 1 running kept (1 free) and 1 stale dropped", d)
+	}
+	if members := client.ZRange(ctx, "rl:s:{f}", 0, -1).Val(); len(members) != 1 || members[0] != "a" {
+		t.Fatalf("after the reset the slots hold %v, want [a]", members)
+	}
+	expired.n.Store(0)
+	// Expired leases, found by a denied acquire, a renewal and a count.
+	past := float64(now - 1_000_000)
+	for _, key := range []string{"rl:s:{d}", "rl:s:{r}", "rl:s:{c}"} {
+		client.ZAdd(ctx, key, redis.Z{Score: past, Member: "gone"}, redis.Z{Score: float64(now + 9_000_000), Member: "x"}, redis.Z{Score: float64(now + 9_000_000), Member: "y"})
+	}
+	client.ZAdd(ctx, "rl:s:{d}", redis.Z{Score: float64(now + 9_000_000), Member: "z"}) // still full without "gone"
+	if d := decide(op(opAcquire, "rl:s:{d}", "new")); d.admitted {
+		t.Fatalf("acquire on a full set: %+v", d)
+	}
+	decide(op(opRenew, "rl:s:{r}", "x"))
+	decide(op(opCount, "rl:s:{c}", ""))
+	if n := expired.n.Load(); n != 3 {
+		t.Fatalf("leases_expired counted %d, want 3 (a denied acquire, a renewal, a count)", n)
+	}
+}

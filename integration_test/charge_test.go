@@ -359,3 +359,56 @@ func TestSettleStreams(t *testing.T) {
 		time.Sleep(20 * time.Millisecond)
 	}
 }
+
+// TestParallelFailedLogins: attempts sent all at once, over 2 instances, to
+// a slow password check (an upstream that takes 300 ms to answer 401):
+// each holds its reservation while it runs, so of 64 at once, and of 1,000
+// at once, only the burst (5) reach the check; the others are denied
+// before it.
+func TestParallelFailedLogins(t *testing.T) {
+	srv := testredis.Start(t)
+	var checked atomic.Int64
+	slowCheck := startCounting(t, &checked, func(w http.ResponseWriter) {
+		time.Sleep(300 * time.Millisecond)
+		w.WriteHeader(http.StatusUnauthorized)
+	})
+	policy := map[string]any{"name": "failed_logins", "key": "{http.request.header.X-Client}", "rate": "5/15m",
+		"charge_if": map[string]any{"status_code": []int{401}}}
+	var fleet []*instance
+	for range 2 {
+		fleet = append(fleet, startCaddy(t, limiter(srv.Addr, nil, policy), proxyTo(slowCheck)))
+	}
+	for _, n := range []int{64, 1000} {
+		before := checked.Load()
+		var wg sync.WaitGroup
+		var denied, unauthorized, failed atomic.Int64
+		client := &http.Client{Timeout: 20 * time.Second, Transport: &http.Transport{MaxIdleConnsPerHost: n, DisableCompression: true}}
+		for i := range n {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				req, _ := http.NewRequest("GET", fleet[i%2].URL+"/", nil)
+				req.Header.Set("X-Client", fmt.Sprintf("attacker-%d", n))
+				resp, err := client.Do(req)
+				if err != nil {
+					failed.Add(1)
+					return
+				}
+				_, _ = io.Copy(io.Discard, resp.Body)
+				resp.Body.Close()
+				switch resp.StatusCode {
+				case 429:
+					denied.Add(1)
+				case 401:
+					unauthorized.Add(1)
+				}
+			}()
+		}
+		wg.Wait()
+		reached := checked.Load() - before
+		t.Logf("%d parallel failed logins over 2 instances, burst 5: %d reached the password check, %d denied before it, %d failed", n, reached, denied.Load(), failed.Load())
+		if reached != 5 || unauthorized.Load() != 5 || denied.Load() != int64(n-5) {
+			t.Errorf("%d attempts: %d reached the check (%d answered 401), %d denied, %d failed: want 5, 5, %d, 0", n, reached, unauthorized.Load(), denied.Load(), failed.Load(), n-5)
+		}
+	}
+}

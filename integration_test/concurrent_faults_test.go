@@ -1,0 +1,198 @@
+package integration_test
+
+import (
+	"context"
+	"encoding/json"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/testredis"
+)
+
+// Concurrency limits when things go wrong: an operator's reset while
+// requests run, Redis paused while holders finish, Redis flushed under
+// running requests, a round trip of a third of the lease; and the outcome
+// counted for requests that waited for their slot.
+
+// slotsInUse is what `caddy rate-limit inspect` says of a concurrency
+// policy's key.
+func slotsInUse(t *testing.T, in *instance, policy, identity string) int64 {
+	t.Helper()
+	var b struct {
+		InUse int64 `json:"in_use"`
+	}
+	if err := json.Unmarshal([]byte(rateLimitCLI(t, in, "inspect", policy, identity, "--json")), &b); err != nil {
+		t.Fatal(err)
+	}
+	return b.InUse
+}
+
+// holders starts n requests of key held hold by the upstream and waits
+// until all are in it; the returned wait waits for them to end.
+func holders(t *testing.T, in *instance, up *holdingUpstream, key string, n int, hold time.Duration) (wait func()) {
+	t.Helper()
+	var wg sync.WaitGroup
+	before := up.now(key)
+	for range n {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			_, _ = send(context.Background(), in, key, hold)
+		}()
+	}
+	waitFor(t, "the holders at the upstream", func() bool { return up.now(key) >= before+n })
+	return wg.Wait
+}
+
+// TestConcurrentResetKeepsRunning: a reset of `concurrent 3` while 3
+// requests run and 3 wait never lets more than 3 run: the running
+// requests keep their leases, and the answer says so.
+func TestConcurrentResetKeepsRunning(t *testing.T) {
+	srv := testredis.Start(t)
+	up := startHoldingUpstream(t)
+	in := startCaddy(t, limiter(srv.Addr, nil, slotsPolicy(3, "wait", "10s")), proxyTo(up.addr))
+	done := holders(t, in, up, "busy", 3, 2*time.Second)
+	var waiters sync.WaitGroup
+	for range 3 {
+		waiters.Add(1)
+		go func() { defer waiters.Done(); _, _ = send(context.Background(), in, "busy", 0) }()
+	}
+	waitFor(t, "3 waiters", func() bool {
+		return metricValue(t, in, "caddy_rate_limit_waiting", map[string]string{"policy": "exports"}) == 3
+	})
+	out := rateLimitCLI(t, in, "reset", "exports", "busy")
+	time.Sleep(300 * time.Millisecond) // would a freed slot be taken, it is by now (hand-offs take ms)
+	during := up.mostAtOnce("busy")
+	done()
+	waiters.Wait()
+	t.Logf("reset with 3 running and 3 waiting: %q; most at the upstream %d", strings.TrimSpace(out), up.mostAtOnce("busy"))
+	if !strings.Contains(out, "3 running, kept; 0 stale, dropped") {
+		t.Errorf("the reset said %q, want 3 running kept", out)
+	}
+	if during > 3 || up.mostAtOnce("busy") > 3 {
+		t.Errorf("the upstream saw %d at once after the reset (%d overall), want at most 3", during, up.mostAtOnce("busy"))
+	}
+}
+
+// TestConcurrentReleaseAfterPause: holders that finish while Redis is
+// paused (SIGSTOP, 600 ms) free their slots within a second or two of its
+// return, not when their leases (30 s) run out: releases are sent again.
+func TestConcurrentReleaseAfterPause(t *testing.T) {
+	srv := testredis.Start(t)
+	up := startHoldingUpstream(t)
+	in := startCaddy(t, limiter(srv.Addr, map[string]any{"on_error": "fail_closed"}, slotsPolicy(3)), proxyTo(up.addr))
+	done := holders(t, in, up, "paused", 3, 300*time.Millisecond)
+	if err := syscall.Kill(srv.Pid(), syscall.SIGSTOP); err != nil {
+		t.Fatal(err)
+	}
+	done() // the holders end while Redis is paused
+	time.Sleep(600 * time.Millisecond)
+	if err := syscall.Kill(srv.Pid(), syscall.SIGCONT); err != nil {
+		t.Fatal(err)
+	}
+	resumed := time.Now()
+	waitFor(t, "the slots free", func() bool { return slotsInUse(t, in, "exports", "paused") == 0 })
+	free := time.Since(resumed)
+	retries := metricValue(t, in, "caddy_rate_limit_release_retries_total", map[string]string{"policy": "exports"})
+	t.Logf("3 holders ended during a 600 ms pause: slots free %v after Redis came back (lease 30s); release retries %v", free.Round(time.Millisecond), retries)
+	if free > 2*time.Second {
+		t.Errorf("slots free %v after Redis came back, want within 2s", free)
+	}
+}
+
+// TestConcurrentFlushAll: FLUSHALL while 3 long requests run under
+// `concurrent 3`: new requests may get in until the next renewal puts the
+// lost leases back; once a renewal interval has passed, the upstream never
+// sees more than 3.
+func TestConcurrentFlushAll(t *testing.T) {
+	const lease = 3 * time.Second // renewed every second
+	srv := testredis.Start(t)
+	up := startHoldingUpstream(t)
+	in := startCaddy(t, limiter(srv.Addr, nil, slotsPolicy(3, "lease", "3s")), proxyTo(up.addr))
+	done := holders(t, in, up, "flushed", 3, 4*time.Second)
+	client := redis.NewClient(&redis.Options{Addr: srv.Addr})
+	defer client.Close()
+	if err := client.FlushAll(context.Background()).Err(); err != nil {
+		t.Fatal(err)
+	}
+	flushed := time.Now()
+	// Short requests from others, for 2.5 s.
+	var wg sync.WaitGroup
+	for range 4 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for time.Since(flushed) < 2500*time.Millisecond {
+				_, _ = send(context.Background(), in, "flushed", 50*time.Millisecond)
+			}
+		}()
+	}
+	wg.Wait()
+	done()
+	// A renewal interval (a third of the lease, looked for every 250 ms)
+	// and one short request later.
+	settled := flushed.Add(lease/3 + 250*time.Millisecond + 100*time.Millisecond)
+	mostBefore, mostAfter := up.mostBetween("flushed", flushed, settled), up.mostBetween("flushed", settled, time.Now())
+	t.Logf("FLUSHALL under 3 running requests: most at the upstream %d until the renewal, %d after it", mostBefore, mostAfter)
+	if mostAfter > 3 {
+		t.Errorf("the upstream saw %d at once after the renewal interval, want at most 3", mostAfter)
+	}
+}
+
+// TestConcurrentSlowRedis: `lease 1s` behind a round trip of 300 ms (a
+// third of the lease): renewals still land in time, and no probe gets in
+// while 3 requests hold `concurrent 3`.
+func TestConcurrentSlowRedis(t *testing.T) {
+	srv := testredis.Start(t)
+	proxy := testredis.StartProxy(t, srv.Addr, 150*time.Millisecond)
+	up := startHoldingUpstream(t)
+	in := startCaddy(t, redisLimiter(proxy.Addr, "2s", map[string]any{"on_error": "fail_closed"}, slotsPolicy(3, "lease", "1s")), proxyTo(up.addr))
+	done := holders(t, in, up, "slow", 3, 3500*time.Millisecond)
+	probes, admitted := 0, 0
+	for up.now("slow") == 3 && probes < 20 {
+		if status, _ := send(context.Background(), in, "slow", 0); status == 200 {
+			admitted++
+		}
+		probes++
+	}
+	done()
+	t.Logf("lease 1s, 300 ms round trip, 3 of 3 slots held for 3.5 s: %d of %d probes admitted, most at the upstream %d", admitted, probes, up.mostAtOnce("slow"))
+	if admitted != 0 || up.mostAtOnce("slow") > 3 || probes < 5 {
+		t.Errorf("%d of %d probes admitted, most at once %d: want none, at most 3", admitted, probes, up.mostAtOnce("slow"))
+	}
+}
+
+// TestConcurrentWaitedCountsDelayed: a request that waited for its slot is
+// counted delayed, as {http.rate_limit.decision} says.
+func TestConcurrentWaitedCountsDelayed(t *testing.T) {
+	srv := testredis.Start(t)
+	up := startHoldingUpstream(t)
+	in := startCaddy(t, limiter(srv.Addr, nil, slotsPolicy(1, "wait", "5s")), proxyTo(up.addr))
+	done := holders(t, in, up, "turn", 1, 300*time.Millisecond)
+	if status, _ := send(context.Background(), in, "turn", 0); status != 200 {
+		t.Fatalf("the waiter: %d", status)
+	}
+	done()
+	delayed := metricValue(t, in, "caddy_rate_limit_decisions_total", map[string]string{"policy": "exports", "outcome": "delayed"})
+	allowed := metricValue(t, in, "caddy_rate_limit_decisions_total", map[string]string{"policy": "exports", "outcome": "allowed"})
+	if delayed != 1 || allowed != 1 {
+		t.Fatalf("decisions_total: delayed %v, allowed %v; want 1 and 1", delayed, allowed)
+	}
+}
+
+// mostBetween is the most requests of key the upstream had in flight at
+// once between from and to.
+func (u *holdingUpstream) mostBetween(key string, from, to time.Time) int {
+	most := 0
+	for n := 1; n <= 64; n++ {
+		if u.timeAt(key, n, from, to) > 0 {
+			most = n
+		}
+	}
+	return most
+}
