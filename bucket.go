@@ -78,7 +78,7 @@ const (
 func (op bucketOp) admits() bool { return op == opTake || op == opCheck || op == opAcquire }
 
 // slots reports whether the op is on a concurrency policy's slots.
-func (op bucketOp) slots() bool { return op >= opAcquire }
+func (op bucketOp) slots() bool { return op >= opAcquire && op <= opRestore }
 
 // bucketRequest is one operation on one bucket.
 type bucketRequest struct {
@@ -92,6 +92,9 @@ type bucketRequest struct {
 	delta int64
 	// shadow: decided apart; never changes whether the request is admitted.
 	shadow bool
+	// overridable: the store may hold an operator's override of this
+	// bucket's limit, which the store reads in the same decision.
+	overridable bool
 	// refundable: the bucket may be given tokens back after the response
 	// (settle), so what a decision said of it is not a lower bound on its
 	// state: the deny cache leaves it alone.

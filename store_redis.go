@@ -189,7 +189,10 @@ func encodeCall(batch []*pending, format int) []any {
 	for _, p := range batch {
 		args = append(args, len(p.reqs))
 		for _, rq := range p.reqs {
-			op := 2 * int64(rq.op)
+			op := 4 * int64(rq.op)
+			if rq.overridable {
+				op += 2
+			}
 			if rq.shadow {
 				op++
 			}

@@ -5,11 +5,14 @@
 --
 -- KEYS   the buckets of every request, request after request
 -- ARGV   first the format buckets are written in (1 or 2, see format.go);
---        then per request: its bucket count, then six values per bucket:
---          op        2 * code + shadow; codes: 1 take, 2 check, 3 adjust,
---                    4 inspect, 5 reset; for concurrency slots 6 acquire,
---                    7 release, 8 renew, 9 count, 10 free, 11 restore (see
---                    bucketOp in bucket.go)
+--        then per request: its bucket count, then per bucket six values
+--        (a kind of bucket may take more after them, see width):
+--          op        4 * code + 2 * overridable + shadow; codes: 1 take,
+--                    2 check, 3 adjust, 4 inspect, 5 reset; for concurrency
+--                    slots 6 acquire, 7 release, 8 renew, 9 count, 10 free,
+--                    11 restore; 12 and up for quotas (see bucketOp in
+--                    bucket.go); overridable: an operator's override of the
+--                    limit may be stored for the bucket (read it)
 --          interval  µs per token under the current config (slots: the
 --                    lease)
 --          burst     capacity in tokens (slots: how many)
@@ -71,6 +74,12 @@ local set_get = redis.REDIS_VERSION_NUM ~= nil
 
 local TAKE, CHECK, ADJUST, RESET = 1, 2, 3, 5
 local ACQUIRE, RELEASE, RENEW, FREE, RESTORE = 6, 7, 8, 10, 11
+local QUOTA = 12 -- the first quota code
+
+-- width is how many ARGV values a bucket of the given code takes.
+local function width(code)
+  return 6
+end
 local WRONGTYPE, CORRUPT = -1, -2
 
 -- The keys this call touched, by index in the order first touched.
@@ -206,10 +215,11 @@ end
 
 local out, n_out = {now}, 1
 local first_key, arg = 0, 2 -- the request's first KEYS index less one; its first ARGV index
--- Per bucket of the request: its index, code and interval; whether it
--- alone would admit; its TAT before (rebased; slots: leases held), and the
--- TAT a take or adjust leaves it with; expired leases.
-local at, codes, intervals, allowed, before, after, expired = {}, {}, {}, {}, {}, {}, {}
+-- Per bucket of the request: its first ARGV index, its index, code and
+-- interval; whether it alone would admit; its TAT before (rebased; slots:
+-- leases held), and the TAT a take or adjust leaves it with; expired
+-- leases.
+local argat, at, codes, intervals, allowed, before, after, expired = {}, {}, {}, {}, {}, {}, {}, {}
 
 while arg <= #ARGV do
   local count = tonumber(ARGV[arg])
@@ -218,10 +228,12 @@ while arg <= #ARGV do
   for i = 1, count do
     local key = KEYS[first_key + i]
     local op = tonumber(ARGV[arg])
-    local code, shadow = math.floor(op / 2), op % 2 == 1
+    local code, shadow = math.floor(op / 4), op % 2 == 1
     local interval, burst = tonumber(ARGV[arg + 1]), tonumber(ARGV[arg + 2])
-    codes[i], intervals[i], allowed[i] = code, interval, 1
-    if code >= ACQUIRE then
+    argat[i], codes[i], intervals[i], allowed[i] = arg, code, interval, 1
+    if code >= QUOTA then
+      error('quota buckets are not in this script')
+    elseif code >= ACQUIRE then
       local held, gone = slots(key)
       at[i], before[i], expired[i] = 0, held or 0, gone or 0
       if not held then
@@ -262,14 +274,14 @@ while arg <= #ARGV do
         if after[i] <= now then after[i] = 0 end -- never beyond a full bucket
       end
     end
-    arg = arg + 6
+    arg = arg + width(code)
   end
   n_out = n_out + 1
   out[n_out] = status
   for i = 1, count do
     local bucket, code = at[i], codes[i]
-    if status >= 0 and code >= ACQUIRE then
-      local a = arg - 6 * (count - i + 1) -- this bucket's ARGV
+    if status >= 0 and code >= ACQUIRE and code < QUOTA then
+      local a = argat[i] -- this bucket's ARGV
       local key, interval, member = KEYS[first_key + i], intervals[i], ARGV[a + 4]
       if code == ACQUIRE and status == 1 and allowed[i] == 1 then
         redis.call('ZADD', key, now + interval, member)
