@@ -19,8 +19,8 @@ import (
 var (
 	decisionsTotal = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Namespace: "caddy", Subsystem: "rate_limit", Name: "decisions_total",
-		Help: "Rate-limit decisions by policy and outcome (allowed, delayed, denied, shadow_denied, fail_open, fail_closed, local_allowed, local_denied).",
-	}, []string{"policy", "outcome"})
+		Help: "Rate-limit decisions by policy and outcome (allowed, delayed, denied, shadow_denied, fail_open, fail_closed, local_allowed, local_denied, shed), with the class of a shed policy's request and the plan of a planned policy's (config names; empty otherwise).",
+	}, []string{"policy", "outcome", "class", "plan"})
 	chargesLost = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Namespace: "caddy", Subsystem: "rate_limit", Name: "charges_lost_total",
 		Help: "Charges after the response (charge_if, settle) that were not made: no usage reported, the client gone mid-stream, or the store unreachable. A lost settle leaves its reservation standing.",
@@ -148,11 +148,12 @@ var outcomeNames = [numOutcomes]string{
 	"allowed", "delayed", "denied", "shadow_denied", "fail_open", "fail_closed", "local_allowed", "local_denied",
 }
 
-// policyCounters resolves a policy's decisions_total children once, so that
-// counting a decision is a single atomic add.
-func policyCounters(name string) (c [numOutcomes]prometheus.Counter) {
+// policyCounters resolves a policy's decisions_total children once (for a
+// class of a shed policy, a plan of a planned one: config names, or ""), so
+// that counting a decision is a single atomic add.
+func policyCounters(name, class, plan string) (c [numOutcomes]prometheus.Counter) {
 	for o := range numOutcomes {
-		c[o] = decisionsTotal.WithLabelValues(name, outcomeNames[o])
+		c[o] = decisionsTotal.WithLabelValues(name, outcomeNames[o], class, plan)
 	}
 	return c
 }

@@ -392,7 +392,7 @@ func (p *Policy) provision(ctx caddy.Context, h *Handler) error {
 	if p.deniedBody, err = json.Marshal(quotaExceeded([]string{p.Name})); err != nil {
 		return err
 	}
-	p.decisions = policyCounters(p.Name)
+	p.decisions = policyCounters(p.Name, "", "")
 	p.top = topOf(p.Name)
 	p.chargesLost = chargesLost.WithLabelValues(p.Name)
 	p.inFlight = inFlight.WithLabelValues(p.Name)

@@ -73,7 +73,7 @@ func decisionCounts(mfs map[string]*dto.MetricFamily) map[string]float64 {
 			}
 		}
 		if v := m.GetCounter().GetValue(); v != 0 {
-			out[policy+"/"+outcome] = v
+			out[policy+"/"+outcome] += v // summed over classes and plans
 		}
 	}
 	return out
