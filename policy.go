@@ -164,6 +164,8 @@ type Policy struct {
 
 	// addrMask is what the key keeps of a client address.
 	addrMask addrMask
+	// keys are the storage keys of recent identities (see storageKey).
+	keys *keyCache
 }
 
 var policyName = regexp.MustCompile(`^[A-Za-z0-9_.-]{1,64}$`)
@@ -378,6 +380,7 @@ func (p *Policy) provision(ctx caddy.Context, h *Handler) error {
 	}
 	p.shadow = p.Shadow || h.Shadow
 	p.keyPrefix = h.keyPrefix + p.Name + ":"
+	p.keys = &keyCache{ids: newBucketIDs()}
 	p.addrMask = maskOf(p.IPv4Prefix, p.IPv6Prefix, h.IPv4Prefix, h.IPv6Prefix)
 	if p.keyTmpl.constant() { // e.g. `key global`: one bucket, one storage key
 		p.fixedKey = p.storageKey(h.hasher, p.keyTmpl.text)

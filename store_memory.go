@@ -111,7 +111,11 @@ func (m *memoryStore) decide(_ context.Context, reqs []bucketRequest) (decision,
 	}()
 
 	now := m.now()
-	tats := make([]int64, len(reqs))
+	var tatbuf [4]int64
+	tats := tatbuf[:0]
+	for range reqs {
+		tats = append(tats, 0)
+	}
 	for i, rq := range reqs {
 		if rq.op.slots() {
 			tats[i] = int64(len(m.shards[shards[i]].slots[ids[i]]))
