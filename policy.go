@@ -60,11 +60,18 @@ type Policy struct {
 	// a quiet period. Default: the rate's N.
 	Burst int64 `json:"burst,omitempty"`
 
-	// The tokens one request takes: an integer (a JSON number or string) or
-	// a placeholder such as `{http.request.header.X-Cost}`. A value that
-	// does not resolve to a positive integer, or resolves above `max_cost`,
-	// is charged at `max_cost`. A request that costs more than `burst` can
-	// never pass (429 without Retry-After). Default 1.
+	// The tokens one request takes: an integer (a JSON number or string), a
+	// placeholder such as `{http.request.header.X-Cost}`, or `openai`: what
+	// an LLM request's JSON body asks for, its `max_tokens`,
+	// `max_completion_tokens` or `max_output_tokens` (the largest) plus an
+	// estimate of its prompt (the bytes of its strings, 4 a token), weighed
+	// as the policy's `settle` weighs usage, read from the first 64 KiB of
+	// the body, which reaches the upstream unchanged. A value that does not
+	// resolve to a positive integer, or resolves above `max_cost` (for
+	// `openai`: a body without those fields, not JSON, compressed, or
+	// longer than 64 KiB without a Content-Length), is charged at
+	// `max_cost`. A request that costs more than `burst` can never pass
+	// (429 without Retry-After). Default 1.
 	Cost caddyhttp.WeakString `json:"cost,omitempty"`
 
 	// The most one request is charged. Default: burst.
@@ -105,9 +112,13 @@ type Policy struct {
 	// Settles the request's cost against the usage the response reports:
 	// `cost` is reserved before the request, as always; then usage below it
 	// is given back (never beyond a full bucket) and usage above it charged
-	// as debt. With no usage reported (or the store unreachable, or the
-	// client gone mid-stream) the reservation stands, counted in
-	// caddy_rate_limit_charges_lost_total.
+	// as debt. With no usage reported (a stream cut before it, an upstream
+	// that sends none, a body that cannot be read, or the store
+	// unreachable) the reservation stands, or, for `openai` and
+	// `anthropic`, the estimate of what the response delivered when that is
+	// more (its text at 4 bytes a token, and the prompt's estimate of
+	// `cost openai`); counted in caddy_rate_limit_charges_lost_total by
+	// reason.
 	Settle *Settle `json:"settle,omitempty"`
 
 	// Provisioned state.
@@ -115,7 +126,8 @@ type Policy struct {
 	events            int64
 	period            time.Duration
 	limit             limit
-	fixedCost         int64 // 0 when Cost holds a placeholder
+	fixedCost         int64 // 0 when Cost holds a placeholder, or is openai
+	costFromBody      bool  // Cost is openai
 	maxCost           int64
 	onError           string
 	shadow            bool
@@ -136,7 +148,8 @@ type Policy struct {
 	// default); debt is the most tokens the bucket may owe beyond empty.
 	settleMax   int64
 	debt        int64
-	chargesLost prometheus.Counter
+	chargesLost [numLostReasons]prometheus.Counter
+	lostLogs    *[numLostReasons]lostLog
 	// Concurrency policies: in flight on this instance, and the leases
 	// reclaimed from holders that vanished.
 	inFlight      prometheus.Gauge
@@ -275,7 +288,10 @@ func (p *Policy) check() error {
 		cost = "1"
 	}
 	var fixed bool
-	if p.fixedCost, fixed, err = parseCost(cost); err != nil {
+	p.costFromBody = cost == costOpenAI
+	if p.costFromBody {
+		p.fixedCost = 0
+	} else if p.fixedCost, fixed, err = parseCost(cost); err != nil {
 		return fieldErr("cost", "cost: %v", err)
 	}
 	if fixed && p.fixedCost > min(p.maxCost, burst) {
@@ -284,7 +300,10 @@ func (p *Policy) check() error {
 	if p.OnError != "" && !validOnError(p.OnError) {
 		return fieldErr("on_error", "on_error: %q is not fail_open, fail_closed or local", p.OnError)
 	}
-	p.keyTmpl, p.costTmpl = newTemplate(p.Key), newTemplate(string(p.Cost))
+	p.keyTmpl, p.costTmpl = newTemplate(p.Key), newTemplate("")
+	if !p.costFromBody {
+		p.costTmpl = newTemplate(string(p.Cost))
+	}
 	return nil
 }
 
@@ -314,7 +333,7 @@ func (p *Policy) checkConcurrent() error {
 		return err
 	}
 	p.limit = limit{interval: int64(lease / time.Microsecond), burst: p.Concurrent}
-	p.fixedCost, p.maxCost, p.waitUS, p.debt, p.settleMax = 1, 1, 0, 0, 0
+	p.fixedCost, p.maxCost, p.waitUS, p.debt, p.settleMax, p.costFromBody = 1, 1, 0, 0, 0, false
 	p.keyTmpl, p.costTmpl = newTemplate(p.Key), newTemplate("")
 	return nil
 }
@@ -365,7 +384,10 @@ func (p *Policy) provision(ctx caddy.Context, h *Handler) error {
 	}
 	p.decisions = policyCounters(p.Name)
 	p.top = topOf(p.Name)
-	p.chargesLost = chargesLost.WithLabelValues(p.Name)
+	for reason := range numLostReasons {
+		p.chargesLost[reason] = chargesLost.WithLabelValues(p.Name, lostReasonNames[reason])
+	}
+	p.lostLogs = new([numLostReasons]lostLog)
 	p.inFlight = inFlight.WithLabelValues(p.Name)
 	p.leasesExpired = leasesExpired.WithLabelValues(p.Name)
 	p.held = new(atomic.Int64)
@@ -408,11 +430,24 @@ func (p *Policy) cost(r *http.Request, repl *caddy.Replacer) int64 {
 	if p.fixedCost > 0 {
 		return p.fixedCost
 	}
+	if p.costFromBody {
+		rs, _ := caddyhttp.GetVar(r.Context(), stateVar).(*requestState)
+		return requestBodyOf(r, rs).reservation(p.usageWeights(), p.maxCost)
+	}
 	v, err := strconv.ParseInt(p.costTmpl.resolve(r, repl), 10, 64)
 	if err != nil || v < 1 || v > p.maxCost {
 		return p.maxCost
 	}
 	return v
+}
+
+// usageWeights are the weights of the policy's settle, which its
+// reservation from the body is weighed with too.
+func (p *Policy) usageWeights() weights {
+	if p.Settle != nil && p.Settle.Weights != nil {
+		return p.Settle.w
+	}
+	return unitWeights
 }
 
 // key resolves the policy's key template for this request.
@@ -424,15 +459,17 @@ func (p *Policy) key(r *http.Request, repl *caddy.Replacer) string {
 // repl.ReplaceAll(text, "") would, but faster in the common cases: a
 // template that is one placeholder is looked up without scanning it, and
 // one request header ({http.request.header.X-Api-Key}, the Caddyfile's
-// {header.X-Api-Key}) is read from the request directly.
+// {header.X-Api-Key}) or the bearer token ({http.rate_limit.bearer}) is
+// read from the request directly.
 type template struct {
 	text     string
 	variable string // the placeholder's name when text is exactly one
 	header   string // the canonical field name when that is a request header
+	bearer   bool   // the placeholder is {http.rate_limit.bearer}
 }
 
 func newTemplate(text string) template {
-	t := template{text: text, variable: soleVariable(text)}
+	t := template{text: text, variable: soleVariable(text), bearer: soleVariable(text) == bearerPlaceholder}
 	if field, ok := strings.CutPrefix(t.variable, reqHeaderPlaceholder); ok {
 		t.header = textproto.CanonicalMIMEHeaderKey(field)
 	}
@@ -448,6 +485,8 @@ const reqHeaderPlaceholder = "http.request.header."
 
 func (t template) resolve(r *http.Request, repl *caddy.Replacer) string {
 	switch {
+	case t.bearer:
+		return bearerToken(r.Header["Authorization"])
 	case t.header != "":
 		// What Caddy's placeholder gives: the field's values joined by commas.
 		vals := r.Header[t.header]

@@ -42,10 +42,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	if !res.holdUntilDue(r) {
 		return nil // the client went away; its slot stays consumed
 	}
-	w = h.watchResponse(w, rs, &res)
-	err := next.ServeHTTP(w, r)
-	h.charge(r.Context(), w, rs, &res, err)
-	return err
+	return h.serveWatched(w, r, next, rs, &res)
 }
 
 // reservation is one request's decision and what the request holds until
