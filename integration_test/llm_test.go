@@ -162,6 +162,9 @@ func (u *llmUpstream) serve(w http.ResponseWriter, r *http.Request) {
 	cut, _ := strconv.Atoi(r.Header.Get("X-Cut"))
 	coding, _, _ := strings.Cut(r.Header.Get("Accept-Encoding"), ",")
 	coding = strings.TrimSpace(coding)
+	if r.Header.Get("X-Plain") != "" { // left to Caddy's encode
+		coding = "identity"
+	}
 	sum := sha256.New()
 	c := &llmCall{input: input, output: output, bodySum: sha256.Sum256(raw), acceptEncoding: r.Header.Get("Accept-Encoding")}
 	defer func() {
@@ -246,6 +249,31 @@ func (u *llmUpstream) serve(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	out.end()
+}
+
+// TestLLMWithEncode: a site whose Caddy compresses (`encode`, which the
+// Caddyfile orders inside rate_limit) with a plain upstream: the limiter
+// reads the usage from encode's gzip and zstd output.
+func TestLLMWithEncode(t *testing.T) {
+	srv := testredis.Start(t)
+	up := startLLMUpstream(t)
+	encode := map[string]any{"handler": "encode", "encodings": map[string]any{"gzip": map[string]any{}, "zstd": map[string]any{}}, "prefer": []string{"zstd", "gzip"}}
+	in := startCaddy(t, limiter(srv.Addr, map[string]any{"jitter": 0}, llmPolicies(nil)...), encode, proxyTo(up.addr))
+	n := 0
+	for _, f := range llmFormats {
+		for _, coding := range []string{"gzip", "zstd"} {
+			n++
+			key := "sk-encode-" + strconv.Itoa(n)
+			r := llmPost(t, newClient(), in.URL+f.path, key, f.body, "Accept-Encoding", coding, "X-Plain", "1", "X-Test-Id", key, "X-Words", "200")
+			call := up.call(key)
+			if r.status != 200 || call == nil || r.header.Get("Content-Encoding") != coding {
+				t.Fatalf("%s: %d, Content-Encoding %q, want %s from encode", f.name, r.status, r.header.Get("Content-Encoding"), coding)
+			}
+			if settled := 100000 - settledTokens(t, in, f.provider, key, 100000-(call.input+call.output)); settled != call.input+call.output {
+				t.Errorf("%s through encode %s: settled %d, the upstream reported %d", f.name, coding, settled, call.input+call.output)
+			}
+		}
+	}
 }
 
 // llmFormat is one API and framing, and the request the SDK sends for it.
