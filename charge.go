@@ -152,10 +152,11 @@ type afterResponse struct {
 	wroteHeader bool
 	status      int
 	body        *bodyWatch // settle openai, anthropic
-	// trailers: the client takes trailers, and a settle is known only
-	// after the body: the settled RateLimit field is sent as a trailer.
-	trailers bool
-	http1    bool
+	// wantTrailers: the client takes trailers, and a settle is known only
+	// after the body; trailers: the response declared the RateLimit
+	// trailer, sent with the settled state.
+	wantTrailers, trailers bool
+	http1                  bool
 }
 
 func (w *afterResponse) WriteHeader(status int) {
@@ -171,7 +172,7 @@ func (w *afterResponse) WriteHeader(status int) {
 		if w.body != nil {
 			w.body.start(hdr)
 		}
-		if w.trailers = w.trailers && w.res.fieldsSent && hasBody(status); w.trailers {
+		if w.trailers = w.wantTrailers && w.res.fieldsSent && hasBody(status); w.trailers {
 			// Declared, RateLimit is sent again after the body, from what
 			// the header map holds when the handler returns.
 			hdr.Add("Trailer", "RateLimit")
@@ -324,14 +325,17 @@ func (h *Handler) watchResponse(w http.ResponseWriter, r *http.Request, rs *requ
 	}
 	if body != nil {
 		// The upstream may answer only in a coding whose usage is read.
-		if v := r.Header.Get("Accept-Encoding"); v != "" {
-			if filtered, changed := readableAcceptEncoding(v); changed {
+		if vs := r.Header.Values("Accept-Encoding"); len(vs) > 0 {
+			switch filtered, changed := readableAcceptEncoding(strings.Join(vs, ",")); {
+			case changed && filtered == "":
+				r.Header.Del("Accept-Encoding") // identity only
+			case changed:
 				r.Header.Set("Accept-Encoding", filtered)
 			}
 		}
 	}
 	return &afterResponse{ResponseWriterWrapper: caddyhttp.ResponseWriterWrapper{ResponseWriter: w}, res: res, h: h, rs: rs, body: body,
-		trailers: afterBody && acceptsTrailers(r), http1: r.ProtoMajor == 1}
+		wantTrailers: afterBody && acceptsTrailers(r), http1: r.ProtoMajor == 1}
 }
 
 // acceptsTrailers reports whether the client said it takes trailers
@@ -536,7 +540,7 @@ func (h *Handler) chargeLost(p *Policy, reason int, w *afterResponse) {
 	if !due {
 		return
 	}
-	fields := []zap.Field{zap.String("policy", p.Name), zap.String("settle", p.Settle.describe()),
+	fields := []zap.Field{zap.String("policy", p.Name), zap.String("settle", p.Settle.describe()), zap.Int("status", w.status),
 		zap.Int64("responses_since_last_line", n), zap.Duration("one_line_per", lostLogInterval)}
 	if reason == lostUnreadable {
 		h.logger.Warn("settle: the response body could not be read for its usage: the reservation stands", append(fields,

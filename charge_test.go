@@ -293,3 +293,41 @@ func TestBearerKey(t *testing.T) {
 		t.Errorf("in a longer template: %q", got)
 	}
 }
+
+// TestServeHTTPTrailerDeclared: on TE: trailers, a settle known only after
+// the body declares the RateLimit trailer (and, over HTTP/1.1, drops the
+// upstream's Content-Length so the body is chunked); a response that is
+// never written, or a handler with headers off, declares nothing. The
+// upstream is asked only for the codings whose usage is read.
+func TestServeHTTPTrailerDeclared(t *testing.T) {
+	h := testHandler(t, &Handler{Jitter: jitterOff(), Policies: []*Policy{llmPolicy(&Settle{From: settleOpenAI})}}, newMemoryStore((&clock{t: 1000 * sec}).now))
+	var asked []string
+	up := func(w http.ResponseWriter, r *http.Request) {
+		asked = r.Header.Values("Accept-Encoding")
+		w.Header().Set("Content-Type", "application/json")
+		w.Header().Set("Content-Length", strconv.Itoa(len(openaiChatJSON)))
+		_, _ = io.WriteString(w, openaiChatJSON)
+	}
+	x := serveLLM(t, h, chatRequest, up, "Authorization", "Bearer sk-t", "TE", "trailers", "Accept-Encoding", "compress")
+	if x.header.Get("Trailer") != "RateLimit" || x.header.Get("Content-Length") != "" || asked != nil {
+		t.Errorf("Trailer %q, Content-Length %q, the upstream asked for %q: want RateLimit declared, no length, no Accept-Encoding", x.header.Get("Trailer"), x.header.Get("Content-Length"), asked)
+	}
+	// The header map holds the settled RateLimit when the handler returns:
+	// what net/http sends as the declared trailer.
+	if r := fields(t, x.header, "RateLimit")["llm_tokens"]["r"]; r != 10000-29 {
+		t.Errorf("RateLimit at the end %d, want the settled %d", r, 10000-29)
+	}
+	x = serveLLM(t, h, chatRequest, up, "Authorization", "Bearer sk-t2", "Accept-Encoding", "br;q=1, dcz, gzip")
+	if x.header.Get("Trailer") != "" || strings.Join(asked, ",") != "br;q=1, gzip" {
+		t.Errorf("without TE: Trailer %q; the upstream asked for %q", x.header.Get("Trailer"), asked)
+	}
+	off := testHandler(t, &Handler{Jitter: jitterOff(), Headers: "off", Policies: []*Policy{llmPolicy(&Settle{From: settleOpenAI})}}, newMemoryStore((&clock{t: 1000 * sec}).now))
+	x = serveLLM(t, off, chatRequest, up, "Authorization", "Bearer sk-t", "TE", "trailers")
+	if x.header.Get("Trailer") != "" || x.header.Get("RateLimit") != "" {
+		t.Errorf("headers off: Trailer %q, RateLimit %q", x.header.Get("Trailer"), x.header.Get("RateLimit"))
+	}
+	x = serveLLM(t, off, chatRequest, func(http.ResponseWriter, *http.Request) {}, "Authorization", "Bearer sk-t", "TE", "trailers")
+	if x.header.Get("Trailer") != "" || x.header.Get("RateLimit") != "" {
+		t.Errorf("headers off, nothing written: Trailer %q, RateLimit %q", x.header.Get("Trailer"), x.header.Get("RateLimit"))
+	}
+}

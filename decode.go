@@ -110,8 +110,14 @@ func readableAcceptEncoding(v string) (filtered string, ok bool) {
 // is 4 MiB. A body that declares a larger window is not read.
 const maxDecodeWindow = 8 << 20
 
+// maxDecodeRatio bounds the work one body costs: past its first MiB, a
+// body that decodes to more than this many times its size (a compression
+// bomb; model output compresses some tens of times) is not read further.
+const maxDecodeRatio = 4096
+
 var (
 	errWindowTooLarge = fmt.Errorf("its window is larger than the %d MiB read", maxDecodeWindow>>20)
+	errDecodeRatio    = fmt.Errorf("it decodes to more than %d times its size", maxDecodeRatio)
 	errDecodeStopped  = errors.New("decoding stopped")
 )
 
@@ -124,6 +130,8 @@ type bodyDecoder struct {
 	sink   byteSink
 
 	in       []byte // the bytes of the Write being decoded
+	consumed int64  // the body's bytes given to the decoder
+	decoded  int64  // the bytes it decoded
 	eof      bool   // the body ended: the decoder reads what it has
 	done     bool   // the decoder finished, or failed
 	stopping bool
@@ -181,6 +189,7 @@ func (d *bodyDecoder) Read(p []byte) (int, error) {
 	}
 	n := copy(p, d.in)
 	d.in = d.in[n:]
+	d.consumed += int64(n)
 	return n, nil
 }
 
@@ -190,6 +199,7 @@ func (d *bodyDecoder) ReadByte() (byte, error) {
 	}
 	c := d.in[0]
 	d.in = d.in[1:]
+	d.consumed++
 	return c, nil
 }
 
@@ -222,6 +232,9 @@ func (d *bodyDecoder) run(yield func(struct{}) bool) {
 			n, err = r.Read(d.out[:])
 			if n > 0 {
 				d.sink.Write(d.out[:n])
+			}
+			if d.decoded += int64(n); d.decoded > 1<<20 && d.decoded/maxDecodeRatio > d.consumed {
+				err = errDecodeRatio
 			}
 			if err != nil {
 				break

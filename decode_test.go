@@ -153,10 +153,15 @@ func TestDecodeUnreadable(t *testing.T) {
 	bw := brotli.NewWriterOptions(&bigBrotli, brotli.WriterOptions{Quality: 5, LGWin: 24})
 	_, _ = io.WriteString(bw, openaiChatSSE)
 	_ = bw.Close()
+	var bomb bytes.Buffer // 32 MiB of zeros, in some kilobytes
+	zb, _ := zstd.NewWriter(&bomb)
+	_, _ = zb.Write(make([]byte, 32<<20))
+	_ = zb.Close()
 	for _, tc := range []struct {
 		name, coding string
 		body         []byte
 	}{
+		{"a zstd bomb", "zstd", bomb.Bytes()},
 		{"an unknown coding", "compress", gz},
 		{"two codings", "gzip, br", gz},
 		{"corrupt gzip", "gzip", corrupt},
@@ -337,4 +342,34 @@ func BenchmarkDecodedScan(b *testing.B) {
 			}
 		})
 	}
+}
+
+// FuzzBodyDecoder: whatever bytes an upstream sends under a coding, the
+// decoder never panics, ends with the response (Close), and finds no
+// negative usage; and whatever body is compressed, in whatever chunks it
+// is written, it reads what the plain body says.
+func FuzzBodyDecoder(f *testing.F) {
+	f.Add([]byte(openaiChatSSE), uint8(1), uint8(7), true)
+	f.Add([]byte(anthropicJSON), uint8(3), uint8(1), false)
+	f.Add([]byte("\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\xff"), uint8(1), uint8(2), false)
+	f.Add([]byte("\x28\xb5\x2f\xfd\x00\x58"), uint8(4), uint8(3), true)
+	f.Add([]byte{0x8b, 0x02, 0x80}, uint8(3), uint8(1), false)
+	f.Fuzz(func(t *testing.T, data []byte, coding, chunk uint8, sse bool) {
+		c := testCodings[1+int(coding)%4]
+		n := 1 + int(chunk)%64
+		ct := "application/json"
+		if sse {
+			ct = "text/event-stream"
+		}
+		// The bytes as they came, under the coding.
+		b := watchBody(c.name, ct, data, n)
+		if u, ok := b.scan.found.usage(providerOpenAI, unitWeights); ok && u < 0 {
+			t.Fatalf("usage %d", u)
+		}
+		// The bytes as a body, compressed.
+		plain := scanAll(string(data), sse, len(data)+1)
+		if b := watchBody(c.name, ct, encodeTest(t, c.coding, string(data), 0), n); b.unreadable() != nil || b.scan.found != plain.found {
+			t.Fatalf("%s in chunks of %d: unreadable %v, found %+v, plain %+v", c.name, n, b.unreadable(), b.scan.found, plain.found)
+		}
+	})
 }
