@@ -6,6 +6,7 @@ import (
 	"io"
 	"iter"
 	"strings"
+	"sync"
 
 	"github.com/andybalholm/brotli"
 	"github.com/klauspost/compress/flate"
@@ -219,34 +220,42 @@ func (d *bodyDecoder) wait() error {
 // run is the coroutine: it decodes until the body ends or cannot be read.
 func (d *bodyDecoder) run(yield func(struct{}) bool) {
 	d.yield = yield
+	panicked := true
 	defer func() {
-		if p := recover(); p != nil { // a decoder's bug must not take the request down
-			d.err = fmt.Errorf("the decoder failed: %v", p)
+		if panicked { // a decoder's bug must not take the request down
+			d.err = fmt.Errorf("the decoder failed: %v", recover())
 		}
 	}()
-	r, closeReader, err := d.open()
-	if err == nil {
-		defer closeReader()
-		for {
-			var n int
-			n, err = r.Read(d.out[:])
-			if n > 0 {
-				d.sink.Write(d.out[:n])
-			}
-			if d.decoded += int64(n); d.decoded > 1<<20 && d.decoded/maxDecodeRatio > d.consumed {
-				err = errDecodeRatio
-			}
-			if err != nil {
-				break
-			}
-		}
-	}
+	err := d.decode()
+	panicked = false
 	switch {
 	case err == io.EOF, d.stopping:
 	case d.eof && errors.Is(err, io.ErrUnexpectedEOF):
 		// The body was cut: what came was decoded.
 	default:
 		d.err = err
+	}
+}
+
+// decode feeds the sink what the decoder reads, to the end of the body or
+// an error. A decoder that panics is dropped, not closed (or pooled).
+func (d *bodyDecoder) decode() error {
+	r, closeReader, err := d.open()
+	if err != nil {
+		return err
+	}
+	for {
+		n, err := r.Read(d.out[:])
+		if n > 0 {
+			d.sink.Write(d.out[:n])
+		}
+		if d.decoded += int64(n); d.decoded > 1<<20 && d.decoded/maxDecodeRatio > d.consumed {
+			err = errDecodeRatio
+		}
+		if err != nil {
+			closeReader() // not deferred: a decoder that panicked is not put back
+			return err
+		}
 	}
 }
 
@@ -286,14 +295,33 @@ func (d *bodyDecoder) open() (io.Reader, func(), error) {
 		}
 		return brotli.NewReader(d), none, nil
 	case codingZstd:
-		zr, err := zstd.NewReader(d, zstd.WithDecoderConcurrency(1), zstd.WithDecoderLowmem(true),
-			zstd.WithDecoderMaxWindow(maxDecodeWindow), zstd.WithDecoderMaxMemory(maxDecodeWindow))
+		zr, err := zstdDecoder(d)
 		if err != nil {
 			return nil, none, err
 		}
-		return zr, zr.Close, nil
+		return zr, func() {
+			_ = zr.Reset(nil) // lets go of the body
+			zstdDecoders.Put(zr)
+		}, nil
 	}
 	return nil, none, fmt.Errorf("the content coding is not read")
+}
+
+// zstdDecoders keeps zstd decoders between responses: one allocates its
+// buffers (2 MiB for a 1 MiB window), which Reset keeps.
+var zstdDecoders sync.Pool
+
+// zstdDecoder is a decoder, from the pool or new, reading r: in the
+// calling goroutine (concurrency 1), its window at most maxDecodeWindow.
+func zstdDecoder(r io.Reader) (*zstd.Decoder, error) {
+	if zr, ok := zstdDecoders.Get().(*zstd.Decoder); ok {
+		if err := zr.Reset(r); err == nil {
+			return zr, nil
+		}
+		zr.Close()
+	}
+	return zstd.NewReader(r, zstd.WithDecoderConcurrency(1), zstd.WithDecoderLowmem(true),
+		zstd.WithDecoderMaxWindow(maxDecodeWindow), zstd.WithDecoderMaxMemory(maxDecodeWindow))
 }
 
 // peek reads the stream's first n bytes and puts them back before the
