@@ -43,10 +43,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	if !res.holdUntilDue(r) {
 		return nil // the client went away; its slot stays consumed
 	}
-	w = h.watchResponse(w, rs, res)
-	err := next.ServeHTTP(w, r)
-	h.charge(r.Context(), w, rs, res, err)
-	return err
+	return h.serveWatched(w, r, next, rs, res)
 }
 
 // reservations are reused from request to request: a reservation and its
