@@ -455,21 +455,26 @@ func (h *Handler) charge(ctx context.Context, aw *afterResponse, rs *requestStat
 		charged = append(charged, k)
 	}
 	if len(reqs) > 0 {
-		// The charge is owed even if the client went away.
-		d, serr := res.decidedBy.decide(context.WithoutCancel(ctx), reqs)
-		if serr != nil {
-			for _, k := range charged {
-				res.after[k].lost = lostStoreUnreachable
-			}
-		} else {
-			// The placeholders, which access logs read after the response,
-			// say what the request was charged in the end.
-			for j, k := range charged {
-				i := res.after[k].i
-				res.d.verdicts[i].remaining, res.d.verdicts[i].untilFits = d.verdicts[j].remaining, d.verdicts[j].untilFits
-			}
-			h.setPlaceholders(rs, res, rs.retryAfter)
+		// The charge is owed even if the client went away. It rides with
+		// the next call to the store (or goes by itself when none is due),
+		// so the response does not wait for it; the placeholders, which
+		// access logs read after the response, and the trailer say what it
+		// leaves, as this decision's state predicts.
+		var lost []*Policy
+		for j, k := range charged {
+			i := res.after[k].i
+			p := res.shown[i]
+			res.d.verdicts[i].remaining, res.d.verdicts[i].untilFits = p.limit.adjusted(res.d.verdicts[i], reqs[j].delta)
+			lost = append(lost, p)
 		}
+		h.setPlaceholders(rs, res, rs.retryAfter)
+		res.decidedBy.decideLater(reqs, func(_ decision, err error) {
+			if err != nil {
+				for _, p := range lost {
+					p.chargesLost[lostStoreUnreachable].Inc()
+				}
+			}
+		})
 	}
 	for k := range res.after {
 		if a := &res.after[k]; a.lost >= 0 {

@@ -27,6 +27,10 @@ func (failingStore) decide(context.Context, []bucketRequest) (decision, error) {
 	return decision{}, errors.New("connection refused")
 }
 
+func (f failingStore) decideLater(reqs []bucketRequest, then func(decision, error)) {
+	then(f.decide(context.Background(), reqs))
+}
+
 // testHandler provisions h as Caddy would, then puts its buckets in st (an
 // in-process store on an injected clock, or a failing one).
 func testHandler(t *testing.T, h *Handler, st store) *Handler {

@@ -145,6 +145,11 @@ func (m *memoryStore) decide(_ context.Context, reqs []bucketRequest) (decision,
 	return d, nil
 }
 
+// decideLater decides at once: in process, nothing is saved by waiting.
+func (m *memoryStore) decideLater(reqs []bucketRequest, then func(decision, error)) {
+	then(m.decide(context.Background(), reqs))
+}
+
 // applySlots takes, frees or renews a lease; for opRenew it reports
 // whether the lease is still held. In this process a lease lasts until its
 // request releases it (the process that holds it is this one), so none is
