@@ -137,7 +137,6 @@ func (c *coalescer) submit(p *pending) {
 	}
 }
 
-
 // take removes the next batch from the queue: the work after responses
 // first (it was owed first), then the decisions waiting; c.mu is held.
 func (c *coalescer) take() []*pending { return c.takeWith(true) }

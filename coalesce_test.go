@@ -2,8 +2,8 @@ package ratelimit
 
 import (
 	"context"
-	"fmt"
 	"errors"
+	"fmt"
 	"maps"
 	"regexp"
 	"slices"
