@@ -99,7 +99,10 @@ func errorKind(err error) string {
 	var bad *badBucketError
 	var netErr net.Error
 	var redisErr redis.Error
+	var kinded interface{ storeErrorKind() string }
 	switch {
+	case errors.As(err, &kinded): // a durable quota's confirmation (durable.go)
+		return kinded.storeErrorKind()
 	case errors.As(err, &bad):
 		return bad.kind
 	case errors.Is(err, errCircuitOpen):

@@ -246,3 +246,7 @@ const maxBoundarySpread = time.Hour
 func boundarySpread(p period, jitter float64) int64 {
 	return min(int64(float64(p.end-p.start)*jitter), maxBoundarySpread.Microseconds())
 }
+
+func init() {
+	errorFixes["clock"] = "Redis's clock and this instance's are more than a quota's period apart (a minute for quota N/minute): synchronise both with NTP; until then the requests of quota policies follow on_error"
+}

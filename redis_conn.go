@@ -53,6 +53,10 @@ type redisConn struct {
 	format        atomic.Int32
 	formatChanged chan struct{}
 	closed        chan struct{}
+	// timeout is the redis block's, which durable quotas' WAIT and WAITAOF
+	// wait at most; durable coalesces their calls (durable.go).
+	timeout time.Duration
+	durable durableCalls
 }
 
 func (c *redisConn) Destruct() error {
@@ -76,6 +80,7 @@ func newRedisConn(c RedisConfig, logger *zap.Logger) (*redisConn, error) {
 		cluster:     c.Cluster,
 		callTimeout: c.dialTimeout() + 3*time.Duration(c.Timeout),
 		logger:      logger,
+		timeout:     time.Duration(c.Timeout),
 
 		formatChanged: make(chan struct{}, 1),
 		closed:        make(chan struct{}),
@@ -178,7 +183,6 @@ var errorFixes = map[string]string{
 	"wrongtype": "a bucket's key holds a value of another type (was it written by hand?): DEL the key named in this log; the requests of that key follow on_error until then",
 	"corrupt":   "a bucket's key holds a string that is not a bucket (was it written by hand?): DEL the key named in this log; the requests of that key follow on_error until then",
 	"script":    "the script's reply does not match this build: is another version of the module using the same Redis and key_prefix?",
-	"clock":     "Redis's clock and this instance's are more than a quota's period apart (a minute for quota N/minute): synchronise both with NTP; until then the requests of quota policies follow on_error",
 }
 
 // Events between instances, on the Redis channel <key_prefix>events: a

@@ -88,7 +88,7 @@ func (s *redisStore) decide(ctx context.Context, reqs []bucketRequest) (decision
 func (s *redisStore) decideInOneCall(ctx context.Context, reqs []bucketRequest) (decision, error) {
 	p := newPending(reqs, ctx.Done())
 	if s.conn.coalescer != nil {
-		s.conn.coalescer.submit(p)
+		s.conn.coalescerFor(reqs).submit(p) // durable requests apart
 	} else {
 		p.err = errCallAborted
 		s.conn.call(p.one[:])
@@ -120,6 +120,9 @@ func (c *redisConn) call(batch []*pending) {
 // eval decides the requests of a batch, in order, in one call of
 // lua/decide.lua.
 func (c *redisConn) eval(batch []*pending) callResult {
+	if want := batchConfirmation(batch); want.wanted() {
+		return c.evalDurable(batch, want) // with its WAIT or WAITAOF
+	}
 	ctx, cancel := context.WithTimeout(context.Background(), c.callTimeout)
 	defer cancel()
 	args := encodeCall(batch, int(c.format.Load()))

@@ -154,3 +154,26 @@ func (s *Server) port() int {
 	n, _ := strconv.Atoi(p)
 	return n
 }
+
+// StartReplica starts a replica of master and waits (at most 10 s) until
+// the master counts it: WAIT 1 on the master answers 1. The master sends
+// its data at once (repl-diskless-sync-delay 0) rather than after 5 s.
+func StartReplica(t TB, master *Server) *Server {
+	t.Helper()
+	if _, err := master.Do("CONFIG", "SET", "repl-diskless-sync-delay", "0"); err != nil {
+		t.Fatalf("CONFIG SET on %s: %v", master.Addr, err)
+	}
+	r := start(t, "--replicaof", "127.0.0.1", strconv.Itoa(master.port()))
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		n, err := master.Do("WAIT", "1", "100")
+		if err == nil && n == "1" {
+			return r
+		}
+		if time.Now().After(deadline) {
+			info, _ := master.Do("INFO", "replication")
+			t.Fatalf("replica %s of %s not acknowledging within 10s: %v %s", r.Addr, master.Addr, err, info)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
