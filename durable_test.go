@@ -190,3 +190,44 @@ func waitUntil(t *testing.T, what string, cond func() bool) {
 		time.Sleep(10 * time.Millisecond)
 	}
 }
+
+// TestDurableQuotaCluster: in a Redis Cluster the script and its WAIT go to
+// the master of the quota's slot, on one connection, and are confirmed by
+// that master's replica.
+func TestDurableQuotaCluster(t *testing.T) {
+	c := testredis.StartCluster(t, 3, true)
+	for _, m := range c.Masters {
+		if _, err := m.Do("CONFIG", "SET", "repl-diskless-sync-delay", "0"); err != nil {
+			t.Fatal(err)
+		}
+	}
+	conn, err := newRedisConn(RedisConfig{Addresses: c.Addrs(), Cluster: true, Timeout: caddy.Duration(300 * time.Millisecond)}.resolved(), zap.NewNop())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Destruct() })
+	rs := &redisStore{conn: conn}
+	ctx := context.Background()
+	// The replicas may still be taking their first copy: a bounded wait
+	// for the first confirmation.
+	var d decision
+	deadline := time.Now().Add(20 * time.Second)
+	for i := 0; ; i++ {
+		d, err = rs.decide(ctx, []bucketRequest{durableTake(fmt.Sprintf("rl:d:{warm%d}", i), 100, durability{replicas: 1})})
+		if err == nil {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("no confirmation from the cluster's replicas within 20s: %v", err)
+		}
+	}
+	for _, id := range []string{"a", "b", "c", "d", "e", "f"} { // several slots, so several masters
+		d, err = rs.decide(ctx, []bucketRequest{durableTake("rl:d:{"+id+"}", 100, durability{replicas: 1})})
+		if err != nil || !d.admitted {
+			t.Fatalf("durable replicas 1 in a cluster, key {%s} (slot %d): %+v %v", id, slotOf("{"+id+"}"), d, err)
+		}
+	}
+	if _, err := rs.decide(ctx, []bucketRequest{durableTake("rl:d:{a}", 100, durability{replicas: 2})}); errorKind(err) != "not_durable" {
+		t.Fatalf("durable replicas 2 with one replica per master: %v", err)
+	}
+}
