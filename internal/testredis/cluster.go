@@ -116,8 +116,15 @@ func (sn *Sentinels) Addrs() []string {
 // sentinels agree on the master and see each other.
 func StartSentinels(t testing.TB) *Sentinels {
 	t.Helper()
-	sn := &Sentinels{Master: start(t)}
-	sn.Replica = start(t, "--replicaof", "127.0.0.1", strconv.Itoa(sn.Master.port()))
+	master := start(t)
+	return WatchWithSentinels(t, master, start(t, "--replicaof", "127.0.0.1", strconv.Itoa(master.port())))
+}
+
+// WatchWithSentinels starts three sentinels that watch master (and find its
+// replica from it), as StartSentinels does.
+func WatchWithSentinels(t testing.TB, master, replica *Server) *Sentinels {
+	t.Helper()
+	sn := &Sentinels{Master: master, Replica: replica}
 	for range 3 {
 		port := FreePort(t)
 		dir := t.TempDir()
@@ -160,10 +167,18 @@ func (s *Server) port() int {
 // its data at once (repl-diskless-sync-delay 0) rather than after 5 s.
 func StartReplica(t TB, master *Server) *Server {
 	t.Helper()
+	return StartReplicaVia(t, master, master.Addr)
+}
+
+// StartReplicaVia is StartReplica with the replica connecting to master
+// through addr (a Proxy to it).
+func StartReplicaVia(t TB, master *Server, addr string) *Server {
+	t.Helper()
 	if _, err := master.Do("CONFIG", "SET", "repl-diskless-sync-delay", "0"); err != nil {
 		t.Fatalf("CONFIG SET on %s: %v", master.Addr, err)
 	}
-	r := start(t, "--replicaof", "127.0.0.1", strconv.Itoa(master.port()))
+	host, port, _ := strings.Cut(addr, ":")
+	r := start(t, "--replicaof", host, port)
 	deadline := time.Now().Add(10 * time.Second)
 	for {
 		n, err := master.Do("WAIT", "1", "100")
