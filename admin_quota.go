@@ -87,7 +87,7 @@ func printQuota(w io.Writer, action string, st bucketState) error {
 		fmt.Fprintf(w, "%s %q: granted %d units; %d of %d used now, in the period that ends %s.\n", st.Policy, st.Identity, granted, used, st.Quota, p.EndZone)
 	default:
 		tw := tabwriter.NewWriter(w, 2, 4, 2, ' ', 0)
-		fmt.Fprintf(tw, "policy\t%s (%s policy: %d per %s, %s)\n", st.Policy, st.Kind, st.Quota, st.Unit, p.Zone)
+		fmt.Fprintf(tw, "policy\t%s (%s: %d per %s, %s)\n", st.Policy, st.Kind, st.Quota, st.Unit, p.Zone)
 		fmt.Fprintf(tw, "identity\t%q\n", st.Identity)
 		fmt.Fprintf(tw, "key\t%s\n", st.Key)
 		fmt.Fprintf(tw, "store\t%s\n", st.Store)
