@@ -52,10 +52,9 @@
 -- written at once, not at the end of the call.
 --
 -- A quota bucket is a string "q:<start>:<end>:<used>": the period's bounds
--- in µs and the units used in it; a count of another period
--- reads as 0 used (the period is over: usage starts again from 0). A take
--- fits iff cost <= quota - used. Its key expires a second after its period
--- ends. A rate bucket or concurrency slots under its key (an earlier config
+-- in µs and the units used in it; a count of another period reads as 0
+-- used (the period is over: usage starts again from 0). A take fits iff
+-- cost <= quota - used. Its key expires a second after its period ends. A rate bucket or concurrency slots under its key (an earlier config
 -- gave the name to another kind of policy) are replaced, and a rate bucket's
 -- read replaces a quota's count.
 --
@@ -68,7 +67,7 @@
 --            with a bad key is neither admitted nor charged, and the other
 --            requests of the call are decided as usual
 --   allowed  1 when this bucket alone would admit the request; for a bad
---            key, its status (-1 or -2)
+--            key, its status (-1, -2 or -3)
 --   tat      the bucket's TAT before this request, rebased (0: absent); the
 --            caller derives tokens, waits and delays from it with bucket.go;
 --            slots: the leases held before this request (free: after it)
