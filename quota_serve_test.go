@@ -80,7 +80,7 @@ func TestServeHTTPQuotaRetryAfter(t *testing.T) {
 		lo, hi := int64(1<<62), int64(0)
 		for range 300 {
 			x := serve([]*Handler{h}, nil, "X-User", "first")
-			if x.status != 429 || x.elapsed > 100*time.Millisecond {
+			if x.status != 429 || x.elapsed > 200*time.Millisecond {
 				t.Fatalf("%s: %d after %v: want 429 answered at once (not paced)", c.quota, x.status, x.elapsed)
 			}
 			ra, _ := strconv.ParseInt(x.header.Get("Retry-After"), 10, 64)
