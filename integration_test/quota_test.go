@@ -314,7 +314,10 @@ func TestQuotaDurableFailover(t *testing.T) {
 	link := testredis.StartProxy(t, primary.Addr, 0)
 	replica := testredis.StartReplicaVia(t, primary, link.Addr)
 	sn := testredis.WatchWithSentinels(t, primary, replica)
-	redis := map[string]any{"addresses": sn.Addrs(), "sentinel": testredis.MasterName, "timeout": "300ms"}
+	// A timeout long enough for a replica's acknowledgement on a loaded
+	// machine (every unconfirmed request below waits it out).
+	const timeout = 800 * time.Millisecond
+	redis := map[string]any{"addresses": sn.Addrs(), "sentinel": testredis.MasterName, "timeout": timeout.String()}
 	handler := map[string]any{"handler": "rate_limit", "redis": redis, "jitter": 0, "policies": []map[string]any{
 		{"name": "durable", "match": map[string]any{"path": []string{"/durable"}}, "key": "{http.request.header.X-Tenant}",
 			"quota": "1000/day", "durable": map[string]any{"replicas": 1}, "on_error": "fail_closed"},
@@ -350,13 +353,13 @@ func TestQuotaDurableFailover(t *testing.T) {
 		}
 	}
 	var partitioned []time.Duration
-	for i := range 4 {
+	for i := range 3 {
 		start := time.Now()
 		r := get(t, fleet[i%2].URL+"/durable", "X-Tenant", "acme")
 		took := time.Since(start)
 		partitioned = append(partitioned, took.Round(time.Millisecond))
-		if r.status != 503 || took < 300*time.Millisecond || took > 300*time.Millisecond+time.Second {
-			t.Fatalf("durable request %d during the partition: %d after %v, want 503 after the 300ms timeout", i, r.status, took)
+		if r.status != 503 || took < timeout || took > 2*timeout {
+			t.Fatalf("durable request %d during the partition: %d after %v, want 503 after the %v timeout", i, r.status, took, timeout)
 		}
 	}
 	if q := inspectQuota(t, fleet[0], "plain", "acme"); q.Used != 50 {
@@ -404,22 +407,22 @@ func TestQuotaDurableFailover(t *testing.T) {
 	// The promoted primary has no replica: durable quotas cannot be
 	// confirmed.
 	var closedTook []time.Duration
-	for i := range 4 {
+	for i := range 3 {
 		start := time.Now()
 		r := get(t, fleet[i%2].URL+"/durable", "X-Tenant", "acme")
 		took := time.Since(start)
 		closedTook = append(closedTook, took.Round(time.Millisecond))
-		if r.status != 503 || r.problem(t).Type != "https://iana.org/assignments/http-problem-types#temporary-reduced-capacity" || took > 300*time.Millisecond+time.Second {
+		if r.status != 503 || r.problem(t).Type != "https://iana.org/assignments/http-problem-types#temporary-reduced-capacity" || took > 2*timeout {
 			t.Fatalf("fail_closed durable request %d without a replica: %d after %v, want 503 within the timeout", i, r.status, took)
 		}
 	}
-	for i := range 4 {
+	for i := range 3 {
 		if r := get(t, fleet[i%2].URL+"/open", "X-Tenant", "acme"); r.status != 200 || string(r.body) != "fail_open  " {
 			t.Fatalf("fail_open durable request %d without a replica: %d %q", i, r.status, r.body)
 		}
 	}
 	start := time.Now()
-	if r := get(t, fleet[0].URL+"/plain", "X-Tenant", "acme"); r.status != 200 || time.Since(start) >= 300*time.Millisecond {
+	if r := get(t, fleet[0].URL+"/plain", "X-Tenant", "acme"); r.status != 200 || time.Since(start) >= timeout {
 		t.Fatalf("a quota that is not durable: %d after %v", r.status, time.Since(start))
 	}
 	waitFor(t, "the unconfirmed charges undone", func() bool {
@@ -429,7 +432,7 @@ func TestQuotaDurableFailover(t *testing.T) {
 	if kinds["not_durable"] < 1 {
 		t.Fatalf("store errors %v, want not_durable counted", kinds)
 	}
-	if !logMentions(t, fleet[0], "did not confirm the usage within 300ms") {
+	if !logMentions(t, fleet[0], "did not confirm the usage within "+timeout.String()) {
 		t.Fatal("the log does not say the usage was not confirmed")
 	}
 	t.Logf("during the partition: durable 503 after %v; after the failover, without a replica: fail_closed 503 after %v, fail_open admitted uncounted; store errors %v",
