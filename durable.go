@@ -93,9 +93,9 @@ func batchConfirmation(batch []*pending) confirmation {
 	return c
 }
 
-// durableCalls is the coalescing of durable requests, apart from the others
-// (coalescerFor); confirmClients, the clients whose pipelines carry a
-// script call and its confirmation.
+// durableCalls is a connection's coalescing of durable requests, apart from
+// the others (coalescerFor), and the clients whose pipelines carry a script
+// call and its confirmation (confirmingClient).
 type durableCalls struct {
 	once      sync.Once
 	coalescer *coalescer
