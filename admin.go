@@ -87,6 +87,13 @@ type bucketState struct {
 	// Announced: every instance was told of the reset or grant at once
 	// (otherwise within a second).
 	Announced *bool `json:"announced,omitempty"`
+	// A quota's N and calendar unit, the units used in the current period
+	// (Tokens: those left), and the period's start and end, in UTC and in
+	// the policy's zone.
+	Quota  int64       `json:"quota,omitempty"`
+	Unit   string      `json:"unit,omitempty"`
+	Used   *int64      `json:"used,omitempty"`
+	Period *periodText `json:"period,omitempty"`
 }
 
 func (a adminAPI) serve(w http.ResponseWriter, r *http.Request) error {
@@ -156,6 +163,9 @@ func (adminAPI) bucket(ctx context.Context, action string, def definition, req a
 	}
 	if p.Concurrent > 0 {
 		return adminAPI{}.slots(ctx, action, def, req, key)
+	}
+	if p.quota != nil {
+		return adminAPI{}.quota(ctx, action, def, req, key)
 	}
 	// A grant reads the bucket and gives the tokens back in one decision:
 	// each of its buckets reads the state from before it, so the first says

@@ -108,6 +108,12 @@ type bucketRequest struct {
 	// leasesExpired counts the leases a slot op finds expired, of holders
 	// that vanished (nil for rate buckets).
 	leasesExpired counter
+	// quota makes this a quota bucket (quota.go): its calendar and
+	// durability; nil for rate buckets and slots.
+	quota *quotaSpec
+	// period: for a quota bucket's opAdjust, the period the charge belongs
+	// to (the one its admission was counted in); zero: the current one.
+	period period
 }
 
 // counter is a metric that counts (a Prometheus counter).
@@ -130,6 +136,9 @@ type verdict struct {
 	// expired: a concurrency policy's leases the store reclaimed from
 	// holders that vanished.
 	expired int64
+	// period: a quota bucket's period, on the store's clock (untilFits is
+	// the µs to its end).
+	period period
 }
 
 // decision is the outcome of one request across all its buckets.
@@ -205,6 +214,13 @@ func (l limit) adjust(tat, now, delta int64) int64 {
 func decideBuckets(tats []int64, now int64, reqs []bucketRequest) (decision, []int64) {
 	d := decision{admitted: true, now: now, verdicts: make([]verdict, len(reqs))}
 	for i, rq := range reqs {
+		if rq.quota != nil { // tats[i]: the units used in the period
+			d.verdicts[i].allowed = quotaAdmits(tats[i], rq)
+			if !d.verdicts[i].allowed && !rq.shadow {
+				d.admitted = false
+			}
+			continue
+		}
 		if rq.op == opAcquire {
 			d.verdicts[i].allowed = tats[i] < rq.limit.burst
 			if !d.verdicts[i].allowed && !rq.shadow {
@@ -230,6 +246,10 @@ func decideBuckets(tats []int64, now int64, reqs []bucketRequest) (decision, []i
 	next := tats
 	for i, rq := range reqs {
 		v := &d.verdicts[i]
+		if rq.quota != nil {
+			next[i] = decideQuota(v, tats[i], now, rq, d.admitted)
+			continue
+		}
 		if rq.op.slots() {
 			held := tats[i]
 			switch {

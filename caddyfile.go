@@ -86,6 +86,9 @@ const mholtOrderWarning = "rate_limit: a zone is mholt/caddy-ratelimit's syntax,
 //	        settle   openai|anthropic [weights input <a> output <b>] [max <n>]
 //	        ipv6_prefix <bits>
 //	        ipv4_prefix <bits>
+//	        quota    <N>/<minute|hour|day|week|month|year>   # instead of rate
+//	        timezone <IANA zone>
+//	        durable  replicas <n> | aof
 //	    }
 //	}
 //
@@ -201,6 +204,9 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	}
 	if len(h.Policies) == 0 {
 		return top.at.Err("at least one policy is required")
+	}
+	if err := h.checkDurableStore(); err != nil {
+		return err
 	}
 	for _, ig := range ignored {
 		warnCaddyfile(ig.file, ig.line, ig.why(h.Redis != nil))
@@ -389,6 +395,18 @@ func unmarshalPolicy(d *caddyfile.Dispenser) (*Policy, error) {
 			}
 		case "ipv4_prefix":
 			if err := s.prefixArg(d, &p.IPv4Prefix, 32, false); err != nil {
+				return nil, err
+			}
+		case "quota":
+			if err := s.oneArg(d, &p.Quota); err != nil {
+				return nil, err
+			}
+		case "timezone":
+			if err := s.oneArg(d, &p.Timezone); err != nil {
+				return nil, err
+			}
+		case "durable":
+			if err := s.unmarshalDurable(d, p); err != nil {
 				return nil, err
 			}
 		default:

@@ -188,7 +188,8 @@ func checkAdaptedConfig(t *testing.T, file string, adapted []byte) {
 			t.Errorf("%s: rate_limit handler %d: provisioned without policies or store", file, i)
 		}
 		for _, p := range h.Policies {
-			if p.events < 1 || p.limit.burst < 1 || p.limit.interval < 1 || p.maxCost < 1 || !validOnError(p.onError) {
+			rate := p.events >= 1 && p.limit.interval >= 1 || p.quota != nil // a quota has N, no rate
+			if !rate || p.limit.burst < 1 || p.maxCost < 1 || !validOnError(p.onError) {
 				t.Errorf("%s: rate_limit handler %d: policy %q provisioned with bad numbers: %+v", file, i, p.Name, p.limit)
 			}
 		}
@@ -421,6 +422,46 @@ func TestJSONConfigErrors(t *testing.T) {
 			name:    "bad matcher",
 			handler: `{"policies":[{"name":"api","key":"{client_ip}","rate":"10/1s","match":{"no_such_matcher":{}}}]}`,
 			want:    []string{`policy "api"`, "match:", "no_such_matcher"},
+		},
+		{
+			name:    "quota of an unknown period",
+			handler: `{"policies":[{"name":"monthly","key":"{client_ip}","quota":"5/fortnight"}]}`,
+			want:    []string{`policy "monthly"`, "quota:", "minute, hour, day, week, month or year"},
+		},
+		{
+			name:    "quota above 2^53",
+			handler: `{"policies":[{"name":"monthly","key":"{client_ip}","quota":"9007199254740993/month"}]}`,
+			want:    []string{`policy "monthly"`, "quota:", "from 1 to 9007199254740992"},
+		},
+		{
+			name:    "quota and rate",
+			handler: `{"policies":[{"name":"monthly","key":"{client_ip}","quota":"5/month","rate":"10/1s"}]}`,
+			want:    []string{`policy "monthly"`, "rate:", "a rate or a quota"},
+		},
+		{
+			name:    "quota and concurrent",
+			handler: `{"policies":[{"name":"monthly","key":"{client_ip}","quota":"5/month","concurrent":3}]}`,
+			want:    []string{`policy "monthly"`, "concurrent:", "a quota or concurrent"},
+		},
+		{
+			name:    "unknown time zone",
+			handler: `{"policies":[{"name":"monthly","key":"{client_ip}","quota":"5/month","timezone":"Mars/Olympus"}]}`,
+			want:    []string{`policy "monthly"`, "timezone:", `"Mars/Olympus"`, "IANA"},
+		},
+		{
+			name:    "durable replicas 0",
+			handler: `{"redis":{"addresses":["127.0.0.1:6379"]},"policies":[{"name":"monthly","key":"{client_ip}","quota":"5/month","durable":{"replicas":0}}]}`,
+			want:    []string{`policy "monthly"`, "durable:", "replicas <n> (at least 1) or aof"},
+		},
+		{
+			name:    "durable replicas negative",
+			handler: `{"redis":{"addresses":["127.0.0.1:6379"]},"policies":[{"name":"monthly","key":"{client_ip}","quota":"5/month","durable":{"replicas":-1}}]}`,
+			want:    []string{`policy "monthly"`, "durable:", "from 1 to 1000"},
+		},
+		{
+			name:    "durable without redis",
+			handler: `{"policies":[{"name":"monthly","key":"{client_ip}","quota":"5/month","durable":{"replicas":1}}]}`,
+			want:    []string{`policy "monthly"`, "durable:", "needs a redis block"},
 		},
 	} {
 		t.Run(tc.name, func(t *testing.T) {

@@ -27,6 +27,16 @@ func inPolicy(line string) string {
 	return "policy api {\n\tkey {client_ip}\n\trate 10/1s\n\t" + line + "\n}\n"
 }
 
+// inQuota puts a subdirective line into a valid quota policy (of 5 a day).
+func inQuota(line string) string {
+	return "policy q {\n\tkey {client_ip}\n\tquota 5/day\n\t" + line + "\n}\n"
+}
+
+// redisQuota is inQuota with a redis block, which durable needs.
+func redisQuota(line string) string {
+	return "redis {\n\taddress 127.0.0.1:6379\n}\n" + inQuota(line)
+}
+
 // inZone puts a subdirective line into a valid mholt-style zone.
 func inZone(line string) string {
 	return "zone z {\n\tevents 10\n\twindow 1s\n\t" + line + "\n}\n"
@@ -263,6 +273,37 @@ func TestCaddyfileErrors(t *testing.T) {
 		{"ipv4_prefix", "policy: above 32", inPolicy("ipv4_prefix 33 " + mark)},
 		{"ipv4_prefix", "policy: not a number", inPolicy("ipv4_prefix /24 " + mark)},
 		{"brust", "unknown subdirective", inPolicy("brust 5 " + mark)},
+
+		// A quota policy's.
+		{"quota", "missing value", "policy q {\n\tkey {client_ip}\n\tquota " + mark + "\n}\n"},
+		{"quota", "extra value", "policy q {\n\tkey {client_ip}\n\tquota 5/day 6/day " + mark + "\n}\n"},
+		{"quota", "unknown period", "policy q {\n\tkey {client_ip}\n\tquota 5/fortnight " + mark + "\n}\n"},
+		{"quota", "a duration for a period", "policy q {\n\tkey {client_ip}\n\tquota 5/24h " + mark + "\n}\n"},
+		{"quota", "no period", "policy q {\n\tkey {client_ip}\n\tquota 5 " + mark + "\n}\n"},
+		{"quota", "zero", "policy q {\n\tkey {client_ip}\n\tquota 0/day " + mark + "\n}\n"},
+		{"quota", "negative", "policy q {\n\tkey {client_ip}\n\tquota -5/day " + mark + "\n}\n"},
+		{"quota", "fractional", "policy q {\n\tkey {client_ip}\n\tquota 1.5/day " + mark + "\n}\n"},
+		{"quota", "above 2^53", "policy q {\n\tkey {client_ip}\n\tquota 9007199254740993/month " + mark + "\n}\n"},
+		{"quota", "twice", inQuota("quota 6/day " + mark)},
+		{"rate", "quota and rate", inQuota("rate 10/1s " + mark)},
+		{"concurrent", "quota and concurrent", inQuota("concurrent 3 " + mark)},
+		{"burst", "quota and burst", inQuota("burst 5 " + mark)},
+		{"wait", "quota and wait", inQuota("wait 1s " + mark)},
+		{"cost", "above the quota", inQuota("cost 6 " + mark)},
+		{"timezone", "missing value", inQuota("timezone " + mark)},
+		{"timezone", "extra value", inQuota("timezone UTC Europe/Berlin " + mark)},
+		{"timezone", "unknown zone", inQuota("timezone America/New_Yrok " + mark)},
+		{"timezone", "the machine's", inQuota("timezone Local " + mark)},
+		{"timezone", "without a quota", inPolicy("timezone UTC " + mark)},
+		{"durable", "no option", redisQuota("durable " + mark)},
+		{"durable", "unknown option", redisQuota("durable fsync " + mark)},
+		{"durable", "replicas zero", redisQuota("durable replicas 0 " + mark)},
+		{"durable", "replicas not a number", redisQuota("durable replicas one " + mark)},
+		{"durable", "replicas without a number", redisQuota("durable replicas " + mark)},
+		{"durable", "replicas above 1000", redisQuota("durable replicas 1001 " + mark)},
+		{"durable", "twice", redisQuota("durable aof\n\tdurable replicas 1 " + mark)},
+		{"durable", "without a redis block", inQuota("durable replicas 1 " + mark)},
+		{"durable", "on a rate policy", "redis {\n\taddress 127.0.0.1:6379\n}\n" + inPolicy("durable replicas 1 "+mark)},
 	} {
 		t.Run(tc.sub+"/"+tc.name, func(t *testing.T) {
 			caddyfileText, lines := siteWith(tc.body)

@@ -60,6 +60,176 @@ func TestParseTimezone(t *testing.T) {
 	}
 }
 
+// calendarCase is a row of the boundary table: start and end are instants
+// (written in the zone's offset of the moment, so they read as the wall
+// clock does); before is the start of the previous period, after the end
+// of the next, when given.
+type calendarCase struct {
+	name, zone string
+	unit       periodUnit
+	at         string
+	start, end string
+	length     time.Duration
+	before     string
+	after      string
+}
+
+const hr = time.Hour
+
+// calendarCases is the boundary table, which TestLuaQuotaCalendar also holds
+// the script's choice of period to.
+var calendarCases = []calendarCase{
+	// UTC: plain calendar arithmetic.
+	{name: "UTC minute", zone: "UTC", unit: periodMinute, at: "2024-05-05T10:20:30.5Z",
+		start: "2024-05-05T10:20:00Z", end: "2024-05-05T10:21:00Z", length: time.Minute,
+		before: "2024-05-05T10:19:00Z", after: "2024-05-05T10:22:00Z"},
+	{name: "UTC minute at its first microsecond", zone: "UTC", unit: periodMinute, at: "2024-05-05T10:20:00Z",
+		start: "2024-05-05T10:20:00Z", end: "2024-05-05T10:21:00Z", length: time.Minute},
+	{name: "UTC minute at its last microsecond", zone: "UTC", unit: periodMinute, at: "2024-05-05T10:20:59.999999Z",
+		start: "2024-05-05T10:20:00Z", end: "2024-05-05T10:21:00Z", length: time.Minute},
+	{name: "UTC hour", zone: "UTC", unit: periodHour, at: "2024-05-05T10:59:59Z",
+		start: "2024-05-05T10:00:00Z", end: "2024-05-05T11:00:00Z", length: hr},
+	{name: "UTC day", zone: "UTC", unit: periodDay, at: "2024-05-05T00:00:00Z",
+		start: "2024-05-05T00:00:00Z", end: "2024-05-06T00:00:00Z", length: 24 * hr},
+	{name: "UTC week from Monday, on a Sunday", zone: "UTC", unit: periodWeek, at: "2024-05-05T23:59:59Z",
+		start: "2024-04-29T00:00:00Z", end: "2024-05-06T00:00:00Z", length: 7 * 24 * hr,
+		before: "2024-04-22T00:00:00Z", after: "2024-05-13T00:00:00Z"},
+	{name: "UTC week on its Monday", zone: "UTC", unit: periodWeek, at: "2024-05-06T00:00:00Z",
+		start: "2024-05-06T00:00:00Z", end: "2024-05-13T00:00:00Z", length: 7 * 24 * hr},
+	{name: "UTC week crossing a month", zone: "UTC", unit: periodWeek, at: "2024-05-31T12:00:00Z",
+		start: "2024-05-27T00:00:00Z", end: "2024-06-03T00:00:00Z", length: 7 * 24 * hr},
+	{name: "UTC week crossing a year", zone: "UTC", unit: periodWeek, at: "2025-01-01T00:00:00Z",
+		start: "2024-12-30T00:00:00Z", end: "2025-01-06T00:00:00Z", length: 7 * 24 * hr},
+	{name: "UTC week before 1970", zone: "UTC", unit: periodWeek, at: "1969-12-31T12:00:00Z",
+		start: "1969-12-29T00:00:00Z", end: "1970-01-05T00:00:00Z", length: 7 * 24 * hr},
+	{name: "UTC month of 31 days, Jan 31 to Feb 28", zone: "UTC", unit: periodMonth, at: "2023-01-31T23:59:59Z",
+		start: "2023-01-01T00:00:00Z", end: "2023-02-01T00:00:00Z", length: 31 * 24 * hr,
+		before: "2022-12-01T00:00:00Z", after: "2023-03-01T00:00:00Z"},
+	{name: "UTC February of 28 days", zone: "UTC", unit: periodMonth, at: "2023-02-28T23:59:59Z",
+		start: "2023-02-01T00:00:00Z", end: "2023-03-01T00:00:00Z", length: 28 * 24 * hr},
+	{name: "UTC February 29 in a leap year", zone: "UTC", unit: periodMonth, at: "2024-02-29T12:00:00Z",
+		start: "2024-02-01T00:00:00Z", end: "2024-03-01T00:00:00Z", length: 29 * 24 * hr},
+	{name: "UTC February of 2100, no leap year", zone: "UTC", unit: periodMonth, at: "2100-02-15T00:00:00Z",
+		start: "2100-02-01T00:00:00Z", end: "2100-03-01T00:00:00Z", length: 28 * 24 * hr},
+	{name: "UTC month of 30 days", zone: "UTC", unit: periodMonth, at: "2024-04-30T23:00:00Z",
+		start: "2024-04-01T00:00:00Z", end: "2024-05-01T00:00:00Z", length: 30 * 24 * hr},
+	{name: "UTC December into January", zone: "UTC", unit: periodMonth, at: "2024-12-31T23:59:59.999999Z",
+		start: "2024-12-01T00:00:00Z", end: "2025-01-01T00:00:00Z", length: 31 * 24 * hr,
+		before: "2024-11-01T00:00:00Z", after: "2025-02-01T00:00:00Z"},
+	{name: "UTC leap year", zone: "UTC", unit: periodYear, at: "2024-12-31T23:59:59.999999Z",
+		start: "2024-01-01T00:00:00Z", end: "2025-01-01T00:00:00Z", length: 366 * 24 * hr,
+		before: "2023-01-01T00:00:00Z", after: "2026-01-01T00:00:00Z"},
+	{name: "UTC year", zone: "UTC", unit: periodYear, at: "2025-01-01T00:00:00Z",
+		start: "2025-01-01T00:00:00Z", end: "2026-01-01T00:00:00Z", length: 365 * 24 * hr},
+
+	// America/New_York: 02:00 -> 03:00 in March, 02:00 -> 01:00 in November.
+	{name: "New_York day of spring change lasts 23h", zone: "America/New_York", unit: periodDay, at: "2024-03-10T12:00:00-04:00",
+		start: "2024-03-10T00:00:00-05:00", end: "2024-03-11T00:00:00-04:00", length: 23 * hr},
+	{name: "New_York day of autumn change lasts 25h", zone: "America/New_York", unit: periodDay, at: "2024-11-03T01:30:00-05:00",
+		start: "2024-11-03T00:00:00-04:00", end: "2024-11-04T00:00:00-05:00", length: 25 * hr},
+	{name: "New_York hour after the skipped 02:00 starts at the jump", zone: "America/New_York", unit: periodHour, at: "2024-03-10T03:30:00-04:00",
+		start: "2024-03-10T03:00:00-04:00", end: "2024-03-10T04:00:00-04:00", length: hr,
+		before: "2024-03-10T01:00:00-05:00", after: "2024-03-10T05:00:00-04:00"},
+	{name: "New_York hour 01:00 before the jump", zone: "America/New_York", unit: periodHour, at: "2024-03-10T01:59:59-05:00",
+		start: "2024-03-10T01:00:00-05:00", end: "2024-03-10T03:00:00-04:00", length: hr},
+	{name: "New_York repeated 01:00 hour lasts 2h (first pass)", zone: "America/New_York", unit: periodHour, at: "2024-11-03T01:10:00-04:00",
+		start: "2024-11-03T01:00:00-04:00", end: "2024-11-03T02:00:00-05:00", length: 2 * hr},
+	{name: "New_York repeated 01:00 hour lasts 2h (second pass)", zone: "America/New_York", unit: periodHour, at: "2024-11-03T01:30:00-05:00",
+		start: "2024-11-03T01:00:00-04:00", end: "2024-11-03T02:00:00-05:00", length: 2 * hr},
+	{name: "New_York minute 01:59 lasts until 02:00 comes (61 min)", zone: "America/New_York", unit: periodMinute, at: "2024-11-03T01:30:00-05:00",
+		start: "2024-11-03T01:59:00-04:00", end: "2024-11-03T02:00:00-05:00", length: 61 * time.Minute},
+	{name: "New_York week of spring change", zone: "America/New_York", unit: periodWeek, at: "2024-03-10T23:00:00-04:00",
+		start: "2024-03-04T00:00:00-05:00", end: "2024-03-11T00:00:00-04:00", length: 7*24*hr - hr},
+	{name: "New_York month of autumn change", zone: "America/New_York", unit: periodMonth, at: "2024-11-30T23:59:59-05:00",
+		start: "2024-11-01T00:00:00-04:00", end: "2024-12-01T00:00:00-05:00", length: 30*24*hr + hr},
+	{name: "New_York year starts at local midnight", zone: "America/New_York", unit: periodYear, at: "2025-01-01T04:59:59Z",
+		start: "2024-01-01T00:00:00-05:00", end: "2025-01-01T00:00:00-05:00", length: 366 * 24 * hr},
+
+	{name: "New_York Dec 31 of a leap year past tzdata's listed changes", zone: "America/New_York", unit: periodDay, at: "2040-12-31T12:00:00-05:00",
+		start: "2040-12-31T00:00:00-05:00", end: "2041-01-01T00:00:00-05:00", length: 24 * hr},
+	{name: "New_York year 2040 past tzdata's listed changes", zone: "America/New_York", unit: periodYear, at: "2040-12-31T23:59:59-05:00",
+		start: "2040-01-01T00:00:00-05:00", end: "2041-01-01T00:00:00-05:00", length: 366 * 24 * hr,
+		after: "2042-01-01T00:00:00-05:00"},
+	{name: "New_York autumn change of 2044 (from the zone's rule)", zone: "America/New_York", unit: periodDay, at: "2044-11-06T12:00:00-05:00",
+		start: "2044-11-06T00:00:00-04:00", end: "2044-11-07T00:00:00-05:00", length: 25 * hr},
+
+	// Europe/Berlin: 02:00 -> 03:00 on the last Sunday of March, 03:00 -> 02:00 in October.
+	{name: "Berlin day of spring change lasts 23h", zone: "Europe/Berlin", unit: periodDay, at: "2024-03-31T12:00:00+02:00",
+		start: "2024-03-31T00:00:00+01:00", end: "2024-04-01T00:00:00+02:00", length: 23 * hr},
+	{name: "Berlin day of autumn change lasts 25h", zone: "Europe/Berlin", unit: periodDay, at: "2024-10-27T02:30:00+01:00",
+		start: "2024-10-27T00:00:00+02:00", end: "2024-10-28T00:00:00+01:00", length: 25 * hr},
+	{name: "Berlin hour after the jump", zone: "Europe/Berlin", unit: periodHour, at: "2024-03-31T03:15:00+02:00",
+		start: "2024-03-31T03:00:00+02:00", end: "2024-03-31T04:00:00+02:00", length: hr},
+	{name: "Berlin March loses an hour", zone: "Europe/Berlin", unit: periodMonth, at: "2024-03-15T00:00:00+01:00",
+		start: "2024-03-01T00:00:00+01:00", end: "2024-04-01T00:00:00+02:00", length: 31*24*hr - hr},
+	{name: "Berlin year end", zone: "Europe/Berlin", unit: periodYear, at: "2024-12-31T23:30:00+01:00",
+		start: "2024-01-01T00:00:00+01:00", end: "2025-01-01T00:00:00+01:00", length: 366 * 24 * hr,
+		before: "2023-01-01T00:00:00+01:00", after: "2026-01-01T00:00:00+01:00"},
+	{name: "Berlin first instant of the year", zone: "Europe/Berlin", unit: periodYear, at: "2024-12-31T23:00:00Z",
+		start: "2025-01-01T00:00:00+01:00", end: "2026-01-01T00:00:00+01:00", length: 365 * 24 * hr},
+
+	// Australia/Lord_Howe: a 30-minute change, 02:00 -> 02:30 in October, 02:00 -> 01:30 in April.
+	{name: "Lord_Howe day of spring change lasts 23h30", zone: "Australia/Lord_Howe", unit: periodDay, at: "2024-10-06T12:00:00+11:00",
+		start: "2024-10-06T00:00:00+10:30", end: "2024-10-07T00:00:00+11:00", length: 23*hr + 30*time.Minute},
+	{name: "Lord_Howe day of autumn change lasts 24h30", zone: "Australia/Lord_Howe", unit: periodDay, at: "2024-04-07T12:00:00+10:30",
+		start: "2024-04-07T00:00:00+11:00", end: "2024-04-08T00:00:00+10:30", length: 24*hr + 30*time.Minute},
+	{name: "Lord_Howe 02:00 hour is half an hour", zone: "Australia/Lord_Howe", unit: periodHour, at: "2024-10-06T02:40:00+11:00",
+		start: "2024-10-06T02:30:00+11:00", end: "2024-10-06T03:00:00+11:00", length: 30 * time.Minute,
+		before: "2024-10-06T01:00:00+10:30"},
+	{name: "Lord_Howe 01:00 hour repeated half lasts 1h30", zone: "Australia/Lord_Howe", unit: periodHour, at: "2024-04-07T01:45:00+10:30",
+		start: "2024-04-07T01:00:00+11:00", end: "2024-04-07T02:00:00+10:30", length: 90 * time.Minute},
+	{name: "Lord_Howe minute 01:59 lasts 31 min", zone: "Australia/Lord_Howe", unit: periodMinute, at: "2024-04-07T01:40:00+10:30",
+		start: "2024-04-07T01:59:00+11:00", end: "2024-04-07T02:00:00+10:30", length: 31 * time.Minute},
+
+	// Asia/Kolkata (+05:30) and Asia/Kathmandu (+05:45): hours start at :00 local.
+	{name: "Kolkata hour at :00 local", zone: "Asia/Kolkata", unit: periodHour, at: "2024-06-01T10:45:00+05:30",
+		start: "2024-06-01T04:30:00Z", end: "2024-06-01T05:30:00Z", length: hr},
+	{name: "Kolkata day at local midnight", zone: "Asia/Kolkata", unit: periodDay, at: "2024-06-01T18:29:59Z",
+		start: "2024-05-31T18:30:00Z", end: "2024-06-01T18:30:00Z", length: 24 * hr},
+	{name: "Kolkata month", zone: "Asia/Kolkata", unit: periodMonth, at: "2024-06-30T23:59:00+05:30",
+		start: "2024-06-01T00:00:00+05:30", end: "2024-07-01T00:00:00+05:30", length: 30 * 24 * hr},
+	{name: "Kathmandu hour at :15 UTC", zone: "Asia/Kathmandu", unit: periodHour, at: "2024-06-01T10:14:59Z",
+		start: "2024-06-01T09:15:00Z", end: "2024-06-01T10:15:00Z", length: hr},
+	{name: "Kathmandu week", zone: "Asia/Kathmandu", unit: periodWeek, at: "2024-06-02T18:14:59Z",
+		start: "2024-05-27T00:00:00+05:45", end: "2024-06-03T00:00:00+05:45", length: 7 * 24 * hr},
+	{name: "Kathmandu 1986 began at 00:15 (+05:30 -> +05:45)", zone: "Asia/Kathmandu", unit: periodYear, at: "1986-01-01T12:00:00Z",
+		start: "1986-01-01T00:15:00+05:45", end: "1987-01-01T00:00:00+05:45", length: 365*24*hr - 15*time.Minute,
+		before: "1985-01-01T00:00:00+05:30"},
+
+	// Pacific/Chatham: +12:45, one hour of DST changing at 02:45 / 03:45 local.
+	{name: "Chatham day of spring change lasts 23h", zone: "Pacific/Chatham", unit: periodDay, at: "2024-09-29T12:00:00+13:45",
+		start: "2024-09-29T00:00:00+12:45", end: "2024-09-30T00:00:00+13:45", length: 23 * hr},
+	{name: "Chatham 03:00 hour is 15 minutes after the jump to 03:45", zone: "Pacific/Chatham", unit: periodHour, at: "2024-09-29T03:50:00+13:45",
+		start: "2024-09-29T03:45:00+13:45", end: "2024-09-29T04:00:00+13:45", length: 15 * time.Minute,
+		before: "2024-09-29T02:00:00+12:45"},
+	{name: "Chatham 03:00 hour across the autumn change lasts 2h", zone: "Pacific/Chatham", unit: periodHour, at: "2024-04-07T03:10:00+12:45",
+		start: "2024-04-07T03:00:00+13:45", end: "2024-04-07T04:00:00+12:45", length: 2 * hr},
+
+	// Zones whose clock skipped or repeated midnight.
+	{name: "Sao_Paulo 2018-11-04 began at 01:00 (midnight skipped)", zone: "America/Sao_Paulo", unit: periodDay, at: "2018-11-04T12:00:00-02:00",
+		start: "2018-11-04T01:00:00-02:00", end: "2018-11-05T00:00:00-02:00", length: 23 * hr,
+		before: "2018-11-03T00:00:00-03:00"},
+	{name: "Sao_Paulo 2019-02-16 lasts 25h (23:00 repeated)", zone: "America/Sao_Paulo", unit: periodDay, at: "2019-02-16T23:30:00-03:00",
+		start: "2019-02-16T00:00:00-02:00", end: "2019-02-17T00:00:00-03:00", length: 25 * hr},
+	{name: "Sao_Paulo repeated 23:00 hour", zone: "America/Sao_Paulo", unit: periodHour, at: "2019-02-16T23:30:00-03:00",
+		start: "2019-02-16T23:00:00-02:00", end: "2019-02-17T00:00:00-03:00", length: 2 * hr},
+	{name: "Havana April 2012 began at 01:00 on the 1st", zone: "America/Havana", unit: periodMonth, at: "2012-04-01T12:00:00-04:00",
+		start: "2012-04-01T01:00:00-04:00", end: "2012-05-01T00:00:00-04:00", length: 30*24*hr - hr,
+		before: "2012-03-01T00:00:00-05:00", after: "2012-06-01T00:00:00-04:00"},
+	{name: "Havana March 2012 ends at the jump", zone: "America/Havana", unit: periodMonth, at: "2012-04-01T04:59:59Z",
+		start: "2012-03-01T00:00:00-05:00", end: "2012-04-01T01:00:00-04:00", length: 31 * 24 * hr},
+	{name: "Tehran week of 2021-03-22 began on Monday at 01:00", zone: "Asia/Tehran", unit: periodWeek, at: "2021-03-22T12:00:00+04:30",
+		start: "2021-03-22T01:00:00+04:30", end: "2021-03-29T00:00:00+04:30", length: 7*24*hr - hr,
+		before: "2021-03-15T00:00:00+03:30"},
+	{name: "Khandyga 2004 began at 01:00 on Jan 1", zone: "Asia/Khandyga", unit: periodYear, at: "2004-01-01T12:00:00Z",
+		start: "2004-01-01T01:00:00+10:00", end: "2005-01-01T00:00:00+10:00", length: 366*24*hr - hr},
+	{name: "Apia skipped 2011-12-30: Dec 31 follows Dec 29", zone: "Pacific/Apia", unit: periodDay, at: "2011-12-31T00:00:00+14:00",
+		start: "2011-12-31T00:00:00+14:00", end: "2012-01-01T00:00:00+14:00", length: 24 * hr,
+		before: "2011-12-29T00:00:00-10:00"},
+	{name: "Apia repeated 1892-07-04: the day lasts 48h", zone: "Pacific/Apia", unit: periodDay, at: "1892-07-05T11:00:00Z",
+		start: "1892-07-03T11:26:56Z", end: "1892-07-05T11:26:56Z", length: 48 * hr},
+}
+
 // TestCalendarPeriods holds the boundaries to what a wall clock in the zone
 // shows, across daylight-saving changes in both directions, skipped and
 // repeated midnights, month, year and week ends. start and end are instants
@@ -67,166 +237,7 @@ func TestParseTimezone(t *testing.T) {
 // clock does); before is the start of the previous period, after the end
 // of the next, when given.
 func TestCalendarPeriods(t *testing.T) {
-	const h = time.Hour
-	cases := []struct {
-		name, zone string
-		unit       periodUnit
-		at         string
-		start, end string
-		length     time.Duration
-		before     string
-		after      string
-	}{
-		// UTC: plain calendar arithmetic.
-		{name: "UTC minute", zone: "UTC", unit: periodMinute, at: "2024-05-05T10:20:30.5Z",
-			start: "2024-05-05T10:20:00Z", end: "2024-05-05T10:21:00Z", length: time.Minute,
-			before: "2024-05-05T10:19:00Z", after: "2024-05-05T10:22:00Z"},
-		{name: "UTC minute at its first microsecond", zone: "UTC", unit: periodMinute, at: "2024-05-05T10:20:00Z",
-			start: "2024-05-05T10:20:00Z", end: "2024-05-05T10:21:00Z", length: time.Minute},
-		{name: "UTC minute at its last microsecond", zone: "UTC", unit: periodMinute, at: "2024-05-05T10:20:59.999999Z",
-			start: "2024-05-05T10:20:00Z", end: "2024-05-05T10:21:00Z", length: time.Minute},
-		{name: "UTC hour", zone: "UTC", unit: periodHour, at: "2024-05-05T10:59:59Z",
-			start: "2024-05-05T10:00:00Z", end: "2024-05-05T11:00:00Z", length: h},
-		{name: "UTC day", zone: "UTC", unit: periodDay, at: "2024-05-05T00:00:00Z",
-			start: "2024-05-05T00:00:00Z", end: "2024-05-06T00:00:00Z", length: 24 * h},
-		{name: "UTC week from Monday, on a Sunday", zone: "UTC", unit: periodWeek, at: "2024-05-05T23:59:59Z",
-			start: "2024-04-29T00:00:00Z", end: "2024-05-06T00:00:00Z", length: 7 * 24 * h,
-			before: "2024-04-22T00:00:00Z", after: "2024-05-13T00:00:00Z"},
-		{name: "UTC week on its Monday", zone: "UTC", unit: periodWeek, at: "2024-05-06T00:00:00Z",
-			start: "2024-05-06T00:00:00Z", end: "2024-05-13T00:00:00Z", length: 7 * 24 * h},
-		{name: "UTC week crossing a month", zone: "UTC", unit: periodWeek, at: "2024-05-31T12:00:00Z",
-			start: "2024-05-27T00:00:00Z", end: "2024-06-03T00:00:00Z", length: 7 * 24 * h},
-		{name: "UTC week crossing a year", zone: "UTC", unit: periodWeek, at: "2025-01-01T00:00:00Z",
-			start: "2024-12-30T00:00:00Z", end: "2025-01-06T00:00:00Z", length: 7 * 24 * h},
-		{name: "UTC week before 1970", zone: "UTC", unit: periodWeek, at: "1969-12-31T12:00:00Z",
-			start: "1969-12-29T00:00:00Z", end: "1970-01-05T00:00:00Z", length: 7 * 24 * h},
-		{name: "UTC month of 31 days, Jan 31 to Feb 28", zone: "UTC", unit: periodMonth, at: "2023-01-31T23:59:59Z",
-			start: "2023-01-01T00:00:00Z", end: "2023-02-01T00:00:00Z", length: 31 * 24 * h,
-			before: "2022-12-01T00:00:00Z", after: "2023-03-01T00:00:00Z"},
-		{name: "UTC February of 28 days", zone: "UTC", unit: periodMonth, at: "2023-02-28T23:59:59Z",
-			start: "2023-02-01T00:00:00Z", end: "2023-03-01T00:00:00Z", length: 28 * 24 * h},
-		{name: "UTC February 29 in a leap year", zone: "UTC", unit: periodMonth, at: "2024-02-29T12:00:00Z",
-			start: "2024-02-01T00:00:00Z", end: "2024-03-01T00:00:00Z", length: 29 * 24 * h},
-		{name: "UTC February of 2100, no leap year", zone: "UTC", unit: periodMonth, at: "2100-02-15T00:00:00Z",
-			start: "2100-02-01T00:00:00Z", end: "2100-03-01T00:00:00Z", length: 28 * 24 * h},
-		{name: "UTC month of 30 days", zone: "UTC", unit: periodMonth, at: "2024-04-30T23:00:00Z",
-			start: "2024-04-01T00:00:00Z", end: "2024-05-01T00:00:00Z", length: 30 * 24 * h},
-		{name: "UTC December into January", zone: "UTC", unit: periodMonth, at: "2024-12-31T23:59:59.999999Z",
-			start: "2024-12-01T00:00:00Z", end: "2025-01-01T00:00:00Z", length: 31 * 24 * h,
-			before: "2024-11-01T00:00:00Z", after: "2025-02-01T00:00:00Z"},
-		{name: "UTC leap year", zone: "UTC", unit: periodYear, at: "2024-12-31T23:59:59.999999Z",
-			start: "2024-01-01T00:00:00Z", end: "2025-01-01T00:00:00Z", length: 366 * 24 * h,
-			before: "2023-01-01T00:00:00Z", after: "2026-01-01T00:00:00Z"},
-		{name: "UTC year", zone: "UTC", unit: periodYear, at: "2025-01-01T00:00:00Z",
-			start: "2025-01-01T00:00:00Z", end: "2026-01-01T00:00:00Z", length: 365 * 24 * h},
-
-		// America/New_York: 02:00 -> 03:00 in March, 02:00 -> 01:00 in November.
-		{name: "New_York day of spring change lasts 23h", zone: "America/New_York", unit: periodDay, at: "2024-03-10T12:00:00-04:00",
-			start: "2024-03-10T00:00:00-05:00", end: "2024-03-11T00:00:00-04:00", length: 23 * h},
-		{name: "New_York day of autumn change lasts 25h", zone: "America/New_York", unit: periodDay, at: "2024-11-03T01:30:00-05:00",
-			start: "2024-11-03T00:00:00-04:00", end: "2024-11-04T00:00:00-05:00", length: 25 * h},
-		{name: "New_York hour after the skipped 02:00 starts at the jump", zone: "America/New_York", unit: periodHour, at: "2024-03-10T03:30:00-04:00",
-			start: "2024-03-10T03:00:00-04:00", end: "2024-03-10T04:00:00-04:00", length: h,
-			before: "2024-03-10T01:00:00-05:00", after: "2024-03-10T05:00:00-04:00"},
-		{name: "New_York hour 01:00 before the jump", zone: "America/New_York", unit: periodHour, at: "2024-03-10T01:59:59-05:00",
-			start: "2024-03-10T01:00:00-05:00", end: "2024-03-10T03:00:00-04:00", length: h},
-		{name: "New_York repeated 01:00 hour lasts 2h (first pass)", zone: "America/New_York", unit: periodHour, at: "2024-11-03T01:10:00-04:00",
-			start: "2024-11-03T01:00:00-04:00", end: "2024-11-03T02:00:00-05:00", length: 2 * h},
-		{name: "New_York repeated 01:00 hour lasts 2h (second pass)", zone: "America/New_York", unit: periodHour, at: "2024-11-03T01:30:00-05:00",
-			start: "2024-11-03T01:00:00-04:00", end: "2024-11-03T02:00:00-05:00", length: 2 * h},
-		{name: "New_York minute 01:59 lasts until 02:00 comes (61 min)", zone: "America/New_York", unit: periodMinute, at: "2024-11-03T01:30:00-05:00",
-			start: "2024-11-03T01:59:00-04:00", end: "2024-11-03T02:00:00-05:00", length: 61 * time.Minute},
-		{name: "New_York week of spring change", zone: "America/New_York", unit: periodWeek, at: "2024-03-10T23:00:00-04:00",
-			start: "2024-03-04T00:00:00-05:00", end: "2024-03-11T00:00:00-04:00", length: 7*24*h - h},
-		{name: "New_York month of autumn change", zone: "America/New_York", unit: periodMonth, at: "2024-11-30T23:59:59-05:00",
-			start: "2024-11-01T00:00:00-04:00", end: "2024-12-01T00:00:00-05:00", length: 30*24*h + h},
-		{name: "New_York year starts at local midnight", zone: "America/New_York", unit: periodYear, at: "2025-01-01T04:59:59Z",
-			start: "2024-01-01T00:00:00-05:00", end: "2025-01-01T00:00:00-05:00", length: 366 * 24 * h},
-
-		{name: "New_York Dec 31 of a leap year past tzdata's listed changes", zone: "America/New_York", unit: periodDay, at: "2040-12-31T12:00:00-05:00",
-			start: "2040-12-31T00:00:00-05:00", end: "2041-01-01T00:00:00-05:00", length: 24 * h},
-		{name: "New_York year 2040 past tzdata's listed changes", zone: "America/New_York", unit: periodYear, at: "2040-12-31T23:59:59-05:00",
-			start: "2040-01-01T00:00:00-05:00", end: "2041-01-01T00:00:00-05:00", length: 366 * 24 * h,
-			after: "2042-01-01T00:00:00-05:00"},
-		{name: "New_York autumn change of 2044 (from the zone's rule)", zone: "America/New_York", unit: periodDay, at: "2044-11-06T12:00:00-05:00",
-			start: "2044-11-06T00:00:00-04:00", end: "2044-11-07T00:00:00-05:00", length: 25 * h},
-
-		// Europe/Berlin: 02:00 -> 03:00 on the last Sunday of March, 03:00 -> 02:00 in October.
-		{name: "Berlin day of spring change lasts 23h", zone: "Europe/Berlin", unit: periodDay, at: "2024-03-31T12:00:00+02:00",
-			start: "2024-03-31T00:00:00+01:00", end: "2024-04-01T00:00:00+02:00", length: 23 * h},
-		{name: "Berlin day of autumn change lasts 25h", zone: "Europe/Berlin", unit: periodDay, at: "2024-10-27T02:30:00+01:00",
-			start: "2024-10-27T00:00:00+02:00", end: "2024-10-28T00:00:00+01:00", length: 25 * h},
-		{name: "Berlin hour after the jump", zone: "Europe/Berlin", unit: periodHour, at: "2024-03-31T03:15:00+02:00",
-			start: "2024-03-31T03:00:00+02:00", end: "2024-03-31T04:00:00+02:00", length: h},
-		{name: "Berlin March loses an hour", zone: "Europe/Berlin", unit: periodMonth, at: "2024-03-15T00:00:00+01:00",
-			start: "2024-03-01T00:00:00+01:00", end: "2024-04-01T00:00:00+02:00", length: 31*24*h - h},
-		{name: "Berlin year end", zone: "Europe/Berlin", unit: periodYear, at: "2024-12-31T23:30:00+01:00",
-			start: "2024-01-01T00:00:00+01:00", end: "2025-01-01T00:00:00+01:00", length: 366 * 24 * h,
-			before: "2023-01-01T00:00:00+01:00", after: "2026-01-01T00:00:00+01:00"},
-		{name: "Berlin first instant of the year", zone: "Europe/Berlin", unit: periodYear, at: "2024-12-31T23:00:00Z",
-			start: "2025-01-01T00:00:00+01:00", end: "2026-01-01T00:00:00+01:00", length: 365 * 24 * h},
-
-		// Australia/Lord_Howe: a 30-minute change, 02:00 -> 02:30 in October, 02:00 -> 01:30 in April.
-		{name: "Lord_Howe day of spring change lasts 23h30", zone: "Australia/Lord_Howe", unit: periodDay, at: "2024-10-06T12:00:00+11:00",
-			start: "2024-10-06T00:00:00+10:30", end: "2024-10-07T00:00:00+11:00", length: 23*h + 30*time.Minute},
-		{name: "Lord_Howe day of autumn change lasts 24h30", zone: "Australia/Lord_Howe", unit: periodDay, at: "2024-04-07T12:00:00+10:30",
-			start: "2024-04-07T00:00:00+11:00", end: "2024-04-08T00:00:00+10:30", length: 24*h + 30*time.Minute},
-		{name: "Lord_Howe 02:00 hour is half an hour", zone: "Australia/Lord_Howe", unit: periodHour, at: "2024-10-06T02:40:00+11:00",
-			start: "2024-10-06T02:30:00+11:00", end: "2024-10-06T03:00:00+11:00", length: 30 * time.Minute,
-			before: "2024-10-06T01:00:00+10:30"},
-		{name: "Lord_Howe 01:00 hour repeated half lasts 1h30", zone: "Australia/Lord_Howe", unit: periodHour, at: "2024-04-07T01:45:00+10:30",
-			start: "2024-04-07T01:00:00+11:00", end: "2024-04-07T02:00:00+10:30", length: 90 * time.Minute},
-		{name: "Lord_Howe minute 01:59 lasts 31 min", zone: "Australia/Lord_Howe", unit: periodMinute, at: "2024-04-07T01:40:00+10:30",
-			start: "2024-04-07T01:59:00+11:00", end: "2024-04-07T02:00:00+10:30", length: 31 * time.Minute},
-
-		// Asia/Kolkata (+05:30) and Asia/Kathmandu (+05:45): hours start at :00 local.
-		{name: "Kolkata hour at :00 local", zone: "Asia/Kolkata", unit: periodHour, at: "2024-06-01T10:45:00+05:30",
-			start: "2024-06-01T04:30:00Z", end: "2024-06-01T05:30:00Z", length: h},
-		{name: "Kolkata day at local midnight", zone: "Asia/Kolkata", unit: periodDay, at: "2024-06-01T18:29:59Z",
-			start: "2024-05-31T18:30:00Z", end: "2024-06-01T18:30:00Z", length: 24 * h},
-		{name: "Kolkata month", zone: "Asia/Kolkata", unit: periodMonth, at: "2024-06-30T23:59:00+05:30",
-			start: "2024-06-01T00:00:00+05:30", end: "2024-07-01T00:00:00+05:30", length: 30 * 24 * h},
-		{name: "Kathmandu hour at :15 UTC", zone: "Asia/Kathmandu", unit: periodHour, at: "2024-06-01T10:14:59Z",
-			start: "2024-06-01T09:15:00Z", end: "2024-06-01T10:15:00Z", length: h},
-		{name: "Kathmandu week", zone: "Asia/Kathmandu", unit: periodWeek, at: "2024-06-02T18:14:59Z",
-			start: "2024-05-27T00:00:00+05:45", end: "2024-06-03T00:00:00+05:45", length: 7 * 24 * h},
-		{name: "Kathmandu 1986 began at 00:15 (+05:30 -> +05:45)", zone: "Asia/Kathmandu", unit: periodYear, at: "1986-01-01T12:00:00Z",
-			start: "1986-01-01T00:15:00+05:45", end: "1987-01-01T00:00:00+05:45", length: 365*24*h - 15*time.Minute,
-			before: "1985-01-01T00:00:00+05:30"},
-
-		// Pacific/Chatham: +12:45, one hour of DST changing at 02:45 / 03:45 local.
-		{name: "Chatham day of spring change lasts 23h", zone: "Pacific/Chatham", unit: periodDay, at: "2024-09-29T12:00:00+13:45",
-			start: "2024-09-29T00:00:00+12:45", end: "2024-09-30T00:00:00+13:45", length: 23 * h},
-		{name: "Chatham 03:00 hour is 15 minutes after the jump to 03:45", zone: "Pacific/Chatham", unit: periodHour, at: "2024-09-29T03:50:00+13:45",
-			start: "2024-09-29T03:45:00+13:45", end: "2024-09-29T04:00:00+13:45", length: 15 * time.Minute,
-			before: "2024-09-29T02:00:00+12:45"},
-		{name: "Chatham 03:00 hour across the autumn change lasts 2h", zone: "Pacific/Chatham", unit: periodHour, at: "2024-04-07T03:10:00+12:45",
-			start: "2024-04-07T03:00:00+13:45", end: "2024-04-07T04:00:00+12:45", length: 2 * h},
-
-		// Zones whose clock skipped or repeated midnight.
-		{name: "Sao_Paulo 2018-11-04 began at 01:00 (midnight skipped)", zone: "America/Sao_Paulo", unit: periodDay, at: "2018-11-04T12:00:00-02:00",
-			start: "2018-11-04T01:00:00-02:00", end: "2018-11-05T00:00:00-02:00", length: 23 * h,
-			before: "2018-11-03T00:00:00-03:00"},
-		{name: "Sao_Paulo 2019-02-16 lasts 25h (23:00 repeated)", zone: "America/Sao_Paulo", unit: periodDay, at: "2019-02-16T23:30:00-03:00",
-			start: "2019-02-16T00:00:00-02:00", end: "2019-02-17T00:00:00-03:00", length: 25 * h},
-		{name: "Sao_Paulo repeated 23:00 hour", zone: "America/Sao_Paulo", unit: periodHour, at: "2019-02-16T23:30:00-03:00",
-			start: "2019-02-16T23:00:00-02:00", end: "2019-02-17T00:00:00-03:00", length: 2 * h},
-		{name: "Havana April 2012 began at 01:00 on the 1st", zone: "America/Havana", unit: periodMonth, at: "2012-04-01T12:00:00-04:00",
-			start: "2012-04-01T01:00:00-04:00", end: "2012-05-01T00:00:00-04:00", length: 30*24*h - h,
-			before: "2012-03-01T00:00:00-05:00", after: "2012-06-01T00:00:00-04:00"},
-		{name: "Havana March 2012 ends at the jump", zone: "America/Havana", unit: periodMonth, at: "2012-04-01T04:59:59Z",
-			start: "2012-03-01T00:00:00-05:00", end: "2012-04-01T01:00:00-04:00", length: 31 * 24 * h},
-		{name: "Tehran week of 2021-03-22 began on Monday at 01:00", zone: "Asia/Tehran", unit: periodWeek, at: "2021-03-22T12:00:00+04:30",
-			start: "2021-03-22T01:00:00+04:30", end: "2021-03-29T00:00:00+04:30", length: 7*24*h - h,
-			before: "2021-03-15T00:00:00+03:30"},
-		{name: "Khandyga 2004 began at 01:00 on Jan 1", zone: "Asia/Khandyga", unit: periodYear, at: "2004-01-01T12:00:00Z",
-			start: "2004-01-01T01:00:00+10:00", end: "2005-01-01T00:00:00+10:00", length: 366*24*h - h},
-		{name: "Apia skipped 2011-12-30: Dec 31 follows Dec 29", zone: "Pacific/Apia", unit: periodDay, at: "2011-12-31T00:00:00+14:00",
-			start: "2011-12-31T00:00:00+14:00", end: "2012-01-01T00:00:00+14:00", length: 24 * h,
-			before: "2011-12-29T00:00:00-10:00"},
-		{name: "Apia repeated 1892-07-04: the day lasts 48h", zone: "Pacific/Apia", unit: periodDay, at: "1892-07-05T11:00:00Z",
-			start: "1892-07-03T11:26:56Z", end: "1892-07-05T11:26:56Z", length: 48 * h},
-	}
+	cases := calendarCases
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
 			loc := mustZone(t, c.zone)

@@ -119,7 +119,8 @@ func (s *redisStore) decideAcrossSlots(ctx context.Context, reqs []bucketRequest
 			v := &d.verdicts[i]
 			switch rq.op {
 			case opTake:
-				refunds = append(refunds, bucketRequest{key: rq.key, limit: rq.limit, op: opAdjust, delta: -rq.cost})
+				refunds = append(refunds, bucketRequest{key: rq.key, limit: rq.limit, op: opAdjust, delta: -rq.cost,
+					quota: rq.quota, period: parts[g].verdicts[k].period}) // a quota's, in the period it was charged in
 				v.remaining = min(v.remaining+rq.cost, rq.limit.burst)
 				v.delay = 0
 			case opAcquire: // the slot taken is freed

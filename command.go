@@ -177,6 +177,9 @@ func printAnswer(w io.Writer, action string, raw []byte) error {
 	if err := json.Unmarshal(raw, &st); err != nil {
 		return err
 	}
+	if st.Used != nil {
+		return printQuota(w, action, st)
+	}
 	if st.InUse != nil {
 		fmt.Fprintf(w, "%s %q (concurrency limit, key %s): %d of %d slots in use", st.Policy, st.Identity, st.Key, *st.InUse, st.Slots)
 		if action == "reset" && st.Dropped != nil {

@@ -100,6 +100,10 @@ func (c *denyCache) answer(reqs []bucketRequest) (d decision, answer denyAnswer,
 			verdicts = append(verdicts, verdict{allowed: true}) // not reported on a denial
 			continue
 		}
+		if rq.quota != nil {
+			// A count starts again from 0 at its boundary: not a lower bound.
+			return decision{}, unknown, gate
+		}
 		if rq.cost > rq.limit.burst {
 			certain = true
 			verdicts = append(verdicts, verdict{untilFits: neverFits})
@@ -153,7 +157,7 @@ func (c *denyCache) answer(reqs []bucketRequest) (d decision, answer denyAnswer,
 // learn records what a Redis decision said of its buckets.
 func (c *denyCache) learn(reqs []bucketRequest, d decision, tats []int64, sent, received int64) {
 	for i, rq := range reqs {
-		if rq.shadow || !rq.op.admits() || rq.refundable || rq.op.slots() {
+		if rq.shadow || !rq.op.admits() || rq.refundable || rq.op.slots() || rq.quota != nil {
 			continue
 		}
 		s, id := c.bucket(rq.key)

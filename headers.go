@@ -155,3 +155,17 @@ func reducedCapacity() problem {
 		Detail: "The rate limiter is unavailable; try again shortly.",
 	}
 }
+
+// boundaryRetryAfter is the Retry-After of a request a quota denied, whose
+// period ends waitUS from now: whole seconds, never before the boundary,
+// spread upward by up to spreadUS (see boundarySpread). A quota comes back
+// whole at its boundary rather than at a rate, so there are no turns to
+// pace clients to (pacing.go): spreading them from the boundary is what
+// keeps them from returning together.
+func boundaryRetryAfter(waitUS, spreadUS int64) int64 {
+	at := waitUS
+	if spreadUS > 0 {
+		at += int64(float64(spreadUS) * rand.Float64())
+	}
+	return max(ceilSeconds(at), ceilSeconds(waitUS), 1)
+}

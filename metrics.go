@@ -48,7 +48,7 @@ var (
 	})
 	storeErrors = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Namespace: "caddy", Subsystem: "rate_limit", Name: "store_errors_total",
-		Help: "Redis calls that failed, by kind (timeout, connection, wrongpass, noauth, noperm, readonly, oom, loading, busy, masterdown, clusterdown, redis, script); requests that skipped Redis (circuit_open); requests whose own bucket key holds something else (wrongtype, corrupt).",
+		Help: "Redis calls that failed, by kind (timeout, connection, wrongpass, noauth, noperm, readonly, oom, loading, busy, masterdown, clusterdown, redis, script); requests that skipped Redis (circuit_open); requests whose own bucket key holds something else (wrongtype, corrupt), or whose quota's bounds Redis's clock is outside of (clock); calls whose durable quotas Redis did not confirm (not_durable, waitaof_unsupported, aof_disabled).",
 	}, []string{"kind"})
 	// circuitOpenErrors is the circuit_open child, counted on the path
 	// that must stay cheapest while Redis is down.
@@ -99,7 +99,10 @@ func errorKind(err error) string {
 	var bad *badBucketError
 	var netErr net.Error
 	var redisErr redis.Error
+	var kinded interface{ storeErrorKind() string }
 	switch {
+	case errors.As(err, &kinded): // a durable quota's confirmation (durable.go)
+		return kinded.storeErrorKind()
 	case errors.As(err, &bad):
 		return bad.kind
 	case errors.Is(err, errCircuitOpen):

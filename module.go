@@ -182,7 +182,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 
 	var all []byte
 	for _, p := range h.Policies {
-		if p.shadow {
+		if p.shadow || p.quota != nil { // a quota's member changes with its period
 			all = nil
 			break
 		}
@@ -244,7 +244,7 @@ func (h *Handler) Validate() error {
 		}
 		seen[p.Name] = true
 	}
-	return nil
+	return h.checkDurableStore()
 }
 
 // checkOwn checks the handler's own fields (not its redis block nor its

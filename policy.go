@@ -140,6 +140,30 @@ type Policy struct {
 	// reason.
 	Settle *Settle `json:"settle,omitempty"`
 
+	// Makes the policy a quota instead of a rate: `N/<period>`, N units (a
+	// positive integer up to 2^53) per calendar minute, hour, day, week
+	// (from Monday 00:00), month (from the 1st) or year of `timezone`, e.g.
+	// `1000000/month`. A request of cost k is admitted while the units
+	// used in the current period plus k are at most N; at the boundary,
+	// on Redis time, usage starts again from 0 on every instance at once.
+	// `cost`, `settle`, `charge_if`, `shadow` and `on_error` work as for a
+	// rate; `burst` and `wait` do not apply. See docs/quotas.md.
+	Quota string `json:"quota,omitempty"`
+
+	// The IANA time zone whose calendar a quota's periods follow, e.g.
+	// `America/New_York`: daylight-saving changes move the boundary as the
+	// clock does (a day may last 23 or 25 hours). Time zone data is built
+	// in. Default `UTC`.
+	Timezone string `json:"timezone,omitempty"`
+
+	// Admits a quota's requests only once Redis confirms their usage
+	// reached replicas (`replicas`, WAIT) and/or the append-only file
+	// (`aof`, WAITAOF, Redis 7.2 and later), within the redis block's
+	// timeout; otherwise the policy's `on_error` applies (`fail_closed`
+	// answers 503). Best effort as Redis defines it: see docs/quotas.md.
+	// Needs a redis block. Default: not waited for.
+	Durable *Durable `json:"durable,omitempty"`
+
 	// Provisioned state.
 	matchers          caddyhttp.MatcherSet
 	events            int64
@@ -179,6 +203,10 @@ type Policy struct {
 	addrMask addrMask
 	// keys are the storage keys of recent identities (see storageKey).
 	keys *keyCache
+
+	// Provisioned state of a quota policy.
+	quota       *quotaSpec
+	durableLine *sourceLine // where the Caddyfile set durable
 }
 
 var policyName = regexp.MustCompile(`^[A-Za-z0-9_.-]{1,64}$`)
@@ -262,6 +290,10 @@ func (p *Policy) check() error {
 	if err := checkPrefix("ipv4_prefix", p.IPv4Prefix, 32); err != nil {
 		return err
 	}
+	if p.Quota != "" || p.Timezone != "" || p.Durable != nil {
+		return p.checkQuota()
+	}
+	p.quota = nil
 	if p.Concurrent != 0 || p.Lease != 0 {
 		return p.checkConcurrent()
 	}
@@ -406,6 +438,8 @@ func (p *Policy) provision(ctx caddy.Context, h *Handler) error {
 	}
 	if p.Concurrent > 0 {
 		p.policyHdr = slotsMember(nil, p.Name, p.Concurrent)
+	} else if p.quota != nil {
+		p.policyHdr = nil // a member per period: quotaSpec.policyMember
 	} else {
 		q, w := fieldQuota(p.events, p.period)
 		p.policyHdr = policyMember(nil, p.Name, q, w)

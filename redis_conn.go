@@ -53,6 +53,10 @@ type redisConn struct {
 	format        atomic.Int32
 	formatChanged chan struct{}
 	closed        chan struct{}
+	// timeout is the redis block's, which durable quotas' WAIT and WAITAOF
+	// wait at most; durable coalesces their calls (durable.go).
+	timeout time.Duration
+	durable durableCalls
 }
 
 func (c *redisConn) Destruct() error {
@@ -76,6 +80,7 @@ func newRedisConn(c RedisConfig, logger *zap.Logger) (*redisConn, error) {
 		cluster:     c.Cluster,
 		callTimeout: c.dialTimeout() + 3*time.Duration(c.Timeout),
 		logger:      logger,
+		timeout:     time.Duration(c.Timeout),
 
 		formatChanged: make(chan struct{}, 1),
 		closed:        make(chan struct{}),

@@ -126,6 +126,7 @@ func (h *Handler) match(r *http.Request, repl *caddy.Replacer, rs *requestState,
 		res.policies = append(res.policies, p)
 		res.identities = append(res.identities, identity)
 		rq := bucketRequest{key: key, op: p.admissionOp(), limit: p.limit, cost: p.cost(r, repl), shadow: p.shadow, refundable: p.refundable()}
+		rq.quota = p.quota // nil unless a quota
 		if rq.op == opAcquire {
 			rq.lease, rq.events, rq.leasesExpired = leaseIDs(), h.events, p.leasesExpired
 		}
@@ -167,6 +168,7 @@ func (h *Handler) reserve(r *http.Request, res *reservation) {
 		return
 	}
 	res.d, res.shown, res.shownReqs, res.decidedBy = d, res.policies, res.reqs, h.store
+	notePeriods(res.reqs, d)
 	admitted := outcomeAllowed
 	if waited {
 		admitted = outcomeDelayed // it waited for a concurrency slot
@@ -213,6 +215,7 @@ func (h *Handler) withoutStore(r *http.Request, res *reservation) {
 	res.d, res.shown, res.shownReqs, res.outcome = decision{admitted: true}, nil, nil, outcomeFailOpen
 	if len(local) > 0 {
 		res.d, _ = localFallback.decide(r.Context(), local)
+		notePeriods(local, res.d)
 		res.shown, res.shownReqs, res.identities, res.decidedBy = localPolicies, local, localIdentities, localFallback
 		count(localPolicies, res.d, outcomeLocalAllowed, outcomeLocalDenied)
 		res.outcome = outcomeLocalAllowed
@@ -323,7 +326,8 @@ func (h *Handler) deny(w http.ResponseWriter, r *http.Request, rs *requestState,
 	var violated []string
 	var wait, stride int64
 	var key string
-	var denier *Policy // the last policy that denied
+	var boundary period // the period of the quota whose wait is the longest
+	var denier *Policy  // the last policy that denied
 	for i, v := range res.d.verdicts {
 		p := res.shown[i]
 		if v.allowed || p.shadow {
@@ -342,11 +346,17 @@ func (h *Handler) deny(w http.ResponseWriter, r *http.Request, rs *requestState,
 			if res.shownReqs[i].op.slots() {
 				key = "" // slots come free when requests end: nothing to pace
 			}
+			boundary = period{}
+			if res.shownReqs[i].quota != nil {
+				boundary = v.period // a quota comes back whole at its boundary
+			}
 		}
 	}
 	var ra int64
 	if wait != neverFits { // a request that can never fit gets no Retry-After
-		if key == "" {
+		if boundary.end != 0 {
+			ra = boundaryRetryAfter(wait, boundarySpread(boundary, h.jitter))
+		} else if key == "" {
 			ra = retryAfter(wait, h.jitter)
 		} else {
 			ra = res.paced(r, key, wait, stride, h.jitter)
@@ -465,11 +475,18 @@ func (h *Handler) writeFields(hdr http.Header, rs *requestState, res *reservatio
 			lim = append(lim, ", "...)
 		}
 		if !all {
-			pol = append(pol, p.policyHdr...)
+			if q := res.shownReqs[i].quota; q != nil {
+				pol = append(pol, q.policyMember(res.shownReqs[i].limit.burst, v.period)...)
+			} else {
+				pol = append(pol, p.policyHdr...)
+			}
 		}
 		remaining, until := v.remaining, v.untilFits
 		if charged {
 			remaining, until = res.predicted(i)
+		}
+		if res.shownReqs[i].quota != nil {
+			until = v.untilFits // a quota's t is its boundary's, charged or not
 		}
 		if p.Concurrent > 0 {
 			until = neverFits // free slots have no window

@@ -43,6 +43,10 @@ type memoryShard struct {
 	// process they last until released (the process that would hold them
 	// is this one), so there are only as many as requests in flight.
 	slots map[bucketID]map[string]struct{}
+	// quotas are quota policies' counts (quota_memory.go), bounded as
+	// buckets are.
+	quotas       map[bucketID]storedQuota
+	quotaSweepAt int
 }
 
 // storedBucket is a bucket as the store holds it: its TAT and the interval
@@ -71,6 +75,14 @@ var epoch = time.Now()
 
 func monotonicMicros() int64 { return int64(time.Since(epoch)/time.Microsecond) + 1 }
 
+// epochUnix is epoch in Unix µs.
+var epochUnix = epoch.UnixMicro()
+
+// unixMicros is the in-process stores' clock: Unix µs, as Redis's, which
+// quotas' calendars read; monotonic since the process started (it follows
+// the wall clock's rate, never its steps), so a bucket never moves back.
+func unixMicros() int64 { return epochUnix + monotonicMicros() }
+
 func newMemoryStore(now func() int64) *memoryStore {
 	m := &memoryStore{ids: newBucketIDs(), now: now}
 	for i := range m.shards {
@@ -83,8 +95,8 @@ func newMemoryStore(now func() int64) *memoryStore {
 // processMemory is the in-process store every handler without a redis
 // block shares; localFallback holds the buckets of `on_error local`.
 var (
-	processMemory = newMemoryStore(monotonicMicros)
-	localFallback = newMemoryStore(monotonicMicros)
+	processMemory = newMemoryStore(unixMicros)
+	localFallback = newMemoryStore(unixMicros)
 )
 
 func (m *memoryStore) decide(_ context.Context, reqs []bucketRequest) (decision, error) {
@@ -117,6 +129,10 @@ func (m *memoryStore) decide(_ context.Context, reqs []bucketRequest) (decision,
 		tats = append(tats, 0)
 	}
 	for i, rq := range reqs {
+		if rq.quota != nil {
+			tats[i] = m.shards[shards[i]].quotaUsed(ids[i], rq, now)
+			continue
+		}
 		if rq.op.slots() {
 			tats[i] = int64(len(m.shards[shards[i]].slots[ids[i]]))
 			continue
@@ -132,6 +148,10 @@ func (m *memoryStore) decide(_ context.Context, reqs []bucketRequest) (decision,
 			continue
 		}
 		s := &m.shards[shards[i]]
+		if rq.quota != nil {
+			s.storeQuota(ids[i], d.verdicts[i].period, next[i], now)
+			continue
+		}
 		if rq.op.slots() {
 			d.verdicts[i].allowed = s.applySlots(ids[i], rq) || rq.op != opRenew
 			continue
@@ -227,7 +247,7 @@ func (m *memoryStore) len() int {
 	for i := range m.shards {
 		s := &m.shards[i]
 		s.mu.Lock()
-		n += len(s.buckets)
+		n += len(s.buckets) + len(s.quotas)
 		s.mu.Unlock()
 	}
 	return n

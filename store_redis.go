@@ -29,14 +29,18 @@ var (
 	errCallAborted = errors.New("rate limit store: script call aborted")
 )
 
-// badBucketError is a request's own bucket holding what is not a bucket:
+// badBucketError is a request's own bucket holding what is not a bucket,
+// or (kind clock) a quota bucket whose bounds Redis's clock is outside of:
 // only that request (and those of the same key) fail, never the call.
 type badBucketError struct {
-	kind string // wrongtype or corrupt
+	kind string // wrongtype, corrupt or clock
 	key  string // the storage key (a hash, never an identity)
 }
 
 func (e *badBucketError) Error() string {
+	if e.kind == "clock" {
+		return "rate limit store: Redis's clock is more than a quota period away from this instance's (key " + e.key + "): check both clocks (NTP)"
+	}
 	if e.kind == "wrongtype" {
 		return "rate limit store: WRONGTYPE: key " + e.key + " holds a value of another type, not a bucket"
 	}
@@ -103,7 +107,7 @@ func (s *redisStore) decideLater(reqs []bucketRequest, then func(decision, error
 func (s *redisStore) decideInOneCall(ctx context.Context, reqs []bucketRequest) (decision, error) {
 	p := newPending(reqs, ctx.Done())
 	if s.conn.coalescer != nil {
-		s.conn.coalescer.submit(p)
+		s.conn.coalescerFor(reqs).submit(p) // durable requests apart
 	} else {
 		p.err = errCallAborted
 		s.conn.call(p.one[:])
@@ -135,6 +139,9 @@ func (c *redisConn) call(batch []*pending) {
 // eval decides the requests of a batch, in order, in one call of
 // lua/decide.lua.
 func (c *redisConn) eval(batch []*pending) callResult {
+	if want := batchConfirmation(batch); want.wanted() {
+		return c.evalDurable(batch, want) // with its WAIT or WAITAOF
+	}
 	ctx, cancel := context.WithTimeout(context.Background(), c.callTimeout)
 	defer cancel()
 	args := encodeCall(batch, int(c.format.Load()))
@@ -207,15 +214,23 @@ func encodeCall(batch []*pending, format int) []any {
 		}
 	}
 	args = append(args, format)
+	now := time.Now() // quotas' bounds are taken around it
 	for _, p := range batch {
 		args = append(args, len(p.reqs))
 		for _, rq := range p.reqs {
 			op := 4 * int64(rq.op)
+			if rq.quota != nil {
+				op = 4 * quotaCode(rq.op)
+			}
 			if rq.overridable {
 				op += 2
 			}
 			if rq.shadow {
 				op++
+			}
+			if rq.quota != nil {
+				args = quotaArgs(append(args, op), rq, now)
+				continue
 			}
 			var amount, wait any = rq.cost, rq.wait
 			switch {
@@ -260,6 +275,9 @@ const (
 	scriptAdmitted  = 1
 	scriptWrongType = -1
 	scriptCorrupt   = -2
+	// scriptClock: Redis's clock is outside a quota bucket's bounds (see
+	// quota.go).
+	scriptClock = -3
 )
 
 // replyWidth is the numbers per bucket in the script's reply: allowed and
@@ -276,7 +294,7 @@ func replyWidth(op bucketOp) int {
 func replyLen(reqs []bucketRequest) int {
 	n := 1
 	for _, rq := range reqs {
-		n += replyWidth(rq.op)
+		n += bucketReplyWidth(rq)
 	}
 	return n
 }
@@ -289,13 +307,16 @@ func decodeRequest(now int64, res []int64, reqs []bucketRequest) (decision, []in
 	at := allowedAt[:0]
 	for i, off := 0, 1; i < len(reqs); i++ {
 		at = append(at, off)
-		off += replyWidth(reqs[i].op)
+		off += bucketReplyWidth(reqs[i])
 	}
 	switch res[0] {
-	case scriptWrongType, scriptCorrupt:
+	case scriptWrongType, scriptCorrupt, scriptClock:
 		kind := "wrongtype"
-		if res[0] == scriptCorrupt {
+		switch res[0] {
+		case scriptCorrupt:
 			kind = "corrupt"
+		case scriptClock:
+			kind = "clock"
 		}
 		key := reqs[0].key
 		for i := range reqs {
@@ -321,6 +342,9 @@ func decodeRequest(now int64, res []int64, reqs []bucketRequest) (decision, []in
 		}
 		if rq.op == opRenew { // allowed says the lease was still held
 			d.verdicts[i].allowed = res[at[i]] == 1
+		}
+		if rq.quota != nil && res[at[i]+2] != d.verdicts[i].period.start {
+			return decision{}, nil, fmt.Errorf("%w: Lua and Go disagree on the period of quota bucket %d (%d, %d)", errScriptReply, i, res[at[i]+2], d.verdicts[i].period.start)
 		}
 	}
 	// Redis's own verdict is the one that was charged; the Go algorithm is the

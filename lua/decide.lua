@@ -23,6 +23,13 @@
 --                    the µs a lease must have left to be kept
 --          wait      take: µs ahead a slot may be reserved (policy `wait`);
 --                    release, free: the channel of events between instances
+--        a quota bucket (codes 12 take, 13 check, 14 adjust, 15 inspect,
+--        16 reset: the rate verbs) takes ten values instead: op, quota (N),
+--        slack (units a settle may charge beyond N), amount (the cost, or
+--        adjust's units: > 0 charged, < 0 given back), the start and end of
+--        the period an adjust's charge belongs to (0 0: the current one),
+--        then four bounds b0 < b1 < b2 < b3 in µs: the script picks the
+--        period [b[i], b[i+1]) that holds Redis's clock (quota.go)
 --
 -- A bucket is its theoretical arrival time (TAT) in µs and the interval
 -- that TAT was written under, stored in one of the formats of format.go
@@ -44,19 +51,29 @@
 -- lease, so that expired ones are found and counted. Slots are read and
 -- written at once, not at the end of the call.
 --
+-- A quota bucket is a string "q:<start>:<end>:<used>": the period's bounds
+-- in µs and the units used in it; a count of another period reads as 0
+-- used (the period is over: usage starts again from 0). A take fits iff
+-- cost <= quota - used. Its key expires a second after its period ends. A rate bucket or concurrency slots under its key (an earlier config
+-- gave the name to another kind of policy) are replaced, and a rate bucket's
+-- read replaces a quota's count.
+--
 -- Returns {now, then per request: status, then per bucket: allowed, tat,
 -- expired}:
 --   status   1 admitted (or, for adjust, inspect and reset, applied),
 --            0 denied, -1 a bucket holds a value of another Redis type
---            (WRONGTYPE), -2 a bucket holds a string that is not a bucket:
---            a request with a bad key is neither admitted nor charged, and
---            the other requests of the call are decided as usual
+--            (WRONGTYPE), -2 a bucket holds a string that is not a bucket,
+--            -3 Redis's clock is outside a quota bucket's bounds: a request
+--            with a bad key is neither admitted nor charged, and the other
+--            requests of the call are decided as usual
 --   allowed  1 when this bucket alone would admit the request; for a bad
---            key, its status (-1 or -2)
+--            key, its status (-1, -2 or -3)
 --   tat      the bucket's TAT before this request, rebased (0: absent); the
 --            caller derives tokens, waits and delays from it with bucket.go;
 --            slots: the leases held before this request (free: after it)
 --   expired  slots: the expired leases removed (free: and the stale ones)
+--   quotas: allowed (or -3), the units used before this request in the
+--            period Redis picked, and that period's start (µs)
 --
 -- Redis work is what costs: each key is read once per call and written at
 -- most once, at the end, with what the call's last request left in it. On
@@ -78,9 +95,10 @@ local QUOTA = 12 -- the first quota code
 
 -- width is how many ARGV values a bucket of the given code takes.
 local function width(code)
+  if code >= QUOTA then return 10 end
   return 6
 end
-local WRONGTYPE, CORRUPT = -1, -2
+local WRONGTYPE, CORRUPT, CLOCK = -1, -2, -3
 
 -- The keys this call touched, by index in the order first touched.
 local index_of = {}                         -- key -> index
@@ -90,6 +108,10 @@ local tat_stored, interval_stored = {}, {}  -- what Redis holds now
 local bad = {}                              -- index -> WRONGTYPE or CORRUPT
 local replace = {}                          -- index -> the key held another kind's slots
 local touched = 0
+-- Quota buckets, by the same index: the period and units used as the
+-- requests so far left them, whether Redis holds a value for the key, and
+-- whether the call changed it.
+local quota, q_start, q_end, q_used, q_held, q_dirty = {}, {}, {}, {}, {}, {}
 
 -- The formats of format.go: v1 "<tat>:<interval>"; v2 one integer, the
 -- interval's code then the TAT's offset from EPOCH in 15 digits; v0 (read
@@ -187,6 +209,12 @@ local function read(key, code, interval, burst, cost)
     end
     return bucket
   end
+  if string.sub(value, 1, 2) == 'q:' then
+    -- A quota's count, left by an earlier config that gave this name to a
+    -- quota policy: replaced.
+    replace[bucket] = true
+    return bucket
+  end
   local tat, stored_interval = decode(value, interval)
   if not tat or not stored_interval or stored_interval <= 0 or tat ~= math.floor(tat) then
     bad[bucket] = CORRUPT
@@ -213,6 +241,39 @@ local function slots(key)
   return redis.call('ZCARD', key), expired
 end
 
+-- quota_read loads a quota key the first time the call touches it and
+-- returns its index.
+local function quota_read(key)
+  touched = touched + 1
+  local bucket = touched
+  index_of[key], key_at[bucket] = bucket, key
+  tat_now[bucket], interval_now[bucket], tat_stored[bucket], interval_stored[bucket] = 0, 0, 0, 0
+  quota[bucket], q_start[bucket], q_end[bucket], q_used[bucket], q_held[bucket] = true, 0, 0, 0, false
+  local value = redis.pcall('GET', key)
+  if not value then
+    return bucket
+  end
+  if type(value) == 'table' then -- an error reply
+    if not string.find(value.err or '', 'WRONGTYPE', 1, true) then
+      error(value)
+    end
+    if redis.call('TYPE', key).ok == 'zset' then
+      q_held[bucket] = true -- a concurrency policy's slots: replaced
+    else
+      bad[bucket] = WRONGTYPE
+    end
+    return bucket
+  end
+  q_held[bucket] = true
+  local s, e, used = string.match(value, '^q:(%d+):(%d+):(%d+)$')
+  if s then
+    q_start[bucket], q_end[bucket], q_used[bucket] = tonumber(s), tonumber(e), tonumber(used)
+  elseif not decode(value, 1) then -- not a rate bucket either (which is replaced)
+    bad[bucket] = CORRUPT
+  end
+  return bucket
+end
+
 local out, n_out = {now}, 1
 local first_key, arg = 0, 2 -- the request's first KEYS index less one; its first ARGV index
 -- Per bucket of the request: its first ARGV index, its index, code and
@@ -220,6 +281,8 @@ local first_key, arg = 0, 2 -- the request's first KEYS index less one; its firs
 -- leases held), and the TAT a take or adjust leaves it with; expired
 -- leases.
 local argat, at, codes, intervals, allowed, before, after, expired = {}, {}, {}, {}, {}, {}, {}, {}
+-- Per quota bucket of the request: the start and end of the period picked.
+local starts, ends = {}, {}
 
 while arg <= #ARGV do
   local count = tonumber(ARGV[arg])
@@ -232,7 +295,47 @@ while arg <= #ARGV do
     local interval, burst = tonumber(ARGV[arg + 1]), tonumber(ARGV[arg + 2])
     argat[i], codes[i], intervals[i], allowed[i] = arg, code, interval, 1
     if code >= QUOTA then
-      error('quota buckets are not in this script')
+      local verb = code - QUOTA + TAKE
+      local limit, slack, amount = tonumber(ARGV[arg + 1]), tonumber(ARGV[arg + 2]), tonumber(ARGV[arg + 3])
+      local bucket = index_of[key] or quota_read(key)
+      at[i], before[i], after[i], starts[i], ends[i] = bucket, 0, 0, 0, 0
+      -- The period holding Redis's clock.
+      local s, e
+      for j = arg + 6, arg + 8 do
+        local lo, hi = tonumber(ARGV[j]), tonumber(ARGV[j + 1])
+        if lo <= now and now < hi then
+          s, e = lo, hi
+          break
+        end
+      end
+      if bad[bucket] then
+        status = bad[bucket]
+      elseif not quota[bucket] then
+        allowed[i], status = CORRUPT, CORRUPT -- a rate bucket's key earlier in this call
+      elseif not s then
+        allowed[i], status = CLOCK, CLOCK
+      else
+        starts[i], ends[i] = s, e
+        local used = 0
+        if q_start[bucket] == s and q_end[bucket] == e then used = q_used[bucket] end
+        before[i], after[i] = used, used
+        if verb == TAKE or verb == CHECK then
+          if amount > limit - used then
+            allowed[i] = 0
+            if not shadow and status == 1 then status = 0 end
+          end
+          after[i] = used + amount
+        elseif verb == ADJUST then
+          local of = tonumber(ARGV[arg + 4])
+          if of == 0 or (of == s and tonumber(ARGV[arg + 5]) == e) then
+            -- Within the period the charge belongs to: never below 0 used,
+            -- never beyond quota + slack by a charge.
+            local charged = used + amount
+            if amount > 0 then charged = math.min(charged, math.max(used, limit + slack)) end
+            after[i] = math.max(charged, 0)
+          end
+        end
+      end
     elseif code >= ACQUIRE then
       local held, gone = slots(key)
       at[i], before[i], expired[i] = 0, held or 0, gone or 0
@@ -248,6 +351,8 @@ while arg <= #ARGV do
       at[i] = bucket
       if bad[bucket] then
         status = bad[bucket]
+      elseif quota[bucket] then
+        status = CORRUPT -- a quota's key earlier in this call
       end
       -- Rebase: the tokens owed, at the current interval, at most what the
       -- current limit lets a bucket owe.
@@ -280,7 +385,14 @@ while arg <= #ARGV do
   out[n_out] = status
   for i = 1, count do
     local bucket, code = at[i], codes[i]
-    if status >= 0 and code >= ACQUIRE and code < QUOTA then
+    if status >= 0 and code >= QUOTA then
+      local verb = code - QUOTA + TAKE
+      if verb == TAKE and status == 1 and allowed[i] == 1 or verb == ADJUST then
+        q_start[bucket], q_end[bucket], q_used[bucket], q_dirty[bucket] = starts[i], ends[i], after[i], true
+      elseif verb == RESET then
+        q_start[bucket], q_end[bucket], q_used[bucket], q_dirty[bucket] = 0, 0, 0, true
+      end
+    elseif status >= 0 and code >= ACQUIRE and code < QUOTA then
       local a = argat[i] -- this bucket's ARGV
       local key, interval, member = KEYS[first_key + i], intervals[i], ARGV[a + 4]
       if code == ACQUIRE and status == 1 and allowed[i] == 1 then
@@ -304,7 +416,7 @@ while arg <= #ARGV do
           redis.call('PUBLISH', ARGV[a + 5], 'freed ' .. key)
         end
       end
-    elseif status >= 0 then
+    elseif status >= 0 and code < QUOTA then
       if code == TAKE and status == 1 and allowed[i] == 1 or code == ADJUST then
         tat_now[bucket], interval_now[bucket] = after[i], intervals[i]
       elseif code == RESET then
@@ -313,7 +425,10 @@ while arg <= #ARGV do
     end
     out[n_out + 1], out[n_out + 2] = bad[bucket] or allowed[i], before[i]
     n_out = n_out + 2
-    if code >= ACQUIRE then
+    if code >= QUOTA then
+      n_out = n_out + 1
+      out[n_out] = starts[i]
+    elseif code >= ACQUIRE then
       n_out = n_out + 1
       out[n_out] = expired[i]
     end
@@ -323,7 +438,17 @@ end
 
 for bucket = 1, touched do
   local tat = tat_now[bucket]
-  if not bad[bucket] and (replace[bucket] or tat ~= tat_stored[bucket] or (tat > now and interval_now[bucket] ~= interval_stored[bucket])) then
+  if quota[bucket] then
+    if not bad[bucket] and q_dirty[bucket] then
+      if q_used[bucket] > 0 then
+        -- Expire a second after the period: a count of a past one is 0.
+        redis.call('SET', key_at[bucket], string.format('q:%d:%d:%d', q_start[bucket], q_end[bucket], q_used[bucket]),
+          'PX', math.ceil((q_end[bucket] - now) / 1000) + 1000)
+      elseif q_held[bucket] then
+        redis.call('DEL', key_at[bucket])
+      end
+    end
+  elseif not bad[bucket] and (replace[bucket] or tat ~= tat_stored[bucket] or (tat > now and interval_now[bucket] ~= interval_stored[bucket])) then
     if tat > now then
       -- Expire once the bucket is full again: a missing key is a full bucket.
       redis.call('SET', key_at[bucket], encode(tat, interval_now[bucket]), 'PX', math.ceil((tat - now) / 1000))

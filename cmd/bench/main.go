@@ -1,9 +1,9 @@
 // Command bench measures what the limiter costs, side by side with plain
-// Caddy in one run: eight Caddy instances (plain `respond`; rate_limit with
+// Caddy in one run: nine Caddy instances (plain `respond`; rate_limit with
 // Redis and 10,000 identities, nothing denied; the same in-process; one
 // abusive identity, nearly everything denied; two policies per request; a
 // reservation settled after the response; a concurrency slot; the abusive
-// identity again with Retry-After pacing off) are
+// identity again with Retry-After pacing off; a monthly quota) are
 // loaded in turn with wrk, round after round, each run of a limited one
 // paired with a run of plain Caddy next to it; the medians of the pairs'
 // ratios are the results. It also reads Redis's own cost per script call,
@@ -45,8 +45,8 @@ var (
 	duration    = flag.Duration("duration", 5*time.Second, "wrk run per scenario and round")
 	connections = flag.Int("connections", 32, "wrk connections")
 	threads     = flag.Int("threads", 2, "wrk threads")
-	only        = flag.String("only", "abcdefgh", "scenarios to run (plain Caddy, (a), always runs); the latency and key-size parts need b and d")
-	previous    = flag.String("previous", testcaddy.PreviousRelease, "commit of the build to compare with, side by side, on (b), (c), (f) and (g) (empty: no comparison)")
+	only        = flag.String("only", "abcdefghq", "scenarios to run (plain Caddy, (a), always runs); the latency and key-size parts need b and d")
+	previous    = flag.String("previous", testcaddy.PreviousRelease, "commit of the build to compare with, side by side, on (b), (c), (d), (f) and (g) (empty: no comparison)")
 )
 
 // scenario is one Caddy configuration under load.
@@ -165,6 +165,10 @@ func main() {
 		// connections is not held (see docs/http.md), so the two side by
 		// side show what pacing costs a client that ignores Retry-After.
 		{name: "h", label: "rate_limit, Redis, one abusive identity, jitter 0", redis: true, script: abuser, handler: withJitter0(limiter(true, abusive))},
+		// (b) with a monthly quota instead of the rate: a count per
+		// identity in its calendar period, nothing denied.
+		{name: "q", label: "rate_limit, Redis, quota per month, 10,000 identities", redis: true, script: identities, handler: limiter(true,
+			map[string]any{"name": "monthly", "key": "{http.request.header.X-User}", "quota": "1000000000/month", "timezone": "America/New_York"})},
 	}
 	byName := map[string]*scenario{}
 	kept := scenarios[:0]

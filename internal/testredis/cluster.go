@@ -116,8 +116,15 @@ func (sn *Sentinels) Addrs() []string {
 // sentinels agree on the master and see each other.
 func StartSentinels(t testing.TB) *Sentinels {
 	t.Helper()
-	sn := &Sentinels{Master: start(t)}
-	sn.Replica = start(t, "--replicaof", "127.0.0.1", strconv.Itoa(sn.Master.port()))
+	master := start(t)
+	return WatchWithSentinels(t, master, start(t, "--replicaof", "127.0.0.1", strconv.Itoa(master.port())))
+}
+
+// WatchWithSentinels starts three sentinels that watch master (and find its
+// replica from it), as StartSentinels does.
+func WatchWithSentinels(t testing.TB, master, replica *Server) *Sentinels {
+	t.Helper()
+	sn := &Sentinels{Master: master, Replica: replica}
 	for range 3 {
 		port := FreePort(t)
 		dir := t.TempDir()
@@ -153,4 +160,35 @@ func (s *Server) port() int {
 	_, p, _ := strings.Cut(s.Addr, ":")
 	n, _ := strconv.Atoi(p)
 	return n
+}
+
+// StartReplica starts a replica of master and waits (at most 10 s) until
+// the master counts it: WAIT 1 on the master answers 1. The master sends
+// its data at once (repl-diskless-sync-delay 0) rather than after 5 s.
+func StartReplica(t TB, master *Server) *Server {
+	t.Helper()
+	return StartReplicaVia(t, master, master.Addr)
+}
+
+// StartReplicaVia is StartReplica with the replica connecting to master
+// through addr (a Proxy to it).
+func StartReplicaVia(t TB, master *Server, addr string) *Server {
+	t.Helper()
+	if _, err := master.Do("CONFIG", "SET", "repl-diskless-sync-delay", "0"); err != nil {
+		t.Fatalf("CONFIG SET on %s: %v", master.Addr, err)
+	}
+	host, port, _ := strings.Cut(addr, ":")
+	r := start(t, "--replicaof", host, port)
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		n, err := master.Do("WAIT", "1", "100")
+		if err == nil && n == "1" {
+			return r
+		}
+		if time.Now().After(deadline) {
+			info, _ := master.Do("INFO", "replication")
+			t.Fatalf("replica %s of %s not acknowledging within 10s: %v %s", r.Addr, master.Addr, err, info)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
 }

@@ -9,6 +9,7 @@ import (
 	"os/exec"
 	"strings"
 	"sync"
+	"syscall"
 	"time"
 )
 
@@ -83,6 +84,12 @@ func (p *Proxy) Close() {
 		_ = p.cmd.Wait()
 	})
 }
+
+// Pause freezes the proxy process (SIGSTOP): the bytes sent through it
+// wait in the kernel's buffers, as over a partitioned network, while the
+// connections stay open. Resume undoes it.
+func (p *Proxy) Pause() error  { return p.cmd.Process.Signal(syscall.SIGSTOP) }
+func (p *Proxy) Resume() error { return p.cmd.Process.Signal(syscall.SIGCONT) }
 
 // RunProxyIfAsked is to be called first in TestMain: in a process started
 // by StartProxy it runs the proxy, prints its address and exits when its
