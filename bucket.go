@@ -108,6 +108,10 @@ type bucketRequest struct {
 	// leasesExpired counts the leases a slot op finds expired, of holders
 	// that vanished (nil for rate buckets).
 	leasesExpired counter
+	// overrideWait and overrideDebt are the policy's rule for the slack of
+	// an override's limit (override.limitFor), sent with an overridable
+	// bucket.
+	overrideWait, overrideDebt int64
 }
 
 // counter is a metric that counts (a Prometheus counter).
@@ -130,6 +134,9 @@ type verdict struct {
 	// expired: a concurrency policy's leases the store reclaimed from
 	// holders that vanished.
 	expired int64
+	// limit is the limit the bucket was decided under: the request's, or
+	// an operator's override of it (see override.go).
+	limit limit
 }
 
 // decision is the outcome of one request across all its buckets.
@@ -204,6 +211,7 @@ func (l limit) adjust(tat, now, delta int64) int64 {
 func decideBuckets(tats []int64, now int64, reqs []bucketRequest) (decision, []int64) {
 	d := decision{admitted: true, now: now, verdicts: make([]verdict, len(reqs))}
 	for i, rq := range reqs {
+		d.verdicts[i].limit = rq.limit
 		if rq.op == opAcquire {
 			d.verdicts[i].allowed = tats[i] < rq.limit.burst
 			if !d.verdicts[i].allowed && !rq.shadow {

@@ -35,9 +35,9 @@ func (d definition) budgetShape() string {
 		key += " (" + p.addrMask.String() + ")"
 	}
 	if p.Concurrent > 0 {
-		return fmt.Sprintf("kind %s, %d slots, lease %s, key %s, store %s", p.kind(), p.Concurrent, time.Duration(p.limit.interval)*time.Microsecond, key, d.handler.storeName())
+		return fmt.Sprintf("kind %s, %d slots, lease %s, key %s, store %s", p.kind(), p.Concurrent, time.Duration(p.limit.interval)*time.Microsecond, key, d.handler.storeName()) + p.planShape()
 	}
-	return fmt.Sprintf("kind %s, rate %s, burst %d, key %s, store %s", p.kind(), p.Rate, p.limit.burst, key, d.handler.storeName())
+	return fmt.Sprintf("kind %s, rate %s, burst %d, key %s, store %s", p.kind(), p.Rate, p.limit.burst, key, d.handler.storeName()) + p.planShape()
 }
 
 // kind names the policy's kind: rate, and how it is charged.

@@ -86,6 +86,9 @@ const mholtOrderWarning = "rate_limit: a zone is mholt/caddy-ratelimit's syntax,
 //	        settle   openai [max <n>]
 //	        ipv6_prefix <bits>
 //	        ipv4_prefix <bits>
+//	        plan     <placeholder> {
+//	            <name> [rate <N>/<duration>] [burst <n>] [cost max <n>]   # or: <name> concurrent <n>
+//	        }
 //	    }
 //	}
 //
@@ -404,6 +407,10 @@ func unmarshalPolicy(d *caddyfile.Dispenser) (*Policy, error) {
 			}
 		case "ipv4_prefix":
 			if err := s.prefixArg(d, &p.IPv4Prefix, 32, false); err != nil {
+				return nil, err
+			}
+		case "plan": // plan.go
+			if err := s.planArg(d, p); err != nil {
 				return nil, err
 			}
 		default:

@@ -119,14 +119,15 @@ func (s *redisStore) decideAcrossSlots(ctx context.Context, reqs []bucketRequest
 			v := &d.verdicts[i]
 			switch rq.op {
 			case opTake:
-				refunds = append(refunds, bucketRequest{key: rq.key, limit: rq.limit, op: opAdjust, delta: -rq.cost})
-				v.remaining = min(v.remaining+rq.cost, rq.limit.burst)
+				refunds = append(refunds, bucketRequest{key: rq.key, limit: rq.limit, op: opAdjust, delta: -rq.cost,
+					overridable: rq.overridable, overrideWait: rq.overrideWait, overrideDebt: rq.overrideDebt})
+				v.remaining = min(v.remaining+rq.cost, v.limit.burst)
 				v.delay = 0
 			case opAcquire: // the slot taken is freed
 				rel := rq
 				rel.op = opRelease
 				refunds = append(refunds, rel)
-				v.remaining = min(v.remaining+1, rq.limit.burst)
+				v.remaining = min(v.remaining+1, v.limit.burst)
 			}
 		}
 		if len(refunds) > 0 {

@@ -181,7 +181,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 
 	var all []byte
 	for _, p := range h.Policies {
-		if p.shadow {
+		if p.shadow || p.Plan != nil { // a plan's member is the plan's
 			all = nil
 			break
 		}
@@ -203,7 +203,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	if h.store, h.closeStore, err = openStore(h.Redis, h.keyPrefix, h.logger); err != nil {
 		return err
 	}
-	return nil
+	return h.provisionPlans()
 }
 
 // storeName says where the handler's buckets are, for messages.

@@ -164,6 +164,23 @@ type Policy struct {
 
 	// addrMask is what the key keeps of a client address.
 	addrMask addrMask
+
+	// Gives the policy a limit per plan: which plan a request is on, read
+	// from a placeholder, and each plan's limit. One bucket per key whatever
+	// the plan: a plan change is read against the bucket's state on the
+	// next request, on every instance, as a reload's change of limit is. A
+	// request that names no plan gets the policy's own limit.
+	Plan *Plan `json:"plan,omitempty"`
+
+	// Plans (plan.go): each plan's copy of the policy, by name; planName is
+	// the plan a copy decides (empty for the policy itself); planTmpl reads
+	// the request's plan.
+	plans    map[string]*Policy
+	planName string
+	planTmpl template
+	// overrides says whether the store may hold operators' overrides of the
+	// policy's limit (override.go): shared with the store, which keeps it.
+	overrides *atomic.Bool
 }
 
 var policyName = regexp.MustCompile(`^[A-Za-z0-9_.-]{1,64}$`)
@@ -248,7 +265,10 @@ func (p *Policy) check() error {
 		return err
 	}
 	if p.Concurrent != 0 || p.Lease != 0 {
-		return p.checkConcurrent()
+		if err := p.checkConcurrent(); err != nil {
+			return err
+		}
+		return p.checkPlans()
 	}
 	if p.Rate == "" {
 		return fieldErr("rate", "rate: required (e.g. 100/1m), or concurrent <n>")
@@ -313,7 +333,7 @@ func (p *Policy) check() error {
 		return fieldErr("on_error", "on_error: %q is not fail_open, fail_closed or local", p.OnError)
 	}
 	p.keyTmpl, p.costTmpl = newTemplate(p.Key), newTemplate(string(p.Cost))
-	return nil
+	return p.checkPlans()
 }
 
 // checkConcurrent checks a concurrency policy and derives its slots: a
@@ -392,7 +412,7 @@ func (p *Policy) provision(ctx caddy.Context, h *Handler) error {
 	if p.deniedBody, err = json.Marshal(quotaExceeded([]string{p.Name})); err != nil {
 		return err
 	}
-	p.decisions = policyCounters(p.Name, "", "")
+	p.decisions = policyCounters(p.Name, "", p.planLabel())
 	p.top = topOf(p.Name)
 	p.chargesLost = chargesLost.WithLabelValues(p.Name)
 	p.inFlight = inFlight.WithLabelValues(p.Name)

@@ -53,6 +53,9 @@ type redisConn struct {
 	format        atomic.Int32
 	formatChanged chan struct{}
 	closed        chan struct{}
+	// overrides are the flags that say which policies have overrides in
+	// this Redis (override_store.go).
+	overrides overrideFlags
 }
 
 func (c *redisConn) Destruct() error {
@@ -166,7 +169,7 @@ func (c *redisConn) report(kind string, err error) {
 // only to name a key that is not a bucket; the sorted-set commands for
 // concurrency slots), and PUBLISH and SUBSCRIBE for the events between
 // instances.
-const limiterACL = "~rl:* &rl:* +evalsha +eval +time +get +set +del +type +publish +subscribe +zadd +zrem +zcard +zremrangebyscore +pexpire"
+const limiterACL = "~rl:* &rl:* +evalsha +eval +time +get +set +del +type +publish +subscribe +zadd +zrem +zcard +zremrangebyscore +pexpire +hset +hdel +hget +hgetall +hlen +hscan"
 
 // errorFixes is what to change for each permanent error kind.
 var errorFixes = map[string]string{
@@ -186,6 +189,9 @@ var errorFixes = map[string]string{
 // it (deny cache, return turns), at once rather than within denyMaxAge.
 // "freed": a concurrency slot was freed: the requests waiting for one try.
 // "format <key_prefix>": the fleet marker changed (upgrade.go).
+// "override": an operator set or deleted the override of the bucket's
+// identity (override_store.go): as "changed", and the policy's overrides
+// are read again, its flag on meanwhile.
 type redisEvents struct {
 	mu       sync.Mutex
 	ps       *redis.PubSub
@@ -202,6 +208,8 @@ const (
 	eventChanged = "changed"
 	eventFreed   = "freed"
 	eventFormat  = "format"
+	// eventOverride: an operator set or deleted an override.
+	eventOverride = "override"
 )
 
 func eventsChannel(prefix string) string { return prefix + "events" }
@@ -256,8 +264,10 @@ func (c *redisConn) receive(event, key string) {
 		default:
 		}
 		return
+	case eventOverride:
+		c.overrides.changed(policyPrefixOf(key)) // and on: the bucket changed
 	}
-	if event != eventChanged {
+	if event != eventChanged && event != eventOverride {
 		return
 	}
 	if c.denials != nil {
@@ -280,6 +290,12 @@ func (c *redisConn) receive(event, key string) {
 // returns once the message came back through Redis (so it reached every
 // subscriber), or after a second.
 func (c *redisConn) announce(ctx context.Context, prefix, key string) error {
+	return c.announceEvent(ctx, prefix, eventChanged, key)
+}
+
+// announceEvent is announce of an event that changes a bucket: changed, or
+// override.
+func (c *redisConn) announceEvent(ctx context.Context, prefix, event, key string) error {
 	echo := make(chan struct{})
 	e := &c.events
 	e.mu.Lock()
@@ -296,7 +312,7 @@ func (c *redisConn) announce(ctx context.Context, prefix, key string) error {
 		}
 		e.mu.Unlock()
 	}()
-	if err := c.client.Publish(ctx, eventsChannel(prefix), eventChanged+" "+key).Err(); err != nil {
+	if err := c.client.Publish(ctx, eventsChannel(prefix), event+" "+key).Err(); err != nil {
 		return err
 	}
 	select {

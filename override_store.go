@@ -1,0 +1,535 @@
+package ratelimit
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"slices"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+)
+
+// Where overrides live: in Redis beside their buckets (lua/decide.lua reads
+// them), or in this process without a redis block; and the flags that say
+// which policies have any, so that the others never pay a read.
+//
+// In Redis, a policy's overrides are:
+//   - <key_prefix><policy>:override:{<hash>}, the override of one identity,
+//     in its bucket's hash slot: "o1 r <interval> <burst>" or "o1 c 0
+//     <slots>" (override.encode), expiring by itself (PXAT, on Redis time)
+//     when set `for` a while;
+//   - <key_prefix><policy>:overrides, the index: a hash of <hash> to a JSON
+//     entry ({"v":1, ...}: the limit as given, its expiry, its note), which
+//     the override list reads, and whose length says whether the policy has
+//     any. An entry is written before its key and deleted after it, so
+//     that no override is in force without one. Expired entries are pruned
+//     a few at a time by every instance.
+//
+// Neither is a value the release before this one reads (see override.go).
+
+// overridesEvery is how often an instance reads whether each policy has
+// overrides; an override set or deleted through any instance is announced
+// to all at once (eventOverride).
+const overridesEvery = 10 * time.Second
+
+// overridesPruned is how many index entries an instance looks at per
+// policy each time, for expired ones to delete.
+const overridesPruned = 64
+
+// Bounds of what an override holds.
+const (
+	minOverrideFor = time.Second
+	maxOverrideFor = 366 * 24 * time.Hour
+	maxNoteLen     = 200
+	// maxProcessOverrides bounds the overrides of the in-process store.
+	maxProcessOverrides = 1 << 20
+)
+
+func overrideKey(bucketKey string) string {
+	i := strings.IndexByte(bucketKey, '{')
+	if i < 0 {
+		return bucketKey + ":override"
+	}
+	return bucketKey[:i] + "override:" + bucketKey[i:]
+}
+
+// overrideIndex is the index of the overrides of the policy whose storage
+// keys start with prefix (<key_prefix><policy>:).
+func overrideIndex(prefix string) string { return prefix + "overrides" }
+
+// policyPrefixOf is the policy part of a storage key: <key_prefix><policy>:.
+func policyPrefixOf(key string) string {
+	if i := strings.IndexByte(key, '{'); i >= 0 {
+		return key[:i]
+	}
+	return key
+}
+
+// hashOf is the identity's hash in a storage key: the text between its
+// braces.
+func hashOf(key string) string {
+	i, j := strings.IndexByte(key, '{'), strings.LastIndexByte(key, '}')
+	if i < 0 || j < i {
+		return key
+	}
+	return key[i+1 : j]
+}
+
+// overrideEntry is an override as the index and the admin API show it.
+type overrideEntry struct {
+	// Format is the entry's format: 1.
+	Format int    `json:"v"`
+	Hash   string `json:"hash,omitempty"`
+	Key    string `json:"key,omitempty"`
+	// Kind is rate or concurrent; Rate and Burst (rate), Concurrent
+	// (concurrent) the limit as given.
+	Kind       string `json:"kind"`
+	Rate       string `json:"rate,omitempty"`
+	Burst      int64  `json:"burst,omitempty"`
+	Concurrent int64  `json:"concurrent,omitempty"`
+	// Expires is when it expires, Unix ms on the store's clock (0: never);
+	// Set when it was set, Unix ms.
+	Expires int64  `json:"expires_ms,omitempty"`
+	Set     int64  `json:"set_ms,omitempty"`
+	Note    string `json:"note,omitempty"`
+}
+
+// describe is the entry's limit as the command line writes it.
+func (e overrideEntry) describe() string {
+	if e.Kind == "concurrent" {
+		return fmt.Sprintf("concurrent %d", e.Concurrent)
+	}
+	if e.Burst > 0 {
+		return fmt.Sprintf("rate %s burst %d", e.Rate, e.Burst)
+	}
+	return "rate " + e.Rate
+}
+
+// overrideStore is where a store keeps overrides.
+type overrideStore interface {
+	// setOverride stores o for the bucket under key, for d (0: until
+	// deleted), and returns the entry as stored (its expiry set).
+	setOverride(ctx context.Context, key string, o override, e overrideEntry, d time.Duration) (overrideEntry, error)
+	// deleteOverride deletes the override of the bucket under key, and
+	// reports whether one was in force.
+	deleteOverride(ctx context.Context, key string) (bool, error)
+	// overridesOf lists the overrides in force of the policy whose keys
+	// start with prefix.
+	overridesOf(ctx context.Context, prefix string) ([]overrideEntry, error)
+	// overrideOf is the entry of the bucket under key (nil: none).
+	overrideOf(ctx context.Context, key string) (*overrideEntry, error)
+}
+
+// overridesIn is the override store of a handler's store (nil for one that
+// keeps none: the `local` fallback, a test's).
+func overridesIn(s store) overrideStore {
+	switch s := s.(type) {
+	case *redisStore:
+		return s.conn
+	case *memoryStore:
+		if s.overrides != nil {
+			return s.overrides
+		}
+	}
+	return nil
+}
+
+// overrideFlag is the store's flag of the overrides of the policy whose keys
+// start with prefix: true while it may hold some.
+func overrideFlag(s store, prefix string) *atomic.Bool {
+	switch s := s.(type) {
+	case *redisStore:
+		return s.conn.overrideFlag(prefix)
+	case *memoryStore:
+		if s.overrides != nil {
+			return s.overrides.flag(prefix)
+		}
+	}
+	return new(atomic.Bool)
+}
+
+// overrideFlags are a Redis connection's flags, by policy prefix, read at
+// start, every overridesEvery and when an override is announced. A flag is
+// on until first read (an instance that starts meanwhile reads the
+// overrides rather than miss one), and stays as it was while Redis cannot
+// say.
+type overrideFlags struct {
+	mu      sync.Mutex
+	flags   map[string]*atomic.Bool
+	gen     map[string]uint64 // bumped by each announcement
+	cursors map[string]uint64 // where pruning goes on in each index
+	read    chan struct{}
+	started bool
+}
+
+// overrideFlag returns the flag of prefix, following it from now on.
+func (c *redisConn) overrideFlag(prefix string) *atomic.Bool {
+	f := &c.overrides
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if fl := f.flags[prefix]; fl != nil {
+		return fl
+	}
+	if f.flags == nil {
+		f.flags, f.gen, f.cursors = map[string]*atomic.Bool{}, map[string]uint64{}, map[string]uint64{}
+		f.read = make(chan struct{}, 1)
+	}
+	fl := new(atomic.Bool)
+	fl.Store(true)
+	f.flags[prefix] = fl
+	if !f.started {
+		f.started = true
+		go c.followOverrides()
+	}
+	f.ask()
+	return fl
+}
+
+// ask has the flags read again soon.
+func (f *overrideFlags) ask() {
+	select {
+	case f.read <- struct{}{}:
+	default:
+	}
+}
+
+// changed turns the flag of prefix on, at once, and has it read again: an
+// override was set or deleted.
+func (f *overrideFlags) changed(prefix string) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	fl := f.flags[prefix]
+	if fl == nil {
+		return // no policy of this instance
+	}
+	f.gen[prefix]++
+	fl.Store(true)
+	f.ask()
+}
+
+// followOverrides reads the flags until the connection closes.
+func (c *redisConn) followOverrides() {
+	t := time.NewTicker(overridesEvery)
+	defer t.Stop()
+	for {
+		select {
+		case <-t.C:
+		case <-c.overrides.read:
+		case <-c.closed:
+			return
+		}
+		c.readOverrideFlags()
+	}
+}
+
+// readOverrideFlags reads, for every policy prefix, whether its index holds
+// any override, first pruning a few expired entries.
+func (c *redisConn) readOverrideFlags() {
+	f := &c.overrides
+	f.mu.Lock()
+	prefixes := make([]string, 0, len(f.flags))
+	for prefix := range f.flags {
+		prefixes = append(prefixes, prefix)
+	}
+	f.mu.Unlock()
+	ctx, cancel := context.WithTimeout(context.Background(), c.callTimeout)
+	defer cancel()
+	now, err := c.client.Time(ctx).Result()
+	if err != nil {
+		return // keep what was known
+	}
+	for _, prefix := range prefixes {
+		f.mu.Lock()
+		gen, cursor := f.gen[prefix], f.cursors[prefix]
+		f.mu.Unlock()
+		next, err := c.pruneOverrides(ctx, prefix, cursor, now.UnixMilli())
+		if err != nil {
+			return
+		}
+		n, err := c.client.HLen(ctx, overrideIndex(prefix)).Result()
+		if err != nil {
+			return
+		}
+		f.mu.Lock()
+		f.cursors[prefix] = next
+		if f.gen[prefix] == gen { // no announcement since: what was read holds
+			f.flags[prefix].Store(n > 0)
+		}
+		f.mu.Unlock()
+	}
+}
+
+// pruneOverrides deletes the expired entries among a few of the index's,
+// from cursor on, and returns where to go on.
+func (c *redisConn) pruneOverrides(ctx context.Context, prefix string, cursor uint64, nowMS int64) (uint64, error) {
+	index := overrideIndex(prefix)
+	kv, next, err := c.client.HScan(ctx, index, cursor, "", overridesPruned).Result()
+	if err != nil {
+		return cursor, err
+	}
+	var expired []string
+	for i := 0; i+1 < len(kv); i += 2 {
+		if e, ok := parseOverrideEntry(kv[i+1]); !ok || e.Expires > 0 && e.Expires <= nowMS {
+			expired = append(expired, kv[i])
+		}
+	}
+	if len(expired) > 0 {
+		if err := c.client.HDel(ctx, index, expired...).Err(); err != nil {
+			return cursor, err
+		}
+	}
+	return next, nil
+}
+
+// parseOverrideEntry reads an index entry.
+func parseOverrideEntry(v string) (overrideEntry, bool) {
+	var e overrideEntry
+	if err := json.Unmarshal([]byte(v), &e); err != nil || e.Format != 1 {
+		return overrideEntry{}, false
+	}
+	return e, true
+}
+
+// setOverrideFor stores an override that expires after ARGV[2] ms of Redis
+// time, and returns when, in Unix ms.
+var setOverrideFor = redis.NewScript(`
+local t = redis.call('TIME')
+local at = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + tonumber(ARGV[2])
+redis.call('SET', KEYS[1], ARGV[1], 'PXAT', at)
+return at`)
+
+func (c *redisConn) setOverride(ctx context.Context, key string, o override, e overrideEntry, d time.Duration) (overrideEntry, error) {
+	prefix, hash := policyPrefixOf(key), hashOf(key)
+	index := overrideIndex(prefix)
+	e.Format, e.Hash, e.Key, e.Set = 1, "", "", time.Now().UnixMilli()
+	if d > 0 {
+		e.Expires = e.Set + d.Milliseconds() // until the store says
+	}
+	raw, _ := json.Marshal(e)
+	// The entry first: no override is ever in force without one.
+	if err := c.client.HSet(ctx, index, hash, raw).Err(); err != nil {
+		return e, err
+	}
+	var err error
+	if d > 0 {
+		var at int64
+		if at, err = setOverrideFor.Run(ctx, c.client, []string{overrideKey(key)}, o.encode(), d.Milliseconds()).Int64(); err == nil && at != e.Expires {
+			e.Expires = at
+			raw, _ = json.Marshal(e)
+			err = c.client.HSet(ctx, index, hash, raw).Err()
+		}
+	} else {
+		err = c.client.Set(ctx, overrideKey(key), o.encode(), 0).Err()
+	}
+	if err != nil {
+		_ = c.client.HDel(context.WithoutCancel(ctx), index, hash).Err()
+		return e, err
+	}
+	c.overrides.changed(prefix)
+	return e, nil
+}
+
+func (c *redisConn) deleteOverride(ctx context.Context, key string) (bool, error) {
+	n, err := c.client.Del(ctx, overrideKey(key)).Result()
+	if err != nil {
+		return false, err
+	}
+	if err := c.client.HDel(ctx, overrideIndex(policyPrefixOf(key)), hashOf(key)).Err(); err != nil {
+		return n > 0, err
+	}
+	c.overrides.changed(policyPrefixOf(key))
+	return n > 0, nil
+}
+
+func (c *redisConn) overridesOf(ctx context.Context, prefix string) ([]overrideEntry, error) {
+	all, err := c.client.HGetAll(ctx, overrideIndex(prefix)).Result()
+	if err != nil {
+		return nil, err
+	}
+	now, err := c.client.Time(ctx).Result()
+	if err != nil {
+		return nil, err
+	}
+	var out []overrideEntry
+	for hash, v := range all {
+		e, ok := parseOverrideEntry(v)
+		if !ok || e.Expires > 0 && e.Expires <= now.UnixMilli() {
+			continue
+		}
+		e.Hash, e.Key = hash, prefix+"{"+hash+"}"
+		out = append(out, e)
+	}
+	slices.SortFunc(out, func(a, b overrideEntry) int { return strings.Compare(a.Hash, b.Hash) })
+	return out, nil
+}
+
+func (c *redisConn) overrideOf(ctx context.Context, key string) (*overrideEntry, error) {
+	v, err := c.client.HGet(ctx, overrideIndex(policyPrefixOf(key)), hashOf(key)).Result()
+	if errors.Is(err, redis.Nil) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, err
+	}
+	e, ok := parseOverrideEntry(v)
+	if !ok {
+		return nil, nil
+	}
+	e.Hash, e.Key = hashOf(key), key
+	return &e, nil
+}
+
+// processOverrides are the overrides of the in-process store (handlers
+// without a redis block), which survive reloads as its buckets do.
+var processOverrides = newOverrideTable()
+
+func init() { processMemory.overrides = processOverrides }
+
+// overrideTable keeps overrides in this process, at most
+// maxProcessOverrides; each expires on the monotonic clock.
+type overrideTable struct {
+	mu    sync.Mutex
+	byKey map[string]tableOverride
+	flags map[string]*atomic.Bool // by policy prefix: on while it has some
+	count map[string]int
+	now   func() time.Time // injectable for tests
+}
+
+type tableOverride struct {
+	o       override
+	e       overrideEntry
+	expires time.Time // zero: never
+}
+
+func newOverrideTable() *overrideTable {
+	return &overrideTable{byKey: map[string]tableOverride{}, flags: map[string]*atomic.Bool{}, count: map[string]int{}, now: time.Now}
+}
+
+func (t *overrideTable) flag(prefix string) *atomic.Bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return t.flagLocked(prefix)
+}
+
+func (t *overrideTable) flagLocked(prefix string) *atomic.Bool {
+	fl := t.flags[prefix]
+	if fl == nil {
+		fl = new(atomic.Bool)
+		fl.Store(t.count[prefix] > 0)
+		t.flags[prefix] = fl
+	}
+	return fl
+}
+
+// get is the override in force for key; an expired one is deleted.
+func (t *overrideTable) get(key string, now time.Time) (tableOverride, bool) {
+	o, ok := t.byKey[key]
+	if ok && !o.expires.IsZero() && !now.Before(o.expires) {
+		t.deleteLocked(key)
+		return tableOverride{}, false
+	}
+	return o, ok
+}
+
+func (t *overrideTable) deleteLocked(key string) {
+	if _, ok := t.byKey[key]; !ok {
+		return
+	}
+	delete(t.byKey, key)
+	prefix := policyPrefixOf(key)
+	if t.count[prefix]--; t.count[prefix] <= 0 {
+		delete(t.count, prefix)
+		t.flagLocked(prefix).Store(false)
+	}
+}
+
+func (t *overrideTable) setOverride(_ context.Context, key string, o override, e overrideEntry, d time.Duration) (overrideEntry, error) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	now := t.now()
+	if _, ok := t.get(key, now); !ok && len(t.byKey) >= maxProcessOverrides {
+		return e, fmt.Errorf("the in-process store holds %d overrides, its most: delete some first", maxProcessOverrides)
+	}
+	e.Format, e.Hash, e.Key, e.Set, e.Expires = 1, "", "", now.UnixMilli(), 0
+	to := tableOverride{o: o, e: e}
+	if d > 0 {
+		to.expires = now.Add(d)
+		to.e.Expires = to.expires.UnixMilli()
+	}
+	if _, ok := t.byKey[key]; !ok {
+		t.count[policyPrefixOf(key)]++
+	}
+	t.byKey[key] = to
+	t.flagLocked(policyPrefixOf(key)).Store(true)
+	return to.e, nil
+}
+
+func (t *overrideTable) deleteOverride(_ context.Context, key string) (bool, error) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	_, ok := t.get(key, t.now())
+	t.deleteLocked(key)
+	return ok, nil
+}
+
+func (t *overrideTable) overridesOf(_ context.Context, prefix string) ([]overrideEntry, error) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	now := t.now()
+	var out []overrideEntry
+	for key := range t.byKey {
+		if policyPrefixOf(key) != prefix {
+			continue
+		}
+		if o, ok := t.get(key, now); ok {
+			e := o.e
+			e.Hash, e.Key = hashOf(key), key
+			out = append(out, e)
+		}
+	}
+	slices.SortFunc(out, func(a, b overrideEntry) int { return strings.Compare(a.Hash, b.Hash) })
+	return out, nil
+}
+
+func (t *overrideTable) overrideOf(_ context.Context, key string) (*overrideEntry, error) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	o, ok := t.get(key, t.now())
+	if !ok {
+		return nil, nil
+	}
+	e := o.e
+	e.Hash, e.Key = hashOf(key), key
+	return &e, nil
+}
+
+// decidedUnder is reqs with the limits of the overrides in force for their
+// overridable buckets (reqs itself when none is).
+func (t *overrideTable) decidedUnder(reqs []bucketRequest) []bucketRequest {
+	out := reqs
+	var now time.Time
+	for i, rq := range reqs {
+		if !rq.overridable {
+			continue
+		}
+		if now.IsZero() {
+			now = t.now()
+			t.mu.Lock()
+			defer t.mu.Unlock()
+		}
+		o, ok := t.get(rq.key, now)
+		if !ok {
+			continue
+		}
+		if &out[0] == &reqs[0] {
+			out = append([]bucketRequest(nil), reqs...)
+		}
+		out[i] = rq.applyOverride(o.o)
+	}
+	return out
+}
