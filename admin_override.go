@@ -21,8 +21,10 @@ import (
 //
 //	POST   /rate_limit/override  {"policy": "<name>", "identity": "<id>", "rate": "5000/1m", "burst": 500,
 //	                              "for": "72h", "note": "contract 123"}       (or "concurrent": 10)
-//	DELETE /rate_limit/override?policy=<name>&identity=<id>
+//	DELETE /rate_limit/override  {"policy": "<name>", "identity": "<id>"}
 //	GET    /rate_limit/overrides?policy=<name>
+//
+// (The identity goes in bodies, not in URLs, which Caddy's admin API logs.)
 //
 // An override replaces the limit of one identity's bucket (its plan's, or
 // its policy's), on every instance at once, until deleted or, with `for`,
@@ -114,16 +116,26 @@ func overridePolicy(policy, identity string) (definition, string, overrideStore,
 	return def, key, store, nil
 }
 
-func (adminAPI) setOverride(r *http.Request) (*overrideAnswer, error) {
+// readOverrideRequest reads an override call's JSON body; a field it does
+// not know is a mistake, not something to ignore.
+func readOverrideRequest(r *http.Request, shape string) (overrideRequest, error) {
+	var req overrideRequest
 	body, err := io.ReadAll(io.LimitReader(r.Body, 1<<16))
 	if err != nil {
-		return nil, apiError(http.StatusBadRequest, "reading the request: %v", err)
+		return req, apiError(http.StatusBadRequest, "reading the request: %v", err)
 	}
-	var req overrideRequest
 	dec := json.NewDecoder(bytes.NewReader(body))
 	dec.DisallowUnknownFields()
 	if err := dec.Decode(&req); err != nil {
-		return nil, apiError(http.StatusBadRequest, `the body is not {"policy": ..., "identity": ..., "rate": ..., "burst": ..., "concurrent": ..., "for": ..., "note": ...}: %v`, err)
+		return req, apiError(http.StatusBadRequest, "the body is not %s: %v", shape, err)
+	}
+	return req, nil
+}
+
+func (adminAPI) setOverride(r *http.Request) (*overrideAnswer, error) {
+	req, err := readOverrideRequest(r, `{"policy": ..., "identity": ..., "rate": ..., "burst": ..., "concurrent": ..., "for": ..., "note": ...}`)
+	if err != nil {
+		return nil, err
 	}
 	def, key, store, err := overridePolicy(req.Policy, req.Identity)
 	if err != nil {
@@ -156,8 +168,14 @@ func (adminAPI) setOverride(r *http.Request) (*overrideAnswer, error) {
 }
 
 func (adminAPI) deleteOverride(r *http.Request) (*overrideAnswer, error) {
-	q := r.URL.Query()
-	def, key, store, err := overridePolicy(q.Get("policy"), q.Get("identity"))
+	req, err := readOverrideRequest(r, `{"policy": ..., "identity": ...}`)
+	if err != nil {
+		return nil, err
+	}
+	if req.Rate != "" || req.Burst != 0 || req.Concurrent != 0 || req.For != "" || req.Note != "" {
+		return nil, apiError(http.StatusBadRequest, "a delete takes the policy and the identity only")
+	}
+	def, key, store, err := overridePolicy(req.Policy, req.Identity)
 	if err != nil {
 		return nil, err
 	}
@@ -167,11 +185,11 @@ func (adminAPI) deleteOverride(r *http.Request) (*overrideAnswer, error) {
 		return nil, storeAPIError(err)
 	}
 	if !deleted {
-		return nil, apiError(http.StatusNotFound, "policy %q, identity %q (key %s): no override in force", p.Name, q.Get("identity"), key)
+		return nil, apiError(http.StatusNotFound, "policy %q, identity %q (key %s): no override in force", p.Name, req.Identity, key)
 	}
 	announced := announceOverride(r.Context(), h, key)
 	h.logger.Info("rate limit override deleted", zap.String("policy", p.Name), zap.String("key", key))
-	return &overrideAnswer{Policy: p.Name, Identity: q.Get("identity"), Key: key, Store: h.storeName(), Deleted: &deleted, Announced: announced}, nil
+	return &overrideAnswer{Policy: p.Name, Identity: req.Identity, Key: key, Store: h.storeName(), Deleted: &deleted, Announced: announced}, nil
 }
 
 func (adminAPI) listOverrides(r *http.Request) (*overridesAnswer, error) {

@@ -120,13 +120,12 @@ func overrideCommand(action string) func(*cobra.Command, []string) error {
 				return err
 			}
 			del = d
-			if del {
-				method, uri = http.MethodDelete, "/rate_limit/override?"+url.Values{"policy": {args[0]}, "identity": {args[1]}}.Encode()
-				break
-			}
 			req.Policy, req.Identity = args[0], args[1]
 			raw, _ := json.Marshal(req)
 			method, uri, body = http.MethodPost, "/rate_limit/override", bytes.NewReader(raw)
+			if del {
+				method = http.MethodDelete
+			}
 		}
 		adminAddr, err := caddycmd.DetermineAdminAPIAddress(address, nil, configFile, adapter)
 		if err != nil {

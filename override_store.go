@@ -368,17 +368,30 @@ func (c *redisConn) overridesOf(ctx context.Context, prefix string) ([]overrideE
 	return out, nil
 }
 
+// overrideOf reads the override key, which says whether one is in force
+// (it expires by itself), then its entry for the rest.
 func (c *redisConn) overrideOf(ctx context.Context, key string) (*overrideEntry, error) {
-	v, err := c.client.HGet(ctx, overrideIndex(policyPrefixOf(key)), hashOf(key)).Result()
+	v, err := c.client.Get(ctx, overrideKey(key)).Result()
 	if errors.Is(err, redis.Nil) {
 		return nil, nil
 	}
 	if err != nil {
 		return nil, err
 	}
-	e, ok := parseOverrideEntry(v)
+	o, ok := decodeOverride(v)
 	if !ok {
-		return nil, nil
+		return nil, nil // not an override: the script ignores it too
+	}
+	raw, err := c.client.HGet(ctx, overrideIndex(policyPrefixOf(key)), hashOf(key)).Result()
+	if err != nil && !errors.Is(err, redis.Nil) {
+		return nil, err
+	}
+	e, ok := parseOverrideEntry(raw)
+	if !ok { // no entry (a write that failed half-way): what the key says
+		e = overrideEntry{Format: 1, Kind: "concurrent", Concurrent: o.burst}
+		if o.kind == overrideRate {
+			e = overrideEntry{Format: 1, Kind: "rate", Rate: fmt.Sprintf("1/%s", time.Duration(o.interval)*time.Microsecond), Burst: o.burst}
+		}
 	}
 	e.Hash, e.Key = hashOf(key), key
 	return &e, nil

@@ -318,13 +318,13 @@ func TestServeHTTPOverride(t *testing.T) {
 
 	// Delete: the policy's limit again, the 6 override tokens owed capped
 	// at its 5: denied.
-	if status, body := adminDo(t, "DELETE", "/rate_limit/override?policy=ovr_unit&identity=acme", ""); status != 200 {
+	if status, body := adminDo(t, "DELETE", "/rate_limit/override", `{"policy":"ovr_unit","identity":"acme"}`); status != 200 {
 		t.Fatalf("delete: %d %s", status, body)
 	}
 	if x := get(); x.status != 429 || q(x) != 5 {
 		t.Fatalf("after the delete: %d q=%d, want 429 q=5", x.status, q(x))
 	}
-	if status, body := adminDo(t, "DELETE", "/rate_limit/override?policy=ovr_unit&identity=acme", ""); status != 404 || !strings.Contains(body, "no override in force") {
+	if status, body := adminDo(t, "DELETE", "/rate_limit/override", `{"policy":"ovr_unit","identity":"acme"}`); status != 404 || !strings.Contains(body, "no override in force") {
 		t.Fatalf("deleting again: %d %s, want 404", status, body)
 	}
 

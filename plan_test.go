@@ -89,6 +89,7 @@ func TestServeHTTPPlanHostile(t *testing.T) {
 	h := testHandler(t, &Handler{Jitter: jitterOff(), Policies: []*Policy{tenantPolicy("plans_hostile")}}, newMemoryStore(c.now))
 	long := make([]byte, 4096)
 	_, _ = rand.Read(long)
+	// As the handler sees them (HTTP trims a field value's outer spaces first).
 	values := []string{"", "PRO", "Pro", "pro ", " pro", "pro,pro", "default", "enterprise", "pro\x00", "../pro", hex.EncodeToString(long), strings.Repeat("pro", 2000)}
 	admitted := 0
 	for i := 0; i < 3*len(values); i++ {
