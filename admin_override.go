@@ -210,14 +210,14 @@ func (adminAPI) listOverrides(r *http.Request) (*overridesAnswer, error) {
 
 // announceOverride tells every instance an override of the bucket under
 // key was set or deleted: each turns the policy's flag on (read again
-// later) and forgets what it remembered of the bucket.
+// later) and forgets what it remembered of the bucket, and confirms it.
 func announceOverride(ctx context.Context, h *Handler, key string) bool {
 	rs, ok := h.store.(*redisStore)
 	if !ok {
 		pacing.forget(key)
 		return true
 	}
-	if err := rs.conn.announceEvent(ctx, h.keyPrefix, eventOverride, key); err != nil {
+	if err := rs.conn.announceOverride(ctx, h.keyPrefix, key); err != nil {
 		h.logger.Warn("announcing a rate-limit override", zap.String("key", key), zap.Error(err))
 		return false
 	}

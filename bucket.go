@@ -202,7 +202,8 @@ func (l limit) adjust(tat, now, delta int64) int64 {
 }
 
 // decideBuckets is the whole decision of one request, given each bucket's
-// TAT at now as rebase read it (for slots, the leases held): every
+// TAT at now as rebase read it (for slots, the leases held; tats is written
+// over with what it returns): every
 // non-shadow bucket of an admitting op must fit (a slot be free) for the
 // request to be admitted; if it is, every opTake bucket that fits is
 // charged and every opAcquire takes its slot. Other ops are applied
@@ -232,7 +233,9 @@ func decideBuckets(tats []int64, now int64, reqs []bucketRequest) (decision, []i
 			d.admitted = false
 		}
 	}
-	next := append([]int64(nil), tats...)
+	// next is tats, written over: each bucket reads only its own TAT, before
+	// writing it.
+	next := tats
 	for i, rq := range reqs {
 		v := &d.verdicts[i]
 		if rq.op.slots() {

@@ -77,13 +77,13 @@ const mholtOrderWarning = "rate_limit: a zone is mholt/caddy-ratelimit's syntax,
 //	        key      <template>
 //	        rate     <N>/<duration>   # or: concurrent <n>, with lease <duration>
 //	        burst    <n>
-//	        cost     <n | {placeholder}> [max <n>]
+//	        cost     <n | {placeholder} | openai> [max <n>]
 //	        on_error fail_open|fail_closed|local
 //	        shadow
 //	        wait     <duration> [<max_held>]
 //	        charge_if { <response matchers> }
 //	        settle   header|trailer <field> [max <n>]
-//	        settle   openai [max <n>]
+//	        settle   openai|anthropic [weights input <a> output <b>] [max <n>]
 //	        ipv6_prefix <bits>
 //	        ipv4_prefix <bits>
 //	        plan     <placeholder> {
@@ -381,24 +381,9 @@ func unmarshalPolicy(d *caddyfile.Dispenser) (*Policy, error) {
 			}
 			p.ChargeIf = &m
 		case "settle":
-			args := d.RemainingArgs()
-			st := new(Settle)
-			if len(args) > 0 {
-				st.From = args[0]
-				args = args[1:]
-			}
-			if st.From != settleOpenAI && len(args) > 0 {
-				st.Field, args = args[0], args[1:]
-			}
-			if len(args) == 2 && args[0] == "max" {
-				n, ok := positive(args[1])
-				if !ok {
-					return nil, s.errf(d, "settle: max %q must be a positive integer", args[1])
-				}
-				st.Max, args = n, nil
-			}
-			if st.From == "" || len(args) > 0 {
-				return nil, s.errf(d, "settle: expected settle header|trailer <field> [max <n>], or settle openai [max <n>]")
+			st, err := parseSettle(d.RemainingArgs())
+			if err != nil {
+				return nil, s.errf(d, "settle: %v", err)
 			}
 			p.Settle = st
 		case "ipv6_prefix":
@@ -438,6 +423,67 @@ func (s *section) warnUnusedPrefix(p *Policy) {
 				"Behind a proxy, key on {client_ip} with the server's trusted_proxies instead of on a header", s.prefix, sub, p.Key))
 		}
 	}
+}
+
+// parseSettle reads the arguments of `settle header|trailer <field>
+// [max <n>]` and `settle openai|anthropic [weights input <a> output <b>]
+// [max <n>]`; the options in any order. What the values mean is checked
+// with the policy (Settle.check).
+func parseSettle(args []string) (*Settle, error) {
+	const syntax = "expected settle header|trailer <field> [max <n>], or settle openai|anthropic [weights input <a> output <b>] [max <n>]"
+	st := new(Settle)
+	if len(args) == 0 {
+		return nil, errors.New(syntax)
+	}
+	st.From, args = args[0], args[1:]
+	if (st.From == settleHeader || st.From == settleTrailer) && len(args) > 0 {
+		st.Field, args = args[0], args[1:]
+	}
+	for len(args) > 0 {
+		switch opt := args[0]; opt {
+		case "max":
+			if st.Max != 0 {
+				return nil, errors.New("max: given twice")
+			}
+			if len(args) < 2 {
+				return nil, errors.New("max: a value is required")
+			}
+			n, ok := positive(args[1])
+			if !ok {
+				return nil, fmt.Errorf("max %q must be a positive integer", args[1])
+			}
+			st.Max, args = n, args[2:]
+		case "weights":
+			if st.Weights != nil {
+				return nil, errors.New("weights: given twice")
+			}
+			st.Weights = new(SettleWeights)
+			args = args[1:]
+			for len(args) > 0 && (args[0] == "input" || args[0] == "output") {
+				w := &st.Weights.Input
+				if args[0] == "output" {
+					w = &st.Weights.Output
+				}
+				if *w != nil {
+					return nil, fmt.Errorf("weights: %s given twice", args[0])
+				}
+				if len(args) < 2 {
+					return nil, fmt.Errorf("weights: %s: a number is required", args[0])
+				}
+				v, err := strconv.ParseFloat(args[1], 64)
+				if err != nil {
+					return nil, fmt.Errorf("weights: %s %q is not a number", args[0], args[1])
+				}
+				*w, args = &v, args[2:]
+			}
+			if st.Weights.Input == nil || st.Weights.Output == nil {
+				return nil, errors.New("weights: expected weights input <a> output <b>, both")
+			}
+		default:
+			return nil, fmt.Errorf("unexpected %q: %s", opt, syntax)
+		}
+	}
+	return st, nil
 }
 
 // section is one block of the Caddyfile being read: its line, the prefix

@@ -5,11 +5,15 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"net/http"
 	"strconv"
 	"strings"
+	"sync/atomic"
+	"time"
 
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"go.uber.org/zap"
 )
 
 // Charging after the response. A `charge_if` policy checks its bucket
@@ -18,16 +22,20 @@ import (
 // reserves its cost before the request, as any policy charges it, and
 // settles it against the usage the response reports: the difference is
 // given back, or charged as debt. The charge or settle of a request is one
-// script call once its handler chain returns, on the store that admitted
-// it (reservation.decidedBy).
+// script call once its handler chain returns (or panics, as reverse_proxy
+// does when a stream is cut), on the store that admitted it
+// (reservation.decidedBy).
 
 // Settle takes a policy's true cost from the response.
 type Settle struct {
 	// Where the usage is: `header` (a response header, read when the
 	// response's headers are written), `trailer` (an HTTP trailer, read
-	// after the body) or `openai` (`usage.total_tokens` of an OpenAI-style
-	// JSON body, or of the final `data:` event of a server-sent-events
-	// stream, read as the body streams past, unbuffered).
+	// after the body), `openai` (the `usage` of an OpenAI chat completion
+	// or Responses API response: a JSON body, or the events of a
+	// server-sent-events stream) or `anthropic` (the `usage` of an
+	// Anthropic Messages response, JSON or stream). `openai` and
+	// `anthropic` read the body as it streams past, unbuffered, compressed
+	// (gzip, deflate, br, zstd) or not.
 	From string `json:"from"`
 
 	// The header or trailer field holding the usage, a non-negative
@@ -37,13 +45,44 @@ type Settle struct {
 	// The most usage one response settles, so that a broken upstream cannot
 	// bury a tenant in debt. Default: twice the burst.
 	Max int64 `json:"max,omitempty"`
+
+	// Weighs input and output tokens apart (`openai` and `anthropic`
+	// only): the usage is input × `input` + output × `output`, rounded up.
+	// Default: every token counts 1, and for `openai` the usage is
+	// `total_tokens`.
+	Weights *SettleWeights `json:"weights,omitempty"`
+
+	w weights // provisioned: Weights, or unitWeights
+}
+
+// SettleWeights are the prices of input (prompt) and output (completion)
+// tokens, in the policy's tokens: decimals from 0 to 1000, at most 6
+// decimal places, not both 0. Both are required.
+type SettleWeights struct {
+	Input  *float64 `json:"input,omitempty"`
+	Output *float64 `json:"output,omitempty"`
 }
 
 const (
-	settleHeader  = "header"
-	settleTrailer = "trailer"
-	settleOpenAI  = "openai"
+	settleHeader    = "header"
+	settleTrailer   = "trailer"
+	settleOpenAI    = "openai"
+	settleAnthropic = "anthropic"
 )
+
+// maxWeight bounds a weight.
+const maxWeight = 1000
+
+// fromBody reports whether the usage is read from the body.
+func (s *Settle) fromBody() bool { return s.From == settleOpenAI || s.From == settleAnthropic }
+
+// provider is whose usage format the body has.
+func (s *Settle) provider() int {
+	if s.From == settleAnthropic {
+		return providerAnthropic
+	}
+	return providerOpenAI
+}
 
 // check checks the settle options of a policy of burst tokens.
 func (s *Settle) check(burst int64) (max int64, err error) {
@@ -52,15 +91,24 @@ func (s *Settle) check(burst int64) (max int64, err error) {
 		if s.Field == "" {
 			return 0, fieldErr("settle", "settle: %s: the field that holds the usage is required, e.g. settle %s X-Usage-Tokens", s.From, s.From)
 		}
-	case settleOpenAI:
+		if s.Weights != nil {
+			return 0, fieldErr("settle", "settle: %s reports one number: weights are for openai and anthropic, whose responses count input and output tokens apart", s.From)
+		}
+	case settleOpenAI, settleAnthropic:
 		if s.Field != "" {
-			return 0, fieldErr("settle", "settle: openai reads usage.total_tokens of the body, and takes no field (got %q)", s.Field)
+			return 0, fieldErr("settle", "settle: %s reads the usage of the body, and takes no field (got %q)", s.From, s.Field)
 		}
 	default:
-		return 0, fieldErr("settle", "settle: %q is not header, trailer or openai", s.From)
+		return 0, fieldErr("settle", "settle: %q is not header, trailer, openai or anthropic", s.From)
 	}
 	if s.Max < 0 || s.Max > maxJSONInteger {
 		return 0, fieldErr("settle", "settle: max %d must be from 1 to %d", s.Max, int64(maxJSONInteger))
+	}
+	s.w = unitWeights
+	if s.Weights != nil {
+		if s.w, err = s.Weights.check(); err != nil {
+			return 0, err
+		}
 	}
 	max = s.Max
 	if max == 0 {
@@ -69,10 +117,33 @@ func (s *Settle) check(burst int64) (max int64, err error) {
 	return max, nil
 }
 
+// check checks the weights and returns them in millionths.
+func (sw *SettleWeights) check() (weights, error) {
+	if sw.Input == nil || sw.Output == nil {
+		return weights{}, fieldErr("settle", "settle: weights: both are required, as in weights input 1 output 4")
+	}
+	var w [2]int64
+	for i, v := range [2]float64{*sw.Input, *sw.Output} {
+		name := [2]string{"input", "output"}[i]
+		if !(v >= 0 && v <= maxWeight) {
+			return weights{}, fieldErr("settle", "settle: weights: %s %s must be from 0 to %d", name, strconv.FormatFloat(v, 'f', -1, 64), maxWeight)
+		}
+		m := math.Round(v * weightUnit)
+		if math.Abs(v*weightUnit-m) > 1e-3 {
+			return weights{}, fieldErr("settle", "settle: weights: %s %s has more than 6 decimal places", name, strconv.FormatFloat(v, 'f', -1, 64))
+		}
+		w[i] = int64(m)
+	}
+	if w[0] == 0 && w[1] == 0 {
+		return weights{}, fieldErr("settle", "settle: weights: input and output are both 0: every response would settle at 0")
+	}
+	return weights{input: w[0], output: w[1]}, nil
+}
+
 // afterResponse watches a response for what the policies charged after it
 // need: its status and headers (charge_if, settle header), its trailers
-// (settle trailer) or the usage in its body (settle openai). Bytes are
-// forwarded as they come, flushes included.
+// (settle trailer) or the usage in its body (settle openai, anthropic).
+// Bytes are forwarded as they come, flushes included.
 type afterResponse struct {
 	caddyhttp.ResponseWriterWrapper
 	res         *reservation
@@ -80,23 +151,42 @@ type afterResponse struct {
 	rs          *requestState
 	wroteHeader bool
 	status      int
-	usage       *usageScanner // settle openai
+	body        *bodyWatch // settle openai, anthropic
+	// wantTrailers: the client takes trailers, and a settle is known only
+	// after the body; trailers: the response declared the RateLimit
+	// trailer, sent with the settled state.
+	wantTrailers, trailers bool
+	http1                  bool
 }
 
 func (w *afterResponse) WriteHeader(status int) {
 	if !w.wroteHeader && status >= 200 || status == http.StatusSwitchingProtocols {
 		w.wroteHeader, w.status = true, status
-		w.res.responseKnown(status, w.Header())
+		hdr := w.Header()
+		w.res.responseKnown(status, hdr)
 		// The RateLimit fields with this response's own charge, as far as
 		// it is known now.
 		if w.res.fieldsSent {
-			w.h.writeFields(w.Header(), w.rs, w.res, true)
+			w.h.writeFields(hdr, w.rs, w.res, true)
 		}
-		if w.usage != nil {
-			w.usage.sse = strings.HasPrefix(w.Header().Get("Content-Type"), "text/event-stream")
+		if w.body != nil {
+			w.body.start(hdr)
+		}
+		if w.trailers = w.wantTrailers && w.res.fieldsSent && hasBody(status); w.trailers {
+			// Declared, RateLimit is sent again after the body, from what
+			// the header map holds when the handler returns.
+			hdr.Add("Trailer", "RateLimit")
+			if w.http1 {
+				hdr.Del("Content-Length") // HTTP/1.1 carries trailers in a chunked body only
+			}
 		}
 	}
 	w.ResponseWriter.WriteHeader(status)
+}
+
+// hasBody reports whether a response of the status has a body.
+func hasBody(status int) bool {
+	return status >= 200 && status != http.StatusNoContent && status != http.StatusNotModified
 }
 
 func (w *afterResponse) Write(b []byte) (int, error) {
@@ -104,8 +194,8 @@ func (w *afterResponse) Write(b []byte) (int, error) {
 		w.WriteHeader(http.StatusOK)
 	}
 	n, err := w.ResponseWriter.Write(b)
-	if w.usage != nil && n > 0 {
-		w.usage.Write(b[:n])
+	if w.body != nil && n > 0 {
+		w.body.Write(b[:n])
 	}
 	return n, err
 }
@@ -113,7 +203,7 @@ func (w *afterResponse) Write(b []byte) (int, error) {
 // ReadFrom copies through Write, so the body is scanned (a ReadFrom of the
 // wrapped writer would bypass it).
 func (w *afterResponse) ReadFrom(r io.Reader) (int64, error) {
-	if w.usage == nil {
+	if w.body == nil {
 		if !w.wroteHeader {
 			w.WriteHeader(http.StatusOK)
 		}
@@ -125,32 +215,144 @@ func (w *afterResponse) ReadFrom(r io.Reader) (int64, error) {
 // writerOnly hides a writer's other methods from io.Copy.
 type writerOnly struct{ io.Writer }
 
+// bodyWatch reads the usage of a response body as it is written:
+// decompressing a copy when it is compressed.
+type bodyWatch struct {
+	scan   usageScanner
+	coding contentCoding
+	dec    *bodyDecoder
+}
+
+// start reads how the body comes, from the response's headers.
+func (b *bodyWatch) start(hdr http.Header) {
+	b.scan.sse = isEventStream(hdr.Get("Content-Type"))
+	b.coding = parseCoding(hdr.Get("Content-Encoding"))
+	if b.coding != codingIdentity && b.coding != codingUnknown {
+		b.dec = newBodyDecoder(b.coding, &b.scan)
+	}
+}
+
+func isEventStream(contentType string) bool {
+	const sse = "text/event-stream"
+	return len(contentType) >= len(sse) && strings.EqualFold(contentType[:len(sse)], sse)
+}
+
+func (b *bodyWatch) Write(p []byte) {
+	switch {
+	case b.dec != nil:
+		b.dec.Write(p)
+	case b.coding == codingIdentity:
+		b.scan.Write(p)
+	}
+}
+
+// finish ends the body: a decoder decodes what came, and stops.
+func (b *bodyWatch) finish() {
+	if b.dec != nil {
+		b.dec.Close()
+	}
+}
+
+// unreadable is why the body could not be read, or nil.
+func (b *bodyWatch) unreadable() error {
+	switch {
+	case b.coding == codingUnknown:
+		return errors.New("its Content-Encoding is not one read (gzip, deflate, br, zstd)")
+	case b.dec != nil && b.dec.err != nil:
+		return b.dec.err
+	}
+	return nil
+}
+
 // afterCharge is what one policy charges after the response.
 type afterCharge struct {
 	i       int   // the policy's index in the reservation
 	charge  bool  // charge_if matched: charge the cost
 	usage   int64 // settle: the usage reported, capped; -1 none
 	settled bool  // the usage is known
+	lost    int   // why the charge was not made as measured (lostReason), or -1
 }
 
+// serveWatched runs the rest of the handler chain with the response
+// watched when a policy charges after it, then makes those charges: also
+// when the chain panics, as reverse_proxy does (http.ErrAbortHandler) when
+// the client or the upstream cut a stream, so that a cut stream is
+// charged.
+func (h *Handler) serveWatched(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, rs *requestState, res *reservation) error {
+	aw := h.watchResponse(w, r, rs, res)
+	if aw == nil {
+		return next.ServeHTTP(w, r)
+	}
+	returned := false
+	defer func() {
+		if !returned { // panicking: charge, and let the panic go on
+			h.charge(r.Context(), aw, rs, res, errAborted)
+		}
+		if aw.body != nil {
+			aw.body.finish()
+		}
+	}()
+	err := next.ServeHTTP(aw, r)
+	returned = true
+	h.charge(r.Context(), aw, rs, res, err)
+	return err
+}
+
+// errAborted stands for the error of a handler chain that panicked.
+var errAborted = errors.New("the handler chain aborted")
+
 // watchResponse wraps w when a policy of the admitted request charges
-// after the response.
-func (h *Handler) watchResponse(w http.ResponseWriter, rs *requestState, res *reservation) http.ResponseWriter {
+// after the response; nil when none does.
+func (h *Handler) watchResponse(w http.ResponseWriter, r *http.Request, rs *requestState, res *reservation) *afterResponse {
 	res.after = res.afterbuf[:0]
-	var usage *usageScanner
+	var body *bodyWatch
+	afterBody := false
 	for i, p := range res.shown {
 		if !res.d.verdicts[i].allowed || p.ChargeIf == nil && p.Settle == nil {
 			continue
 		}
-		res.after = append(res.after, afterCharge{i: i, usage: -1})
-		if p.Settle != nil && p.Settle.From == settleOpenAI && usage == nil {
-			usage = new(usageScanner)
+		res.after = append(res.after, afterCharge{i: i, usage: -1, lost: -1})
+		if p.Settle == nil {
+			continue
+		}
+		afterBody = afterBody || p.Settle.From != settleHeader
+		if p.Settle.fromBody() && body == nil {
+			body = new(bodyWatch)
 		}
 	}
 	if len(res.after) == 0 {
-		return w
+		return nil
 	}
-	return &afterResponse{ResponseWriterWrapper: caddyhttp.ResponseWriterWrapper{ResponseWriter: w}, res: res, h: h, rs: rs, usage: usage}
+	if body != nil {
+		// The upstream may answer only in a coding whose usage is read.
+		if vs := r.Header.Values("Accept-Encoding"); len(vs) > 0 {
+			switch filtered, changed := readableAcceptEncoding(strings.Join(vs, ",")); {
+			case changed && filtered == "":
+				r.Header.Del("Accept-Encoding") // identity only
+			case changed:
+				r.Header.Set("Accept-Encoding", filtered)
+			}
+		}
+	}
+	return &afterResponse{ResponseWriterWrapper: caddyhttp.ResponseWriterWrapper{ResponseWriter: w}, res: res, h: h, rs: rs, body: body,
+		wantTrailers: afterBody && acceptsTrailers(r), http1: r.ProtoMajor == 1}
+}
+
+// acceptsTrailers reports whether the client said it takes trailers
+// (`TE: trailers`) on a request whose response can carry them.
+func acceptsTrailers(r *http.Request) bool {
+	if r.Method == http.MethodHead || !r.ProtoAtLeast(1, 1) {
+		return false
+	}
+	for _, v := range r.Header["Te"] {
+		for part := range strings.SplitSeq(v, ",") {
+			coding, _, _ := strings.Cut(part, ";")
+			if strings.EqualFold(strings.TrimSpace(coding), "trailers") {
+				return true
+			}
+		}
+	}
+	return false
 }
 
 // responseKnown records what the status and headers of the response say.
@@ -178,14 +380,12 @@ func parseUsage(v string, max int64) (int64, bool) {
 }
 
 // charge makes the charges and settles of the request once its handler
-// chain returned (err is what it returned): one store call. What cannot be
-// charged (no usage reported, the store unreachable) is counted as lost: a
-// lost settle leaves the reservation standing.
-func (h *Handler) charge(ctx context.Context, w http.ResponseWriter, rs *requestState, res *reservation, err error) {
-	aw, _ := w.(*afterResponse)
-	if aw == nil {
-		return
-	}
+// chain returned (err is what it returned): one store call. A settle
+// without usage charges what the response delivered implies, at least
+// its reservation (estimate). What was not charged as measured (no usage,
+// a body that cannot be read, the client gone, the store unreachable) is
+// counted as lost.
+func (h *Handler) charge(ctx context.Context, aw *afterResponse, rs *requestState, res *reservation, err error) {
 	if !aw.wroteHeader {
 		// No response was written: a Caddy error's status stands for it, or,
 		// when the client went away first, no response at all: a charge_if
@@ -199,18 +399,22 @@ func (h *Handler) charge(ctx context.Context, w http.ResponseWriter, rs *request
 		} else if err == nil {
 			status = http.StatusOK
 		}
-		res.responseKnown(status, w.Header())
+		res.responseKnown(status, aw.Header())
 		for k := range res.after {
 			if gone && res.shown[res.after[k].i].ChargeIf != nil {
 				res.after[k].charge = true
 			}
 		}
 		if res.fieldsSent {
-			h.writeFields(w.Header(), rs, res, true) // Caddy writes the error's response with them
+			h.writeFields(aw.Header(), rs, res, true) // Caddy writes the error's response with them
 		}
 	}
+	if aw.body != nil {
+		aw.body.finish()
+	}
+	gone := ctx.Err() != nil
 	var reqs []bucketRequest
-	var charged []int
+	var charged []int // indexes in res.after
 	for k := range res.after {
 		a := &res.after[k]
 		p, rq := res.shown[a.i], res.shownReqs[a.i]
@@ -224,47 +428,147 @@ func (h *Handler) charge(ctx context.Context, w http.ResponseWriter, rs *request
 		default:
 			switch p.Settle.From {
 			case settleTrailer:
-				v := w.Header().Get(http.TrailerPrefix + p.Settle.Field)
+				v := aw.Header().Get(http.TrailerPrefix + p.Settle.Field)
 				if v == "" {
-					v = w.Header().Get(p.Settle.Field)
+					v = aw.Header().Get(p.Settle.Field)
 				}
 				a.usage, a.settled = parseUsage(v, p.settleMax)
-			case settleOpenAI:
-				if aw.usage != nil && aw.usage.found {
-					a.usage, a.settled = min(aw.usage.total, p.settleMax), true
+			case settleOpenAI, settleAnthropic:
+				if u, ok := aw.body.scan.found.usage(p.Settle.provider(), p.Settle.w); ok {
+					a.usage, a.settled = min(u, p.settleMax), true
 				}
 			}
-			if !a.settled || ctx.Err() != nil && p.Settle.From != settleHeader {
-				// Nothing reported, or the client went away mid-stream: the
-				// reservation stands.
-				p.chargesLost.Inc()
-				continue
+			if a.settled {
+				delta = a.usage - rq.cost
+			} else {
+				// No usage: the charge is what the response delivered implies,
+				// never less than the reservation.
+				a.lost = aw.lostReason(p, gone)
+				delta = max(0, min(aw.estimate(p, rs), p.settleMax)-rq.cost)
 			}
-			if delta = a.usage - rq.cost; delta == 0 {
+			if delta == 0 {
 				continue
 			}
 		}
 		rq.op, rq.delta, rq.cost, rq.wait = opAdjust, delta, 0, 0
 		reqs = append(reqs, rq)
-		charged = append(charged, a.i)
+		charged = append(charged, k)
 	}
-	if len(reqs) == 0 {
-		return
-	}
-	// The charge is owed even if the client went away.
-	d, serr := res.decidedBy.decide(context.WithoutCancel(ctx), reqs)
-	if serr != nil {
-		for _, i := range charged {
-			res.shown[i].chargesLost.Inc()
+	if len(reqs) > 0 {
+		// The charge is owed even if the client went away. It rides with
+		// the next call to the store (or goes by itself when none is due),
+		// so the response does not wait for it; the placeholders, which
+		// access logs read after the response, and the trailer say what it
+		// leaves, as this decision's state predicts.
+		var lost []*Policy
+		for j, k := range charged {
+			i := res.after[k].i
+			p := res.shown[i]
+			res.d.verdicts[i].remaining, res.d.verdicts[i].untilFits = p.limit.adjusted(res.d.verdicts[i], reqs[j].delta)
+			lost = append(lost, p)
 		}
+		h.setPlaceholders(rs, res, rs.retryAfter)
+		res.decidedBy.decideLater(reqs, func(_ decision, err error) {
+			if err != nil {
+				for _, p := range lost {
+					p.chargesLost[lostStoreUnreachable].Inc()
+				}
+			}
+		})
+	}
+	for k := range res.after {
+		if a := &res.after[k]; a.lost >= 0 {
+			h.chargeLost(res.shown[a.i], a.lost, aw)
+		}
+	}
+	if aw.trailers {
+		// The declared RateLimit trailer: the state once settled.
+		h.writeFields(aw.Header(), rs, res, false)
+	}
+}
+
+// Why a charge after the response was not made as measured: the label
+// `reason` of caddy_rate_limit_charges_lost_total.
+const (
+	lostNoUsage          = iota // the response reported no usage
+	lostUnreadable              // the body could not be read (its coding, corrupt data, a window too large)
+	lostClientGone              // the client went away before the usage came
+	lostStoreUnreachable        // the store did not take the charge
+	numLostReasons
+)
+
+var lostReasonNames = [numLostReasons]string{"no_usage", "unreadable", "client_gone", "store_unreachable"}
+
+// lostReason is why a settle found no usage.
+func (w *afterResponse) lostReason(p *Policy, gone bool) int {
+	switch {
+	case p.Settle.fromBody() && w.body.unreadable() != nil:
+		return lostUnreadable
+	case gone:
+		return lostClientGone
+	}
+	return lostNoUsage
+}
+
+// estimate is what a response without usage is charged at least: its
+// answer's text as delivered, at bytesPerToken bytes a token, and the
+// prompt's estimate when `cost openai` read one, weighed as the usage.
+// Only body settles estimate; 0 for the others.
+func (w *afterResponse) estimate(p *Policy, rs *requestState) int64 {
+	if w.body == nil || !p.Settle.fromBody() {
+		return 0
+	}
+	return p.Settle.w.weigh(rs.body.promptTokens, tokensOf(w.body.scan.found.text))
+}
+
+// lostLogInterval is how often, at most, a policy logs the settles it lost
+// for one reason.
+const lostLogInterval = time.Minute
+
+// lostLog limits the log lines of one policy's lost settles of one reason.
+type lostLog struct {
+	last  atomic.Int64 // when the last line was written, in Unix ns
+	count atomic.Int64 // lost since
+}
+
+// due counts one lost settle and reports whether a line is due, with the
+// count since the last one.
+func (l *lostLog) due(now time.Time) (int64, bool) {
+	l.count.Add(1)
+	last := l.last.Load()
+	if now.UnixNano()-last < int64(lostLogInterval) || !l.last.CompareAndSwap(last, now.UnixNano()) {
+		return 0, false
+	}
+	return l.count.Swap(0), true
+}
+
+// chargeLost counts a charge not made as measured, and logs the ones an
+// operator can fix (a body that cannot be read, an upstream that reports
+// no usage) at most once per lostLogInterval per policy and reason.
+func (h *Handler) chargeLost(p *Policy, reason int, w *afterResponse) {
+	p.chargesLost[reason].Inc()
+	if reason != lostUnreadable && reason != lostNoUsage || p.Settle == nil {
 		return
 	}
-	// The placeholders, which access logs read after the response, say
-	// what the request was charged in the end.
-	for k, i := range charged {
-		res.d.verdicts[i].remaining, res.d.verdicts[i].untilFits = d.verdicts[k].remaining, d.verdicts[k].untilFits
+	n, due := p.lostLogs[reason].due(time.Now())
+	if !due {
+		return
 	}
-	h.setPlaceholders(rs, res, rs.retryAfter)
+	fields := []zap.Field{zap.String("policy", p.Name), zap.String("settle", p.Settle.describe()), zap.Int("status", w.status),
+		zap.Int64("responses_since_last_line", n), zap.Duration("one_line_per", lostLogInterval)}
+	if reason == lostUnreadable {
+		h.logger.Warn("settle: the response body could not be read for its usage: the reservation stands", append(fields,
+			zap.String("content_encoding", w.body.coding.String()), zap.NamedError("why", w.body.unreadable()))...)
+		return
+	}
+	hint := "the upstream sent no usage: the reservation stands (at least the estimate of what was delivered)"
+	switch p.Settle.From {
+	case settleOpenAI:
+		hint += `; OpenAI streams report usage only when the request sets "stream_options": {"include_usage": true}`
+	case settleHeader, settleTrailer:
+		hint += "; the response had no " + p.Settle.Field + " holding a non-negative integer"
+	}
+	h.logger.Warn("settle: "+hint, fields...)
 }
 
 // predicted is what a charged-after policy's bucket holds once this
@@ -304,8 +608,12 @@ func (l limit) adjusted(v verdict, delta int64) (remaining, untilNext int64) {
 
 // describe is the Caddyfile form of a settle, for messages.
 func (s *Settle) describe() string {
-	if s.Field == "" {
-		return "settle " + s.From
+	d := "settle " + s.From
+	if s.Field != "" {
+		d += " " + s.Field
 	}
-	return fmt.Sprintf("settle %s %s", s.From, s.Field)
+	if sw := s.Weights; sw != nil && sw.Input != nil && sw.Output != nil {
+		d += fmt.Sprintf(" weights input %v output %v", *sw.Input, *sw.Output)
+	}
+	return d
 }

@@ -40,6 +40,9 @@ const (
 type pending struct {
 	reqs   []bucketRequest
 	queued time.Time
+	// then, for work after a response, which nobody waits for, is called
+	// with the outcome once the call is over.
+	then func(*pending)
 	// gone is closed when the client went away: a request still queued then
 	// is dropped, neither decided nor charged (nil: never).
 	gone <-chan struct{}
@@ -82,6 +85,26 @@ type coalescer struct {
 	mu      sync.Mutex
 	calling int // calls in flight
 	queue   []*pending
+	// later is work after responses (settles, charges, releases), which
+	// rides with the next call.
+	later []*pending
+}
+
+// submitLater queues p, work after a response that nobody waits for: it
+// joins the call that goes next, when calls are in flight; otherwise it
+// goes at once, by itself, apart from the request that made it (so that a
+// slot is free at once on an idle instance, and no response waits).
+func (c *coalescer) submitLater(p *pending) {
+	c.mu.Lock()
+	c.later = append(c.later, p)
+	if c.calling > 0 { // a call in flight takes it when it finishes
+		c.mu.Unlock()
+		return
+	}
+	c.calling++
+	batch := c.take()
+	c.mu.Unlock()
+	go c.lead(nil, batch)
 }
 
 // submit returns once p's outcome is in.
@@ -89,8 +112,12 @@ func (c *coalescer) submit(p *pending) {
 	c.mu.Lock()
 	if c.calling == 0 {
 		c.calling++
+		batch := p.one[:]
+		if len(c.later) > 0 { // the work after responses rides with it
+			batch = append(c.takeLater(), p)
+		}
 		c.mu.Unlock()
-		c.lead(p, p.one[:])
+		c.lead(p, batch)
 		return
 	}
 	c.queue = append(c.queue, p)
@@ -98,7 +125,7 @@ func (c *coalescer) submit(p *pending) {
 		// Enough wait to be worth a call of their own: send them now, on
 		// another connection.
 		c.calling++
-		batch := c.take()
+		batch := c.takeWith(false)
 		c.mu.Unlock()
 		c.lead(p, batch) // p, the last to arrive, is in it
 		return
@@ -110,13 +137,43 @@ func (c *coalescer) submit(p *pending) {
 	}
 }
 
-// take removes the next batch from the queue; c.mu is held.
-func (c *coalescer) take() []*pending {
-	n := min(len(c.queue), maxBatch)
-	batch := make([]*pending, n)
-	copy(batch, c.queue)
+// take removes the next batch from the queue: the work after responses
+// first (it was owed first), then the decisions waiting; c.mu is held.
+func (c *coalescer) take() []*pending { return c.takeWith(true) }
+
+// takeWith is take, without the work after responses when later is false.
+func (c *coalescer) takeWith(later bool) []*pending {
+	l := 0
+	if later {
+		l = min(len(c.later), maxBatch)
+	}
+	n := min(len(c.queue), maxBatch-l)
+	batch := make([]*pending, 0, l+n)
+	batch = append(batch, c.later[:l]...)
+	batch = append(batch, c.queue[:n]...)
+	c.later = c.later[:copy(c.later, c.later[l:])]
 	c.queue = c.queue[:copy(c.queue, c.queue[n:])]
 	return batch
+}
+
+// takeLater removes the work after responses (as much as one call takes,
+// leaving room for one decision); c.mu is held.
+func (c *coalescer) takeLater() []*pending {
+	l := min(len(c.later), maxBatch-1)
+	batch := append([]*pending(nil), c.later[:l]...)
+	c.later = c.later[:copy(c.later, c.later[l:])]
+	return batch
+}
+
+// leader is the member of batch that waits for it and can lead it, nil
+// when all are work after responses.
+func leader(batch []*pending) *pending {
+	for _, m := range batch {
+		if m.then == nil {
+			return m
+		}
+	}
+	return nil
 }
 
 // lead sends batch, which p belongs to and leads, then hands the next batch
@@ -153,18 +210,26 @@ var errClientGone = errors.New("rate limit: the client went away before its deci
 func (c *coalescer) finish(p *pending, batch []*pending) {
 	var next []*pending
 	c.mu.Lock()
-	if len(c.queue) > 0 {
+	if len(c.queue) > 0 || len(c.later) > 0 {
 		next = c.take()
 	} else {
 		c.calling--
 	}
 	c.mu.Unlock()
 	if next != nil {
-		next[0].lead = next
-		next[0].done <- struct{}{}
+		if m := leader(next); m != nil {
+			m.lead = next
+			m.done <- struct{}{}
+		} else {
+			go c.lead(nil, next) // only work after responses: nobody waits to lead it
+		}
 	}
 	for _, m := range batch {
-		if m != p {
+		switch {
+		case m.then != nil:
+			m.then(m)
+			m.release()
+		case m != p:
 			m.done <- struct{}{}
 		}
 	}

@@ -3,6 +3,7 @@ package ratelimit
 import (
 	"context"
 	"errors"
+	"fmt"
 	"maps"
 	"regexp"
 	"slices"
@@ -298,5 +299,83 @@ func TestCoalescerDropsGone(t *testing.T) {
 	}
 	if dropped != 1 || !slices.Equal(sizes, []int{1, 1}) {
 		t.Fatalf("dropped %d, calls of %v requests: want the gone request dropped from the second call", dropped, sizes)
+	}
+}
+
+// TestCoalescerLater: work after responses (settles, charges, releases),
+// which nobody waits for, rides with the next call when calls are in
+// flight, goes at once by itself when none is, goes first in the batch it
+// rides with, and reaches its callback with the outcome.
+func TestCoalescerLater(t *testing.T) {
+	var mu sync.Mutex
+	var batches [][]string // what each call carried: "later" or "decision"
+	gate := make(chan struct{})
+	started := make(chan struct{}, 10)
+	c := &coalescer{maxCalls: 1, call: func(batch []*pending) {
+		var kinds []string
+		for _, m := range batch {
+			kind := "decision"
+			if m.then != nil {
+				kind = "later"
+			}
+			kinds = append(kinds, kind)
+			m.err = nil
+		}
+		mu.Lock()
+		batches = append(batches, kinds)
+		first := len(batches) == 1
+		mu.Unlock()
+		started <- struct{}{}
+		if first {
+			<-gate
+		}
+	}}
+	done := make(chan error, 10)
+	later := func() {
+		p := newPending(nil, nil)
+		p.then = func(p *pending) { done <- p.err }
+		c.submitLater(p)
+	}
+	// Alone: at once, by itself.
+	later()
+	<-started
+	// A decision while that call is in flight queues; so does more work
+	// after responses; the next call carries the work first.
+	decided := make(chan struct{})
+	go func() {
+		p := newPending(nil, nil)
+		c.submit(p)
+		p.release()
+		close(decided)
+	}()
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(time.Millisecond) {
+		c.mu.Lock()
+		n := len(c.queue)
+		c.mu.Unlock()
+		if n == 1 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the decision did not queue")
+		}
+	}
+	later()
+	later()
+	close(gate)
+	<-decided
+	for range 3 {
+		select {
+		case err := <-done:
+			if err != nil {
+				t.Fatalf("work after a response: %v", err)
+			}
+		case <-time.After(5 * time.Second):
+			t.Fatal("a callback never came")
+		}
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if fmt.Sprint(batches) != "[[later] [later later decision]]" {
+		t.Fatalf("calls carried %v, want [[later] [later later decision]]", batches)
 	}
 }

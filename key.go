@@ -5,6 +5,7 @@ import (
 	"crypto/sha256"
 	"encoding/base64"
 	"hash"
+	"strings"
 	"sync"
 )
 
@@ -12,13 +13,11 @@ import (
 // the fixed-length token that stands for it in storage keys, so that no raw
 // identity is ever stored, logged or sent to Redis.
 type keyHasher struct {
-	pool  sync.Pool // of hash.Hash: HMAC-SHA-256 with the secret, or SHA-256
-	cache hashCache
+	pool sync.Pool // of hash.Hash: HMAC-SHA-256 with the secret, or SHA-256
 }
 
 func newKeyHasher(secret string) *keyHasher {
 	kh := new(keyHasher)
-	kh.cache.ids = newBucketIDs()
 	kh.pool.New = func() any {
 		if secret == "" {
 			return sha256.New()
@@ -47,50 +46,58 @@ func (kh *keyHasher) sum(identity string) (sum [hashLen]byte) {
 // storageKey is where the policy's bucket for one identity lives:
 // <key_prefix><policy>:{<hash>}, the hash in unpadded base64url. The braces
 // are a Redis Cluster hash tag, so all the policies of one identity live in
-// one slot and one script call can decide them together.
+// one slot and one script call can decide them together. Recent keys are
+// remembered (keyCache): HMAC-SHA-256 costs more than the rest of a
+// decision in process, and a remembered key costs no allocation.
 func (p *Policy) storageKey(kh *keyHasher, identity string) string {
-	sum := kh.sumCached(identity)
-	b := make([]byte, 0, len(p.keyPrefix)+2+base64.RawURLEncoding.EncodedLen(hashLen))
-	b = append(b, p.keyPrefix...)
-	b = append(b, '{')
-	b = base64.RawURLEncoding.AppendEncode(b, sum[:])
-	return string(append(b, '}'))
+	if p.keys == nil { // not provisioned: no cache
+		return p.newStorageKey(kh, identity)
+	}
+	id := p.keys.ids.of(identity)
+	s := &p.keys.shards[id[0]%keyCacheShards]
+	s.mu.Lock()
+	key, ok := s.m[id]
+	s.mu.Unlock()
+	if ok {
+		return key
+	}
+	key = p.newStorageKey(kh, identity)
+	s.mu.Lock()
+	if s.m == nil || len(s.m) >= keyCacheSize {
+		s.m = make(map[bucketID]string, keyCacheSize/4)
+	}
+	s.m[id] = key
+	s.mu.Unlock()
+	return key
 }
 
-// hashCache remembers recent identities' hashes: HMAC-SHA-256 costs more
-// than the rest of a decision in process. It holds at most hashCacheSize
-// identities per shard and is emptied when full, so memory stays bounded
-// whatever clients send. Identities are looked up by a 128-bit id (see
-// bucketID), so the cache holds neither the identities nor any pointer.
-type hashCache struct {
-	shards [hashCacheShards]struct {
+// newStorageKey computes the storage key of identity.
+func (p *Policy) newStorageKey(kh *keyHasher, identity string) string {
+	sum := kh.sum(identity)
+	var enc [24]byte // base64 of hashLen bytes: 22
+	var k strings.Builder
+	k.Grow(len(p.keyPrefix) + 2 + base64.RawURLEncoding.EncodedLen(hashLen))
+	k.WriteString(p.keyPrefix)
+	k.WriteByte('{')
+	k.Write(base64.RawURLEncoding.AppendEncode(enc[:0], sum[:]))
+	k.WriteByte('}')
+	return k.String()
+}
+
+// keyCache remembers a policy's recent storage keys by identity. It holds
+// at most keyCacheSize identities per shard and is emptied when full, so
+// memory stays bounded (about 1 MB per policy) whatever clients send.
+// Identities are looked up by a 128-bit id (see bucketID): the cache holds
+// no identity.
+type keyCache struct {
+	shards [keyCacheShards]struct {
 		mu sync.Mutex
-		m  map[bucketID][hashLen]byte
+		m  map[bucketID]string
 	}
 	ids bucketIDs
 }
 
 const (
-	hashCacheShards = 16
-	hashCacheSize   = 4096
+	keyCacheShards = 16
+	keyCacheSize   = 1024
 )
-
-// sumCached is sum through the cache.
-func (kh *keyHasher) sumCached(identity string) [hashLen]byte {
-	id := kh.cache.ids.of(identity)
-	s := &kh.cache.shards[id[0]%hashCacheShards]
-	s.mu.Lock()
-	h, ok := s.m[id]
-	s.mu.Unlock()
-	if ok {
-		return h
-	}
-	h = kh.sum(identity)
-	s.mu.Lock()
-	if s.m == nil || len(s.m) >= hashCacheSize {
-		s.m = make(map[bucketID][hashLen]byte, hashCacheSize/4)
-	}
-	s.m[id] = h
-	s.mu.Unlock()
-	return h
-}

@@ -131,9 +131,18 @@ func (c *redisConn) release(s store, leases []lease) {
 	if len(rels) == 0 {
 		return
 	}
-	if _, err := s.decide(context.Background(), rels); err != nil {
-		c.retryReleases(rels, policies)
-	}
+	// With the next call (or by itself when none is in flight); then the
+	// requests this instance has waiting try (those of other instances
+	// hear of it from Redis).
+	s.decideLater(rels, func(_ decision, err error) {
+		if err != nil {
+			c.retryReleases(rels, policies)
+			return
+		}
+		for _, rq := range rels {
+			slotQueues.wake(rq.key)
+		}
+	})
 }
 
 // retryReleases keeps releases that failed, to send again.
@@ -250,12 +259,27 @@ func (c *redisConn) renewNow(due []*heldLease, reqs []bucketRequest, retries []*
 			r.policy.releaseRetries.Inc()
 		}
 	}
+	// The leases the store lost are put back now, not a tick later: until
+	// then others may take the slots they look to leave free.
+	var restores []*heldLease
+	var restoreReqs []bucketRequest
+	for _, l := range due {
+		if l.lost && !l.released {
+			l.restoring, l.lost = true, false
+			rq := l.rq
+			rq.op = opRestore
+			restores, restoreReqs = append(restores, l), append(restoreReqs, rq)
+		}
+	}
 	b.mu.Unlock()
 	for _, p := range results {
 		p.release()
 	}
 	if len(rels) > 0 {
 		c.retryReleases(rels, relPolicies)
+	}
+	if len(restores) > 0 {
+		c.renewNow(restores, restoreReqs, nil)
 	}
 }
 
@@ -398,9 +422,10 @@ func (res *reservation) takeSlots() {
 	}
 }
 
-// freeSlots frees the request's slots, in one store call (with Redis, a
-// release that cannot reach it is sent again until it does, or its lease
-// has run out), and wakes the requests this instance has waiting for them.
+// freeSlots frees the request's slots, in one store call (with Redis,
+// riding with the next call; a release that cannot reach Redis is sent
+// again until it does, or its lease has run out), and wakes the requests
+// this instance has waiting for them once they are free.
 func (res *reservation) freeSlots() {
 	if len(res.leases) == 0 {
 		return
@@ -417,9 +442,9 @@ func (res *reservation) freeSlots() {
 			rels[i].op = opRelease
 		}
 		_, _ = res.decidedBy.decide(context.Background(), rels)
-	}
-	for _, l := range res.leases {
-		slotQueues.wake(l.rq.key)
+		for _, rq := range rels {
+			slotQueues.wake(rq.key)
+		}
 	}
 	res.leases = nil
 }

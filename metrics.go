@@ -23,8 +23,8 @@ var (
 	}, []string{"policy", "outcome", "class", "plan"})
 	chargesLost = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Namespace: "caddy", Subsystem: "rate_limit", Name: "charges_lost_total",
-		Help: "Charges after the response (charge_if, settle) that were not made: no usage reported, the client gone mid-stream, or the store unreachable. A lost settle leaves its reservation standing.",
-	}, []string{"policy"})
+		Help: "Charges after the response (charge_if, settle) not made as measured, by reason: no_usage (the response reported none), unreadable (a body whose coding or data could not be read), client_gone (the client left before the usage came), store_unreachable (the store did not take the charge). A lost settle leaves its reservation standing, or charges the estimate of what the response delivered when that is more.",
+	}, []string{"policy", "reason"})
 	inFlight = prometheus.NewGaugeVec(prometheus.GaugeOpts{
 		Namespace: "caddy", Subsystem: "rate_limit", Name: "in_flight",
 		Help: "Requests holding a concurrency policy's slot on this instance now.",

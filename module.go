@@ -40,6 +40,7 @@ func init() {
 // `{http.rate_limit.key}` | that policy's storage key (a hash, never the identity), to tie a hot Redis key to requests
 // `{http.rate_limit.remaining}` | that policy's whole tokens left (empty when nothing was decided)
 // `{http.rate_limit.retry_after}` | the Retry-After sent, in seconds (0 when none)
+// `{http.rate_limit.bearer}` | the token of an `Authorization: Bearer` header, to key on: the scheme in any case, the spaces around it dropped; empty without one
 type Handler struct {
 	// Shares the buckets through Redis with every Caddy instance that points
 	// at the same Redis (and key prefix). Without it, buckets live in this

@@ -2,6 +2,8 @@ package ratelimit
 
 import (
 	"context"
+	cryptorand "crypto/rand"
+	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -153,6 +155,143 @@ func overrideFlag(s store, prefix string) *atomic.Bool {
 	return new(atomic.Bool)
 }
 
+// Announcing an override. The instance that set (or deleted) one publishes
+// "override <instance> <storage key>" on <key_prefix>events; each instance
+// turns the policy's flag on, forgets what it remembered of the bucket, and
+// confirms with "seen <storage key>" on <key_prefix>events:<instance>, the
+// announcer's own channel; the announcer answers once as many confirmations
+// came as the events channel has subscribers (PUBSUB NUMSUB: every
+// instance, itself included), or after a second. So when the admin API
+// answers, the override applies to the next request on every instance,
+// not only once each has read the message.
+
+// eventSeen confirms an override's announcement.
+const eventSeen = "seen"
+
+// overrideInstance names this process in announcements.
+var overrideInstance = func() string {
+	var b [8]byte
+	_, _ = cryptorand.Read(b[:])
+	return hex.EncodeToString(b[:])
+}()
+
+// ackChannel is this process's channel for confirmations of the events
+// channel ch.
+func ackChannel(ch string) string { return ch + ":" + overrideInstance }
+
+// dispatch applies a message of the events channels: overrides' events
+// here, the others in receive.
+func (c *redisConn) dispatch(channel, payload string) {
+	event, rest, _ := strings.Cut(payload, " ")
+	switch event {
+	case eventSeen:
+		if strings.HasSuffix(channel, ":"+overrideInstance) { // to this process
+			c.overrides.seen(rest)
+		}
+		return
+	case eventOverride:
+		from, key, ok := strings.Cut(rest, " ")
+		if !ok {
+			return
+		}
+		c.receive(eventOverride, key) // the flag on, the bucket forgotten: then confirmed
+		go func() {
+			ctx, cancel := context.WithTimeout(context.Background(), c.callTimeout)
+			defer cancel()
+			_ = c.client.Publish(ctx, channel+":"+from, eventSeen+" "+key).Err()
+		}()
+		return
+	}
+	c.receive(event, rest)
+}
+
+// errUnconfirmed: some instance did not confirm an override in time.
+var errUnconfirmed = errors.New("the override was announced, but not every instance confirmed it within 1s: those that did not see it within 10s")
+
+// announceOverride announces the override of the bucket under key and
+// waits for every instance to confirm it, at most a second.
+func (c *redisConn) announceOverride(ctx context.Context, prefix, key string) error {
+	ch := eventsChannel(prefix)
+	want := c.subscribers(ctx, ch)
+	w := c.overrides.expect(key)
+	defer c.overrides.unexpect(key, w)
+	if err := c.client.Publish(ctx, ch, eventOverride+" "+overrideInstance+" "+key).Err(); err != nil {
+		return err
+	}
+	deadline := time.NewTimer(time.Second)
+	defer deadline.Stop()
+	for w.n.Load() < want {
+		select {
+		case <-w.signal:
+		case <-deadline.C:
+			return errUnconfirmed
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
+	return nil
+}
+
+// subscribers is how many connections listen to the events channel ch:
+// one per instance (and Redis store) of the fleet; at least this one.
+func (c *redisConn) subscribers(ctx context.Context, ch string) int64 {
+	var cmd *redis.MapStringIntCmd
+	if cc, ok := c.client.(*redis.ClusterClient); ok {
+		// Every instance subscribes on the master of the channel's slot.
+		node, err := cc.MasterForKey(ctx, ch)
+		if err != nil {
+			return 1
+		}
+		cmd = node.PubSubNumSub(ctx, ch)
+	} else {
+		cmd = c.client.PubSubNumSub(ctx, ch)
+	}
+	n, err := cmd.Result()
+	if err != nil || n[ch] < 1 {
+		return 1
+	}
+	return n[ch]
+}
+
+// ackWait counts the confirmations of one announcement.
+type ackWait struct {
+	n      atomic.Int64
+	signal chan struct{}
+}
+
+func (f *overrideFlags) expect(key string) *ackWait {
+	w := &ackWait{signal: make(chan struct{}, 1)}
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.waits == nil {
+		f.waits = map[string][]*ackWait{}
+	}
+	f.waits[key] = append(f.waits[key], w)
+	return w
+}
+
+func (f *overrideFlags) unexpect(key string, w *ackWait) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.waits[key] = slices.DeleteFunc(f.waits[key], func(x *ackWait) bool { return x == w })
+	if len(f.waits[key]) == 0 {
+		delete(f.waits, key)
+	}
+}
+
+// seen counts a confirmation for the announcements of key in flight.
+func (f *overrideFlags) seen(key string) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	for _, w := range f.waits[key] {
+		w.n.Add(1)
+		select {
+		case w.signal <- struct{}{}:
+		default:
+		}
+	}
+}
+
 // overrideFlags are a Redis connection's flags, by policy prefix, read at
 // start, every overridesEvery and when an override is announced. A flag is
 // on until first read (an instance that starts meanwhile reads the
@@ -165,6 +304,7 @@ type overrideFlags struct {
 	cursors map[string]uint64 // where pruning goes on in each index
 	read    chan struct{}
 	started bool
+	waits   map[string][]*ackWait // announcements awaiting confirmation, by key
 }
 
 // overrideFlag returns the flag of prefix, following it from now on.

@@ -13,6 +13,7 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/redis/go-redis/v9"
+	"go.uber.org/zap"
 )
 
 func TestDecodeOverride(t *testing.T) {
@@ -339,5 +340,55 @@ func TestServeHTTPOverride(t *testing.T) {
 	fake = fake.Add(time.Millisecond)
 	if x := get(); q(x) != 5 || len(list()) != 0 || h.Policies[0].overrides.Load() {
 		t.Fatalf("2 s into an override for 2s: q=%d, %d listed, flag %v; want it gone", q(x), len(list()), h.Policies[0].overrides.Load())
+	}
+}
+
+// TestOverrideAnnouncement: the announcement of an override returns once
+// every subscriber of the events channel confirmed it, so the other
+// instance's flag is on when it returns (not merely soon after); a
+// subscriber that never confirms makes it return errUnconfirmed after a
+// second.
+func TestOverrideAnnouncement(t *testing.T) {
+	srv, client, a := newTestRedis(t)
+	conn := func() *redisConn {
+		c, err := newRedisConn(RedisConfig{Addresses: []string{srv.Addr}, Timeout: testTimeout}.resolved(), zap.NewNop())
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { c.Destruct() })
+		return c
+	}
+	b := conn()
+	a.conn.watch("rl:")
+	b.watch("rl:")
+	flag := b.overrideFlag("rl:p:")
+	ctx := context.Background()
+	deadline := time.Now().Add(5 * time.Second)
+	for (client.PubSubNumSub(ctx, "rl:events").Val()["rl:events"] < 2 || flag.Load()) && time.Now().Before(deadline) {
+		time.Sleep(5 * time.Millisecond) // both subscribed; b read that p has no overrides
+	}
+	if flag.Load() {
+		t.Fatal("the flag of a policy without overrides is on")
+	}
+	start := time.Now()
+	if err := a.conn.announceOverride(ctx, "rl:", "rl:p:{h}"); err != nil {
+		t.Fatalf("announcing: %v", err)
+	}
+	took := time.Since(start)
+	if !flag.Load() {
+		t.Fatal("the other instance's flag is off when the announcement returns")
+	}
+	t.Logf("announced and confirmed by 2 subscribers in %v", took)
+
+	// A subscriber that never confirms (as an instance of the release
+	// before this one): unconfirmed, after a second.
+	deaf := client.Subscribe(ctx, "rl:events")
+	defer deaf.Close()
+	if _, err := deaf.Receive(ctx); err != nil {
+		t.Fatal(err)
+	}
+	start = time.Now()
+	if err := a.conn.announceOverride(ctx, "rl:", "rl:p:{h}"); !errors.Is(err, errUnconfirmed) || time.Since(start) < time.Second {
+		t.Fatalf("with a subscriber that does not confirm: %v after %v, want errUnconfirmed after 1s", err, time.Since(start))
 	}
 }

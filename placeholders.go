@@ -4,6 +4,7 @@ import (
 	"net/http"
 	"slices"
 	"strconv"
+	"strings"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
@@ -29,6 +30,12 @@ type requestState struct {
 	// The members of RateLimit-Policy and RateLimit set by earlier
 	// handlers, which later ones add to.
 	policyField, limitField string
+
+	// header is the request's, for {http.rate_limit.bearer}.
+	header http.Header
+	// body is what the request body asks for (`cost openai`), read once.
+	body     requestBody
+	bodyRead bool
 }
 
 // stateVar is where a request keeps its requestState.
@@ -40,7 +47,7 @@ func requestStateOf(r *http.Request, repl *caddy.Replacer) *requestState {
 	if rs, ok := caddyhttp.GetVar(r.Context(), stateVar).(*requestState); ok {
 		return rs
 	}
-	rs := &requestState{remaining: -1}
+	rs := &requestState{remaining: -1, header: r.Header}
 	rs.policies = rs.policyBuf[:0]
 	caddyhttp.SetVar(r.Context(), stateVar, rs)
 	repl.Map(rs.placeholder)
@@ -59,8 +66,11 @@ func (rs *requestState) wasDecided(name string) bool { return slices.Contains(rs
 // `{http.rate_limit.key}` | that policy's storage key (a hash, never the identity), to tie a hot Redis key to requests
 // `{http.rate_limit.remaining}` | that policy's whole tokens left (empty when nothing was decided)
 // `{http.rate_limit.retry_after}` | the Retry-After sent, in seconds (0 when none)
+// `{http.rate_limit.bearer}` | the token of an `Authorization: Bearer` request header, to key on: the scheme in any case, spaces around the token removed; empty without one
 func (rs *requestState) placeholder(key string) (any, bool) {
 	switch key {
+	case bearerPlaceholder:
+		return bearerToken(rs.header["Authorization"]), true
 	case "http.rate_limit.decision":
 		if !rs.decided { // no policy matched
 			return "", true
@@ -79,4 +89,24 @@ func (rs *requestState) placeholder(key string) (any, bool) {
 		return strconv.FormatInt(rs.retryAfter, 10), true
 	}
 	return nil, false
+}
+
+// bearerPlaceholder is the placeholder of the request's bearer token.
+const bearerPlaceholder = "http.rate_limit.bearer"
+
+// bearerToken is the credential of an Authorization field's first value
+// with the Bearer scheme (RFC 6750): the scheme matched whatever its case,
+// the whitespace around the token dropped, so that a client cannot get a
+// new bucket by writing its one credential differently. Empty for any
+// other scheme, or none.
+func bearerToken(values []string) string {
+	if len(values) == 0 {
+		return ""
+	}
+	v := strings.TrimLeft(values[0], " \t")
+	const scheme = "bearer"
+	if len(v) <= len(scheme) || !strings.EqualFold(v[:len(scheme)], scheme) || v[len(scheme)] != ' ' && v[len(scheme)] != '\t' {
+		return ""
+	}
+	return strings.Trim(v[len(scheme):], " \t")
 }

@@ -63,11 +63,18 @@ type Policy struct {
 	// a quiet period. Default: the rate's N.
 	Burst int64 `json:"burst,omitempty"`
 
-	// The tokens one request takes: an integer (a JSON number or string) or
-	// a placeholder such as `{http.request.header.X-Cost}`. A value that
-	// does not resolve to a positive integer, or resolves above `max_cost`,
-	// is charged at `max_cost`. A request that costs more than `burst` can
-	// never pass (429 without Retry-After). Default 1.
+	// The tokens one request takes: an integer (a JSON number or string), a
+	// placeholder such as `{http.request.header.X-Cost}`, or `openai`: what
+	// an LLM request's JSON body asks for, its `max_tokens`,
+	// `max_completion_tokens` or `max_output_tokens` (the largest) plus an
+	// estimate of its prompt (the bytes of its strings, 4 a token), weighed
+	// as the policy's `settle` weighs usage, read from the first 64 KiB of
+	// the body, which reaches the upstream unchanged. A value that does not
+	// resolve to a positive integer, or resolves above `max_cost` (for
+	// `openai`: a body without those fields, not JSON, compressed, or
+	// longer than 64 KiB without a Content-Length), is charged at
+	// `max_cost`. A request that costs more than `burst` can never pass
+	// (429 without Retry-After). Default 1.
 	Cost caddyhttp.WeakString `json:"cost,omitempty"`
 
 	// The most one request is charged. Default: burst.
@@ -124,9 +131,13 @@ type Policy struct {
 	// Settles the request's cost against the usage the response reports:
 	// `cost` is reserved before the request, as always; then usage below it
 	// is given back (never beyond a full bucket) and usage above it charged
-	// as debt. With no usage reported (or the store unreachable, or the
-	// client gone mid-stream) the reservation stands, counted in
-	// caddy_rate_limit_charges_lost_total.
+	// as debt. With no usage reported (a stream cut before it, an upstream
+	// that sends none, a body that cannot be read, or the store
+	// unreachable) the reservation stands, or, for `openai` and
+	// `anthropic`, the estimate of what the response delivered when that is
+	// more (its text at 4 bytes a token, and the prompt's estimate of
+	// `cost openai`); counted in caddy_rate_limit_charges_lost_total by
+	// reason.
 	Settle *Settle `json:"settle,omitempty"`
 
 	// Provisioned state.
@@ -134,7 +145,8 @@ type Policy struct {
 	events            int64
 	period            time.Duration
 	limit             limit
-	fixedCost         int64 // 0 when Cost holds a placeholder
+	fixedCost         int64 // 0 when Cost holds a placeholder, or is openai
+	costFromBody      bool  // Cost is openai
 	maxCost           int64
 	onError           string
 	shadow            bool
@@ -155,7 +167,8 @@ type Policy struct {
 	// default); debt is the most tokens the bucket may owe beyond empty.
 	settleMax   int64
 	debt        int64
-	chargesLost prometheus.Counter
+	chargesLost [numLostReasons]prometheus.Counter
+	lostLogs    *[numLostReasons]lostLog
 	// Concurrency policies: in flight on this instance, the leases
 	// reclaimed from holders that vanished, and the releases sent again.
 	inFlight       prometheus.Gauge
@@ -164,6 +177,8 @@ type Policy struct {
 
 	// addrMask is what the key keeps of a client address.
 	addrMask addrMask
+	// keys are the storage keys of recent identities (see storageKey).
+	keys *keyCache
 
 	// Gives the policy a limit per plan: which plan a request is on, read
 	// from a placeholder, and each plan's limit. One bucket per key whatever
@@ -323,7 +338,10 @@ func (p *Policy) check() error {
 		cost = "1"
 	}
 	var fixed bool
-	if p.fixedCost, fixed, err = parseCost(cost); err != nil {
+	p.costFromBody = cost == costOpenAI
+	if p.costFromBody {
+		p.fixedCost = 0
+	} else if p.fixedCost, fixed, err = parseCost(cost); err != nil {
 		return fieldErr("cost", "cost: %v", err)
 	}
 	if fixed && p.fixedCost > min(p.maxCost, burst) {
@@ -332,7 +350,10 @@ func (p *Policy) check() error {
 	if p.OnError != "" && !validOnError(p.OnError) {
 		return fieldErr("on_error", "on_error: %q is not fail_open, fail_closed or local", p.OnError)
 	}
-	p.keyTmpl, p.costTmpl = newTemplate(p.Key), newTemplate(string(p.Cost))
+	p.keyTmpl, p.costTmpl = newTemplate(p.Key), newTemplate("")
+	if !p.costFromBody {
+		p.costTmpl = newTemplate(string(p.Cost))
+	}
 	return p.checkPlans()
 }
 
@@ -362,7 +383,7 @@ func (p *Policy) checkConcurrent() error {
 		return err
 	}
 	p.limit = limit{interval: int64(lease / time.Microsecond), burst: p.Concurrent}
-	p.fixedCost, p.maxCost, p.waitUS, p.debt, p.settleMax = 1, 1, 0, 0, 0
+	p.fixedCost, p.maxCost, p.waitUS, p.debt, p.settleMax, p.costFromBody = 1, 1, 0, 0, 0, false
 	p.keyTmpl, p.costTmpl = newTemplate(p.Key), newTemplate("")
 	return nil
 }
@@ -398,6 +419,7 @@ func (p *Policy) provision(ctx caddy.Context, h *Handler) error {
 	}
 	p.shadow = p.Shadow || h.Shadow
 	p.keyPrefix = h.keyPrefix + p.Name + ":"
+	p.keys = &keyCache{ids: newBucketIDs()}
 	p.addrMask = maskOf(p.IPv4Prefix, p.IPv6Prefix, h.IPv4Prefix, h.IPv6Prefix)
 	if p.keyTmpl.constant() { // e.g. `key global`: one bucket, one storage key
 		p.fixedKey = p.storageKey(h.hasher, p.keyTmpl.text)
@@ -414,7 +436,10 @@ func (p *Policy) provision(ctx caddy.Context, h *Handler) error {
 	}
 	p.decisions = policyCounters(p.Name, "", p.planLabel())
 	p.top = topOf(p.Name)
-	p.chargesLost = chargesLost.WithLabelValues(p.Name)
+	for reason := range numLostReasons {
+		p.chargesLost[reason] = chargesLost.WithLabelValues(p.Name, lostReasonNames[reason])
+	}
+	p.lostLogs = new([numLostReasons]lostLog)
 	p.inFlight = inFlight.WithLabelValues(p.Name)
 	p.leasesExpired = leasesExpired.WithLabelValues(p.Name)
 	p.releaseRetries = releaseRetries.WithLabelValues(p.Name)
@@ -461,11 +486,24 @@ func (p *Policy) cost(r *http.Request, repl *caddy.Replacer) int64 {
 	if p.fixedCost > 0 {
 		return p.fixedCost
 	}
+	if p.costFromBody {
+		rs, _ := caddyhttp.GetVar(r.Context(), stateVar).(*requestState)
+		return requestBodyOf(r, rs).reservation(p.usageWeights(), p.maxCost)
+	}
 	v, err := strconv.ParseInt(p.costTmpl.resolve(r, repl, p.addrMask), 10, 64)
 	if err != nil || v < 1 || v > p.maxCost {
 		return p.maxCost
 	}
 	return v
+}
+
+// usageWeights are the weights of the policy's settle, which its
+// reservation from the body is weighed with too.
+func (p *Policy) usageWeights() weights {
+	if p.Settle != nil && p.Settle.Weights != nil {
+		return p.Settle.w
+	}
+	return unitWeights
 }
 
 // key resolves the policy's key template for this request, its client

@@ -169,7 +169,7 @@ func (c *redisConn) report(kind string, err error) {
 // only to name a key that is not a bucket; the sorted-set commands for
 // concurrency slots), and PUBLISH and SUBSCRIBE for the events between
 // instances.
-const limiterACL = "~rl:* &rl:* +evalsha +eval +time +get +set +del +type +publish +subscribe +zadd +zrem +zcard +zremrangebyscore +pexpire +hset +hdel +hget +hgetall +hlen +hscan"
+const limiterACL = "~rl:* &rl:* +evalsha +eval +time +get +set +del +type +publish +subscribe +zadd +zrem +zcard +zremrangebyscore +pexpire +hset +hdel +hget +hgetall +hlen +hscan +pubsub|numsub"
 
 // errorFixes is what to change for each permanent error kind.
 var errorFixes = map[string]string{
@@ -189,9 +189,12 @@ var errorFixes = map[string]string{
 // it (deny cache, return turns), at once rather than within denyMaxAge.
 // "freed": a concurrency slot was freed: the requests waiting for one try.
 // "format <key_prefix>": the fleet marker changed (upgrade.go).
-// "override": an operator set or deleted the override of the bucket's
-// identity (override_store.go): as "changed", and the policy's overrides
-// are read again, its flag on meanwhile.
+// "override <instance> <storage key>": an operator set or deleted the
+// override of the bucket's identity (override_store.go): as "changed", and
+// the policy's overrides are read again, its flag on meanwhile; each
+// instance then confirms it ("seen <storage key>" on
+// <key_prefix>events:<instance>), so that the instance that announced it
+// answers once every instance applies it.
 type redisEvents struct {
 	mu       sync.Mutex
 	ps       *redis.PubSub
@@ -235,19 +238,18 @@ func (c *redisConn) watch(prefix string) {
 	}
 	if e.ps != nil {
 		ps := e.ps
-		go func() { _ = ps.Subscribe(context.Background(), ch) }()
+		go func() { _ = ps.Subscribe(context.Background(), ch, ackChannel(ch)) }()
 		return
 	}
 	// go-redis resubscribes after a lost connection by itself.
 	e.ps = c.client.Subscribe(context.Background())
 	ps := e.ps
 	go func() {
-		if err := ps.Subscribe(context.Background(), ch); err != nil {
+		if err := ps.Subscribe(context.Background(), ch, ackChannel(ch)); err != nil {
 			c.logger.Debug("subscribing to rate-limit events", zap.String("redis", c.name), zap.Error(err))
 		}
 		for msg := range ps.Channel() {
-			event, key, _ := strings.Cut(msg.Payload, " ")
-			c.receive(event, key)
+			c.dispatch(msg.Channel, msg.Payload) // override_store.go: overrides' events, and receive
 		}
 	}()
 }
@@ -290,12 +292,6 @@ func (c *redisConn) receive(event, key string) {
 // returns once the message came back through Redis (so it reached every
 // subscriber), or after a second.
 func (c *redisConn) announce(ctx context.Context, prefix, key string) error {
-	return c.announceEvent(ctx, prefix, eventChanged, key)
-}
-
-// announceEvent is announce of an event that changes a bucket: changed, or
-// override.
-func (c *redisConn) announceEvent(ctx context.Context, prefix, event, key string) error {
 	echo := make(chan struct{})
 	e := &c.events
 	e.mu.Lock()
@@ -312,7 +308,7 @@ func (c *redisConn) announceEvent(ctx context.Context, prefix, event, key string
 		}
 		e.mu.Unlock()
 	}()
-	if err := c.client.Publish(ctx, eventsChannel(prefix), event+" "+key).Err(); err != nil {
+	if err := c.client.Publish(ctx, eventsChannel(prefix), eventChanged+" "+key).Err(); err != nil {
 		return err
 	}
 	select {

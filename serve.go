@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net/http"
 	"strconv"
+	"sync"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
@@ -23,29 +24,40 @@ import (
 func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
 	repl := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
 	rs := requestStateOf(r, repl)
-	var res reservation
-	if err := h.match(r, repl, rs, &res); err != nil {
+	res := reservations.Get().(*reservation)
+	defer res.recycle()
+	if err := h.match(r, repl, rs, res); err != nil {
 		return err
 	}
 	if len(res.reqs) == 0 {
 		return next.ServeHTTP(w, r)
 	}
-	defer res.release()
-	h.reserve(r, &res)
+	h.reserve(r, res)
 	if res.clientGone {
 		return nil // nobody to answer
 	}
 	if !res.admitted() {
-		return h.deny(w, r, rs, &res)
+		return h.deny(w, r, rs, res)
 	}
-	h.report(w, rs, &res, 0)
+	h.report(w, rs, res, 0)
 	if !res.holdUntilDue(r) {
 		return nil // the client went away; its slot stays consumed
 	}
-	w = h.watchResponse(w, rs, &res)
-	err := next.ServeHTTP(w, r)
-	h.charge(r.Context(), w, rs, &res, err)
-	return err
+	return h.serveWatched(w, r, next, rs, res)
+}
+
+// reservations are reused from request to request: a reservation and its
+// inline buffers are a few KB, and nothing holds on to one once its request
+// returns (what outlives it, the placeholders and response fields, are
+// strings of their own).
+var reservations = sync.Pool{New: func() any { return new(reservation) }}
+
+// recycle releases what the request holds and returns the reservation to
+// the pool.
+func (res *reservation) recycle() {
+	res.release()
+	*res = reservation{}
+	reservations.Put(res)
 }
 
 // reservation is one request's decision and what the request holds until
@@ -466,13 +478,21 @@ func (h *Handler) writeFields(hdr http.Header, rs *requestState, res *reservatio
 		}
 		lim = limitMember(lim, p.Name, remaining, until)
 	}
-	policyField := h.allPolicyHdr
-	if !all {
-		policyField = string(pol)
+	// Both fields in one string, and both values in one array: two
+	// allocations for what the response keeps.
+	var both string
+	var policyField string
+	if all {
+		policyField, both = h.allPolicyHdr, string(lim)
+	} else {
+		both = string(append(pol, lim...))
+		policyField = both[:len(pol)]
 	}
-	rs.policyField, rs.limitField = policyField, string(lim)
-	hdr["Ratelimit-Policy"] = []string{policyField}
-	hdr["Ratelimit"] = []string{rs.limitField}
+	rs.policyField, rs.limitField = policyField, both[len(both)-len(lim):]
+	values := new([2]string)
+	values[0], values[1] = policyField, rs.limitField
+	hdr["Ratelimit-Policy"] = values[0:1:1]
+	hdr["Ratelimit"] = values[1:2:2]
 }
 
 // tighter orders verdicts for {http.rate_limit.policy}: a denial before an

@@ -27,6 +27,10 @@ func (failingStore) decide(context.Context, []bucketRequest) (decision, error) {
 	return decision{}, errors.New("connection refused")
 }
 
+func (f failingStore) decideLater(reqs []bucketRequest, then func(decision, error)) {
+	then(f.decide(context.Background(), reqs))
+}
+
 // testHandler provisions h as Caddy would, then puts its buckets in st (an
 // in-process store on an injected clock, or a failing one).
 func testHandler(t *testing.T, h *Handler, st store) *Handler {
@@ -470,7 +474,7 @@ func TestServeHTTPSettle(t *testing.T) {
 		Cost: "{http.request.header.X-Max-Tokens}", MaxCost: 500, Settle: &Settle{From: settleHeader, Field: "X-Usage-Tokens", Max: 600}}}}, newMemoryStore(c.now))
 	lost := func() float64 {
 		var m dto.Metric
-		_ = h.Policies[0].chargesLost.Write(&m)
+		_ = h.Policies[0].chargesLost[lostNoUsage].Write(&m)
 		return m.GetCounter().GetValue()
 	}
 	step := func(reserve, usage string, wantField, wantAfter int64) {

@@ -118,7 +118,11 @@ func (m *memoryStore) decide(_ context.Context, reqs []bucketRequest) (decision,
 	}()
 
 	now := m.now()
-	tats := make([]int64, len(reqs))
+	var tatbuf [4]int64
+	tats := tatbuf[:0]
+	for range reqs {
+		tats = append(tats, 0)
+	}
 	for i, rq := range reqs {
 		if rq.op.slots() {
 			tats[i] = int64(len(m.shards[shards[i]].slots[ids[i]]))
@@ -146,6 +150,11 @@ func (m *memoryStore) decide(_ context.Context, reqs []bucketRequest) (decision,
 		s.store(ids[i], storedBucket{next[i], rq.limit.interval}, now)
 	}
 	return d, nil
+}
+
+// decideLater decides at once: in process, nothing is saved by waiting.
+func (m *memoryStore) decideLater(reqs []bucketRequest, then func(decision, error)) {
+	then(m.decide(context.Background(), reqs))
 }
 
 // applySlots takes, frees or renews a lease; for opRenew it reports

@@ -79,6 +79,25 @@ func (s *redisStore) decide(ctx context.Context, reqs []bucketRequest) (decision
 	return s.decideInOneCall(ctx, reqs)
 }
 
+// decideLater sends reqs with the next script call of this instance, or
+// by itself at once when none is in flight: work after a response rides
+// with the decisions instead of making a call of its own, and no response
+// waits for it.
+func (s *redisStore) decideLater(reqs []bucketRequest, then func(decision, error)) {
+	if s.conn.coalescer == nil { // Cluster: a call per slot group, apart
+		go func() { then(s.decide(context.Background(), reqs)) }()
+		return
+	}
+	if s.conn.breaker.skipping() {
+		circuitOpenErrors.Inc()
+		then(decision{}, errCircuitOpen)
+		return
+	}
+	p := newPending(reqs, nil)
+	p.then = func(p *pending) { then(p.d, p.err) }
+	s.conn.coalescer.submitLater(p)
+}
+
 // decideInOneCall decides buckets that one script call can reach: a single
 // Redis, or one Redis Cluster slot.
 func (s *redisStore) decideInOneCall(ctx context.Context, reqs []bucketRequest) (decision, error) {
@@ -140,7 +159,9 @@ func (c *redisConn) eval(batch []*pending) callResult {
 		if err != nil {
 			p.err = err
 		}
-		storeDuration.Observe(end.Sub(p.queued).Seconds())
+		if p.then == nil { // a request waited for it
+			storeDuration.Observe(end.Sub(p.queued).Seconds())
+		}
 		var bad *badBucketError
 		if errors.As(p.err, &bad) {
 			storeErrors.WithLabelValues(bad.kind).Inc()

@@ -47,6 +47,7 @@ var (
 	connections = flag.Int("connections", 32, "wrk connections")
 	threads     = flag.Int("threads", 2, "wrk threads")
 	only        = flag.String("only", "abcdefghij", "scenarios to run (plain Caddy, (a), always runs); the latency and key-size parts need b and d")
+	previous    = flag.String("previous", testcaddy.PreviousRelease, "commit of the build to compare with, side by side, on (b), (c), (f) and (g) (empty: no comparison)")
 	overrides   = flag.Int("overrides", 1000, "overrides set, of as many of the 10,000 identities, in scenario (j)")
 	latency     = flag.Bool("latency", true, "with b: also measure latency one request at a time and open loop")
 )
@@ -77,6 +78,8 @@ type wrkRun struct {
 	// CPU time per request in µs, of wrk, Caddy and Redis during the run,
 	// and the share of the machine's cores the three kept busy.
 	wrkCPU, caddyCPU, redisCPU, busy float64
+	// redisScript: Redis's µs in the script per request (before/after).
+	redisScript float64
 }
 
 const identitiesLua = `
@@ -128,6 +131,14 @@ func main() {
 	bin := filepath.Join(s.TempDir(), "caddy")
 	if err := testcaddy.Build(bin); err != nil {
 		s.Fatalf("building caddy: %v", err)
+	}
+	var previousBin string
+	if *previous != "" {
+		fmt.Printf("Building the build to compare with (%.12s)...\n", *previous)
+		previousBin = filepath.Join(s.TempDir(), "caddy-previous")
+		if err := testcaddy.BuildRelease(".", *previous, previousBin); err != nil {
+			s.Fatalf("building %s: %v", *previous, err)
+		}
 	}
 	redis := testredis.Start(s)
 	dir := s.TempDir()
@@ -187,14 +198,28 @@ func main() {
 	respond := map[string]any{"handler": "static_response", "status_code": 200, "body": "ok"}
 	reporting := map[string]any{"handler": "static_response", "status_code": 200, "body": "ok",
 		"headers": map[string]any{"X-Usage-Tokens": []string{"3"}}}
-	for _, sc := range scenarios {
+	start := func(bin string, sc *scenario) *testcaddy.Instance {
 		switch {
 		case sc.handler == nil:
-			sc.in = testcaddy.Start(s, bin, nil, respond)
+			return testcaddy.Start(s, bin, nil, respond)
 		case sc.usage:
-			sc.in = testcaddy.Start(s, bin, nil, sc.handler, reporting)
+			return testcaddy.Start(s, bin, nil, sc.handler, reporting)
 		default:
-			sc.in = testcaddy.Start(s, bin, nil, sc.handler, respond)
+			return testcaddy.Start(s, bin, nil, sc.handler, respond)
+		}
+	}
+	for _, sc := range scenarios {
+		sc.in = start(bin, sc)
+	}
+	// This build's buckets are written in the compact format (v2), as a
+	// fleet all on this release writes them (see docs/redis.md); the build
+	// compared with keeps its own keys, under another prefix.
+	if _, err := redis.Do("SET", "rl:format", "v2"); err != nil {
+		s.Fatalf("setting the storage format marker: %v", err)
+	}
+	for _, sc := range scenarios {
+		if sc.redis {
+			waitFormat(s, sc.in, "v2")
 		}
 	}
 	for _, sc := range scenarios {
@@ -278,6 +303,9 @@ func main() {
 		deniedShare := median(pick(d.runs, func(w wrkRun) float64 { return w.non2xx / w.requests }))
 		fmt.Printf("\n(d): %.4f of requests denied; Redis calls per denied request %.4f\n", deniedShare, median(d.calls)/deniedShare)
 		fmt.Printf("Bytes per live key (MEMORY USAGE): %s\n", keyBytes(s, redis, d.in.URL))
+	}
+	if previousBin != "" {
+		beforeAfter(s, wrk, redis, previousBin, plain, byName, start)
 	}
 	b := byName["b"]
 	if b == nil || !*latency {
@@ -440,13 +468,20 @@ func keyBytes(s *testcaddy.Session, redis *testredis.Server, url string) string 
 	var sizes []float64
 	for i := range 5 {
 		_, _ = redis.Do("FLUSHALL")
+		_, _ = redis.Do("SET", "rl:format", "v2") // the fleet marker stays
 		req, _ := http.NewRequest("GET", url, nil)
 		req.Header.Set("X-User", "sizing-"+strconv.Itoa(i))
 		if resp, err := http.DefaultClient.Do(req); err == nil {
 			resp.Body.Close()
 		}
-		key, err := redis.Do("RANDOMKEY")
-		if err != nil || key == "" {
+		var key string
+		var err error
+		for range 20 { // the bucket's key, not the marker's
+			if key, err = redis.Do("RANDOMKEY"); err != nil || strings.HasSuffix(key, "}") {
+				break
+			}
+		}
+		if err != nil || !strings.HasSuffix(key, "}") {
 			continue
 		}
 		n, err := redis.Do("MEMORY", "USAGE", key)
@@ -528,6 +563,123 @@ func median(v []float64) float64 {
 func withJitter0(h map[string]any) map[string]any {
 	h["jitter"] = 0
 	return h
+}
+
+// waitFormat waits (at most 15 s) until the instance writes buckets in the
+// given format.
+func waitFormat(s *testcaddy.Session, in *testcaddy.Instance, format string) {
+	deadline := time.Now().Add(15 * time.Second)
+	for {
+		resp, err := http.Post(in.Admin+"/rate_limit/format", "application/json", strings.NewReader(`{"format":"`+format+`"}`))
+		if err == nil {
+			body, _ := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			if strings.Contains(string(body), `"writes":"`+format+`"`) {
+				return
+			}
+		}
+		if time.Now().After(deadline) {
+			s.Fatalf("the instance at %s does not write %s buckets", in.URL, format)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+}
+
+// beforeAfter runs (b), (c), (f) and (g) on the build compared with and on
+// this one, side by side: in each round, each scenario on both builds, each
+// run paired with a run of plain Caddy next to it, the order alternating;
+// then the medians of the ratios, of Caddy's and Redis's CPU per request,
+// and the bytes of a live key.
+func beforeAfter(s *testcaddy.Session, wrk string, redis *testredis.Server, previousBin string, plain *scenario, byName map[string]*scenario,
+	start func(bin string, sc *scenario) *testcaddy.Instance) {
+	type side struct {
+		sc     *scenario
+		ratios []float64
+	}
+	var pairs [][2]*side
+	for _, name := range []string{"b", "c", "d", "f", "g"} {
+		cur := byName[name]
+		if cur == nil {
+			continue
+		}
+		prev := *cur
+		prev.runs, prev.calls, prev.usecPerCall, prev.usecPerRequest, prev.ratios = nil, nil, nil, nil, nil
+		if prev.handler != nil {
+			prev.handler = withPrefix(prev.handler, "prev:")
+		}
+		prev.in = start(previousBin, &prev)
+		pairs = append(pairs, [2]*side{{sc: &prev}, {sc: cur}})
+	}
+	if len(pairs) == 0 {
+		return
+	}
+	fmt.Printf("\nThis build against the previous one (%s), side by side, %d rounds:\n", filepath.Base(previousBin), *rounds)
+	measure := func(sc *scenario) wrkRun {
+		run := runWrk(s, wrk, sc.in.URL, sc.script, []int{sc.in.Pid(), redis.Pid()}, func() { _, _ = redis.Do("CONFIG", "RESETSTAT") })
+		if sc.redis {
+			_, usec := scriptStats(s, redis)
+			run.redisScript = usec / run.requests
+		}
+		return run
+	}
+	var runs [][2][]wrkRun = make([][2][]wrkRun, len(pairs))
+	for r := range *rounds {
+		for i, pair := range pairs {
+			for k := range 2 {
+				side := pair[(k+r+i)%2]
+				var p, l wrkRun
+				if (r+i+k)%2 == 0 {
+					p, l = measure(plain), measure(side.sc)
+				} else {
+					l, p = measure(side.sc), measure(plain)
+				}
+				side.ratios = append(side.ratios, l.rps/p.rps)
+				w := 0
+				if side == pair[1] {
+					w = 1
+				}
+				runs[i][w] = append(runs[i][w], l)
+				fmt.Printf("round %d (%s) %s: %.0f req/s, %.2f of plain\n", r+1, pair[1].sc.name, []string{"before", "after"}[w], l.rps, l.rps/p.rps)
+			}
+		}
+	}
+	tw := tabwriter.NewWriter(os.Stdout, 2, 4, 2, ' ', 0)
+	fmt.Fprintln(tw, "scenario\tratio before\trange\tratio after\trange\tCaddy µs/req before\tafter\tRedis script µs/req before\tafter")
+	for i, pair := range pairs {
+		m := func(w int, f func(wrkRun) float64) float64 { return median(pick(runs[i][w], f)) }
+		cpu := func(w wrkRun) float64 { return w.caddyCPU }
+		script := func(w wrkRun) float64 { return w.redisScript }
+		fmt.Fprintf(tw, "(%s)\t%.2f\t%.2f-%.2f\t%.2f\t%.2f-%.2f\t%.1f\t%.1f\t%.2f\t%.2f\n", pair[1].sc.name,
+			median(pair[0].ratios), slices.Min(pair[0].ratios), slices.Max(pair[0].ratios),
+			median(pair[1].ratios), slices.Min(pair[1].ratios), slices.Max(pair[1].ratios),
+			m(0, cpu), m(1, cpu), m(0, script), m(1, script))
+	}
+	tw.Flush()
+	for _, pair := range pairs {
+		if pair[1].sc.name == "d" { // its keys live long enough to be weighed (100 ms)
+			fmt.Printf("Bytes per live key (MEMORY USAGE) of (d), before: %s; after (format v2): %s\n",
+				keyBytes(s, redis, pair[0].sc.in.URL), keyBytes(s, redis, pair[1].sc.in.URL))
+		}
+	}
+	fmt.Printf("Plain Caddy's CPU per request (the main rounds): %.1f µs\n", median(pick(plain.runs, func(w wrkRun) float64 { return w.caddyCPU })))
+}
+
+// withPrefix is a copy of a rate_limit handler whose buckets live under
+// another key prefix.
+func withPrefix(h map[string]any, prefix string) map[string]any {
+	c := map[string]any{}
+	for k, v := range h {
+		c[k] = v
+	}
+	if r, ok := h["redis"].(map[string]any); ok {
+		rc := map[string]any{}
+		for k, v := range r {
+			rc[k] = v
+		}
+		rc["key_prefix"] = prefix
+		c["redis"] = rc
+	}
+	return c
 }
 
 // onPlans is (b)'s policy on three plans: its own limit, pro's and

@@ -1,0 +1,333 @@
+package ratelimit
+
+import (
+	"bytes"
+	"context"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"strconv"
+	"strings"
+	"testing"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	dto "github.com/prometheus/client_model/go"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zaptest/observer"
+)
+
+// llmExchange is one request through a handler to an upstream, as the
+// client and the upstream saw it.
+type llmExchange struct {
+	status    int
+	header    http.Header
+	body      []byte
+	remaining int64 // {http.rate_limit.remaining} once the response is charged
+	upstream  []byte
+	panicked  any
+}
+
+// serveLLM sends a POST with body and the header pairs through h to
+// upstream, which is handed the request body as it arrived.
+func serveLLM(t *testing.T, h *Handler, body string, upstream func(w http.ResponseWriter, r *http.Request), header ...string) (x llmExchange) {
+	t.Helper()
+	r := httptest.NewRequest("POST", "/v1/chat/completions", strings.NewReader(body))
+	for i := 0; i+1 < len(header); i += 2 {
+		r.Header.Set(header[i], header[i+1])
+	}
+	repl := caddy.NewReplacer()
+	ctx := context.WithValue(r.Context(), caddy.ReplacerCtxKey, repl)
+	ctx = context.WithValue(ctx, caddyhttp.VarsCtxKey, map[string]any{})
+	r = r.WithContext(ctx)
+	w := httptest.NewRecorder()
+	next := caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
+		x.upstream, _ = io.ReadAll(r.Body)
+		upstream(w, r)
+		return nil
+	})
+	func() {
+		defer func() { x.panicked = recover() }()
+		_ = h.ServeHTTP(w, r, next)
+	}()
+	x.status, x.header, x.body = w.Code, w.Header(), w.Body.Bytes()
+	v, _ := repl.GetString("http.rate_limit.remaining")
+	x.remaining, _ = strconv.ParseInt(v, 10, 64)
+	return x
+}
+
+// llmPolicy reserves from the body (cost openai, at most 8,000) of a
+// budget of 10,000 tokens that does not refill during a test.
+func llmPolicy(settle *Settle) *Policy {
+	return &Policy{Name: "llm_tokens", Key: "{http.rate_limit.bearer}", Rate: "10000/24h", Cost: "openai", MaxCost: 8000, Settle: settle}
+}
+
+// answering writes a body with the headers.
+func answering(body []byte, header ...string) func(http.ResponseWriter, *http.Request) {
+	return func(w http.ResponseWriter, r *http.Request) {
+		for i := 0; i+1 < len(header); i += 2 {
+			w.Header().Set(header[i], header[i+1])
+		}
+		_, _ = w.Write(body)
+	}
+}
+
+// TestServeHTTPSettleLLM: `cost openai` reserves max_tokens and the
+// prompt's estimate from the body, which reaches the upstream byte for
+// byte; `settle openai` and `settle anthropic` settle the usage of JSON
+// bodies and streams, compressed or not, weighed or not: the bucket holds
+// the budget less the reported usage.
+func TestServeHTTPSettleLLM(t *testing.T) {
+	w14 := &SettleWeights{Input: ptr(1.0), Output: ptr(4.0)}
+	for _, tc := range []struct {
+		name   string
+		settle *Settle
+		ct     string
+		body   string
+		usage  int64
+	}{
+		{"openai chat JSON", &Settle{From: settleOpenAI}, "application/json", openaiChatJSON, 29},
+		{"openai chat SSE", &Settle{From: settleOpenAI}, "text/event-stream", openaiChatSSE, 12},
+		{"openai chat SSE, weighed", &Settle{From: settleOpenAI, Weights: w14}, "text/event-stream", openaiChatSSE, 9 + 4*3},
+		{"openai responses JSON", &Settle{From: settleOpenAI}, "application/json", openaiResponsesJSON, 123},
+		{"openai responses SSE", &Settle{From: settleOpenAI}, "text/event-stream", openaiResponsesSSE, 48},
+		{"anthropic JSON", &Settle{From: settleAnthropic}, "application/json", anthropicJSON, 18},
+		{"anthropic SSE", &Settle{From: settleAnthropic}, "text/event-stream", anthropicSSE, 40},
+		{"anthropic SSE, weighed", &Settle{From: settleAnthropic, Weights: w14}, "text/event-stream", anthropicSSE, 25 + 4*15},
+	} {
+		for _, c := range testCodings {
+			h := testHandler(t, &Handler{Jitter: jitterOff(), Policies: []*Policy{llmPolicy(tc.settle)}}, newMemoryStore((&clock{t: 1000 * sec}).now))
+			encoded := encodeTest(t, c.coding, tc.body, 100)
+			up := answering(encoded, "Content-Type", tc.ct, "Content-Encoding", c.name)
+			x := serveLLM(t, h, chatRequest, up, "Authorization", "Bearer sk-1", "Accept-Encoding", "gzip, deflate, br, zstd")
+			reserved := int64(50 + 11)
+			if tc.settle.Weights != nil {
+				reserved = 11 + 4*50
+			}
+			if x.status != 200 || !bytes.Equal(x.body, encoded) || string(x.upstream) != chatRequest {
+				t.Fatalf("%s, %s: %d, the client got the body unchanged %v, the upstream the request's %v", tc.name, c.name, x.status, bytes.Equal(x.body, encoded), string(x.upstream) == chatRequest)
+			}
+			// The RateLimit field went out with the reservation; the bucket
+			// holds the usage once settled.
+			if r := fields(t, x.header, "RateLimit")["llm_tokens"]["r"]; r != 10000-reserved || x.remaining != 10000-tc.usage {
+				t.Errorf("%s, %s: RateLimit r=%d (want the reservation's %d), settled at %d left (want %d, a usage of %d)", tc.name, c.name, r, 10000-reserved, x.remaining, 10000-tc.usage, tc.usage)
+			}
+		}
+	}
+}
+
+func ptr[T any](v T) *T { return &v }
+
+// TestServeHTTPCutStream: a stream cut before its usage (reverse_proxy
+// panics with http.ErrAbortHandler when the client or the upstream cuts
+// it) is charged what it delivered, its text at 4 bytes a token and the
+// prompt's estimate, and never less than its reservation; a stream
+// without a usage event (no include_usage) the same. Each is counted lost
+// by its reason, and the upstream that sends no usage is logged once.
+func TestServeHTTPCutStream(t *testing.T) {
+	text := strings.Repeat("word ", 80) // 400 bytes: 100 tokens
+	var stream strings.Builder
+	for i := 0; i < len(text); i += 20 {
+		stream.WriteString("data: {\"choices\":[{\"delta\":{\"content\":\"" + text[i:i+20] + "\"}}]}\n\n")
+	}
+	half := stream.String()[:stream.Len()/2]
+	halfText := int64(strings.Count(half, "word ") * 5)
+	core, logs := observer.New(zap.WarnLevel)
+	for _, tc := range []struct {
+		name    string
+		reserve string // X-Max-Tokens, the header cost
+		body    string
+		cut     bool
+		gone    bool // the client's context is cancelled
+		charged int64
+		reason  int
+	}{
+		{"cut by the upstream, a tiny reservation", "1", half, true, false, tokensOf(halfText), lostNoUsage},
+		{"cut by the client, a tiny reservation", "1", half, true, true, tokensOf(halfText), lostClientGone},
+		{"cut, a reservation above the estimate", "500", half, true, false, 500, lostNoUsage},
+		{"no usage event", "1", stream.String(), false, false, 100, lostNoUsage},
+		{"no usage event, gzip", "1", stream.String(), false, false, 100, lostNoUsage},
+	} {
+		h := testHandler(t, &Handler{Jitter: jitterOff(), Policies: []*Policy{{Name: "llm_tokens", Key: "{http.rate_limit.bearer}", Rate: "10000/24h",
+			Cost: "{http.request.header.X-Max-Tokens}", MaxCost: 8000, Settle: &Settle{From: settleOpenAI}}}}, newMemoryStore((&clock{t: 1000 * sec}).now))
+		h.logger = zap.New(core)
+		body, coding := []byte(tc.body), "identity"
+		if strings.HasSuffix(tc.name, "gzip") {
+			body, coding = encodeTest(t, codingGzip, tc.body, 0), "gzip"
+		}
+		var cancel context.CancelFunc
+		up := func(w http.ResponseWriter, r *http.Request) {
+			w.Header().Set("Content-Type", "text/event-stream")
+			w.Header().Set("Content-Encoding", coding)
+			_, _ = w.Write(body)
+			if tc.gone {
+				cancel()
+			}
+			if tc.cut {
+				panic(http.ErrAbortHandler)
+			}
+		}
+		lostBefore := counterValue(h.Policies[0].chargesLost[tc.reason])
+		x := serveLLMCancel(t, h, up, &cancel, "Authorization", "Bearer sk-cut", "X-Max-Tokens", tc.reserve)
+		if tc.cut != (x.panicked == http.ErrAbortHandler) {
+			t.Fatalf("%s: panicked %v: the handler must let reverse_proxy's abort go on", tc.name, x.panicked)
+		}
+		if x.remaining != 10000-tc.charged {
+			t.Errorf("%s: %d left, want %d (charged %d)", tc.name, x.remaining, 10000-tc.charged, tc.charged)
+		}
+		if got := counterValue(h.Policies[0].chargesLost[tc.reason]) - lostBefore; got != 1 {
+			t.Errorf("%s: %v counted lost as %s, want 1", tc.name, got, lostReasonNames[tc.reason])
+		}
+		t.Logf("%s: reserved %s, charged %d", tc.name, tc.reserve, tc.charged)
+	}
+	// One line per policy and reason per minute at most: the first
+	// handler's no_usage, the others' first each (every handler is its own
+	// config).
+	for _, e := range logs.All() {
+		if !strings.Contains(e.Message, "no usage") {
+			t.Errorf("logged %q", e.Message)
+		}
+	}
+}
+
+// serveLLMCancel is serveLLM with a context the upstream can cancel, as a
+// client going away does.
+func serveLLMCancel(t *testing.T, h *Handler, upstream func(http.ResponseWriter, *http.Request), cancel *context.CancelFunc, header ...string) (x llmExchange) {
+	t.Helper()
+	r := httptest.NewRequest("POST", "/v1/chat/completions", strings.NewReader(chatRequest))
+	for i := 0; i+1 < len(header); i += 2 {
+		r.Header.Set(header[i], header[i+1])
+	}
+	repl := caddy.NewReplacer()
+	ctx, c := context.WithCancel(context.WithValue(r.Context(), caddy.ReplacerCtxKey, repl))
+	*cancel = c
+	ctx = context.WithValue(ctx, caddyhttp.VarsCtxKey, map[string]any{})
+	r = r.WithContext(ctx)
+	w := httptest.NewRecorder()
+	next := caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
+		upstream(w, r)
+		return nil
+	})
+	func() {
+		defer func() { x.panicked = recover() }()
+		_ = h.ServeHTTP(w, r, next)
+	}()
+	x.status, x.header, x.body = w.Code, w.Header(), w.Body.Bytes()
+	v, _ := repl.GetString("http.rate_limit.remaining")
+	x.remaining, _ = strconv.ParseInt(v, 10, 64)
+	return x
+}
+
+func counterValue(c interface{ Write(*dto.Metric) error }) float64 {
+	var m dto.Metric
+	_ = c.Write(&m)
+	return m.GetCounter().GetValue()
+}
+
+// TestLostLogged: a body that cannot be read is counted each time and
+// logged once per minute per policy, with why; never per request.
+func TestLostLogged(t *testing.T) {
+	core, logs := observer.New(zap.WarnLevel)
+	h := testHandler(t, &Handler{Jitter: jitterOff(), Policies: []*Policy{llmPolicy(&Settle{From: settleOpenAI})}}, newMemoryStore((&clock{t: 1000 * sec}).now))
+	h.logger = zap.New(core)
+	corrupt := bytes.Repeat([]byte{0x1f, 0x8b, 8, 0, 0, 0, 0, 0, 0, 0xff, 0xff}, 10)
+	for range 20 {
+		x := serveLLM(t, h, chatRequest, answering(corrupt, "Content-Type", "application/json", "Content-Encoding", "gzip"), "Authorization", "Bearer sk-2")
+		if x.status != 200 || !bytes.Equal(x.body, corrupt) {
+			t.Fatalf("%d, body changed %v", x.status, !bytes.Equal(x.body, corrupt))
+		}
+	}
+	if got := counterValue(h.Policies[0].chargesLost[lostUnreadable]); got != 20 {
+		t.Errorf("%v counted unreadable, want 20", got)
+	}
+	if logs.Len() != 1 || !strings.Contains(logs.All()[0].Message, "could not be read") {
+		t.Fatalf("logged %d lines, want 1: %+v", logs.Len(), logs.All())
+	}
+	t.Logf("logged once: %s %v", logs.All()[0].Message, logs.All()[0].ContextMap())
+	// The reservation stood each time: 61 × 20.
+	if x := serveLLM(t, h, `{"max_tokens":1}`, answering(nil), "Authorization", "Bearer sk-2"); x.remaining != 10000-61*20-1 {
+		t.Errorf("%d left after 20 unreadable bodies, want %d", x.remaining, 10000-61*20-1)
+	}
+}
+
+// TestBearerKey: {http.rate_limit.bearer} keys on the credential alone:
+// "Bearer x", "bearer x" and "Bearer   x " share one bucket, "Bearer y"
+// has its own, and anything else (no credential, another scheme) shares
+// the empty key's.
+func TestBearerKey(t *testing.T) {
+	h := testHandler(t, &Handler{Jitter: jitterOff(), Policies: []*Policy{{Name: "per_key", Key: "{http.rate_limit.bearer}", Rate: "3/1h"}}}, newMemoryStore((&clock{t: 1000 * sec}).now))
+	for i, auth := range []string{"Bearer x", "bearer x", "BEARER   x ", "Bearer\tx"} {
+		x := serve([]*Handler{h}, nil, "Authorization", auth)
+		if want := int64(2 - i); i < 3 && (x.status != 200 || fields(t, x.header, "RateLimit")["per_key"]["r"] != want) || i == 3 && x.status != 429 {
+			t.Fatalf("%q: %d %q, want the one bucket of x", auth, x.status, x.header.Get("RateLimit"))
+		}
+	}
+	if x := serve([]*Handler{h}, nil, "Authorization", "Bearer y"); x.status != 200 || fields(t, x.header, "RateLimit")["per_key"]["r"] != 2 {
+		t.Fatalf("Bearer y: %d %q, want a bucket of its own", x.status, x.header.Get("RateLimit"))
+	}
+	// No bearer credential: the empty key's one bucket, used up by the
+	// fourth request.
+	for i, auth := range []string{"", "Basic eDp5", "Bearerx", "Bearer "} {
+		x := serve([]*Handler{h}, nil, "Authorization", auth)
+		if i < 3 && (x.status != 200 || fields(t, x.header, "RateLimit")["per_key"]["r"] != int64(2-i)) || i == 3 && x.status != 429 {
+			t.Fatalf("%q: %d %q, want the empty key's bucket", auth, x.status, x.header.Get("RateLimit"))
+		}
+	}
+	for in, want := range map[string]string{"Bearer abc": "abc", "bearer abc": "abc", "  Bearer   abc  ": "abc", "Bearer a b": "a b", "Basic abc": "", "Bearer": "", "Bearerabc": "", "Token abc": ""} {
+		if got := bearerToken([]string{in}); got != want {
+			t.Errorf("bearerToken(%q) = %q, want %q", in, got, want)
+		}
+	}
+	// The template's fast path gives what the placeholder gives.
+	r := httptest.NewRequest("GET", "/", nil)
+	r.Header.Set("Authorization", "bearer  tok")
+	repl := caddy.NewReplacer()
+	ctx := context.WithValue(r.Context(), caddyhttp.VarsCtxKey, map[string]any{})
+	r = r.WithContext(ctx)
+	requestStateOf(r, repl)
+	tm := newTemplate("{http.rate_limit.bearer}")
+	if got, want := tm.resolve(r, repl, addrMask{}), repl.ReplaceAll("{http.rate_limit.bearer}", ""); !tm.bearer || got != "tok" || want != "tok" {
+		t.Errorf("resolved %q (fast path %v), the replacer %q", got, tm.bearer, want)
+	}
+	if got := newTemplate("{http.rate_limit.bearer}:x").resolve(r, repl, addrMask{}); got != "tok:x" {
+		t.Errorf("in a longer template: %q", got)
+	}
+}
+
+// TestServeHTTPTrailerDeclared: on TE: trailers, a settle known only after
+// the body declares the RateLimit trailer (and, over HTTP/1.1, drops the
+// upstream's Content-Length so the body is chunked); a response that is
+// never written, or a handler with headers off, declares nothing. The
+// upstream is asked only for the codings whose usage is read.
+func TestServeHTTPTrailerDeclared(t *testing.T) {
+	h := testHandler(t, &Handler{Jitter: jitterOff(), Policies: []*Policy{llmPolicy(&Settle{From: settleOpenAI})}}, newMemoryStore((&clock{t: 1000 * sec}).now))
+	var asked []string
+	up := func(w http.ResponseWriter, r *http.Request) {
+		asked = r.Header.Values("Accept-Encoding")
+		w.Header().Set("Content-Type", "application/json")
+		w.Header().Set("Content-Length", strconv.Itoa(len(openaiChatJSON)))
+		_, _ = io.WriteString(w, openaiChatJSON)
+	}
+	x := serveLLM(t, h, chatRequest, up, "Authorization", "Bearer sk-t", "TE", "trailers", "Accept-Encoding", "compress")
+	if x.header.Get("Trailer") != "RateLimit" || x.header.Get("Content-Length") != "" || asked != nil {
+		t.Errorf("Trailer %q, Content-Length %q, the upstream asked for %q: want RateLimit declared, no length, no Accept-Encoding", x.header.Get("Trailer"), x.header.Get("Content-Length"), asked)
+	}
+	// The header map holds the settled RateLimit when the handler returns:
+	// what net/http sends as the declared trailer.
+	if r := fields(t, x.header, "RateLimit")["llm_tokens"]["r"]; r != 10000-29 {
+		t.Errorf("RateLimit at the end %d, want the settled %d", r, 10000-29)
+	}
+	x = serveLLM(t, h, chatRequest, up, "Authorization", "Bearer sk-t2", "Accept-Encoding", "br;q=1, dcz, gzip")
+	if x.header.Get("Trailer") != "" || strings.Join(asked, ",") != "br;q=1, gzip" {
+		t.Errorf("without TE: Trailer %q; the upstream asked for %q", x.header.Get("Trailer"), asked)
+	}
+	off := testHandler(t, &Handler{Jitter: jitterOff(), Headers: "off", Policies: []*Policy{llmPolicy(&Settle{From: settleOpenAI})}}, newMemoryStore((&clock{t: 1000 * sec}).now))
+	x = serveLLM(t, off, chatRequest, up, "Authorization", "Bearer sk-t", "TE", "trailers")
+	if x.header.Get("Trailer") != "" || x.header.Get("RateLimit") != "" {
+		t.Errorf("headers off: Trailer %q, RateLimit %q", x.header.Get("Trailer"), x.header.Get("RateLimit"))
+	}
+	x = serveLLM(t, off, chatRequest, func(http.ResponseWriter, *http.Request) {}, "Authorization", "Bearer sk-t", "TE", "trailers")
+	if x.header.Get("Trailer") != "" || x.header.Get("RateLimit") != "" {
+		t.Errorf("headers off, nothing written: Trailer %q, RateLimit %q", x.header.Get("Trailer"), x.header.Get("RateLimit"))
+	}
+}

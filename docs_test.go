@@ -1,0 +1,51 @@
+package ratelimit
+
+import (
+	"os"
+	"path/filepath"
+	"regexp"
+	"strings"
+	"testing"
+
+	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+)
+
+// TestDocsCaddyfilesFormatted: every Caddyfile snippet of README.md and
+// docs/ is as `caddy fmt` writes it, so that one copied into a Caddyfile
+// does not make Caddy warn "Caddyfile input is not formatted" on every
+// start. A snippet indented as part of a list is read without the list's
+// indentation; a syntax description (with <placeholders>, its columns
+// aligned) is not a Caddyfile.
+func TestDocsCaddyfilesFormatted(t *testing.T) {
+	files, _ := filepath.Glob("docs/*.md")
+	files = append(files, "README.md")
+	block := regexp.MustCompile("(?ms)^([ \t]*)```caddyfile\n(.*?)^[ \t]*```")
+	syntax := regexp.MustCompile(`<[a-z_]+>`)
+	n := 0
+	for _, f := range files {
+		raw, err := os.ReadFile(f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, m := range block.FindAllStringSubmatch(string(raw), -1) {
+			indent, body := m[1], m[2]
+			if indent != "" {
+				var lines []string
+				for _, l := range strings.SplitAfter(body, "\n") {
+					lines = append(lines, strings.TrimPrefix(l, indent))
+				}
+				body = strings.Join(lines, "")
+			}
+			if syntax.MatchString(body) {
+				continue
+			}
+			n++
+			if got := string(caddyfile.Format([]byte(body))); got != body {
+				t.Errorf("%s: a Caddyfile snippet is not as caddy fmt writes it:\n%s\ncaddy fmt:\n%s", f, body, got)
+			}
+		}
+	}
+	if n < 10 {
+		t.Fatalf("found %d Caddyfile snippets, the docs have more", n)
+	}
+}
