@@ -49,7 +49,7 @@ const (
 	maxOverrideFor = 366 * 24 * time.Hour
 	maxNoteLen     = 200
 	// maxProcessOverrides bounds the overrides of the in-process store.
-	maxProcessOverrides = 1 << 20
+	maxProcessOverrides = 1 << 17
 )
 
 func overrideKey(bucketKey string) string {

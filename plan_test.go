@@ -3,6 +3,7 @@ package ratelimit
 import (
 	"crypto/rand"
 	"encoding/hex"
+	"encoding/json"
 	"net/http"
 	"strings"
 	"testing"
@@ -165,6 +166,73 @@ func TestPlanCheck(t *testing.T) {
 		q, err := p.planPolicy(name, p.Plan.Plans[name])
 		if err != nil || q.limit.interval != want.interval || q.limit.burst != want.burst || q.maxCost != want.maxCost {
 			t.Errorf("plan %s: %+v max %d (%v), want %+v", name, q.limit, q.maxCost, err, want)
+		}
+	}
+}
+
+// TestServeHTTPPlanConcurrent: a concurrency policy's plan sets its slots:
+// 3 for pro, 1 for the default, the same key's slots either way; inspect
+// reads them under the plan asked for.
+func TestServeHTTPPlanConcurrent(t *testing.T) {
+	c := &clock{t: 1000 * sec}
+	p := &Policy{Name: "plans_slots", Key: "{http.request.header.X-Tenant}", Concurrent: 1,
+		Plan: &Plan{From: "{http.request.header.X-Plan}", Plans: map[string]*PlanLimit{"pro": {Concurrent: 3}}}}
+	h := testHandler(t, &Handler{Jitter: jitterOff(), Policies: []*Policy{p}}, newMemoryStore(c.now))
+	hold := make(chan struct{})
+	entered := make(chan struct{}, 4)
+	blocking := func(w http.ResponseWriter, r *http.Request) error {
+		entered <- struct{}{}
+		<-hold
+		w.WriteHeader(200)
+		return nil
+	}
+	results := make(chan exchange, 3)
+	for range 3 {
+		go func() { results <- serveWith([]*Handler{h}, nil, blocking, "X-Tenant", "acme", "X-Plan", "pro") }()
+		<-entered
+	}
+	if x := serve([]*Handler{h}, nil, "X-Tenant", "acme", "X-Plan", "pro"); x.status != 429 || x.header.Get("RateLimit-Policy") != `"plans_slots";q=3;qu="concurrent-requests"` {
+		t.Fatalf("a fourth on pro: %d %q, want 429 with q=3", x.status, x.header.Get("RateLimit-Policy"))
+	}
+	// On the default plan the same 3 running fill its 1 slot.
+	if x := serve([]*Handler{h}, nil, "X-Tenant", "acme"); x.status != 429 || x.header.Get("RateLimit-Policy") != `"plans_slots";q=1;qu="concurrent-requests"` {
+		t.Fatalf("on the default plan with 3 running: %d %q, want 429 with q=1", x.status, x.header.Get("RateLimit-Policy"))
+	}
+	close(hold)
+	for range 3 {
+		if x := <-results; x.status != 200 {
+			t.Fatalf("a pro request: %d", x.status)
+		}
+	}
+	if x := serve([]*Handler{h}, nil, "X-Tenant", "acme"); x.status != 200 {
+		t.Fatalf("on the default plan, none running: %d", x.status)
+	}
+}
+
+// TestAdminInspectPlan: inspect reads a bucket under the plan asked for,
+// and refuses one the policy does not have.
+func TestAdminInspectPlan(t *testing.T) {
+	h := testHandler(t, &Handler{Jitter: jitterOff(), Policies: []*Policy{tenantPolicy("plans_inspect")}}, nil)
+	for range 2 {
+		serve([]*Handler{h}, nil, "X-Tenant", "acme", "X-Plan", "pro")
+	}
+	for _, tc := range []struct {
+		plan          string
+		status        int
+		planLabel     string
+		burst, tokens int64
+		says          string
+	}{
+		{"", 200, "default", 6, 4, ""},
+		{"pro", 200, "pro", 20, 18, ""},
+		{"default", 200, "default", 6, 4, ""},
+		{"gold", 400, "", 0, 0, `plan "gold": policy "plans_inspect" has no such plan`},
+	} {
+		status, body := adminDo(t, "GET", "/rate_limit/inspect?policy=plans_inspect&identity=acme&plan="+tc.plan, "")
+		var st bucketState
+		_ = json.Unmarshal([]byte(body), &st)
+		if status != tc.status || status == 200 && (st.Plan != tc.planLabel || st.Burst != tc.burst || st.Tokens != tc.tokens) || !strings.Contains(body, tc.says) {
+			t.Errorf("inspect plan %q: %d %s; want %d plan %q burst %d tokens %d %q", tc.plan, status, body, tc.status, tc.planLabel, tc.burst, tc.tokens, tc.says)
 		}
 	}
 }
