@@ -236,3 +236,26 @@ func TestAdminInspectPlan(t *testing.T) {
 		}
 	}
 }
+
+// TestServeHTTPPlanLocal: while the store cannot decide, `local` decides
+// under the request's plan (its share with instances): pro's burst of 20
+// over 2 instances is 10 here, the default's 6 is 3.
+func TestServeHTTPPlanLocal(t *testing.T) {
+	p := tenantPolicy("plans_local")
+	p.OnError = failLocal
+	h := testHandler(t, &Handler{Jitter: jitterOff(), Instances: 2, Policies: []*Policy{p}}, failingStore{})
+	count := func(tenant, plan string) (admitted int) {
+		for range 30 {
+			if x := serve([]*Handler{h}, nil, "X-Tenant", tenant, "X-Plan", plan); x.status == 200 && x.vars["decision"] == "local_allowed" {
+				admitted++
+			}
+		}
+		return admitted
+	}
+	if n := count("local-pro", "pro"); n != 10 {
+		t.Fatalf("pro while the store is away: %d admitted locally, want 10 (20 over 2 instances)", n)
+	}
+	if n := count("local-free", ""); n != 3 {
+		t.Fatalf("the default plan while the store is away: %d admitted locally, want 3 (6 over 2 instances)", n)
+	}
+}

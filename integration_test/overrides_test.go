@@ -288,6 +288,17 @@ func TestOverrideCluster(t *testing.T) {
 	if len(nodes) != 3 {
 		t.Fatalf("the %d identities' buckets are on %d masters, want all 3", n, len(nodes))
 	}
+	// The confirmations are counted against PUBSUB NUMSUB of the master of
+	// the events channel's slot: both instances subscribe there.
+	for _, m := range c.Masters {
+		node := redisClient(t, m.Addr)
+		_, err := node.Exists(context.Background(), "rl:events").Result() // MOVED unless m serves the slot
+		subs := node.PubSubNumSub(context.Background(), "rl:events").Val()["rl:events"]
+		t.Logf("master %s: serves rl:events' slot: %v; PUBSUB NUMSUB rl:events: %d", m.Addr, err == nil, subs)
+		if err == nil && subs != 2 {
+			t.Errorf("the master of rl:events' slot counts %d subscribers, want both instances", subs)
+		}
+	}
 	if l := listOverrides(t, fleet[1], "per_user"); len(l.Overrides) != n {
 		t.Fatalf("%d overrides listed, want %d", len(l.Overrides), n)
 	}
