@@ -209,8 +209,8 @@ func (adminAPI) listOverrides(r *http.Request) (*overridesAnswer, error) {
 }
 
 // announceOverride tells every instance an override of the bucket under
-// key was set or deleted: each turns the policy's flag on (read again
-// later) and forgets what it remembered of the bucket, and confirms it.
+// key was set or deleted: each reads the bucket's override from its next
+// request, forgets what it remembered of the bucket, and confirms it.
 func announceOverride(ctx context.Context, h *Handler, key string) bool {
 	rs, ok := h.store.(*redisStore)
 	if !ok {

@@ -15,9 +15,11 @@ import (
 // back so that Go computes the verdict (tokens left, waits) under it. Like
 // a plan change, an override keeps the bucket's state (rebase).
 //
-// The bit costs a GET per bucket, so it is set only for the policies that
-// have overrides in the store (a flag per policy kept by the store, see
-// override_store.go): a policy without any pays nothing for the feature.
+// The bit costs a GET per bucket, so it is set only for the buckets that
+// may have one: each instance keeps, per policy, the keys the store's
+// index of overrides lists (see override_store.go). A policy without any
+// pays nothing for the feature; one with overrides pays for its overridden
+// identities' requests only.
 //
 // This file is the functional core: the stored value, and the limit an
 // override gives a bucket, which lua/decide.lua computes the same way.
@@ -177,7 +179,7 @@ func (p *Policy) debtRule() int64 {
 // when the store may hold overrides of the policy (always, for the admin
 // API, which shows the override in force), with the policy's slack rule.
 func (p *Policy) markOverridable(rq *bucketRequest, always bool) {
-	if !always && (p.overrides == nil || !p.overrides.Load()) {
+	if !always && (p.overrides == nil || !p.overrides.may(rq.key)) {
 		return
 	}
 	rq.overridable, rq.overrideWait, rq.overrideDebt = true, p.waitUS, p.debtRule()

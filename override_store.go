@@ -17,8 +17,8 @@ import (
 )
 
 // Where overrides live: in Redis beside their buckets (lua/decide.lua reads
-// them), or in this process without a redis block; and the flags that say
-// which policies have any, so that the others never pay a read.
+// them), or in this process without a redis block; and the filters that say
+// which buckets may have one, so that the others never pay a read.
 //
 // In Redis, a policy's overrides are:
 //   - <key_prefix><policy>:override:{<hash>}, the override of one identity,
@@ -27,8 +27,9 @@ import (
 //     when set `for` a while;
 //   - <key_prefix><policy>:overrides, the index: a hash of <hash> to a JSON
 //     entry ({"v":1, ...}: the limit as given, its expiry, its note), which
-//     the override list reads, and whose length says whether the policy has
-//     any. An entry is written before its key and deleted after it, so
+//     the override list reads, and whose fields every instance keeps (the
+//     keys whose requests read their override). An entry is written before
+//     its key and deleted after it, so
 //     that no override is in force without one. Expired entries are pruned
 //     a few at a time by every instance.
 //
@@ -141,24 +142,98 @@ func overridesIn(s store) overrideStore {
 	return nil
 }
 
-// overrideFlag is the store's flag of the overrides of the policy whose keys
-// start with prefix: true while it may hold some.
-func overrideFlag(s store, prefix string) *atomic.Bool {
+// overrideFilter says which of a policy's buckets may have an override in
+// the store: the requests of those, and only those, ask the store to read
+// their override (the overridable bit), which costs a read in the script.
+type overrideFilter interface {
+	may(key string) bool
+}
+
+// noOverrides is the filter of a store that keeps none.
+type noOverrides struct{}
+
+func (noOverrides) may(string) bool { return false }
+
+// overrideFilterOf is the store's filter of the overrides of the policy
+// whose keys start with prefix.
+func overrideFilterOf(s store, prefix string) overrideFilter {
 	switch s := s.(type) {
 	case *redisStore:
-		return s.conn.overrideFlag(prefix)
+		return s.conn.overrideSet(prefix)
 	case *memoryStore:
 		if s.overrides != nil {
-			return s.overrides.flag(prefix)
+			return flagFilter{s.overrides.flag(prefix)}
 		}
 	}
-	return new(atomic.Bool)
+	return noOverrides{}
+}
+
+// flagFilter is a filter by a flag: every bucket of the policy while it is
+// on (the in-process store, which looks the override up itself).
+type flagFilter struct{ on *atomic.Bool }
+
+func (f flagFilter) may(string) bool { return f.on.Load() }
+
+// overrideSet is a Redis store's filter of one policy: the keys its index
+// lists, read at start, every overridesEvery and when an override is
+// announced (which adds its key at once). Until first read every key may
+// have one (an instance that starts meanwhile reads the overrides rather
+// than miss one); while Redis cannot say, it stays as it was. A key whose
+// override expired or was deleted stays in it until the next read: its
+// requests cost a read that finds nothing.
+type overrideSet struct {
+	unread atomic.Bool
+	count  atomic.Int64
+	ids    bucketIDs
+	mu     sync.RWMutex
+	keys   map[bucketID]struct{} // pointer-free, as the deny cache's
+}
+
+func newOverrideSet() *overrideSet {
+	s := &overrideSet{ids: newBucketIDs(), keys: map[bucketID]struct{}{}}
+	s.unread.Store(true)
+	return s
+}
+
+func (s *overrideSet) may(key string) bool {
+	switch {
+	case s.unread.Load():
+		return true
+	case s.count.Load() == 0: // the policy has none: nothing to look up
+		return false
+	}
+	id := s.ids.of(key)
+	s.mu.RLock()
+	_, ok := s.keys[id]
+	s.mu.RUnlock()
+	return ok
+}
+
+// add puts key in the set.
+func (s *overrideSet) add(key string) {
+	s.mu.Lock()
+	s.keys[s.ids.of(key)] = struct{}{}
+	s.count.Store(int64(len(s.keys)))
+	s.mu.Unlock()
+}
+
+// replace makes the set the keys read from the index.
+func (s *overrideSet) replace(keys []string) {
+	m := make(map[bucketID]struct{}, len(keys))
+	for _, k := range keys {
+		m[s.ids.of(k)] = struct{}{}
+	}
+	s.mu.Lock()
+	s.keys = m
+	s.count.Store(int64(len(m)))
+	s.mu.Unlock()
+	s.unread.Store(false)
 }
 
 // Announcing an override. The instance that set (or deleted) one publishes
 // "override <instance> <storage key>" on <key_prefix>events; each instance
-// turns the policy's flag on, forgets what it remembered of the bucket, and
-// confirms with "seen <storage key>" on <key_prefix>events:<instance>, the
+// adds the key to its policy's set, forgets what it remembered of the
+// bucket, and confirms with "seen <storage key>" on <key_prefix>events:<instance>, the
 // announcer's own channel; the announcer answers once as many confirmations
 // came as the events channel has subscribers (PUBSUB NUMSUB: every
 // instance, itself included), or after a second. So when the admin API
@@ -194,7 +269,7 @@ func (c *redisConn) dispatch(channel, payload string) {
 		if !ok {
 			return
 		}
-		c.receive(eventOverride, key) // the flag on, the bucket forgotten: then confirmed
+		c.receive(eventOverride, key) // the key in its set, the bucket forgotten: then confirmed
 		go func() {
 			ctx, cancel := context.WithTimeout(context.Background(), c.callTimeout)
 			defer cancel()
@@ -292,14 +367,11 @@ func (f *overrideFlags) seen(key string) {
 	}
 }
 
-// overrideFlags are a Redis connection's flags, by policy prefix, read at
-// start, every overridesEvery and when an override is announced. A flag is
-// on until first read (an instance that starts meanwhile reads the
-// overrides rather than miss one), and stays as it was while Redis cannot
-// say.
+// overrideFlags are a Redis connection's filters (overrideSet), by policy
+// prefix, and what keeps them.
 type overrideFlags struct {
 	mu      sync.Mutex
-	flags   map[string]*atomic.Bool
+	sets    map[string]*overrideSet
 	gen     map[string]uint64 // bumped by each announcement
 	cursors map[string]uint64 // where pruning goes on in each index
 	read    chan struct{}
@@ -307,30 +379,29 @@ type overrideFlags struct {
 	waits   map[string][]*ackWait // announcements awaiting confirmation, by key
 }
 
-// overrideFlag returns the flag of prefix, following it from now on.
-func (c *redisConn) overrideFlag(prefix string) *atomic.Bool {
+// overrideSet returns the filter of prefix, following it from now on.
+func (c *redisConn) overrideSet(prefix string) *overrideSet {
 	f := &c.overrides
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	if fl := f.flags[prefix]; fl != nil {
-		return fl
+	if s := f.sets[prefix]; s != nil {
+		return s
 	}
-	if f.flags == nil {
-		f.flags, f.gen, f.cursors = map[string]*atomic.Bool{}, map[string]uint64{}, map[string]uint64{}
+	if f.sets == nil {
+		f.sets, f.gen, f.cursors = map[string]*overrideSet{}, map[string]uint64{}, map[string]uint64{}
 		f.read = make(chan struct{}, 1)
 	}
-	fl := new(atomic.Bool)
-	fl.Store(true)
-	f.flags[prefix] = fl
+	s := newOverrideSet()
+	f.sets[prefix] = s
 	if !f.started {
 		f.started = true
 		go c.followOverrides()
 	}
 	f.ask()
-	return fl
+	return s
 }
 
-// ask has the flags read again soon.
+// ask has the sets read again soon.
 func (f *overrideFlags) ask() {
 	select {
 	case f.read <- struct{}{}:
@@ -338,21 +409,22 @@ func (f *overrideFlags) ask() {
 	}
 }
 
-// changed turns the flag of prefix on, at once, and has it read again: an
-// override was set or deleted.
-func (f *overrideFlags) changed(prefix string) {
+// changed adds key to its policy's set, at once, and has the set read
+// again: an override of it was set or deleted.
+func (f *overrideFlags) changed(key string) {
+	prefix := policyPrefixOf(key)
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	fl := f.flags[prefix]
-	if fl == nil {
+	s := f.sets[prefix]
+	if s == nil {
 		return // no policy of this instance
 	}
 	f.gen[prefix]++
-	fl.Store(true)
+	s.add(key)
 	f.ask()
 }
 
-// followOverrides reads the flags until the connection closes.
+// followOverrides reads the sets until the connection closes.
 func (c *redisConn) followOverrides() {
 	t := time.NewTicker(overridesEvery)
 	defer t.Stop()
@@ -363,17 +435,18 @@ func (c *redisConn) followOverrides() {
 		case <-c.closed:
 			return
 		}
-		c.readOverrideFlags()
+		c.readOverrideSets()
 	}
 }
 
-// readOverrideFlags reads, for every policy prefix, whether its index holds
-// any override, first pruning a few expired entries.
-func (c *redisConn) readOverrideFlags() {
+// readOverrideSets reads, for every policy prefix, the keys its index
+// lists (HKEYS: some 22 bytes per override), first pruning a few expired
+// entries.
+func (c *redisConn) readOverrideSets() {
 	f := &c.overrides
 	f.mu.Lock()
-	prefixes := make([]string, 0, len(f.flags))
-	for prefix := range f.flags {
+	prefixes := make([]string, 0, len(f.sets))
+	for prefix := range f.sets {
 		prefixes = append(prefixes, prefix)
 	}
 	f.mu.Unlock()
@@ -391,14 +464,20 @@ func (c *redisConn) readOverrideFlags() {
 		if err != nil {
 			return
 		}
-		n, err := c.client.HLen(ctx, overrideIndex(prefix)).Result()
+		hashes, err := c.client.HKeys(ctx, overrideIndex(prefix)).Result()
 		if err != nil {
 			return
+		}
+		keys := make([]string, len(hashes))
+		for i, h := range hashes {
+			keys[i] = prefix + "{" + h + "}"
 		}
 		f.mu.Lock()
 		f.cursors[prefix] = next
 		if f.gen[prefix] == gen { // no announcement since: what was read holds
-			f.flags[prefix].Store(n > 0)
+			f.sets[prefix].replace(keys)
+		} else {
+			f.ask()
 		}
 		f.mu.Unlock()
 	}
@@ -470,7 +549,7 @@ func (c *redisConn) setOverride(ctx context.Context, key string, o override, e o
 		_ = c.client.HDel(context.WithoutCancel(ctx), index, hash).Err()
 		return e, err
 	}
-	c.overrides.changed(prefix)
+	c.overrides.changed(key)
 	return e, nil
 }
 
@@ -482,7 +561,7 @@ func (c *redisConn) deleteOverride(ctx context.Context, key string) (bool, error
 	if err := c.client.HDel(ctx, overrideIndex(policyPrefixOf(key)), hashOf(key)).Err(); err != nil {
 		return n > 0, err
 	}
-	c.overrides.changed(policyPrefixOf(key))
+	c.overrides.changed(key)
 	return n > 0, nil
 }
 
@@ -535,154 +614,4 @@ func (c *redisConn) overrideOf(ctx context.Context, key string) (*overrideEntry,
 	}
 	e.Hash, e.Key = hashOf(key), key
 	return &e, nil
-}
-
-// processOverrides are the overrides of the in-process store (handlers
-// without a redis block), which survive reloads as its buckets do.
-var processOverrides = newOverrideTable()
-
-func init() { processMemory.overrides = processOverrides }
-
-// overrideTable keeps overrides in this process, at most
-// maxProcessOverrides; each expires on the monotonic clock.
-type overrideTable struct {
-	mu    sync.Mutex
-	byKey map[string]tableOverride
-	flags map[string]*atomic.Bool // by policy prefix: on while it has some
-	count map[string]int
-	now   func() time.Time // injectable for tests
-}
-
-type tableOverride struct {
-	o       override
-	e       overrideEntry
-	expires time.Time // zero: never
-}
-
-func newOverrideTable() *overrideTable {
-	return &overrideTable{byKey: map[string]tableOverride{}, flags: map[string]*atomic.Bool{}, count: map[string]int{}, now: time.Now}
-}
-
-func (t *overrideTable) flag(prefix string) *atomic.Bool {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	return t.flagLocked(prefix)
-}
-
-func (t *overrideTable) flagLocked(prefix string) *atomic.Bool {
-	fl := t.flags[prefix]
-	if fl == nil {
-		fl = new(atomic.Bool)
-		fl.Store(t.count[prefix] > 0)
-		t.flags[prefix] = fl
-	}
-	return fl
-}
-
-// get is the override in force for key; an expired one is deleted.
-func (t *overrideTable) get(key string, now time.Time) (tableOverride, bool) {
-	o, ok := t.byKey[key]
-	if ok && !o.expires.IsZero() && !now.Before(o.expires) {
-		t.deleteLocked(key)
-		return tableOverride{}, false
-	}
-	return o, ok
-}
-
-func (t *overrideTable) deleteLocked(key string) {
-	if _, ok := t.byKey[key]; !ok {
-		return
-	}
-	delete(t.byKey, key)
-	prefix := policyPrefixOf(key)
-	if t.count[prefix]--; t.count[prefix] <= 0 {
-		delete(t.count, prefix)
-		t.flagLocked(prefix).Store(false)
-	}
-}
-
-func (t *overrideTable) setOverride(_ context.Context, key string, o override, e overrideEntry, d time.Duration) (overrideEntry, error) {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	now := t.now()
-	if _, ok := t.get(key, now); !ok && len(t.byKey) >= maxProcessOverrides {
-		return e, fmt.Errorf("the in-process store holds %d overrides, its most: delete some first", maxProcessOverrides)
-	}
-	e.Format, e.Hash, e.Key, e.Set, e.Expires = 1, "", "", now.UnixMilli(), 0
-	to := tableOverride{o: o, e: e}
-	if d > 0 {
-		to.expires = now.Add(d)
-		to.e.Expires = to.expires.UnixMilli()
-	}
-	if _, ok := t.byKey[key]; !ok {
-		t.count[policyPrefixOf(key)]++
-	}
-	t.byKey[key] = to
-	t.flagLocked(policyPrefixOf(key)).Store(true)
-	return to.e, nil
-}
-
-func (t *overrideTable) deleteOverride(_ context.Context, key string) (bool, error) {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	_, ok := t.get(key, t.now())
-	t.deleteLocked(key)
-	return ok, nil
-}
-
-func (t *overrideTable) overridesOf(_ context.Context, prefix string) ([]overrideEntry, error) {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	now := t.now()
-	var out []overrideEntry
-	for key := range t.byKey {
-		if policyPrefixOf(key) != prefix {
-			continue
-		}
-		if o, ok := t.get(key, now); ok {
-			e := o.e
-			e.Hash, e.Key = hashOf(key), key
-			out = append(out, e)
-		}
-	}
-	slices.SortFunc(out, func(a, b overrideEntry) int { return strings.Compare(a.Hash, b.Hash) })
-	return out, nil
-}
-
-func (t *overrideTable) overrideOf(_ context.Context, key string) (*overrideEntry, error) {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	o, ok := t.get(key, t.now())
-	if !ok {
-		return nil, nil
-	}
-	e := o.e
-	e.Hash, e.Key = hashOf(key), key
-	return &e, nil
-}
-
-// decidedUnder is reqs with the limits of the overrides in force for their
-// overridable buckets (reqs itself when none is).
-func (t *overrideTable) decidedUnder(reqs []bucketRequest) []bucketRequest {
-	out := reqs
-	var now time.Time
-	for i, rq := range reqs {
-		if !rq.overridable {
-			continue
-		}
-		if now.IsZero() {
-			now = t.now()
-			t.mu.Lock()
-			defer t.mu.Unlock()
-		}
-		o, ok := t.get(rq.key, now)
-		if !ok {
-			continue
-		}
-		if &out[0] == &reqs[0] {
-			out = append([]bucketRequest(nil), reqs...)
-		}
-		out[i] = rq.applyOverride(o.o)
-	}
-	return out
 }

@@ -254,7 +254,7 @@ func TestServeHTTPOverride(t *testing.T) {
 	if x := get(); x.status != 429 {
 		t.Fatalf("6th of 5: %d", x.status)
 	}
-	if h.Policies[0].overrides.Load() {
+	if h.Policies[0].overrides.may(h.Policies[0].storageKey(h.hasher, "acme")) {
 		t.Fatal("the policy's overrides flag is on before any override")
 	}
 
@@ -289,8 +289,8 @@ func TestServeHTTPOverride(t *testing.T) {
 			t.Errorf("POST %s: %d %q, want 400 saying %q", tc.body, status, body, tc.says)
 		}
 	}
-	if n := len(list()); n != 0 || h.Policies[0].overrides.Load() {
-		t.Fatalf("after refused overrides: %d listed, flag %v", n, h.Policies[0].overrides.Load())
+	if n := len(list()); n != 0 || h.Policies[0].overrides.may(h.Policies[0].storageKey(h.hasher, "acme")) {
+		t.Fatalf("after refused overrides: %d listed, flag %v", n, h.Policies[0].overrides.may(h.Policies[0].storageKey(h.hasher, "acme")))
 	}
 	if x := get(); x.status != 429 {
 		t.Fatalf("after refused overrides: %d, want still denied", x.status)
@@ -338,16 +338,16 @@ func TestServeHTTPOverride(t *testing.T) {
 		t.Fatalf("1.999 s into an override for 2s: %d q=%d", x.status, q(x))
 	}
 	fake = fake.Add(time.Millisecond)
-	if x := get(); q(x) != 5 || len(list()) != 0 || h.Policies[0].overrides.Load() {
-		t.Fatalf("2 s into an override for 2s: q=%d, %d listed, flag %v; want it gone", q(x), len(list()), h.Policies[0].overrides.Load())
+	if x := get(); q(x) != 5 || len(list()) != 0 || h.Policies[0].overrides.may(h.Policies[0].storageKey(h.hasher, "acme")) {
+		t.Fatalf("2 s into an override for 2s: q=%d, %d listed, flag %v; want it gone", q(x), len(list()), h.Policies[0].overrides.may(h.Policies[0].storageKey(h.hasher, "acme")))
 	}
 }
 
 // TestOverrideAnnouncement: the announcement of an override returns once
 // every subscriber of the events channel confirmed it, so the other
-// instance's flag is on when it returns (not merely soon after); a
-// subscriber that never confirms makes it return errUnconfirmed after a
-// second.
+// instance reads the bucket's override from the moment it returns (not
+// merely soon after), and only that bucket's; a subscriber that never
+// confirms makes it return errUnconfirmed after a second.
 func TestOverrideAnnouncement(t *testing.T) {
 	srv, client, a := newTestRedis(t)
 	conn := func() *redisConn {
@@ -361,22 +361,22 @@ func TestOverrideAnnouncement(t *testing.T) {
 	b := conn()
 	a.conn.watch("rl:")
 	b.watch("rl:")
-	flag := b.overrideFlag("rl:p:")
+	set := b.overrideSet("rl:p:")
 	ctx := context.Background()
 	deadline := time.Now().Add(5 * time.Second)
-	for (client.PubSubNumSub(ctx, "rl:events").Val()["rl:events"] < 2 || flag.Load()) && time.Now().Before(deadline) {
+	for (client.PubSubNumSub(ctx, "rl:events").Val()["rl:events"] < 2 || set.may("rl:p:{h}")) && time.Now().Before(deadline) {
 		time.Sleep(5 * time.Millisecond) // both subscribed; b read that p has no overrides
 	}
-	if flag.Load() {
-		t.Fatal("the flag of a policy without overrides is on")
+	if set.may("rl:p:{h}") {
+		t.Fatal("a bucket of a policy without overrides may have one")
 	}
 	start := time.Now()
 	if err := a.conn.announceOverride(ctx, "rl:", "rl:p:{h}"); err != nil {
 		t.Fatalf("announcing: %v", err)
 	}
 	took := time.Since(start)
-	if !flag.Load() {
-		t.Fatal("the other instance's flag is off when the announcement returns")
+	if !set.may("rl:p:{h}") || set.may("rl:p:{other}") {
+		t.Fatalf("when the announcement returns, the other instance's set says %v for the bucket, %v for another: want true, false", set.may("rl:p:{h}"), set.may("rl:p:{other}"))
 	}
 	t.Logf("announced and confirmed by 2 subscribers in %v", took)
 

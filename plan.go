@@ -240,11 +240,11 @@ func (p *Policy) planShape() string {
 }
 
 // provisionPlans provisions the handler's plans once its store is open:
-// each policy gets the store's flag of its overrides (which the plans'
+// each policy gets the store's filter of its overrides (which the plans'
 // copies share), then its plans.
 func (h *Handler) provisionPlans() error {
 	for _, p := range h.Policies {
-		p.overrides = overrideFlag(h.store, p.keyPrefix)
+		p.overrides = overrideFilterOf(h.store, p.keyPrefix)
 		if err := p.provisionPlans(); err != nil {
 			return fmt.Errorf("policy %q: %v", p.Name, err)
 		}

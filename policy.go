@@ -193,9 +193,9 @@ type Policy struct {
 	plans    map[string]*Policy
 	planName string
 	planTmpl template
-	// overrides says whether the store may hold operators' overrides of the
-	// policy's limit (override.go): shared with the store, which keeps it.
-	overrides *atomic.Bool
+	// overrides says which of the policy's buckets the store may hold an
+	// operator's override of (override_store.go): the store's, shared.
+	overrides overrideFilter
 }
 
 var policyName = regexp.MustCompile(`^[A-Za-z0-9_.-]{1,64}$`)

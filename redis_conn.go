@@ -53,8 +53,8 @@ type redisConn struct {
 	format        atomic.Int32
 	formatChanged chan struct{}
 	closed        chan struct{}
-	// overrides are the flags that say which policies have overrides in
-	// this Redis (override_store.go).
+	// overrides say which buckets may have overrides in this Redis
+	// (override_store.go).
 	overrides overrideFlags
 }
 
@@ -169,7 +169,7 @@ func (c *redisConn) report(kind string, err error) {
 // only to name a key that is not a bucket; the sorted-set commands for
 // concurrency slots), and PUBLISH and SUBSCRIBE for the events between
 // instances.
-const limiterACL = "~rl:* &rl:* +evalsha +eval +time +get +set +del +type +publish +subscribe +zadd +zrem +zcard +zremrangebyscore +pexpire +hset +hdel +hget +hgetall +hlen +hscan +pubsub|numsub"
+const limiterACL = "~rl:* &rl:* +evalsha +eval +time +get +set +del +type +publish +subscribe +zadd +zrem +zcard +zremrangebyscore +pexpire +hset +hdel +hget +hgetall +hkeys +hscan +pubsub|numsub"
 
 // errorFixes is what to change for each permanent error kind.
 var errorFixes = map[string]string{
@@ -191,8 +191,8 @@ var errorFixes = map[string]string{
 // "format <key_prefix>": the fleet marker changed (upgrade.go).
 // "override <instance> <storage key>": an operator set or deleted the
 // override of the bucket's identity (override_store.go): as "changed", and
-// the policy's overrides are read again, its flag on meanwhile; each
-// instance then confirms it ("seen <storage key>" on
+// the bucket's requests read its override from now on; each instance then
+// confirms it ("seen <storage key>" on
 // <key_prefix>events:<instance>), so that the instance that announced it
 // answers once every instance applies it.
 type redisEvents struct {
@@ -267,7 +267,7 @@ func (c *redisConn) receive(event, key string) {
 		}
 		return
 	case eventOverride:
-		c.overrides.changed(policyPrefixOf(key)) // and on: the bucket changed
+		c.overrides.changed(key) // and on: the bucket changed
 	}
 	if event != eventChanged && event != eventOverride {
 		return
