@@ -21,7 +21,7 @@ import (
 // which buckets may have one, so that the others never pay a read.
 //
 // In Redis, a policy's overrides are:
-//   - <key_prefix><policy>:override:{<hash>}, the override of one identity,
+//   - <key_prefix><policy>:{<hash>}:override, the override of one identity,
 //     in its bucket's hash slot: "o1 r <interval> <burst>" or "o1 c 0
 //     <slots>" (override.encode), expiring by itself (PXAT, on Redis time)
 //     when set `for` a while;
@@ -53,13 +53,10 @@ const (
 	maxProcessOverrides = 1 << 17
 )
 
-func overrideKey(bucketKey string) string {
-	i := strings.IndexByte(bucketKey, '{')
-	if i < 0 {
-		return bucketKey + ":override"
-	}
-	return bucketKey[:i] + "override:" + bucketKey[i:]
-}
+// overrideKey is where the override of the bucket under bucketKey is:
+// beside it, under the same hash tag (so in the same Cluster slot), the
+// script's cheapest key to derive.
+func overrideKey(bucketKey string) string { return bucketKey + ":override" }
 
 // overrideIndex is the index of the overrides of the policy whose storage
 // keys start with prefix (<key_prefix><policy>:).

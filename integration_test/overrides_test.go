@@ -159,7 +159,7 @@ func TestOverrideExpires(t *testing.T) {
 	before := time.Now()
 	rateLimitCLI(t, fleet[0], "override", "per_user", "cleo", "rate", "1000/1h", "for", "2s")
 	after := time.Now()
-	ttl, err := redisClient(t, srv.Addr).PTTL(context.Background(), "rl:per_user:override:"+strings.TrimPrefix(plainKey("per_user", "cleo"), "rl:per_user:")).Result()
+	ttl, err := redisClient(t, srv.Addr).PTTL(context.Background(), plainKey("per_user", "cleo")+":override").Result()
 	if err != nil || ttl <= 0 || ttl > 2*time.Second {
 		t.Fatalf("the override's key: PTTL %v (%v), want up to 2s", ttl, err)
 	}
@@ -279,7 +279,7 @@ func TestOverrideCluster(t *testing.T) {
 			t.Fatalf("%s on the other instance: %d q=%d r=%d; want 200 q=60 r=4", id, r.status, policyQ(t, r), remainingOf(t, r.header)["per_user"])
 		}
 		key := plainKey("per_user", id)
-		okey := "rl:per_user:override:" + strings.TrimPrefix(key, "rl:per_user:")
+		okey := key + ":override"
 		if slot(key) != slot(okey) || owner(key) == "" || owner(key) != owner(okey) {
 			t.Fatalf("%s: the override %s (slot %s, on %s) is not beside its bucket (slot %s, on %s)", id, okey, slot(okey), owner(okey), slot(key), owner(key))
 		}

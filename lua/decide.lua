@@ -62,7 +62,7 @@
 --   expired  slots: the expired leases removed (free: and the stale ones)
 -- and, for an overridable bucket, the interval, burst and slack it was
 -- decided under: an operator's override of its limit, when one of its kind
--- is stored beside it (<prefix><policy>:override:{<hash>}, in its slot), or
+-- is stored beside it (<prefix><policy>:{<hash>}:override, in its slot), or
 -- the limit sent.
 --
 -- Redis work is what costs: each key is read once per call and written at
@@ -231,17 +231,14 @@ local function override_of(key)
   local o = overrides[key]
   if o ~= nil then return o end
   o = false
-  local brace = string.find(key, '{', 1, true)
-  if brace then
-    local v = redis.pcall('GET', string.sub(key, 1, brace - 1) .. 'override:' .. string.sub(key, brace))
-    if type(v) == 'string' then
-      local kind, a, b = string.match(v, '^o1 ([rc]) (%d+) (%d+)$')
-      local interval, burst = tonumber(a), tonumber(b)
-      if kind == 'r' and #a <= 16 and #b <= 16 and interval >= 1 and burst >= 1 and interval * burst <= MAX_SPAN then
-        o = {kind = kind, interval = interval, burst = burst}
-      elseif kind == 'c' and #b <= 16 and burst >= 1 and burst <= 2 ^ 53 then
-        o = {kind = kind, interval = 0, burst = burst}
-      end
+  local v = redis.pcall('GET', key .. ':override')
+  if type(v) == 'string' then
+    local kind, a, b = string.match(v, '^o1 ([rc]) (%d+) (%d+)$')
+    local interval, burst = tonumber(a), tonumber(b)
+    if kind == 'r' and #a <= 16 and #b <= 16 and interval >= 1 and burst >= 1 and interval * burst <= MAX_SPAN then
+      o = {kind = kind, interval = interval, burst = burst}
+    elseif kind == 'c' and #b <= 16 and burst >= 1 and burst <= 2 ^ 53 then
+      o = {kind = kind, interval = 0, burst = burst}
     end
   end
   overrides[key] = o
