@@ -34,6 +34,7 @@ func TestDecodeOverride(t *testing.T) {
 		{"o1 r -1 5", override{}, false},
 		{"o1 r +1 5", override{}, false},
 		{"o1 r 12345678901234567 5", override{}, false}, // 17 digits: beyond what Lua holds exactly
+		{"o1 c 12345678901234567 5", override{}, false},
 		{"o1 q 1 5", override{}, false},
 		{"o2 r 1 5", override{}, false},
 		{"1700000000000000:1000", override{}, false}, // a bucket
@@ -99,7 +100,7 @@ func TestLuaMatchesGoOverrides(t *testing.T) {
 	values := []string{
 		"o1 r 500 8", "o1 r 2000 2", "o1 r 100000 50", "o1 r 1000000 1", "o1 r 10 1000",
 		"o1 c 0 4",                                        // another kind: ignored
-		"o1 r 0 5", "garbage", "o1 r 12345678901234567 1", // not overrides: ignored
+		"o1 r 0 5", "garbage", "o1 r 12345678901234567 1", "o1 c 12345678901234567 4", // not overrides: ignored
 	}
 	keyOf := func(li, id int) string { return fmt.Sprintf("rl:p%d:{id%d}", li, id) }
 	model := map[string]storedBucket{}
@@ -390,5 +391,40 @@ func TestOverrideAnnouncement(t *testing.T) {
 	start = time.Now()
 	if err := a.conn.announceOverride(ctx, "rl:", "rl:p:{h}"); !errors.Is(err, errUnconfirmed) || time.Since(start) < time.Second {
 		t.Fatalf("with a subscriber that does not confirm: %v after %v, want errUnconfirmed after 1s", err, time.Since(start))
+	}
+}
+
+// TestLuaOverrideValues: for each stored value, beside a rate bucket and
+// beside a concurrency policy's slots, the script decides under the limit
+// decodeOverride and limitFor give (the sent one for a value that is not an
+// override, or one of the other kind).
+func TestLuaOverrideValues(t *testing.T) {
+	_, client, _ := newTestRedis(t)
+	ctx := context.Background()
+	rate := limit{interval: 1_000_000, burst: 5, slack: 2_000_000}
+	slots := limit{interval: 30_000_000, burst: 1}
+	for i, v := range []string{
+		"o1 r 12000 500", "o1 c 0 10", "o1 c 7 3", "o1 r 0 5", "o1 c 0 0", "o1 r 12345678901234567 1", "o1 c 12345678901234567 4",
+		"o1 c 0 12345678901234567", "o1 r 2 2251799813685248", "o1 r 1 2251799813685248", "o1 x 1 1", " o1 r 1 1", "o1 r 1 1 ", "",
+	} {
+		for _, rq := range []bucketRequest{
+			{key: fmt.Sprintf("rl:r:{v%d}", i), limit: rate, op: opTake, cost: 1, overridable: true, overrideWait: 2_000_000},
+			{key: fmt.Sprintf("rl:s:{v%d}", i), limit: slots, op: opAcquire, cost: 1, lease: "l", events: "rl:events", overridable: true},
+		} {
+			client.Set(ctx, overrideKey(rq.key), v, 0)
+			res, err := evalDecide(ctx, client, []bucketRequest{rq})
+			if err != nil {
+				t.Fatalf("%q: %v", v, err)
+			}
+			o := 1 + replyWidth(rq.op) + 1 // now, status, the op's numbers
+			got := limit{interval: res[o], burst: res[o+1], slack: res[o+2]}
+			want := rq.limit
+			if ov, ok := decodeOverride(v); ok {
+				want = rq.applyOverride(ov).limit
+			}
+			if got != want {
+				t.Errorf("%q beside %s: Lua decided under %+v, Go %+v", v, rq.key, got, want)
+			}
+		}
 	}
 }

@@ -234,11 +234,13 @@ local function override_of(key)
   local v = redis.pcall('GET', key .. ':override')
   if type(v) == 'string' then
     local kind, a, b = string.match(v, '^o1 ([rc]) (%d+) (%d+)$')
-    local interval, burst = tonumber(a), tonumber(b)
-    if kind == 'r' and #a <= 16 and #b <= 16 and interval >= 1 and burst >= 1 and interval * burst <= MAX_SPAN then
-      o = {kind = kind, interval = interval, burst = burst}
-    elseif kind == 'c' and #b <= 16 and burst >= 1 and burst <= 2 ^ 53 then
-      o = {kind = kind, interval = 0, burst = burst}
+    if kind and #a <= 16 and #b <= 16 then -- below 2^53: exact
+      local interval, burst = tonumber(a), tonumber(b)
+      if kind == 'r' and interval >= 1 and burst >= 1 and interval * burst <= MAX_SPAN then
+        o = {kind = kind, interval = interval, burst = burst}
+      elseif kind == 'c' and burst >= 1 and burst <= 2 ^ 53 then
+        o = {kind = kind, interval = 0, burst = burst}
+      end
     end
   end
   overrides[key] = o
