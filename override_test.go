@@ -99,7 +99,7 @@ func TestLuaMatchesGoOverrides(t *testing.T) {
 	rules := [][2]int64{{0, 0}, {60_000, 0}, {0, -2}, {1_000_000, 0}, {0, 0}, {0, 7}}
 	values := []string{
 		"o1 r 500 8", "o1 r 2000 2", "o1 r 100000 50", "o1 r 1000000 1", "o1 r 10 1000",
-		"o1 c 0 4",                                        // another kind: ignored
+		"o1 c 0 4",                                                                    // another kind: ignored
 		"o1 r 0 5", "garbage", "o1 r 12345678901234567 1", "o1 c 12345678901234567 4", // not overrides: ignored
 	}
 	keyOf := func(li, id int) string { return fmt.Sprintf("rl:p%d:{id%d}", li, id) }
