@@ -36,6 +36,10 @@ func init() {
 //	GET  /rate_limit/top?policy=<name>&n=<n>
 //	GET  /rate_limit/format
 //	POST /rate_limit/format  {"format": "v1" | "v2"}
+//
+// and the overrides of admin_override.go. Inspect, reset and grant take
+// an optional plan (query or body), to read the bucket under that plan's
+// limit rather than the policy's own.
 type adminAPI struct{}
 
 // CaddyModule returns the Caddy module information.
@@ -57,6 +61,7 @@ type adminRequest struct {
 	Identity string `json:"identity"`
 	Tokens   int64  `json:"tokens"`
 	N        int    `json:"n"`
+	Plan     string `json:"plan,omitempty"`
 }
 
 // bucketState is a bucket as inspect, reset and grant answer it.
@@ -94,6 +99,12 @@ type bucketState struct {
 	Unit   string      `json:"unit,omitempty"`
 	Used   *int64      `json:"used,omitempty"`
 	Period *periodText `json:"period,omitempty"`
+	// Plan is the plan the bucket was read under ("default": the policy's
+	// own limit), for a policy with plans; Override the operator's override
+	// of the identity's limit, when one is in force: Rate, Burst and Slots
+	// are then the override's.
+	Plan     string         `json:"plan,omitempty"`
+	Override *overrideEntry `json:"override,omitempty"`
 }
 
 func (a adminAPI) serve(w http.ResponseWriter, r *http.Request) error {
@@ -101,9 +112,12 @@ func (a adminAPI) serve(w http.ResponseWriter, r *http.Request) error {
 	if action == "format" {
 		return a.format(w, r)
 	}
+	if action == "override" || action == "overrides" {
+		return a.serveOverride(w, r, action)
+	}
 	method := map[string]string{"inspect": http.MethodGet, "top": http.MethodGet, "reset": http.MethodPost, "grant": http.MethodPost}[action]
 	if method == "" {
-		return apiError(http.StatusNotFound, "no such rate_limit endpoint %q: use inspect, reset, grant, top or format", action)
+		return apiError(http.StatusNotFound, "no such rate_limit endpoint %q: use inspect, reset, grant, top, format, override or overrides", action)
 	}
 	if r.Method != method {
 		return apiError(http.StatusMethodNotAllowed, "%s takes %s", action, method)
@@ -119,7 +133,7 @@ func (a adminAPI) serve(w http.ResponseWriter, r *http.Request) error {
 		}
 	} else {
 		q := r.URL.Query()
-		req.Policy, req.Identity = q.Get("policy"), q.Get("identity")
+		req.Policy, req.Identity, req.Plan = q.Get("policy"), q.Get("identity"), q.Get("plan")
 		if n := q.Get("n"); n != "" {
 			v, err := strconv.Atoi(n)
 			if err != nil || v < 1 {
@@ -153,6 +167,11 @@ func (a adminAPI) serve(w http.ResponseWriter, r *http.Request) error {
 // bucket inspects, resets or grants tokens to one bucket.
 func (adminAPI) bucket(ctx context.Context, action string, def definition, req adminRequest) (*bucketState, error) {
 	p, h := def.policy, def.handler
+	p, ok := p.planNamed(req.Plan) // the bucket as that plan reads it
+	if !ok {
+		return nil, apiError(http.StatusBadRequest, "plan %q: policy %q has no such plan", req.Plan, def.policy.Name)
+	}
+	def.policy = p
 	key := p.fixedKey
 	if key == "" {
 		if req.Identity == "" {
@@ -171,6 +190,7 @@ func (adminAPI) bucket(ctx context.Context, action string, def definition, req a
 	// each of its buckets reads the state from before it, so the first says
 	// what the grant found, atomically.
 	inspect := bucketRequest{key: key, limit: p.limit, op: opInspect}
+	p.markOverridable(&inspect, true) // shows the override in force
 	reqs := []bucketRequest{inspect}
 	switch action {
 	case "reset":
@@ -189,9 +209,11 @@ func (adminAPI) bucket(ctx context.Context, action string, def definition, req a
 	}
 	v := d.verdicts[len(reqs)-1]
 	st := &bucketState{
-		Policy: p.Name, Kind: p.kind(), Rate: p.Rate, Burst: p.limit.burst, Identity: req.Identity, Key: key, Store: h.storeName(),
-		Tokens: v.remaining, NextToken: seconds(v.untilFits), Full: seconds(p.limit.untilFull(v.remaining, v.untilFits)),
+		Policy: p.Name, Kind: p.kind(), Rate: p.Rate, Burst: v.limit.burst, Identity: req.Identity, Key: key, Store: h.storeName(),
+		Tokens: v.remaining, NextToken: seconds(v.untilFits), Full: seconds(v.limit.untilFull(v.remaining, v.untilFits)),
+		Plan: p.planLabel(),
 	}
+	showOverride(ctx, h, key, v, st)
 	if action == "inspect" {
 		return st, nil
 	}
@@ -220,6 +242,7 @@ func (adminAPI) bucket(ctx context.Context, action string, def definition, req a
 func (adminAPI) slots(ctx context.Context, action string, def definition, req adminRequest, key string) (*bucketState, error) {
 	p, h := def.policy, def.handler
 	rq := bucketRequest{key: key, limit: p.limit, op: opCount, leasesExpired: p.leasesExpired}
+	p.markOverridable(&rq, true) // shows the override in force
 	switch action {
 	case "grant":
 		return nil, apiError(http.StatusBadRequest, "policy %q is a concurrency limit: it has slots, not tokens, to grant (reset drops its stale leases)", p.Name)
@@ -235,9 +258,10 @@ func (adminAPI) slots(ctx context.Context, action string, def definition, req ad
 		return nil, storeAPIError(err)
 	}
 	v := d.verdicts[0]
-	inUse := p.Concurrent - v.remaining
-	st := &bucketState{Policy: p.Name, Kind: p.kind(), Slots: p.Concurrent, Identity: req.Identity, Key: key, Store: h.storeName(),
-		Tokens: v.remaining, InUse: &inUse}
+	inUse := v.limit.burst - v.remaining
+	st := &bucketState{Policy: p.Name, Kind: p.kind(), Slots: v.limit.burst, Identity: req.Identity, Key: key, Store: h.storeName(),
+		Tokens: v.remaining, InUse: &inUse, Plan: p.planLabel()}
+	showOverride(ctx, h, key, v, st)
 	if action == "reset" {
 		dropped := v.expired
 		st.Dropped = &dropped

@@ -114,6 +114,10 @@ type bucketRequest struct {
 	// period: for a quota bucket's opAdjust, the period the charge belongs
 	// to (the one its admission was counted in); zero: the current one.
 	period period
+	// overrideWait and overrideDebt are the policy's rule for the slack of
+	// an override's limit (override.limitFor), sent with an overridable
+	// bucket.
+	overrideWait, overrideDebt int64
 }
 
 // counter is a metric that counts (a Prometheus counter).
@@ -139,6 +143,9 @@ type verdict struct {
 	// period: a quota bucket's period, on the store's clock (untilFits is
 	// the µs to its end).
 	period period
+	// limit is the limit the bucket was decided under: the request's, or
+	// an operator's override of it (see override.go).
+	limit limit
 }
 
 // decision is the outcome of one request across all its buckets.
@@ -214,6 +221,7 @@ func (l limit) adjust(tat, now, delta int64) int64 {
 func decideBuckets(tats []int64, now int64, reqs []bucketRequest) (decision, []int64) {
 	d := decision{admitted: true, now: now, verdicts: make([]verdict, len(reqs))}
 	for i, rq := range reqs {
+		d.verdicts[i].limit = rq.limit
 		if rq.quota != nil { // tats[i]: the units used in the period
 			d.verdicts[i].allowed = quotaAdmits(tats[i], rq)
 			if !d.verdicts[i].allowed && !rq.shadow {

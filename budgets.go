@@ -38,9 +38,9 @@ func (d definition) budgetShape() string {
 		return fmt.Sprintf("kind %s, quota %s, timezone %s, key %s, store %s", p.kind(), p.Quota, p.quota.loc, key, d.handler.storeName())
 	}
 	if p.Concurrent > 0 {
-		return fmt.Sprintf("kind %s, %d slots, lease %s, key %s, store %s", p.kind(), p.Concurrent, time.Duration(p.limit.interval)*time.Microsecond, key, d.handler.storeName())
+		return fmt.Sprintf("kind %s, %d slots, lease %s, key %s, store %s", p.kind(), p.Concurrent, time.Duration(p.limit.interval)*time.Microsecond, key, d.handler.storeName()) + p.planShape()
 	}
-	return fmt.Sprintf("kind %s, rate %s, burst %d, key %s, store %s", p.kind(), p.Rate, p.limit.burst, key, d.handler.storeName())
+	return fmt.Sprintf("kind %s, rate %s, burst %d, key %s, store %s", p.kind(), p.Rate, p.limit.burst, key, d.handler.storeName()) + p.planShape()
 }
 
 // kind names the policy's kind: rate, and how it is charged.

@@ -89,6 +89,9 @@ const mholtOrderWarning = "rate_limit: a zone is mholt/caddy-ratelimit's syntax,
 //	        quota    <N>/<minute|hour|day|week|month|year>   # instead of rate
 //	        timezone <IANA zone>
 //	        durable  replicas <n> | aof
+//	        plan     <placeholder> {
+//	            <name> [rate <N>/<duration>] [burst <n>] [cost max <n>]   # or: <name> concurrent <n>
+//	        }
 //	    }
 //	}
 //
@@ -407,6 +410,10 @@ func unmarshalPolicy(d *caddyfile.Dispenser) (*Policy, error) {
 			}
 		case "durable":
 			if err := s.unmarshalDurable(d, p); err != nil {
+				return nil, err
+			}
+		case "plan": // plan.go
+			if err := s.planArg(d, p); err != nil {
 				return nil, err
 			}
 		default:

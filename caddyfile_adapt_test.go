@@ -6,9 +6,11 @@ import (
 	"encoding/json"
 	"flag"
 	"fmt"
+	"maps"
 	"os"
 	"path/filepath"
 	"reflect"
+	"slices"
 	"strings"
 	"testing"
 
@@ -188,9 +190,11 @@ func checkAdaptedConfig(t *testing.T, file string, adapted []byte) {
 			t.Errorf("%s: rate_limit handler %d: provisioned without policies or store", file, i)
 		}
 		for _, p := range h.Policies {
-			rate := p.events >= 1 && p.limit.interval >= 1 || p.quota != nil // a quota has N, no rate
-			if !rate || p.limit.burst < 1 || p.maxCost < 1 || !validOnError(p.onError) {
-				t.Errorf("%s: rate_limit handler %d: policy %q provisioned with bad numbers: %+v", file, i, p.Name, p.limit)
+			for _, q := range append([]*Policy{p}, slices.Collect(maps.Values(p.plans))...) {
+				ok := q.quota != nil || q.limit.interval >= 1 && (q.events >= 1 || p.Concurrent > 0) // a quota has N, no rate
+				if !ok || q.limit.burst < 1 || q.maxCost < 1 || !validOnError(q.onError) {
+					t.Errorf("%s: rate_limit handler %d: policy %q (plan %q) provisioned with bad numbers: %+v", file, i, q.Name, q.planName, q.limit)
+				}
 			}
 		}
 		if err := h.Cleanup(); err != nil {

@@ -37,6 +37,11 @@ func redisQuota(line string) string {
 	return "redis {\n\taddress 127.0.0.1:6379\n}\n" + inQuota(line)
 }
 
+// planBlock is a plan block with the plan lines given.
+func planBlock(lines string) string {
+	return "plan {http.request.header.X-Plan} {\n\t\t" + lines + "\n\t}"
+}
+
 // inZone puts a subdirective line into a valid mholt-style zone.
 func inZone(line string) string {
 	return "zone z {\n\tevents 10\n\twindow 1s\n\t" + line + "\n}\n"
@@ -304,6 +309,31 @@ func TestCaddyfileErrors(t *testing.T) {
 		{"durable", "twice", redisQuota("durable aof\n\tdurable replicas 1 " + mark)},
 		{"durable", "without a redis block", inQuota("durable replicas 1 " + mark)},
 		{"durable", "on a rate policy", "redis {\n\taddress 127.0.0.1:6379\n}\n" + inPolicy("durable replicas 1 "+mark)},
+		// A policy's plans: each mistake at its plan's line.
+		{"plan", "no placeholder", inPolicy("plan { " + mark + "\n\t\tpro rate 1/1s\n\t}")},
+		{"plan", "two placeholders", inPolicy("plan {a} {b} { " + mark + "\n\t\tpro rate 1/1s\n\t}")},
+		{"plan", "not a placeholder", inPolicy("plan gold { " + mark + "\n\t\tpro rate 1/1s\n\t}")},
+		{"plan", "no plans", inPolicy("plan {http.request.header.X-Plan} { " + mark + "\n\t}")},
+		{"plan", "no block", inPolicy("plan {http.request.header.X-Plan} " + mark)},
+		{"plan", "twice", inPolicy("plan {a} {\n\t\tpro rate 1/1s\n\t}\n\tplan {b} { " + mark + "\n\t\tpro rate 1/1s\n\t}")},
+		{"plan", "duplicate plan names", inPolicy(planBlock("pro rate 20/1s\n\t\tpro rate 30/1s " + mark))},
+		{"plan", "plan line with no limit", inPolicy(planBlock("pro " + mark))},
+		{"plan", "bad plan name", inPolicy(planBlock("\"pro plan\" rate 20/1s " + mark))},
+		{"plan", "plan named default", inPolicy(planBlock("default rate 20/1s " + mark))},
+		{"plan", "concurrent in a rate policy", inPolicy(planBlock("pro concurrent 5 " + mark))},
+		{"plan", "rate in a concurrent policy", "policy api {\n\tkey k\n\tconcurrent 2\n\t" + planBlock("pro rate 20/1s "+mark) + "\n}\n"},
+		{"plan", "rate zero", inPolicy(planBlock("pro rate 0/1s " + mark))},
+		{"plan", "rate without value", inPolicy(planBlock("pro rate " + mark))},
+		{"plan", "rate bad duration", inPolicy(planBlock("pro rate 5/1fortnight " + mark))},
+		{"plan", "burst zero", inPolicy(planBlock("pro burst 0 " + mark))},
+		{"plan", "burst not a number", inPolicy(planBlock("pro burst lots " + mark))},
+		{"plan", "burst too slow to refill", inPolicy(planBlock("pro rate 1/1s burst 9223372036854775807 " + mark))},
+		{"plan", "cost without max", inPolicy(planBlock("pro cost 5 " + mark))},
+		{"plan", "cost max zero", inPolicy(planBlock("pro cost max 0 " + mark))},
+		{"plan", "fixed cost above the plan's burst", "policy api {\n\tkey k\n\trate 10/1s\n\tcost 5\n\t" + planBlock("pro burst 4 "+mark) + "\n}\n"},
+		{"plan", "unknown word", inPolicy(planBlock("pro speed 5 " + mark))},
+		{"plan", "word twice", inPolicy(planBlock("pro burst 5 burst 6 " + mark))},
+		{"plan", "a block under a plan", inPolicy(planBlock("pro rate 4/1s { " + mark + "\n\t\t\trate 5/1s\n\t\t}"))},
 	} {
 		t.Run(tc.sub+"/"+tc.name, func(t *testing.T) {
 			caddyfileText, lines := siteWith(tc.body)

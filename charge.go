@@ -583,9 +583,9 @@ func (res *reservation) predicted(i int) (remaining, untilNext int64) {
 		p, rq := res.shown[i], res.shownReqs[i]
 		switch {
 		case p.ChargeIf != nil && !a.charge:
-			return p.limit.adjusted(v, -rq.cost)
+			return res.decidedLimit(i, p).adjusted(v, -rq.cost)
 		case p.Settle != nil && a.settled:
-			return p.limit.adjusted(v, a.usage-rq.cost)
+			return res.decidedLimit(i, p).adjusted(v, a.usage-rq.cost)
 		}
 	}
 	return v.remaining, v.untilFits

@@ -120,14 +120,15 @@ func (s *redisStore) decideAcrossSlots(ctx context.Context, reqs []bucketRequest
 			switch rq.op {
 			case opTake:
 				refunds = append(refunds, bucketRequest{key: rq.key, limit: rq.limit, op: opAdjust, delta: -rq.cost,
-					quota: rq.quota, period: parts[g].verdicts[k].period}) // a quota's, in the period it was charged in
-				v.remaining = min(v.remaining+rq.cost, rq.limit.burst)
+					quota: rq.quota, period: parts[g].verdicts[k].period, // a quota's, in the period it was charged in
+					overridable: rq.overridable, overrideWait: rq.overrideWait, overrideDebt: rq.overrideDebt})
+				v.remaining = min(v.remaining+rq.cost, v.limit.burst)
 				v.delay = 0
 			case opAcquire: // the slot taken is freed
 				rel := rq
 				rel.op = opRelease
 				refunds = append(refunds, rel)
-				v.remaining = min(v.remaining+1, rq.limit.burst)
+				v.remaining = min(v.remaining+1, v.limit.burst)
 			}
 		}
 		if len(refunds) > 0 {

@@ -23,7 +23,7 @@ import (
 func init() {
 	caddycmd.RegisterCommand(caddycmd.Command{
 		Name:  "rate-limit",
-		Usage: "inspect|reset|grant|top|format [--address <interface>] [--config <path> [--adapter <name>]] [--json]",
+		Usage: "inspect|reset|grant|top|format|override|overrides [--address <interface>] [--config <path> [--adapter <name>]] [--json]",
 		Short: "Inspects and resets the rate_limit buckets of a running Caddy",
 		Long: `
 Answers "why is this customer blocked, and can you unblock them?" through the
@@ -35,6 +35,15 @@ admin API of a running Caddy:
   caddy rate-limit top     <policy> [n]                  the identities this instance denied most in the last 5 minutes
   caddy rate-limit format  [v1|v2]                       the fleet's storage format: v2 once every instance runs
                                                          v0.3.0 or later, v1 before rolling back (docs/redis.md)
+  caddy rate-limit override <policy> <identity> rate <N>/<duration> [burst <n>] [for <duration>] [note <text>]
+  caddy rate-limit override <policy> <identity> concurrent <n> [for <duration>] [note <text>]
+                                                         one identity's limit instead of its plan's, on every
+                                                         instance at once; for: it expires by itself
+  caddy rate-limit override <policy> <identity> delete   back to its plan's limit
+  caddy rate-limit overrides <policy>                    every override: hash, limit, expiry, note
+
+Inspect, reset and grant read the bucket under the policy's own limit, or
+under a plan's with --plan <name> (docs/plans-and-overrides.md).
 
 The identity is the raw value the policy's key resolves to (an API key, a
 user id, an IP address); it is hashed as the handler hashes it. With Redis,
@@ -48,6 +57,7 @@ otherwise from the config given with --config, otherwise the default.
 			cmd.PersistentFlags().StringP("config", "c", "", "Configuration file, to find the administration listener")
 			cmd.PersistentFlags().StringP("adapter", "a", "", "Name of config adapter to apply")
 			cmd.PersistentFlags().Bool("json", false, "Print the admin API's JSON answer")
+			cmd.PersistentFlags().String("plan", "", "inspect, reset, grant: the plan whose limit to read the bucket under")
 			cmd.AddCommand(
 				&cobra.Command{Use: "inspect <policy> <identity>", Short: "Shows a bucket: tokens, burst, rate, time to full",
 					Args: cobra.RangeArgs(1, 2), RunE: rateLimitCommand("inspect")},
@@ -60,6 +70,7 @@ otherwise from the config given with --config, otherwise the default.
 				&cobra.Command{Use: "format [v1|v2]", Short: "Shows or sets the format the fleet stores buckets in (see docs/redis.md, Upgrading)",
 					Args: cobra.RangeArgs(0, 1), RunE: rateLimitCommand("format")},
 			)
+			addOverrideCommands(cmd) // command_override.go
 		},
 	})
 }
@@ -73,11 +84,12 @@ func rateLimitCommand(action string) func(*cobra.Command, []string) error {
 		configFile, _ := flags.GetString("config")
 		adapter, _ := flags.GetString("adapter")
 		asJSON, _ := flags.GetBool("json")
+		plan, _ := flags.GetString("plan")
 		adminAddr, err := caddycmd.DetermineAdminAPIAddress(address, nil, configFile, adapter)
 		if err != nil {
 			return fmt.Errorf("finding the admin API: %v", err)
 		}
-		var req adminRequest
+		req := adminRequest{Plan: plan}
 		if len(args) > 0 && action != "format" {
 			req.Policy = args[0]
 		}
@@ -101,6 +113,9 @@ func rateLimitCommand(action string) func(*cobra.Command, []string) error {
 			q := url.Values{"policy": {req.Policy}}
 			if action == "inspect" {
 				q.Set("identity", req.Identity)
+				if plan != "" {
+					q.Set("plan", plan)
+				}
 			} else if len(args) > 1 {
 				q.Set("n", args[1])
 			}
@@ -186,6 +201,7 @@ func printAnswer(w io.Writer, action string, raw []byte) error {
 			fmt.Fprintf(w, "; reset: %d running, kept; %d stale, dropped", *st.InUse, *st.Dropped)
 		}
 		fmt.Fprintln(w, ".")
+		printPlanAndOverride(w, st)
 		return nil
 	}
 	full := "full"
@@ -208,6 +224,7 @@ func printAnswer(w io.Writer, action string, raw []byte) error {
 		fmt.Fprintf(tw, "key\t%s\n", st.Key)
 		fmt.Fprintf(tw, "store\t%s\n", st.Store)
 		fmt.Fprintf(tw, "tokens\t%d of %d; %s\n", st.Tokens, st.Burst, full)
+		printPlanAndOverride(tw, st) // command_override.go
 		if err := tw.Flush(); err != nil {
 			return err
 		}

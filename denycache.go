@@ -97,7 +97,7 @@ func (c *denyCache) answer(reqs []bucketRequest) (d decision, answer denyAnswer,
 	latestRedisNow, earliestRedisNow := int64(0), int64(0)
 	for _, rq := range reqs {
 		if rq.shadow || !rq.op.admits() {
-			verdicts = append(verdicts, verdict{allowed: true}) // not reported on a denial
+			verdicts = append(verdicts, verdict{allowed: true, limit: rq.limit}) // not reported on a denial
 			continue
 		}
 		if rq.quota != nil {
@@ -106,10 +106,12 @@ func (c *denyCache) answer(reqs []bucketRequest) (d decision, answer denyAnswer,
 		}
 		if rq.cost > rq.limit.burst {
 			certain = true
-			verdicts = append(verdicts, verdict{untilFits: neverFits})
+			verdicts = append(verdicts, verdict{untilFits: neverFits, limit: rq.limit})
 			continue
 		}
-		if rq.refundable || rq.op.slots() {
+		if rq.refundable || rq.op.slots() || rq.overridable {
+			// An override's limit is known only to the script: no denial is
+			// decided on a limit that may be stale.
 			return decision{}, unknown, gate
 		}
 		s, id := c.bucket(rq.key)
@@ -128,7 +130,7 @@ func (c *denyCache) answer(reqs []bucketRequest) (d decision, answer denyAnswer,
 		latest := k.redisNow + (now - k.sent)       // Redis's clock can be no later
 		earliest := k.redisNow + (now - k.received) // nor earlier, give or take drift
 		latestRedisNow, earliestRedisNow = max(latestRedisNow, latest), max(earliestRedisNow, earliest)
-		v := verdict{allowed: true}
+		v := verdict{allowed: true, limit: rq.limit}
 		wait := rq.wait
 		if rq.op == opCheck {
 			wait = 0
@@ -157,7 +159,7 @@ func (c *denyCache) answer(reqs []bucketRequest) (d decision, answer denyAnswer,
 // learn records what a Redis decision said of its buckets.
 func (c *denyCache) learn(reqs []bucketRequest, d decision, tats []int64, sent, received int64) {
 	for i, rq := range reqs {
-		if rq.shadow || !rq.op.admits() || rq.refundable || rq.op.slots() || rq.quota != nil {
+		if rq.shadow || !rq.op.admits() || rq.refundable || rq.op.slots() || rq.quota != nil || rq.overridable {
 			continue
 		}
 		s, id := c.bucket(rq.key)

@@ -182,7 +182,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 
 	var all []byte
 	for _, p := range h.Policies {
-		if p.shadow || p.quota != nil { // a quota's member changes with its period
+		if p.shadow || p.quota != nil || p.Plan != nil { // a quota's member changes with its period, a plan's is the plan's
 			all = nil
 			break
 		}
@@ -204,7 +204,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	if h.store, h.closeStore, err = openStore(h.Redis, h.keyPrefix, h.logger); err != nil {
 		return err
 	}
-	return nil
+	return h.provisionPlans()
 }
 
 // storeName says where the handler's buckets are, for messages.

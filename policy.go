@@ -164,6 +164,13 @@ type Policy struct {
 	// Needs a redis block. Default: not waited for.
 	Durable *Durable `json:"durable,omitempty"`
 
+	// Gives the policy a limit per plan: which plan a request is on, read
+	// from a placeholder, and each plan's limit. One bucket per key whatever
+	// the plan: a plan change is read against the bucket's state on the
+	// next request, on every instance, as a reload's change of limit is. A
+	// request that names no plan gets the policy's own limit.
+	Plan *Plan `json:"plan,omitempty"`
+
 	// Provisioned state.
 	matchers          caddyhttp.MatcherSet
 	events            int64
@@ -207,6 +214,15 @@ type Policy struct {
 	// Provisioned state of a quota policy.
 	quota       *quotaSpec
 	durableLine *sourceLine // where the Caddyfile set durable
+	// Plans (plan.go): each plan's copy of the policy, by name; planName is
+	// the plan a copy decides (empty for the policy itself); planTmpl reads
+	// the request's plan.
+	plans    map[string]*Policy
+	planName string
+	planTmpl template
+	// overrides says which of the policy's buckets the store may hold an
+	// operator's override of (override_store.go): the store's, shared.
+	overrides overrideFilter
 }
 
 var policyName = regexp.MustCompile(`^[A-Za-z0-9_.-]{1,64}$`)
@@ -295,7 +311,10 @@ func (p *Policy) check() error {
 	}
 	p.quota = nil
 	if p.Concurrent != 0 || p.Lease != 0 {
-		return p.checkConcurrent()
+		if err := p.checkConcurrent(); err != nil {
+			return err
+		}
+		return p.checkPlans()
 	}
 	if p.Rate == "" {
 		return fieldErr("rate", "rate: required (e.g. 100/1m), or concurrent <n>")
@@ -366,7 +385,7 @@ func (p *Policy) check() error {
 	if !p.costFromBody {
 		p.costTmpl = newTemplate(string(p.Cost))
 	}
-	return nil
+	return p.checkPlans()
 }
 
 // checkConcurrent checks a concurrency policy and derives its slots: a
@@ -448,7 +467,7 @@ func (p *Policy) provision(ctx caddy.Context, h *Handler) error {
 	if p.deniedBody, err = json.Marshal(quotaExceeded([]string{p.Name})); err != nil {
 		return err
 	}
-	p.decisions = policyCounters(p.Name, "", "")
+	p.decisions = policyCounters(p.Name, "", p.planLabel())
 	p.top = topOf(p.Name)
 	for reason := range numLostReasons {
 		p.chargesLost[reason] = chargesLost.WithLabelValues(p.Name, lostReasonNames[reason])

@@ -57,6 +57,9 @@ type redisConn struct {
 	// wait at most; durable coalesces their calls (durable.go).
 	timeout time.Duration
 	durable durableCalls
+	// overrides say which buckets may have overrides in this Redis
+	// (override_store.go).
+	overrides overrideFlags
 }
 
 func (c *redisConn) Destruct() error {
@@ -171,7 +174,7 @@ func (c *redisConn) report(kind string, err error) {
 // only to name a key that is not a bucket; the sorted-set commands for
 // concurrency slots), and PUBLISH and SUBSCRIBE for the events between
 // instances.
-const limiterACL = "~rl:* &rl:* +evalsha +eval +time +get +set +del +type +publish +subscribe +zadd +zrem +zcard +zremrangebyscore +pexpire"
+const limiterACL = "~rl:* &rl:* +evalsha +eval +time +get +set +del +type +publish +subscribe +zadd +zrem +zcard +zremrangebyscore +pexpire +hset +hdel +hget +hgetall +hkeys +hscan +pubsub|numsub"
 
 // errorFixes is what to change for each permanent error kind.
 var errorFixes = map[string]string{
@@ -191,6 +194,12 @@ var errorFixes = map[string]string{
 // it (deny cache, return turns), at once rather than within denyMaxAge.
 // "freed": a concurrency slot was freed: the requests waiting for one try.
 // "format <key_prefix>": the fleet marker changed (upgrade.go).
+// "override <instance> <storage key>": an operator set or deleted the
+// override of the bucket's identity (override_store.go): as "changed", and
+// the bucket's requests read its override from now on; each instance then
+// confirms it ("seen <storage key>" on
+// <key_prefix>events:<instance>), so that the instance that announced it
+// answers once every instance applies it.
 type redisEvents struct {
 	mu       sync.Mutex
 	ps       *redis.PubSub
@@ -207,6 +216,8 @@ const (
 	eventChanged = "changed"
 	eventFreed   = "freed"
 	eventFormat  = "format"
+	// eventOverride: an operator set or deleted an override.
+	eventOverride = "override"
 )
 
 func eventsChannel(prefix string) string { return prefix + "events" }
@@ -232,19 +243,18 @@ func (c *redisConn) watch(prefix string) {
 	}
 	if e.ps != nil {
 		ps := e.ps
-		go func() { _ = ps.Subscribe(context.Background(), ch) }()
+		go func() { _ = ps.Subscribe(context.Background(), ch, ackChannel(ch)) }()
 		return
 	}
 	// go-redis resubscribes after a lost connection by itself.
 	e.ps = c.client.Subscribe(context.Background())
 	ps := e.ps
 	go func() {
-		if err := ps.Subscribe(context.Background(), ch); err != nil {
+		if err := ps.Subscribe(context.Background(), ch, ackChannel(ch)); err != nil {
 			c.logger.Debug("subscribing to rate-limit events", zap.String("redis", c.name), zap.Error(err))
 		}
 		for msg := range ps.Channel() {
-			event, key, _ := strings.Cut(msg.Payload, " ")
-			c.receive(event, key)
+			c.dispatch(msg.Channel, msg.Payload) // override_store.go: overrides' events, and receive
 		}
 	}()
 }
@@ -261,8 +271,10 @@ func (c *redisConn) receive(event, key string) {
 		default:
 		}
 		return
+	case eventOverride:
+		c.overrides.changed(key) // and on: the bucket changed
 	}
-	if event != eventChanged {
+	if event != eventChanged && event != eventOverride {
 		return
 	}
 	if c.denials != nil {

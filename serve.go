@@ -118,6 +118,7 @@ func (h *Handler) match(r *http.Request, repl *caddy.Replacer, rs *requestState,
 		if !ok || rs.wasDecided(p.Name) {
 			continue
 		}
+		p = p.planned(r, repl) // the policy as the request's plan limits it
 		key, identity := p.fixedKey, p.keyTmpl.text
 		if key == "" {
 			identity = p.key(r, repl)
@@ -130,6 +131,7 @@ func (h *Handler) match(r *http.Request, repl *caddy.Replacer, rs *requestState,
 		if rq.op == opAcquire {
 			rq.lease, rq.events, rq.leasesExpired = leaseIDs(), h.events, p.leasesExpired
 		}
+		p.markOverridable(&rq, false)
 		res.reqs = append(res.reqs, rq)
 	}
 	for _, p := range res.policies {
@@ -342,7 +344,7 @@ func (h *Handler) deny(w http.ResponseWriter, r *http.Request, rs *requestState,
 			wait = neverFits
 		case v.untilFits >= wait:
 			wait, key = v.untilFits, res.shownReqs[i].key
-			stride = res.shownReqs[i].cost * p.limit.interval * int64(max(1, h.Instances))
+			stride = res.shownReqs[i].cost * res.decidedLimit(i, p).interval * int64(max(1, h.Instances))
 			if res.shownReqs[i].op.slots() {
 				key = "" // slots come free when requests end: nothing to pace
 			}
@@ -461,7 +463,7 @@ func (h *Handler) writeFields(hdr http.Header, rs *requestState, res *reservatio
 	// Most requests match every policy: their RateLimit-Policy is fixed.
 	var pbuf, lbuf [256]byte
 	pol, lim := pbuf[:0], lbuf[:0]
-	all := len(d.verdicts) == len(h.Policies) && h.allPolicyHdr != "" && res.outerPolicyField == ""
+	all := len(d.verdicts) == len(h.Policies) && h.allPolicyHdr != "" && res.outerPolicyField == "" && !res.overridden()
 	if res.outerPolicyField != "" {
 		pol, lim = append(pol, res.outerPolicyField...), append(lim, res.outerLimitField...)
 	}
@@ -478,7 +480,7 @@ func (h *Handler) writeFields(hdr http.Header, rs *requestState, res *reservatio
 			if q := res.shownReqs[i].quota; q != nil {
 				pol = append(pol, q.policyMember(res.shownReqs[i].limit.burst, v.period)...)
 			} else {
-				pol = append(pol, p.policyHdr...)
+				pol = res.appendPolicyMember(pol, i, p)
 			}
 		}
 		remaining, until := v.remaining, v.untilFits

@@ -23,6 +23,10 @@ type memoryStore struct {
 	shards [memoryShards]memoryShard
 	ids    bucketIDs
 	now    func() int64 // µs on a monotonic clock; injectable for tests
+	// overrides are the operators' overrides of its buckets' limits (the
+	// in-process store's; nil for the `local` fallback, which decides under
+	// the policies' own limits).
+	overrides *overrideTable
 }
 
 const (
@@ -100,6 +104,9 @@ var (
 )
 
 func (m *memoryStore) decide(_ context.Context, reqs []bucketRequest) (decision, error) {
+	if m.overrides != nil {
+		reqs = m.overrides.decidedUnder(reqs)
+	}
 	var idbuf [4]bucketID
 	var shardbuf, lockbuf [4]int
 	ids, shards := idbuf[:0], shardbuf[:0]

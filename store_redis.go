@@ -242,6 +242,9 @@ func encodeCall(batch []*pending, format int) []any {
 				amount, wait = rq.lease, rq.events
 			}
 			args = append(args, op, rq.limit.interval, rq.limit.burst, rq.limit.slack, amount, wait)
+			if rq.overridable { // the policy's rule for an override's slack (override.go)
+				args = append(args, rq.overrideWait, rq.overrideDebt)
+			}
 		}
 	}
 	return args
@@ -294,7 +297,7 @@ func replyWidth(op bucketOp) int {
 func replyLen(reqs []bucketRequest) int {
 	n := 1
 	for _, rq := range reqs {
-		n += bucketReplyWidth(rq)
+		n += replyWidthOf(rq)
 	}
 	return n
 }
@@ -307,7 +310,7 @@ func decodeRequest(now int64, res []int64, reqs []bucketRequest) (decision, []in
 	at := allowedAt[:0]
 	for i, off := 0, 1; i < len(reqs); i++ {
 		at = append(at, off)
-		off += bucketReplyWidth(reqs[i])
+		off += replyWidthOf(reqs[i])
 	}
 	switch res[0] {
 	case scriptWrongType, scriptCorrupt, scriptClock:
@@ -330,6 +333,7 @@ func decodeRequest(now int64, res []int64, reqs []bucketRequest) (decision, []in
 	for i := range reqs {
 		tats[i] = res[at[i]+1]
 	}
+	reqs = decidedUnder(res, at, reqs) // an override's limit, where the script found one
 	d, next := decideBuckets(tats, now, reqs)
 	for i, rq := range reqs {
 		if rq.op.slots() {

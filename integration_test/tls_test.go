@@ -60,7 +60,7 @@ func testCA(t *testing.T) (caFile, certFile, keyFile string, pool *x509.CertPool
 }
 
 // limiterACL is the ACL docs/redis.md gives the limiter's Redis user.
-const limiterACL = "~rl:* &rl:* +evalsha +eval +time +get +set +del +type +publish +subscribe +zadd +zrem +zcard +zremrangebyscore +pexpire"
+const limiterACL = "~rl:* &rl:* +evalsha +eval +time +get +set +del +type +publish +subscribe +zadd +zrem +zcard +zremrangebyscore +pexpire +hset +hdel +hget +hgetall +hkeys +hscan +pubsub|numsub"
 
 // TestRedisTLSAndACL: a Redis that speaks only TLS, with an ACL user for
 // the limiter. With the right CA and credentials Caddy limits exactly;
@@ -95,6 +95,20 @@ func TestRedisTLSAndACL(t *testing.T) {
 	}
 	if got[0] != 200 || got[1] != 200 || got[2] != 200 || got[3] != 429 {
 		t.Fatalf("over TLS with ACL user: %v, want 200 200 200 429", got)
+	}
+	// Overrides need the index's hash commands, a script of their own and
+	// the confirmations of their announcement (PUBSUB NUMSUB).
+	if status, body := adminCall(t, good, "POST", "/rate_limit/override", `{"policy":"per_user","identity":"tls-user","rate":"10/1h","for":"1h","note":"acl"}`); status != 200 || !strings.Contains(body, `"announced":true`) {
+		t.Fatalf("an override with the ACL user: %d %s", status, body)
+	}
+	if r := get(t, good.URL, "X-User", "tls-user"); r.status != 200 {
+		t.Fatalf("under the override with the ACL user: %d", r.status)
+	}
+	if l := listOverrides(t, good, "per_user"); len(l.Overrides) != 1 || l.Overrides[0].Note != "acl" {
+		t.Fatalf("overrides listed with the ACL user: %+v", l.Overrides)
+	}
+	if status, body := adminCall(t, good, "DELETE", "/rate_limit/override", `{"policy":"per_user","identity":"tls-user"}`); status != 200 {
+		t.Fatalf("deleting the override with the ACL user: %d %s", status, body)
 	}
 
 	otherCA, _, _, _ := testCA(t)

@@ -30,6 +30,9 @@
 --        the period an adjust's charge belongs to (0 0: the current one),
 --        then four bounds b0 < b1 < b2 < b3 in µs: the script picks the
 --        period [b[i], b[i+1]) that holds Redis's clock (quota.go)
+--        an overridable bucket takes two more after those of its code:
+--          the policy's wait (µs) and debt rule, which give an override's
+--          limit its slack (see override.go, limitFor)
 --
 -- A bucket is its theoretical arrival time (TAT) in µs and the interval
 -- that TAT was written under, stored in one of the formats of format.go
@@ -74,6 +77,10 @@
 --   expired  slots: the expired leases removed (free: and the stale ones)
 --   quotas: allowed (or -3), the units used before this request in the
 --            period Redis picked, and that period's start (µs)
+-- and, for an overridable bucket, the interval, burst and slack it was
+-- decided under: an operator's override of its limit, when one of its kind
+-- is stored beside it (<prefix><policy>:{<hash>}:override, in its slot), or
+-- the limit sent.
 --
 -- Redis work is what costs: each key is read once per call and written at
 -- most once, at the end, with what the call's last request left in it. On
@@ -274,6 +281,47 @@ local function quota_read(key)
   return bucket
 end
 
+-- Overrides (override.go): "o1 r <interval> <burst>" for a rate bucket,
+-- "o1 c 0 <slots>" for slots, in the key beside the bucket's, read once
+-- per call. A value that is not an override is ignored: the limit sent
+-- stands. The release before this one never sets the overridable bit.
+local MAX_SPAN = 2 ^ 51 -- maxBucketSpan
+local overrides = {} -- bucket key -> {kind, interval, burst}, or false
+
+local function override_of(key)
+  local o = overrides[key]
+  if o ~= nil then return o end
+  o = false
+  local v = redis.pcall('GET', key .. ':override')
+  if type(v) == 'string' then
+    local kind, a, b = string.match(v, '^o1 ([rc]) (%d+) (%d+)$')
+    if kind and #a <= 16 and #b <= 16 then -- below 2^53: exact
+      local interval, burst = tonumber(a), tonumber(b)
+      if kind == 'r' and interval >= 1 and burst >= 1 and interval * burst <= MAX_SPAN then
+        o = {kind = kind, interval = interval, burst = burst}
+      elseif kind == 'c' and burst >= 1 and burst <= 2 ^ 53 then
+        o = {kind = kind, interval = 0, burst = burst}
+      end
+    end
+  end
+  overrides[key] = o
+  return o
+end
+
+-- overridden is the limit a bucket is decided under: its override's, with
+-- the slack the policy's rule gives it, or the one sent (limitFor).
+local function overridden(o, code, interval, burst, slack, wait_us, debt)
+  if not o or code >= QUOTA then return interval, burst, slack end
+  if code >= ACQUIRE then
+    if o.kind == 'c' then return interval, o.burst, slack end
+    return interval, burst, slack
+  end
+  if o.kind ~= 'r' then return interval, burst, slack end
+  local tokens = debt
+  if debt < 0 then tokens = -debt * o.burst end
+  return o.interval, o.burst, math.min(wait_us + tokens * o.interval, MAX_SPAN - o.interval * o.burst)
+end
+
 local out, n_out = {now}, 1
 local first_key, arg = 0, 2 -- the request's first KEYS index less one; its first ARGV index
 -- Per bucket of the request: its first ARGV index, its index, code and
@@ -283,6 +331,9 @@ local first_key, arg = 0, 2 -- the request's first KEYS index less one; its firs
 local argat, at, codes, intervals, allowed, before, after, expired = {}, {}, {}, {}, {}, {}, {}, {}
 -- Per quota bucket of the request: the start and end of the period picked.
 local starts, ends = {}, {}
+-- Per bucket: whether it is overridable, and the burst and slack it is
+-- decided under.
+local overridable_at, bursts, slacks = {}, {}, {}
 
 while arg <= #ARGV do
   local count = tonumber(ARGV[arg])
@@ -293,7 +344,14 @@ while arg <= #ARGV do
     local op = tonumber(ARGV[arg])
     local code, shadow = math.floor(op / 4), op % 2 == 1
     local interval, burst = tonumber(ARGV[arg + 1]), tonumber(ARGV[arg + 2])
+    local slack = tonumber(ARGV[arg + 3])
+    local overridable = math.floor(op / 2) % 2 == 1
+    if overridable then
+      local rule = arg + width(code)
+      interval, burst, slack = overridden(override_of(key), code, interval, burst, slack, tonumber(ARGV[rule]), tonumber(ARGV[rule + 1]))
+    end
     argat[i], codes[i], intervals[i], allowed[i] = arg, code, interval, 1
+    overridable_at[i], bursts[i], slacks[i] = overridable, burst, slack
     if code >= QUOTA then
       local verb = code - QUOTA + TAKE
       local limit, slack, amount = tonumber(ARGV[arg + 1]), tonumber(ARGV[arg + 2]), tonumber(ARGV[arg + 3])
@@ -346,7 +404,7 @@ while arg <= #ARGV do
         if not shadow and status == 1 then status = 0 end
       end
     else
-      local slack, amount = tonumber(ARGV[arg + 3]), tonumber(ARGV[arg + 4])
+      local amount = tonumber(ARGV[arg + 4])
       local bucket = index_of[key] or read(key, code, interval, burst, amount)
       at[i] = bucket
       if bad[bucket] then
@@ -380,6 +438,7 @@ while arg <= #ARGV do
       end
     end
     arg = arg + width(code)
+    if overridable then arg = arg + 2 end
   end
   n_out = n_out + 1
   out[n_out] = status
@@ -403,7 +462,7 @@ while arg <= #ARGV do
         if allowed[i] == 1 then redis.call('PEXPIRE', key, math.ceil(2 * interval / 1000)) end
       elseif code == RELEASE then
         -- A slot freed from a full set: waiters on every instance may try.
-        if redis.call('ZREM', key, member) == 1 and before[i] >= tonumber(ARGV[a + 2]) then
+        if redis.call('ZREM', key, member) == 1 and before[i] >= bursts[i] then
           redis.call('PUBLISH', ARGV[a + 5], 'freed ' .. key)
         end
       elseif code == RESTORE then
@@ -431,6 +490,10 @@ while arg <= #ARGV do
     elseif code >= ACQUIRE then
       n_out = n_out + 1
       out[n_out] = expired[i]
+    end
+    if overridable_at[i] then
+      out[n_out + 1], out[n_out + 2], out[n_out + 3] = intervals[i], bursts[i], slacks[i]
+      n_out = n_out + 3
     end
   end
   first_key = first_key + count

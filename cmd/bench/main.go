@@ -1,9 +1,11 @@
 // Command bench measures what the limiter costs, side by side with plain
-// Caddy in one run: nine Caddy instances (plain `respond`; rate_limit with
+// Caddy in one run: eleven Caddy instances (plain `respond`; rate_limit with
 // Redis and 10,000 identities, nothing denied; the same in-process; one
 // abusive identity, nearly everything denied; two policies per request; a
 // reservation settled after the response; a concurrency slot; the abusive
-// identity again with Retry-After pacing off; a monthly quota) are
+// identity again with Retry-After pacing off; the 10,000 identities on
+// three plans, without overrides and with 1,000 of them overridden; a
+// monthly quota) are
 // loaded in turn with wrk, round after round, each run of a limited one
 // paired with a run of plain Caddy next to it; the medians of the pairs'
 // ratios are the results. It also reads Redis's own cost per script call,
@@ -45,8 +47,10 @@ var (
 	duration    = flag.Duration("duration", 5*time.Second, "wrk run per scenario and round")
 	connections = flag.Int("connections", 32, "wrk connections")
 	threads     = flag.Int("threads", 2, "wrk threads")
-	only        = flag.String("only", "abcdefghq", "scenarios to run (plain Caddy, (a), always runs); the latency and key-size parts need b and d")
+	only        = flag.String("only", "abcdefghijq", "scenarios to run (plain Caddy, (a), always runs); the latency and key-size parts need b and d")
 	previous    = flag.String("previous", testcaddy.PreviousRelease, "commit of the build to compare with, side by side, on (b), (c), (d), (f) and (g) (empty: no comparison)")
+	overrides   = flag.Int("overrides", 1000, "overrides set, of as many of the 10,000 identities, in scenario (j)")
+	latency     = flag.Bool("latency", true, "with b: also measure latency one request at a time and open loop")
 )
 
 // scenario is one Caddy configuration under load.
@@ -64,6 +68,8 @@ type scenario struct {
 	// concurrent decisions are coalesced.
 	usecPerRequest []float64
 	ratios         []float64 // req/s over that of the paired plain Caddy run
+	// setup runs once the scenario's Caddy is up, before any load.
+	setup func(sc *scenario)
 }
 
 type wrkRun struct {
@@ -88,6 +94,15 @@ end
 const reservingLua = `
 request = function()
   return wrk.format("GET", "/", {["X-User"] = "user-" .. (math.random(10000)), ["X-Max-Tokens"] = "10"})
+end
+`
+
+// plansLua is identitiesLua with each identity on one of three plans.
+const plansLua = `
+local plans = {"", "pro", "enterprise"}
+request = function()
+  local n = math.random(10000)
+  return wrk.format("GET", "/", {["X-User"] = "user-" .. n, ["X-Plan"] = plans[n % 3 + 1]})
 end
 `
 
@@ -136,6 +151,7 @@ func main() {
 		return p
 	}
 	identities, abuser, reserving := writeScript("identities.lua", identitiesLua), writeScript("abuser.lua", abuserLua), writeScript("reserving.lua", reservingLua)
+	planned := writeScript("plans.lua", plansLua)
 
 	limiter := func(withRedis bool, policies ...map[string]any) map[string]any {
 		h := map[string]any{"handler": "rate_limit", "key_secret": "bench", "policies": policies}
@@ -165,6 +181,11 @@ func main() {
 		// connections is not held (see docs/http.md), so the two side by
 		// side show what pacing costs a client that ignores Retry-After.
 		{name: "h", label: "rate_limit, Redis, one abusive identity, jitter 0", redis: true, script: abuser, handler: withJitter0(limiter(true, abusive))},
+		// (b) on three plans, without overrides and (another policy name, so
+		// that each has its own overrides) with *overrides of them set.
+		{name: "i", label: "rate_limit, Redis, 10,000 identities on three plans", redis: true, script: planned, handler: limiter(true, onPlans("tenants"))},
+		{name: "j", label: fmt.Sprintf("rate_limit, Redis, 10,000 identities on three plans, %d overrides", *overrides), redis: true, script: planned,
+			handler: limiter(true, onPlans("tenants_overridden")), setup: func(sc *scenario) { setOverrides(s, sc, "tenants_overridden", *overrides) }},
 		// (b) with a monthly quota instead of the rate: a count per
 		// identity in its calendar period, nothing denied.
 		{name: "q", label: "rate_limit, Redis, quota per month, 10,000 identities", redis: true, script: identities, handler: limiter(true,
@@ -204,6 +225,11 @@ func main() {
 	for _, sc := range scenarios {
 		if sc.redis {
 			waitFormat(s, sc.in, "v2")
+		}
+	}
+	for _, sc := range scenarios {
+		if sc.setup != nil {
+			sc.setup(sc)
 		}
 	}
 
@@ -287,7 +313,7 @@ func main() {
 		beforeAfter(s, wrk, redis, previousBin, plain, byName, start)
 	}
 	b := byName["b"]
-	if b == nil {
+	if b == nil || !*latency {
 		return
 	}
 
@@ -659,4 +685,31 @@ func withPrefix(h map[string]any, prefix string) map[string]any {
 		c["redis"] = rc
 	}
 	return c
+}
+
+// onPlans is (b)'s policy on three plans: its own limit, pro's and
+// enterprise's, none of which denies under the load.
+func onPlans(name string) map[string]any {
+	return map[string]any{"name": name, "key": "{http.request.header.X-User}", "rate": "100000/1s",
+		"plan": map[string]any{"from": "{http.request.header.X-Plan}", "plans": map[string]any{
+			"pro": map[string]any{"rate": "200000/1s"}, "enterprise": map[string]any{"rate": "400000/1s"}}}}
+}
+
+// setOverrides sets overrides of the policy for user-1 to user-n through the
+// scenario's admin API, as an operator would, one call each.
+func setOverrides(s *testcaddy.Session, sc *scenario, policy string, n int) {
+	start := time.Now()
+	for i := 1; i <= n; i++ {
+		body := fmt.Sprintf(`{"policy":%q,"identity":"user-%d","rate":"300000/1s"}`, policy, i)
+		resp, err := http.Post(sc.in.Admin+"/rate_limit/override", "application/json", strings.NewReader(body))
+		if err != nil {
+			s.Fatalf("setting override %d: %v", i, err)
+		}
+		raw, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != 200 {
+			s.Fatalf("setting override %d: %d %s", i, resp.StatusCode, raw)
+		}
+	}
+	fmt.Printf("(%s): %d overrides set in %v\n", sc.name, n, time.Since(start).Round(time.Millisecond))
 }

@@ -1,0 +1,230 @@
+package ratelimit
+
+import (
+	"strconv"
+	"strings"
+)
+
+// Overrides: one identity's limit, set by an operator, in place of the
+// limit its plan (or its policy) gives it. An override is stored beside the
+// identity's bucket, under the same hash and in the same Redis Cluster slot
+// (<key_prefix><policy>:{<hash>}:override), and read by the same script call
+// that decides: a bucket whose request has the overridable bit reads its
+// override key and, when an override of its kind is there, is decided under
+// the override's limit instead of the one sent, which the reply carries
+// back so that Go computes the verdict (tokens left, waits) under it. Like
+// a plan change, an override keeps the bucket's state (rebase).
+//
+// The bit costs a GET per bucket, so it is set only for the buckets that
+// may have one: each instance keeps, per policy, the keys the store's
+// index of overrides lists (see override_store.go). A policy without any
+// pays nothing for the feature; one with overrides pays for its overridden
+// identities' requests only.
+//
+// This file is the functional core: the stored value, and the limit an
+// override gives a bucket, which lua/decide.lua computes the same way.
+//
+// The release before this one (v0.2) has no overrides: it never sets the
+// bit nor reads an override key, and its configs, which have no plans nor
+// overrides, never meet one. An instance of it on the same Redis decides a
+// bucket under its own config's limit, as across a reload.
+
+// override is an override's limit as the script reads it.
+type override struct {
+	kind     byte  // overrideRate or overrideSlots
+	interval int64 // µs per token (rate)
+	burst    int64 // capacity in tokens, or slots
+}
+
+// Override kinds, in the stored value.
+const (
+	overrideRate  = 'r'
+	overrideSlots = 'c'
+)
+
+// overrideTag starts every override value: a format of its own, which no
+// bucket value (digits and a colon) has.
+const overrideTag = "o1 "
+
+// encode is the override's stored value: "o1 r <interval> <burst>" or
+// "o1 c 0 <slots>".
+func (o override) encode() string {
+	return overrideTag + string(o.kind) + " " + strconv.FormatInt(o.interval, 10) + " " + strconv.FormatInt(o.burst, 10)
+}
+
+// decodeOverride reads a stored override; ok is false for a value that is
+// not one (the script then ignores it, as it does here).
+func decodeOverride(v string) (o override, ok bool) {
+	rest, found := strings.CutPrefix(v, overrideTag)
+	if !found || len(rest) < 2 || rest[1] != ' ' {
+		return override{}, false
+	}
+	a, b, found := strings.Cut(rest[2:], " ")
+	if !found {
+		return override{}, false
+	}
+	interval, ok1 := digits(a)
+	burst, ok2 := digits(b)
+	o = override{kind: rest[0], interval: interval, burst: burst}
+	return o, ok1 && ok2 && o.valid()
+}
+
+// digits parses 1 to 16 decimal digits (an integer below 2^53, which Lua
+// holds exactly).
+func digits(s string) (int64, bool) {
+	if len(s) == 0 || len(s) > 16 {
+		return 0, false
+	}
+	for i := 0; i < len(s); i++ {
+		if s[i] < '0' || s[i] > '9' {
+			return 0, false
+		}
+	}
+	n, err := strconv.ParseInt(s, 10, 64)
+	return n, err == nil
+}
+
+// valid reports whether the override is one a bucket can be decided under:
+// a rate's burst × interval within maxBucketSpan, slots at least one.
+func (o override) valid() bool {
+	switch o.kind {
+	case overrideRate:
+		return o.interval >= 1 && o.burst >= 1 && o.burst <= maxBucketSpan/o.interval
+	case overrideSlots:
+		return o.burst >= 1 && o.burst <= maxJSONInteger
+	}
+	return false
+}
+
+// limitFor is the limit a bucket is decided under when o is the override in
+// force and sent the limit its request carries: a rate override's interval
+// and burst, with the slack the policy's rule gives them (waitUS for
+// `wait`, and debt tokens: debt itself when debt >= 0, -debt × burst
+// otherwise), at most what keeps tau + slack within maxBucketSpan; a slots
+// override's count, the lease unchanged. An override of another kind than
+// the bucket's leaves sent as it is.
+func (o override) limitFor(sent limit, slots bool, waitUS, debt int64) limit {
+	switch {
+	case slots && o.kind == overrideSlots:
+		return limit{interval: sent.interval, burst: o.burst, slack: sent.slack}
+	case slots || o.kind != overrideRate:
+		return sent
+	}
+	tokens := debt
+	if debt < 0 {
+		tokens = -debt * o.burst
+	}
+	room := maxBucketSpan - o.interval*o.burst
+	slack := room
+	if waitUS < room && tokens <= (room-waitUS)/o.interval {
+		slack = waitUS + tokens*o.interval
+	}
+	return limit{interval: o.interval, burst: o.burst, slack: slack}
+}
+
+// Widths of an overridable bucket in a script call: the ARGV it takes
+// after those of its code (the policy's wait and debt rule), and the
+// numbers its reply has after those of its op (the interval, burst and
+// slack it was decided under).
+const (
+	overrideArgs  = 2
+	overrideReply = 3
+)
+
+// replyWidthOf is the numbers of a bucket's reply (see replyWidth), an
+// overridable bucket's limit included.
+func replyWidthOf(rq bucketRequest) int {
+	if rq.overridable {
+		return bucketReplyWidth(rq) + overrideReply
+	}
+	return bucketReplyWidth(rq)
+}
+
+// decidedUnder is reqs with the limits their buckets were decided under,
+// which the reply res carries for overridable buckets after the numbers of
+// their op (at[i] is where bucket i's begin): reqs itself when no override
+// was in force.
+func decidedUnder(res []int64, at []int, reqs []bucketRequest) []bucketRequest {
+	out := reqs
+	for i, rq := range reqs {
+		if !rq.overridable {
+			continue
+		}
+		o := at[i] + replyWidth(rq.op)
+		l := limit{interval: res[o], burst: res[o+1], slack: res[o+2]}
+		if l == rq.limit {
+			continue
+		}
+		if &out[0] == &reqs[0] {
+			out = append([]bucketRequest(nil), reqs...)
+		}
+		out[i].limit = l
+	}
+	return out
+}
+
+// debtRule is the policy's rule for the debt of an override's limit (see
+// limitFor): what settle may owe, fixed (settle's max) or twice the burst.
+func (p *Policy) debtRule() int64 {
+	switch {
+	case p.Settle == nil:
+		return 0
+	case p.Settle.Max > 0:
+		return p.Settle.Max
+	}
+	return -2
+}
+
+// markOverridable sets the overridable bit of the policy's bucket request
+// when the store may hold overrides of the policy (always, for the admin
+// API, which shows the override in force), with the policy's slack rule.
+func (p *Policy) markOverridable(rq *bucketRequest, always bool) {
+	if !always && (p.overrides == nil || !p.overrides.may(rq.key)) {
+		return
+	}
+	rq.overridable, rq.overrideWait, rq.overrideDebt = true, p.waitUS, p.debtRule()
+}
+
+// applyOverride is rq as decided under the override o in force (see
+// limitFor).
+func (rq bucketRequest) applyOverride(o override) bucketRequest {
+	rq.limit = o.limitFor(rq.limit, rq.op.slots(), rq.overrideWait, rq.overrideDebt)
+	return rq
+}
+
+// decidedLimit is the limit the request's bucket i was decided under: an
+// override's when one was in force, or the policy's (its plan's), as
+// configured (a `local` bucket holds a share of it).
+func (res *reservation) decidedLimit(i int, p *Policy) limit {
+	if v := res.d.verdicts[i]; v.limit != res.shownReqs[i].limit && v.limit.interval > 0 {
+		return v.limit
+	}
+	return p.limit
+}
+
+// overridden reports whether a bucket of the decision was decided under an
+// override, whose RateLimit-Policy member is not the policy's.
+func (res *reservation) overridden() bool {
+	for i, v := range res.d.verdicts {
+		if i < len(res.shownReqs) && v.limit != res.shownReqs[i].limit && v.limit.interval > 0 {
+			return true
+		}
+	}
+	return false
+}
+
+// appendPolicyMember appends the RateLimit-Policy member of the policy's
+// bucket i: the policy's (its plan's), or, under an override, the
+// override's limit per the policy's window (a concurrency policy's: its
+// slots).
+func (res *reservation) appendPolicyMember(b []byte, i int, p *Policy) []byte {
+	l := res.decidedLimit(i, p)
+	if l == p.limit {
+		return append(b, p.policyHdr...)
+	}
+	if p.Concurrent > 0 {
+		return slotsMember(b, p.Name, l.burst)
+	}
+	_, w := fieldQuota(p.events, p.period)
+	return policyMember(b, p.Name, min(w*1_000_000/l.interval, maxSFInteger), w)
+}
