@@ -87,6 +87,10 @@ type bucketState struct {
 	// Announced: every instance was told of the reset or grant at once
 	// (otherwise within a second).
 	Announced *bool `json:"announced,omitempty"`
+	// A shed policy's adaptive limit on this instance (shed { latency }),
+	// and the requests in flight under it.
+	ShedLimit    *int64 `json:"shed_limit,omitempty"`
+	ShedInFlight *int64 `json:"shed_in_flight,omitempty"`
 }
 
 func (a adminAPI) serve(w http.ResponseWriter, r *http.Request) error {
@@ -153,6 +157,9 @@ func (adminAPI) bucket(ctx context.Context, action string, def definition, req a
 		}
 		req.Identity = p.identityOf(req.Identity) // a client address names its network's bucket, as in the handler
 		key = p.storageKey(h.hasher, req.Identity)
+	}
+	if p.Shed != nil {
+		return adminAPI{}.shed(ctx, action, def, req, key)
 	}
 	if p.Concurrent > 0 {
 		return adminAPI{}.slots(ctx, action, def, req, key)
@@ -225,8 +232,8 @@ func (adminAPI) slots(ctx context.Context, action string, def definition, req ad
 		return nil, storeAPIError(err)
 	}
 	v := d.verdicts[0]
-	inUse := p.Concurrent - v.remaining
-	st := &bucketState{Policy: p.Name, Kind: p.kind(), Slots: p.Concurrent, Identity: req.Identity, Key: key, Store: h.storeName(),
+	inUse := p.limit.burst - v.remaining // burst: the slots (concurrent, shed { concurrent })
+	st := &bucketState{Policy: p.Name, Kind: p.kind(), Slots: p.limit.burst, Identity: req.Identity, Key: key, Store: h.storeName(),
 		Tokens: v.remaining, InUse: &inUse}
 	if action == "reset" {
 		dropped := v.expired

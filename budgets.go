@@ -34,6 +34,9 @@ func (d definition) budgetShape() string {
 	if p.keyTmpl.usesAddr() { // the mask is part of the key: another makes other buckets
 		key += " (" + p.addrMask.String() + ")"
 	}
+	if p.Shed != nil {
+		return fmt.Sprintf("kind %s, %s, key %s, store %s", p.kind(), p.shedShape(), key, d.handler.storeName())
+	}
 	if p.Concurrent > 0 {
 		return fmt.Sprintf("kind %s, %d slots, lease %s, key %s, store %s", p.kind(), p.Concurrent, time.Duration(p.limit.interval)*time.Microsecond, key, d.handler.storeName())
 	}
@@ -43,6 +46,8 @@ func (d definition) budgetShape() string {
 // kind names the policy's kind: rate, and how it is charged.
 func (p *Policy) kind() string {
 	switch {
+	case p.Shed != nil:
+		return "shed"
 	case p.Concurrent > 0:
 		return "concurrent"
 	case p.ChargeIf != nil:

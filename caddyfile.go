@@ -86,6 +86,8 @@ const mholtOrderWarning = "rate_limit: a zone is mholt/caddy-ratelimit's syntax,
 //	        settle   openai [max <n>]
 //	        ipv6_prefix <bits>
 //	        ipv4_prefix <bits>
+//	        shed     { concurrent <n>  latency <duration> }   # instead of rate
+//	        priority <placeholder> { <class> <share>% ... }
 //	    }
 //	}
 //
@@ -404,6 +406,14 @@ func unmarshalPolicy(d *caddyfile.Dispenser) (*Policy, error) {
 			}
 		case "ipv4_prefix":
 			if err := s.prefixArg(d, &p.IPv4Prefix, 32, false); err != nil {
+				return nil, err
+			}
+		case "shed":
+			if err := s.shedArg(d, p); err != nil {
+				return nil, err
+			}
+		case "priority":
+			if err := s.priorityArg(d, p); err != nil {
 				return nil, err
 			}
 		default:

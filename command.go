@@ -177,6 +177,10 @@ func printAnswer(w io.Writer, action string, raw []byte) error {
 	if err := json.Unmarshal(raw, &st); err != nil {
 		return err
 	}
+	if st.Kind == "shed" {
+		printShed(w, action, st)
+		return nil
+	}
 	if st.InUse != nil {
 		fmt.Fprintf(w, "%s %q (concurrency limit, key %s): %d of %d slots in use", st.Policy, st.Identity, st.Key, *st.InUse, st.Slots)
 		if action == "reset" && st.Dropped != nil {

@@ -268,6 +268,22 @@ func (t shedTicket) done() {
 // policy decided with this one denied it): no latency sample.
 func (t shedTicket) cancel() { t.l.inflight.Add(-1) }
 
+// passed restarts the ticket's clock when its request is passed on: the
+// latency the controller learns from is the upstream's, not the time the
+// request spent being decided (a Redis call, a `wait` of another policy).
+// The slot is held from admission all the same.
+func (t *shedTicket) passed() { t.start = t.l.now() }
+
+// resume starts the limit where another limiter of the same policy left it:
+// a reload that changes the policy's target or classes keeps what was
+// learned of the upstream.
+func (l *shedLimiter) resume(limit int64) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.estimate = float64(min(max(limit, shedFloor), shedCeiling))
+	l.current.Store(int64(l.estimate))
+}
+
 // record takes one latency, finished at now with inflight in flight
 // (itself included), and closes the window when it is due. Under l.mu.
 func (l *shedLimiter) record(now time.Time, latency time.Duration, inflight int64) {
