@@ -188,6 +188,10 @@ func checkAdaptedConfig(t *testing.T, file string, adapted []byte) {
 			t.Errorf("%s: rate_limit handler %d: provisioned without policies or store", file, i)
 		}
 		for _, p := range h.Policies {
+			if p.Shed != nil {
+				checkShedProvisioned(t, fmt.Sprintf("%s: rate_limit handler %d", file, i), p)
+				continue
+			}
 			if p.events < 1 || p.limit.burst < 1 || p.limit.interval < 1 || p.maxCost < 1 || !validOnError(p.onError) {
 				t.Errorf("%s: rate_limit handler %d: policy %q provisioned with bad numbers: %+v", file, i, p.Name, p.limit)
 			}

@@ -141,7 +141,7 @@ func (p *Policy) checkShed() error {
 		return fieldErr("charge_if", "charge_if: a shed policy counts requests in flight, it charges nothing")
 	case p.Settle != nil:
 		return fieldErr("settle", "settle: a shed policy counts requests in flight, it charges nothing")
-	case p.Wait != 0 || p.MaxHeld != 0:
+	case p.Wait != 0:
 		return fieldErr("wait", "wait: a shed policy answers at once: holding requests in Caddy is the queueing that shedding avoids")
 	case s.Concurrent == 0 && s.Latency == 0:
 		return fieldErr("shed", "shed: concurrent <n> or latency <duration> (or both) is required")

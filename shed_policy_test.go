@@ -454,3 +454,24 @@ func TestCaddyfileShedErrors(t *testing.T) {
 		})
 	}
 }
+
+// checkShedProvisioned requires a provisioned shed policy's state: its
+// classes' slots (with shed { concurrent }), its limiter (with latency),
+// a failure mode.
+func checkShedProvisioned(t *testing.T, where string, p *Policy) {
+	t.Helper()
+	st := p.shed
+	switch {
+	case st == nil || len(st.byClass) != len(p.classes.names) || !validOnError(p.onError):
+		t.Errorf("%s: shed policy %q provisioned without its state", where, p.Name)
+	case (p.Shed.Latency > 0) != (st.limiter != nil):
+		t.Errorf("%s: shed policy %q: latency %v, limiter %v", where, p.Name, p.Shed.Latency, st.limiter)
+	case p.Shed.Concurrent > 0 && (p.limit.burst != p.Shed.Concurrent || p.limit.interval < 1 || st.byClass[0].limit.burst != p.Shed.Concurrent):
+		t.Errorf("%s: shed policy %q provisioned with bad slots: %+v", where, p.Name, p.limit)
+	}
+	for i, cp := range st.byClass {
+		if p.Shed.Concurrent > 0 && cp.limit.burst < 1 {
+			t.Errorf("%s: shed policy %q: class %d has no slot", where, p.Name, i)
+		}
+	}
+}
