@@ -830,7 +830,7 @@ func TestShedController(t *testing.T) {
 		}},
 		{name: "slow start ends at the first window above D", start: 20, slowStart: true, steps: []step{
 			{w: shedWindow{n: 40, span: W, latency: constLatency(D / 2), inflight: 1000}, reps: 1, want: []int64{30}},
-			{w: shedWindow{n: 40, span: W, latency: constLatency(2 * D), inflight: 1000}, reps: 1, want: []int64{22}}, // two windows closed early
+			{w: shedWindow{n: 40, span: W, latency: constLatency(2 * D), inflight: 1000}, reps: 1, want: []int64{22}},     // two windows closed early
 			{w: shedWindow{n: 40, span: W, latency: constLatency(D / 2), inflight: 1000}, reps: 2, want: []int64{24, 27}}, // not 33: √limit
 		}},
 		{name: "within D and used: grows by √limit, half way, per window", start: 20, steps: []step{
