@@ -1,6 +1,7 @@
 package integration_test
 
 import (
+	"encoding/base64"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -14,6 +15,8 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/testredis"
 )
 
 // Load shedding through real Caddy: an upstream that serves at most c
@@ -199,7 +202,9 @@ func statsTable(label string, st []classStats, good float64) string {
 		fmt.Fprintf(&b, "%-9s %-8s offered %5d  success %6.2f%%  shed %5d  failed %4d  p50 %6v  p99 %6v\n", label, shedClassNames[i], s.offered,
 			100*s.success(), s.shed, s.failed, s.p50.Round(time.Millisecond), s.p99.Round(time.Millisecond))
 	}
-	fmt.Fprintf(&b, "%-9s goodput %.1f%% of c\n", label, 100*good)
+	if good >= 0 {
+		fmt.Fprintf(&b, "%-9s goodput %.1f%% of c\n", label, 100*good)
+	}
 	return b.String()
 }
 
@@ -370,5 +375,350 @@ func TestShedOverload(t *testing.T) {
 	}
 	if noShed[0].p99 <= 2*unloaded {
 		t.Errorf("without shedding, critical p99 %v: want the upstream's queue to show (above 2 × %v)", noShed[0].p99, unloaded)
+	}
+}
+
+// TestShedRecovers: the upstream of TestShedOverload under half its
+// capacity (50 requests/s) slows down five-fold for 4 s (S = 500 ms: it
+// serves 20/s), an overload of 2.5 ×: latency far above the target drives
+// the adaptive limit down (towards what Little's law says the slow upstream
+// runs within D, 20/s × 150 ms = 3, so the floor of 4), shedding most
+// requests. Once S is 100 ms again, the limit climbs back above the
+// upstream's c = 10 and shedding stops. Asserted: the limit came down below
+// c, was back at c within 5 s of the recovery (quoted to the 50 ms it is
+// read at), and from 6 s to 10 s after, every critical and default request
+// was served, and batch lost at most 20%: at half the capacity, only the
+// lowest class's bursts past its 40% of the limit, about as many as the
+// upstream's c, are shed (the upstream is full then: they would queue),
+// fewer as the limit grows (it grows by √limit steps, once it has been
+// above the target: 4 s after the recovery it is 13 to 18).
+func TestShedRecovers(t *testing.T) {
+	const (
+		c       = 10
+		service = 100 * time.Millisecond
+	)
+	up := startQueueUpstream(t, c, service)
+	in := startCaddy(t, limiter("", nil, shedPolicy(map[string]any{"latency": "150ms"}, measuredShares...)), proxyTo(up.addr))
+	client := loadClient(10 * time.Second)
+	stop := make(chan struct{})
+	trace := traceLimit(in, "capacity", 50*time.Millisecond, stop)
+	begin := time.Now()
+	slow, back, end := 2*time.Second, 6*time.Second, 16*time.Second
+	time.AfterFunc(slow, func() { up.service.Store(int64(5 * service)) })
+	time.AfterFunc(back, func() { up.service.Store(int64(service)) })
+	shots := driveClasses(client, in.URL, 0.5*float64(c)/service.Seconds(), end, []float64{0.10, 0.45, 0.45}, 4)
+	close(stop)
+	points := trace()
+	// Without traffic the limit stands still: the gauge says what inspect does.
+	if gauge, st := metricValue(t, in, "caddy_rate_limit_shed_limit", map[string]string{"policy": "capacity"}), inspectShed(t, in); st.Limit == nil || gauge != float64(*st.Limit) {
+		t.Errorf("caddy_rate_limit_shed_limit %v, inspect %+v", gauge, st)
+	}
+	low, recovered := int64(math.MaxInt64), time.Duration(-1)
+	for _, p := range points {
+		at := begin.Add(p.at)
+		if !at.Before(begin.Add(slow)) && at.Before(begin.Add(back+time.Second)) {
+			low = min(low, p.limit)
+		}
+		if recovered < 0 && !at.Before(begin.Add(back)) && p.limit >= c {
+			recovered = at.Sub(begin.Add(back))
+		}
+	}
+	var perSecond []string
+	for from := begin.Add(slow); from.Before(begin.Add(end)); from = from.Add(time.Second) {
+		shed, offered := 0, 0
+		for _, s := range shots {
+			if !s.sent.Before(from) && s.sent.Before(from.Add(time.Second)) {
+				offered++
+				if s.status == 503 {
+					shed++
+				}
+			}
+		}
+		perSecond = append(perSecond, fmt.Sprintf("%d/%d", shed, offered))
+	}
+	after := classStatsOf(shots, begin.Add(back+6*time.Second), begin.Add(end))
+	t.Logf("in flight/limit from the slowdown (%v): %s", slow, traceString(points[int(slow/(50*time.Millisecond))-2:], 250*time.Millisecond))
+	t.Logf("lowest limit %d; back to c = %d %v after the upstream recovered; shed/offered per second from the slowdown: %s; from 6 s after:\n%s",
+		low, c, recovered, strings.Join(perSecond, " "), statsTable("after", after, -1))
+	if low >= c {
+		t.Errorf("lowest limit while slow %d: want it below the c = %d the upstream runs when well", low, c)
+	}
+	if recovered < 0 || recovered > 5*time.Second {
+		t.Errorf("limit back to c after %v, want within 5 s", recovered)
+	}
+	if after[0].success() < 1 || after[1].success() < 1 || after[2].success() < 0.8 {
+		t.Errorf("from 6 s after the upstream recovered: critical %.1f%%, default %.1f%%, batch %.1f%% served; want 100%%, 100%% and 80%%",
+			100*after[0].success(), 100*after[1].success(), 100*after[2].success())
+	}
+}
+
+// gateUpstream holds every request until the test opens the gate (or the
+// client goes away), counting those that reached it.
+type gateUpstream struct {
+	addr    string
+	mu      sync.Mutex
+	gate    chan struct{}
+	arrived int
+	now     int
+	most    int
+}
+
+func startGateUpstream(t *testing.T) *gateUpstream {
+	t.Helper()
+	u := &gateUpstream{gate: make(chan struct{})}
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	u.addr = l.Addr().String()
+	srv := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		u.mu.Lock()
+		gate := u.gate
+		u.arrived++
+		u.now++
+		u.most = max(u.most, u.now)
+		u.mu.Unlock()
+		select {
+		case <-gate:
+		case <-r.Context().Done():
+		}
+		u.mu.Lock()
+		u.now--
+		u.mu.Unlock()
+		_, _ = io.WriteString(w, "served")
+	})}
+	go func() { _ = srv.Serve(l) }()
+	t.Cleanup(func() { u.open(); srv.Close() })
+	return u
+}
+
+// open lets every request held go on; later ones wait at a new gate.
+func (u *gateUpstream) open() {
+	u.mu.Lock()
+	close(u.gate)
+	u.gate = make(chan struct{})
+	u.mu.Unlock()
+}
+
+func (u *gateUpstream) counts() (arrived, now, most int) {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	return u.arrived, u.now, u.most
+}
+
+// burst sends n requests at once, spread over the instances, with the
+// header pairs; it returns, once each was either shed or reached the
+// upstream (at most 10 s), how many were shed, and a wait for the others'
+// statuses (a request that failed is 0).
+func burst(t *testing.T, fleet []*instance, up *gateUpstream, n int, header ...string) (shed int, wait func() []int) {
+	t.Helper()
+	arrivedBefore, _, _ := up.counts()
+	statuses := make(chan int, n)
+	var shedCount atomic.Int64
+	var problems []string
+	var mu sync.Mutex
+	for i := range n {
+		go func() {
+			req, _ := http.NewRequest("GET", fleet[i%len(fleet)].URL+"/", nil)
+			for k := 0; k+1 < len(header); k += 2 {
+				req.Header.Set(header[k], header[k+1])
+			}
+			resp, err := newClient().Do(req)
+			if err != nil {
+				statuses <- 0
+				return
+			}
+			body, _ := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			if resp.StatusCode == 503 {
+				var p problemBody
+				if json.Unmarshal(body, &p) != nil || p.Type != "https://iana.org/assignments/http-problem-types#temporary-reduced-capacity" ||
+					resp.Header.Get("Retry-After") == "" || resp.Header.Get("Content-Type") != "application/problem+json" {
+					mu.Lock()
+					problems = append(problems, fmt.Sprintf("%s %q %v", resp.Status, body, resp.Header))
+					mu.Unlock()
+				}
+				shedCount.Add(1)
+				return
+			}
+			statuses <- resp.StatusCode
+		}()
+	}
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(5 * time.Millisecond) {
+		arrived, _, _ := up.counts()
+		if int(shedCount.Load())+arrived-arrivedBefore >= n {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("after 10 s, %d of %d requests shed and %d at the upstream", shedCount.Load(), n, arrived-arrivedBefore)
+		}
+	}
+	mu.Lock()
+	for _, p := range problems {
+		t.Errorf("a 503 that is not a shed request's: %s", p)
+	}
+	mu.Unlock()
+	return int(shedCount.Load()), func() []int {
+		var out []int
+		for range n - int(shedCount.Load()) {
+			out = append(out, <-statuses)
+		}
+		return out
+	}
+}
+
+// TestShedFleetSlots: shed { concurrent 10 } with the design's classes
+// (critical 100%, default 80%, batch 50%) on two instances sharing one
+// Redis: a burst of 20 batch requests gets 5 slots of the fleet's 10, 20
+// default requests 3 more, 20 critical requests the last 2; the others are
+// shed (503). The upstream never has more than 10 at once, however the
+// requests are spread over the instances; the slots come back once the
+// requests end.
+func TestShedFleetSlots(t *testing.T) {
+	srv := testredis.Start(t)
+	up := startGateUpstream(t)
+	policy := shedPolicy(map[string]any{"concurrent": 10}, "100%", "80%", "50%")
+	var fleet []*instance
+	for range 2 {
+		fleet = append(fleet, startCaddy(t, limiter(srv.Addr, nil, policy), proxyTo(up.addr)))
+	}
+	var waits []func() []int
+	for _, step := range []struct {
+		class      string
+		admitted   int
+		shedByThen int
+	}{{"batch", 5, 15}, {"default", 3, 17}, {"critical", 2, 18}} {
+		shed, wait := burst(t, fleet, up, 20, "X-Priority", step.class)
+		waits = append(waits, wait)
+		_, now, _ := up.counts()
+		t.Logf("20 %s requests over 2 instances: %d shed, %d at the upstream now", step.class, shed, now)
+		if shed != step.shedByThen {
+			t.Errorf("%s: %d shed, want %d (%d admitted)", step.class, shed, step.shedByThen, step.admitted)
+		}
+	}
+	in := inspectShed(t, fleet[1])
+	if _, now, most := up.counts(); now != 10 || most != 10 || in.InUse == nil || *in.InUse != 10 || in.Slots != 10 {
+		t.Errorf("at the upstream %d now, at most %d; inspect: %+v; want 10 of 10 slots in use", now, most, in)
+	}
+	up.open()
+	for _, wait := range waits {
+		for _, status := range wait() {
+			if status != 200 {
+				t.Errorf("an admitted request ended %d", status)
+			}
+		}
+	}
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+		if in := inspectShed(t, fleet[0]); in.InUse != nil && *in.InUse == 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("slots still in use 5 s after the requests ended: %+v", inspectShed(t, fleet[0]))
+		}
+	}
+	for class, want := range map[string][2]float64{"batch": {5, 15}, "default": {3, 17}, "critical": {2, 18}} {
+		var allowed, shed float64
+		for _, in := range fleet {
+			allowed += metricValue(t, in, "caddy_rate_limit_decisions_total", map[string]string{"policy": "capacity", "class": class, "outcome": "allowed"})
+			shed += metricValue(t, in, "caddy_rate_limit_decisions_total", map[string]string{"policy": "capacity", "class": class, "outcome": "shed"})
+		}
+		if allowed != want[0] || shed != want[1] {
+			t.Errorf("decisions_total of class %s: %v allowed, %v shed over the fleet; want %v and %v", class, allowed, shed, want[0], want[1])
+		}
+	}
+}
+
+// shedState is what the admin API's inspect answers of a shed policy.
+type shedState struct {
+	Kind     string `json:"kind"`
+	Slots    int64  `json:"slots"`
+	InUse    *int64 `json:"in_use"`
+	Limit    *int64 `json:"shed_limit"`
+	InFlight *int64 `json:"shed_in_flight"`
+}
+
+func inspectShed(t *testing.T, in *instance) shedState {
+	t.Helper()
+	var st shedState
+	if err := json.Unmarshal([]byte(rateLimitCLI(t, in, "inspect", "capacity", "--json")), &st); err != nil || st.Kind != "shed" {
+		t.Fatalf("inspect capacity: %+v %v", st, err)
+	}
+	return st
+}
+
+// TestShedPriorityFromAuth: the class comes from what the placeholder
+// says. Taken from a request header, it is the client's to choose: a
+// client that says critical is critical, a value that names no class is
+// the lowest (and is counted under that class's name, never its own).
+// Taken from authentication (basic_auth, then a map of the user to a
+// class), a client that forges the header stays in its user's class.
+// shed { concurrent 4 } with critical 100% and batch 50%: batch's 2 slots
+// are taken by two held batch requests, so a batch request is shed and a
+// critical one admitted.
+func TestShedPriorityFromAuth(t *testing.T) {
+	up := startGateUpstream(t)
+	classes := func(from string) map[string]any {
+		return map[string]any{"name": "capacity", "key": "global", "shed": map[string]any{"concurrent": 4},
+			"priority": map[string]any{"from": from, "classes": []any{
+				map[string]any{"name": "critical", "share": "100%"}, map[string]any{"name": "batch", "share": "50%"}}}}
+	}
+	fromHeader := startCaddy(t, limiter("", nil, classes("{http.request.header.X-Priority}")), proxyTo(up.addr))
+	auth := map[string]any{"handler": "authentication", "providers": map[string]any{"http_basic": map[string]any{"accounts": []any{
+		map[string]any{"username": "alice", "password": "$2a$04$Diph/PkfXfAWeJPDW.cndORgGKezkJU/YYh4gPuK1TKzm0RprtrXK"}, // alice-secret
+		map[string]any{"username": "bob", "password": "$2a$04$NvEEpijFIOsm0EUYbBlWcu6WAMGuMvCZAqXb4Oy0lELfzawSX/Pay"},   // bob-secret
+	}}}}
+	userClass := map[string]any{"handler": "map", "source": "{http.auth.user.id}", "destinations": []string{"{priority}"},
+		"mappings": []any{map[string]any{"input": "alice", "outputs": []string{"critical"}}}, "defaults": []string{"batch"}}
+	fromAuth := startCaddy(t, auth, userClass, limiter("", nil, classes("{priority}")), proxyTo(up.addr))
+
+	as := func(user string) []string {
+		if user == "" {
+			return nil
+		}
+		return []string{"Authorization", "Basic " + base64.StdEncoding.EncodeToString([]byte(user+":"+user+"-secret"))}
+	}
+	for _, tc := range []struct {
+		name  string
+		in    *instance
+		hold  []string // the two batch requests that fill batch's slots
+		probe []string
+		shed  bool
+	}{
+		{"header: the client says critical", fromHeader, []string{"X-Priority", "batch"}, []string{"X-Priority", "critical"}, false},
+		{"header: a value that names no class is batch", fromHeader, []string{"X-Priority", "batch"}, []string{"X-Priority", "urgent"}, true},
+		{"auth: bob forges critical, stays batch", fromAuth, as("bob"), append(as("bob"), "X-Priority", "critical"), true},
+		{"auth: alice is critical", fromAuth, as("bob"), as("alice"), false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			shed, wait := burst(t, []*instance{tc.in}, up, 2, tc.hold...)
+			if shed != 0 {
+				t.Fatalf("the two batch requests: %d shed", shed)
+			}
+			probed, probeWait := burst(t, []*instance{tc.in}, up, 1, tc.probe...)
+			if (probed == 1) != tc.shed {
+				t.Errorf("probe shed %v, want %v", probed == 1, tc.shed)
+			}
+			up.open()
+			for _, status := range append(wait(), probeWait()...) {
+				if status != 200 {
+					t.Errorf("an admitted request ended %d", status)
+				}
+			}
+			for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+				if st := inspectShed(t, tc.in); st.InUse != nil && *st.InUse == 0 {
+					break
+				}
+				if time.Now().After(deadline) {
+					t.Fatal("slots still in use 5 s after the requests ended")
+				}
+			}
+		})
+	}
+	_, raw := scrape(t, fromHeader)
+	if strings.Contains(raw, "urgent") {
+		t.Errorf("a priority value the client sent is in the metrics:\n%s", raw)
+	}
+	if n := metricValue(t, fromHeader, "caddy_rate_limit_decisions_total", map[string]string{"policy": "capacity", "class": "batch", "outcome": "shed"}); n != 1 {
+		t.Errorf("fromHeader: %v batch requests shed, want 1 (the urgent one)", n)
 	}
 }
