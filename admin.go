@@ -105,6 +105,10 @@ type bucketState struct {
 	// are then the override's.
 	Plan     string         `json:"plan,omitempty"`
 	Override *overrideEntry `json:"override,omitempty"`
+	// A shed policy's adaptive limit on this instance (shed { latency }),
+	// and the requests in flight under it.
+	ShedLimit    *int64 `json:"shed_limit,omitempty"`
+	ShedInFlight *int64 `json:"shed_in_flight,omitempty"`
 }
 
 func (a adminAPI) serve(w http.ResponseWriter, r *http.Request) error {
@@ -180,6 +184,9 @@ func (adminAPI) bucket(ctx context.Context, action string, def definition, req a
 		req.Identity = p.identityOf(req.Identity) // a client address names its network's bucket, as in the handler
 		key = p.storageKey(h.hasher, req.Identity)
 	}
+	if p.Shed != nil {
+		return adminAPI{}.shed(ctx, action, def, req, key)
+	}
 	if p.Concurrent > 0 {
 		return adminAPI{}.slots(ctx, action, def, req, key)
 	}
@@ -242,7 +249,9 @@ func (adminAPI) bucket(ctx context.Context, action string, def definition, req a
 func (adminAPI) slots(ctx context.Context, action string, def definition, req adminRequest, key string) (*bucketState, error) {
 	p, h := def.policy, def.handler
 	rq := bucketRequest{key: key, limit: p.limit, op: opCount, leasesExpired: p.leasesExpired}
-	p.markOverridable(&rq, true) // shows the override in force
+	if p.Shed == nil { // a shed policy's capacity is the service's: no override
+		p.markOverridable(&rq, true) // shows the override in force
+	}
 	switch action {
 	case "grant":
 		return nil, apiError(http.StatusBadRequest, "policy %q is a concurrency limit: it has slots, not tokens, to grant (reset drops its stale leases)", p.Name)
@@ -258,7 +267,7 @@ func (adminAPI) slots(ctx context.Context, action string, def definition, req ad
 		return nil, storeAPIError(err)
 	}
 	v := d.verdicts[0]
-	inUse := v.limit.burst - v.remaining
+	inUse := v.limit.burst - v.remaining // burst: the slots (concurrent, shed { concurrent })
 	st := &bucketState{Policy: p.Name, Kind: p.kind(), Slots: v.limit.burst, Identity: req.Identity, Key: key, Store: h.storeName(),
 		Tokens: v.remaining, InUse: &inUse, Plan: p.planLabel()}
 	showOverride(ctx, h, key, v, st)

@@ -102,6 +102,9 @@ func overridePolicy(policy, identity string) (definition, string, overrideStore,
 		return definition{}, "", nil, apiError(http.StatusBadRequest, "policy %q: no such policy in the loaded config", policy)
 	}
 	p, h := def.policy, def.handler
+	if p.Shed != nil {
+		return definition{}, "", nil, apiError(http.StatusBadRequest, "policy %q sheds load: its capacity is the service's, not an identity's, and has no overrides", policy)
+	}
 	store := overridesIn(h.store)
 	if store == nil {
 		return definition{}, "", nil, apiError(http.StatusBadRequest, "policy %q: its store keeps no overrides", policy)

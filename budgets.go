@@ -37,6 +37,9 @@ func (d definition) budgetShape() string {
 	if p.quota != nil {
 		return fmt.Sprintf("kind %s, quota %s, timezone %s, key %s, store %s", p.kind(), p.Quota, p.quota.loc, key, d.handler.storeName())
 	}
+	if p.Shed != nil {
+		return fmt.Sprintf("kind %s, %s, key %s, store %s", p.kind(), p.shedShape(), key, d.handler.storeName())
+	}
 	if p.Concurrent > 0 {
 		return fmt.Sprintf("kind %s, %d slots, lease %s, key %s, store %s", p.kind(), p.Concurrent, time.Duration(p.limit.interval)*time.Microsecond, key, d.handler.storeName()) + p.planShape()
 	}
@@ -48,6 +51,8 @@ func (p *Policy) kind() string {
 	switch {
 	case p.quota != nil:
 		return p.quotaKind()
+	case p.Shed != nil:
+		return "shed"
 	case p.Concurrent > 0:
 		return "concurrent"
 	case p.ChargeIf != nil:

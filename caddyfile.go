@@ -92,6 +92,8 @@ const mholtOrderWarning = "rate_limit: a zone is mholt/caddy-ratelimit's syntax,
 //	        plan     <placeholder> {
 //	            <name> [rate <N>/<duration>] [burst <n>] [cost max <n>]   # or: <name> concurrent <n>
 //	        }
+//	        shed     { concurrent <n>  latency <duration> }   # instead of rate
+//	        priority <placeholder> { <class> <share>% ... }
 //	    }
 //	}
 //
@@ -414,6 +416,14 @@ func unmarshalPolicy(d *caddyfile.Dispenser) (*Policy, error) {
 			}
 		case "plan": // plan.go
 			if err := s.planArg(d, p); err != nil {
+				return nil, err
+			}
+		case "shed":
+			if err := s.shedArg(d, p); err != nil {
+				return nil, err
+			}
+		case "priority":
+			if err := s.priorityArg(d, p); err != nil {
 				return nil, err
 			}
 		default:

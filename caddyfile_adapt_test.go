@@ -190,6 +190,10 @@ func checkAdaptedConfig(t *testing.T, file string, adapted []byte) {
 			t.Errorf("%s: rate_limit handler %d: provisioned without policies or store", file, i)
 		}
 		for _, p := range h.Policies {
+			if p.Shed != nil {
+				checkShedProvisioned(t, fmt.Sprintf("%s: rate_limit handler %d", file, i), p)
+				continue
+			}
 			for _, q := range append([]*Policy{p}, slices.Collect(maps.Values(p.plans))...) {
 				ok := q.quota != nil || q.limit.interval >= 1 && (q.events >= 1 || p.Concurrent > 0) // a quota has N, no rate
 				if !ok || q.limit.burst < 1 || q.maxCost < 1 || !validOnError(q.onError) {

@@ -192,6 +192,10 @@ func printAnswer(w io.Writer, action string, raw []byte) error {
 	if err := json.Unmarshal(raw, &st); err != nil {
 		return err
 	}
+	if st.Kind == "shed" {
+		printShed(w, action, st)
+		return nil
+	}
 	if st.Used != nil {
 		return printQuota(w, action, st)
 	}

@@ -144,11 +144,15 @@ const (
 	outcomeFailClosed
 	outcomeLocalAllowed
 	outcomeLocalDenied
+	// outcomeShed: a shed policy turned the request away (503), the
+	// service being at capacity (shed_policy.go).
+	outcomeShed
 	numOutcomes
 )
 
 var outcomeNames = [numOutcomes]string{
 	"allowed", "delayed", "denied", "shadow_denied", "fail_open", "fail_closed", "local_allowed", "local_denied",
+	"shed",
 }
 
 // policyCounters resolves a policy's decisions_total children once (for a

@@ -35,7 +35,7 @@ func init() {
 //
 // Placeholder | Value
 // ------------|------
-// `{http.rate_limit.decision}` | `allowed`, `delayed`, `denied`, `shadow_denied`, `fail_open`, `fail_closed`, `local_allowed` or `local_denied`
+// `{http.rate_limit.decision}` | `allowed`, `delayed`, `denied`, `shadow_denied`, `fail_open`, `fail_closed`, `local_allowed`, `local_denied` or `shed`
 // `{http.rate_limit.policy}` | the denying policy, or the one with the fewest tokens left
 // `{http.rate_limit.key}` | that policy's storage key (a hash, never the identity), to tie a hot Redis key to requests
 // `{http.rate_limit.remaining}` | that policy's whole tokens left (empty when nothing was decided)
@@ -182,6 +182,9 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 
 	var all []byte
 	for _, p := range h.Policies {
+		if p.Shed != nil {
+			continue // not in the fields (writeFields)
+		}
 		if p.shadow || p.quota != nil || p.Plan != nil { // a quota's member changes with its period, a plan's is the plan's
 			all = nil
 			break

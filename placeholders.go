@@ -61,7 +61,7 @@ func (rs *requestState) wasDecided(name string) bool { return slices.Contains(rs
 //
 // Placeholder | Value
 // ------------|------
-// `{http.rate_limit.decision}` | allowed, delayed, denied, shadow_denied, fail_open, fail_closed, local_allowed or local_denied
+// `{http.rate_limit.decision}` | allowed, delayed, denied, shadow_denied, fail_open, fail_closed, local_allowed, local_denied or shed
 // `{http.rate_limit.policy}` | the denying policy, or the one with the fewest tokens left
 // `{http.rate_limit.key}` | that policy's storage key (a hash, never the identity), to tie a hot Redis key to requests
 // `{http.rate_limit.remaining}` | that policy's whole tokens left (empty when nothing was decided)

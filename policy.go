@@ -223,6 +223,20 @@ type Policy struct {
 	// overrides says which of the policy's buckets the store may hold an
 	// operator's override of (override_store.go): the store's, shared.
 	overrides overrideFilter
+
+	// Protects the service rather than a caller's budget: requests beyond
+	// the capacity it sets are turned away with 503, lowest priority class
+	// first. Instead of `rate` and `concurrent`. See shed_policy.go.
+	Shed *Shed `json:"shed,omitempty"`
+
+	// Which priority class a request of a shed policy is in, and the share
+	// of the capacity each class may use. Without it, every request is in
+	// one class, which may use all of it.
+	Priority *Priority `json:"priority,omitempty"`
+
+	// A shed policy's classes (check) and its provisioned state.
+	classes *shedClasses
+	shed    *shedState
 }
 
 var policyName = regexp.MustCompile(`^[A-Za-z0-9_.-]{1,64}$`)
@@ -306,10 +320,13 @@ func (p *Policy) check() error {
 	if err := checkPrefix("ipv4_prefix", p.IPv4Prefix, 32); err != nil {
 		return err
 	}
+	p.quota = nil
+	if p.Shed != nil || p.Priority != nil {
+		return p.checkShed()
+	}
 	if p.Quota != "" || p.Timezone != "" || p.Durable != nil {
 		return p.checkQuota()
 	}
-	p.quota = nil
 	if p.Concurrent != 0 || p.Lease != 0 {
 		if err := p.checkConcurrent(); err != nil {
 			return err
@@ -496,6 +513,9 @@ func (p *Policy) provision(ctx caddy.Context, h *Handler) error {
 			}
 		}
 	}
+	if p.Shed != nil {
+		p.provisionShed(ctx, h)
+	}
 	return nil
 }
 
@@ -503,7 +523,7 @@ func (p *Policy) provision(ctx caddy.Context, h *Handler) error {
 // take a slot, or take the cost (which charge_if and settle may give back
 // after the response).
 func (p *Policy) admissionOp() bucketOp {
-	if p.Concurrent > 0 {
+	if p.Concurrent > 0 || p.Shed != nil { // a shed policy's buckets are slots (shed { concurrent })
 		return opAcquire
 	}
 	return opTake

@@ -29,8 +29,16 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	if err := h.match(r, repl, rs, res); err != nil {
 		return err
 	}
-	if len(res.reqs) == 0 {
+	if len(res.reqs) == 0 && len(res.adaptive) == 0 {
 		return next.ServeHTTP(w, r)
+	}
+	if len(res.adaptive) > 0 {
+		// Shed policies' adaptive limits decide first, on this instance
+		// alone: a request they shed costs no store call.
+		defer res.finishAdaptive() // before recycle
+		if p := res.admitAdaptive(); p != nil {
+			return h.shed(w, r, rs, p)
+		}
 	}
 	h.reserve(r, res)
 	if res.clientGone {
@@ -43,6 +51,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	if !res.holdUntilDue(r) {
 		return nil // the client went away; its slot stays consumed
 	}
+	res.passAdaptive()
 	return h.serveWatched(w, r, next, rs, res)
 }
 
@@ -101,6 +110,12 @@ type reservation struct {
 	ibuf                    [4]string
 	afterbuf                [4]afterCharge
 	leasebuf                [4]lease
+
+	// adaptive are the request's places under shed policies' adaptive
+	// limits (shed_policy.go); passed: the request was passed on.
+	adaptive    []shedAdmission
+	adaptivebuf [2]shedAdmission
+	passed      bool
 }
 
 // admitted reports whether the request goes on.
@@ -117,6 +132,11 @@ func (h *Handler) match(r *http.Request, repl *caddy.Replacer, rs *requestState,
 		}
 		if !ok || rs.wasDecided(p.Name) {
 			continue
+		}
+		if p.Shed != nil {
+			if p = res.matchShed(p, r, repl, rs); p == nil {
+				continue // decided on this instance alone (shed { latency })
+			}
 		}
 		p = p.planned(r, repl) // the policy as the request's plan limits it
 		key, identity := p.fixedKey, p.keyTmpl.text
@@ -147,6 +167,10 @@ func (h *Handler) reserve(r *http.Request, res *reservation) {
 	// A policy with `wait` may reserve a future slot only while it has room
 	// to hold the request until then.
 	res.places = res.placebuf[:0]
+	if len(res.reqs) == 0 { // only shed policies' adaptive limits, which admitted it
+		res.d, res.outcome = decision{admitted: true}, outcomeAllowed
+		return
+	}
 	for i, p := range res.policies {
 		if p.Concurrent == 0 && p.hold() {
 			res.reqs[i].wait = p.waitUS
@@ -295,6 +319,8 @@ func count(policies []*Policy, d decision, allowed, denied outcome) {
 		switch {
 		case !v.allowed && policies[i].shadow:
 			policies[i].decisions[outcomeShadowDenied].Inc()
+		case !v.allowed && policies[i].Shed != nil:
+			policies[i].decisions[outcomeShed].Inc()
 		case !v.allowed:
 			policies[i].decisions[denied].Inc()
 		case d.admitted && v.delay > 0:
@@ -323,6 +349,9 @@ func (h *Handler) deny(w http.ResponseWriter, r *http.Request, rs *requestState,
 		}
 		return writeProblem(w, reducedCapacity())
 	}
+	if res.shedOnly() {
+		return h.denyShed(w, r, rs, res)
+	}
 
 	// The policies that denied, and the longest of their waits.
 	var violated []string
@@ -332,7 +361,7 @@ func (h *Handler) deny(w http.ResponseWriter, r *http.Request, rs *requestState,
 	var denier *Policy  // the last policy that denied
 	for i, v := range res.d.verdicts {
 		p := res.shown[i]
-		if v.allowed || p.shadow {
+		if v.allowed || p.shadow || p.Shed != nil { // a shed policy protects the service: it is no caller's budget
 			continue
 		}
 		denier = p
@@ -440,6 +469,9 @@ func (h *Handler) setPlaceholders(rs *requestState, res *reservation, retryAfter
 	// enforced, so a dry run still says which policy would deny.
 	tightest := -1
 	for i, v := range d.verdicts {
+		if v.allowed && res.shown[i].Shed != nil {
+			continue // the service's capacity, not a budget left to the caller
+		}
 		e := !res.shown[i].shadow
 		if tightest < 0 || e && !enforced || e == enforced && tighter(v, d.verdicts[tightest]) {
 			tightest, enforced = i, e
@@ -469,7 +501,7 @@ func (h *Handler) writeFields(hdr http.Header, rs *requestState, res *reservatio
 	}
 	for i, v := range d.verdicts {
 		p := res.shown[i]
-		if p.shadow {
+		if p.shadow || p.Shed != nil { // see docs/load-shedding.md: no caller's budget
 			continue
 		}
 		if len(lim) > 0 {
@@ -494,6 +526,9 @@ func (h *Handler) writeFields(hdr http.Header, rs *requestState, res *reservatio
 			until = neverFits // free slots have no window
 		}
 		lim = limitMember(lim, p.Name, remaining, until)
+	}
+	if len(lim) == 0 {
+		return // only shed policies: no fields
 	}
 	// Both fields in one string, and both values in one array: two
 	// allocations for what the response keeps.

@@ -135,7 +135,19 @@ func classSlots(limit, bp int64, top bool, floor int64) int64 {
 //     is Gradient2's "app limited" rule (at least half the limit in
 //     flight), widened to the classes: or some request was shed, a lower
 //     class shed while latency is within D being a limit too low. So an
-//     idle instance does not inflate its limit.
+//     idle instance does not inflate its limit. Until the first window
+//     above D, growth doubles the limit while it binds (up to twice the
+//     most in flight: TCP's slow start): a fresh instance in front of an
+//     upstream that runs hundreds at once finds its limit in seconds,
+//     where √limit steps from the initial 20 take tens of them, shedding
+//     the lower classes meanwhile (simulated, at 0.7 × the capacity of
+//     c = 100 with the design's classes: 66% shed in the first second,
+//     11% in the fourth, none from the seventh, against 75%, 50% and 22%
+//     in the eighth). A lower class shed while the limit does not bind
+//     grows it by √limit only: doubling then (up to twice the limit) only
+//     brings forward the limit an overload after calm traffic starts from
+//     (the share that covers the lowest class's bursts), and with it the
+//     first second's queue.
 //   - between: hold. The band between p90 and p95 is what keeps the limit
 //     from cycling around D.
 //
@@ -185,15 +197,16 @@ type shedLimiter struct {
 	inflight atomic.Int64 // all classes together
 	denied   atomic.Bool  // a request was shed in this window
 
-	mu       sync.Mutex
-	estimate float64   // the limit, unrounded
-	start    time.Time // of the window
-	samples  [shedSamples]time.Duration
-	kept     int   // samples[:kept] hold latencies
-	seen     int   // latencies offered in this window
-	over     int   // of which above the target
-	peak     int64 // most in flight seen at a finish in this window
-	rng      uint64
+	mu        sync.Mutex
+	estimate  float64   // the limit, unrounded
+	congested bool      // a window was above the target: slow start is over
+	start     time.Time // of the window
+	samples   [shedSamples]time.Duration
+	kept      int   // samples[:kept] hold latencies
+	seen      int   // latencies offered in this window
+	over      int   // of which above the target
+	peak      int64 // most in flight seen at a finish in this window
+	rng       uint64
 }
 
 // newShedLimiter makes the controller of shed { latency target } for the
@@ -268,6 +281,22 @@ func (t shedTicket) done() {
 // policy decided with this one denied it): no latency sample.
 func (t shedTicket) cancel() { t.l.inflight.Add(-1) }
 
+// passed restarts the ticket's clock when its request is passed on: the
+// latency the controller learns from is the upstream's, not the time the
+// request spent being decided (a Redis call, a `wait` of another policy).
+// The slot is held from admission all the same.
+func (t *shedTicket) passed() { t.start = t.l.now() }
+
+// resume starts the limit where another limiter of the same policy left it:
+// a reload that changes the policy's target or classes keeps what was
+// learned of the upstream.
+func (l *shedLimiter) resume(limit int64) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.estimate = float64(min(max(limit, shedFloor), shedCeiling))
+	l.current.Store(int64(l.estimate))
+}
+
 // record takes one latency, finished at now with inflight in flight
 // (itself included), and closes the window when it is due. Under l.mu.
 func (l *shedLimiter) record(now time.Time, latency time.Duration, inflight int64) {
@@ -308,8 +337,12 @@ func (l *shedLimiter) adapt(p90, p95 time.Duration, throughput float64, peak int
 	switch {
 	case p90 > l.target:
 		next = min(max(throughput*l.target.Seconds(), est/2), est)
+		l.congested = true
 	case p95 <= l.target && (float64(peak) >= est/2 || denied):
 		next = est + math.Sqrt(est)
+		if !l.congested { // slow start: doubling while the limit itself binds
+			next = max(next, min(2*est, 2*float64(peak)))
+		}
 	}
 	est += (next - est) * shedSmoothing
 	est = min(max(est, shedFloor), shedCeiling)

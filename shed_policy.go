@@ -1,0 +1,596 @@
+package ratelimit
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// Load shedding. A shed policy protects the service, not a caller's
+// budget: when the service is at capacity it turns requests away with 503
+// (the caller broke no policy), lowest priority class first, so that the
+// last of the capacity is always kept for the higher classes.
+//
+// Two capacities, either or both:
+//
+//   - shed { concurrent N }: fleet-wide, at most N requests in flight on all
+//     instances together. They are concurrency slots (lease.go), one set
+//     for all classes, taken in the request's one atomic decision: a
+//     request of a class is admitted only while fewer than its class's
+//     slots (classSlots of N for its share) are in use, so a burst of the
+//     lowest class never takes the slots a higher class needs. In Redis
+//     they are the sorted set of leases a `concurrent` policy keeps, under
+//     the policy's own key: no new kind of value. The previous release
+//     (v0.2) never reads it: its configs cannot hold a shed policy.
+//   - shed { latency D }: adaptive, on each instance alone, by the
+//     controller of shed.go: checked before the store is asked (a request
+//     it sheds costs no Redis call), its slot given back unmeasured when
+//     another policy denies the request, measured when the handler chain
+//     returns.
+
+// Shed is the capacity a shed policy keeps the service within: one or
+// both of `concurrent` and `latency`.
+type Shed struct {
+	// Fleet-wide: at most this many requests in flight at once, on all
+	// instances and of all classes together: what the upstreams can run at
+	// once. Each admitted request holds a lease on one of these slots in
+	// Redis, taken in the same atomic decision as the request's other
+	// policies and renewed while it runs, as a `concurrent` policy's (the
+	// policy's `lease` is how soon the slots of an instance that died come
+	// back, default 30s). A request of a class is admitted only while fewer
+	// than its class's share of the slots are in use.
+	Concurrent int64 `json:"concurrent,omitempty"`
+
+	// Adaptive, per instance: the latency to keep the requests this
+	// instance passes within. Each instance learns how many requests it
+	// may let in flight from the latency of those it passed (from being
+	// passed on until the handler chain returns): the limit comes down when
+	// their p90 is above this, and grows while their p95 is within it and
+	// the limit is used, never below 4 (what the highest class always has)
+	// nor above 1000. No Redis call. Set it above the route's normal p95,
+	// e.g. 1.5 × its unloaded median. 1ms to 1h.
+	Latency caddy.Duration `json:"latency,omitempty"`
+}
+
+// Priority sorts a shed policy's requests into classes.
+type Priority struct {
+	// The placeholder whose value names the request's class, e.g.
+	// `{http.request.header.X-Priority}`. A client can send any header: take
+	// the class from authentication where a client must not choose it (see
+	// docs/load-shedding.md). A value that names no class (empty, unknown,
+	// in another case) is the lowest class. Required.
+	From string `json:"from"`
+
+	// The classes, highest first, each with the share of the capacity its
+	// requests may use: a request of a class is admitted only while the
+	// requests in flight, all classes together, are fewer than its share of
+	// the limit. The first class's share is 100%; each next one's is lower.
+	Classes []PriorityClass `json:"classes"`
+}
+
+// PriorityClass is one priority class of a shed policy.
+type PriorityClass struct {
+	// The value that puts a request in this class, and the `class` label
+	// of its decisions: 1 to 64 letters, digits, `_`, `-` or `.`.
+	Name string `json:"name"`
+
+	// The share of the capacity the class may use: a percentage above 0%
+	// and at most 100%, with at most two decimals, e.g. "50%" or "12.5%".
+	Share string `json:"share"`
+}
+
+// Bounds of shed { latency }: the controller's windows are 2 × latency,
+// clamped to 10ms..1s (shed.go).
+const (
+	minShedLatency = time.Millisecond
+	maxShedLatency = time.Hour
+)
+
+// shedState is a shed policy's provisioned state.
+type shedState struct {
+	from    template     // the priority value (Priority.From)
+	limiter *shedLimiter // shed { latency }; nil without
+	// byClass is the policy as each class's requests see it: its slots
+	// (shed { concurrent }: classSlots of N for the class's share) and its
+	// decisions_total children, labelled with the class. A request's
+	// reservation holds its class's policy in place of the policy.
+	byClass []*Policy
+}
+
+// shedAdmission is a request's place under a shed policy's adaptive limit.
+type shedAdmission struct {
+	policy *Policy // the class's (shedState.byClass)
+	class  int
+	ticket shedTicket
+	held   bool // ticket is the request's slot
+}
+
+// checkShed checks a shed policy and derives its classes and slots: as a
+// concurrency policy's, a limit of Shed.Concurrent slots whose interval is
+// the lease.
+func (p *Policy) checkShed() error {
+	s := p.Shed
+	switch {
+	case s == nil:
+		return fieldErr("priority", "priority: only a shed policy has priority classes (shed { concurrent <n> } or shed { latency <duration> }); "+
+			"to split a caller's budget, give each kind of request its own policy with a match")
+	case p.Rate != "":
+		return fieldErr("rate", "rate: a policy is a rate or shed, not both: a shed policy protects the service, a rate policy a caller's budget; "+
+			"give each its own policy (a request matching both is decided by both at once)")
+	case p.Concurrent != 0:
+		return fieldErr("concurrent", "concurrent: a shed policy's fleet-wide capacity is shed { concurrent <n> }; "+
+			"a concurrent policy limits what one key runs at once: give it its own policy")
+	case p.Quota != "" || p.Timezone != "" || p.Durable != nil:
+		return fieldErr("quota", "quota: a policy is a quota or shed, not both: a shed policy protects the service, a quota a caller's budget; "+
+			"give each its own policy (a request matching both is decided by both at once)")
+	case p.Plan != nil:
+		return fieldErr("plan", "plan: a shed policy protects the service, whatever the caller's plan: to give plans their share, name them in priority classes")
+	case p.Burst != 0:
+		return fieldErr("burst", "burst: a shed request takes one slot: burst and cost are for rate policies")
+	case p.Cost != "" || p.MaxCost != 0:
+		return fieldErr("cost", "cost: a shed request takes one slot: burst and cost are for rate policies")
+	case p.ChargeIf != nil:
+		return fieldErr("charge_if", "charge_if: a shed policy counts requests in flight, it charges nothing")
+	case p.Settle != nil:
+		return fieldErr("settle", "settle: a shed policy counts requests in flight, it charges nothing")
+	case p.Wait != 0:
+		return fieldErr("wait", "wait: a shed policy answers at once: holding requests in Caddy is the queueing that shedding avoids")
+	case s.Concurrent == 0 && s.Latency == 0:
+		return fieldErr("shed", "shed: concurrent <n> or latency <duration> (or both) is required")
+	case s.Concurrent < 0 || s.Concurrent > maxJSONInteger:
+		return fieldErr("shed", "shed: concurrent %d must be from 1 to %d", s.Concurrent, int64(maxJSONInteger))
+	case s.Latency < 0 || s.Latency != 0 && (time.Duration(s.Latency) < minShedLatency || time.Duration(s.Latency) > maxShedLatency):
+		return fieldErr("shed", "shed: latency %s must be from %s to %s", time.Duration(s.Latency), minShedLatency, maxShedLatency)
+	case s.Concurrent == 0 && p.Lease != 0:
+		return fieldErr("lease", "lease: only shed { concurrent <n> } holds leases (shed { latency } has no Redis state)")
+	case p.OnError != "" && !validOnError(p.OnError):
+		return fieldErr("on_error", "on_error: %q is not fail_open, fail_closed or local", p.OnError)
+	}
+	if s.Latency != 0 && !newTemplate(p.Key).constant() {
+		return fieldErr("key", "key: shed { latency } learns one limit per policy on each instance, so its key is a fixed string such as global; "+
+			"for a per-route or per-upstream limit, give each its own policy with a match")
+	}
+	classes, err := p.Priority.check()
+	if err != nil {
+		return err
+	}
+	for i := 1; s.Concurrent > 0 && i < len(classes.names); i++ {
+		if classSlots(s.Concurrent, classes.shares[i], false, 1) == 0 {
+			return fieldErr("priority", "priority: class %q: %s of concurrent %d is less than one slot: its requests would always be shed",
+				classes.names[i], shareString(classes.shares[i]), s.Concurrent)
+		}
+	}
+	lease := time.Duration(p.Lease)
+	if lease == 0 {
+		lease = defaultLease
+	}
+	if lease < minLease || lease > maxWait {
+		return fieldErr("lease", "lease: %s must be from %s to %s", lease, minLease, maxWait)
+	}
+	p.classes = classes
+	p.limit = limit{interval: int64(lease / time.Microsecond), burst: s.Concurrent}
+	p.fixedCost, p.maxCost, p.waitUS, p.debt, p.settleMax = 1, 1, 0, 0, 0
+	p.keyTmpl, p.costTmpl = newTemplate(p.Key), newTemplate("")
+	return nil
+}
+
+// check checks the priority classes and returns them; a policy without
+// priority has one class, which may use all the capacity.
+func (pr *Priority) check() (*shedClasses, error) {
+	if pr == nil {
+		return newShedClasses([]string{""}, []int64{shareWhole})
+	}
+	if err := pr.checkFrom(); err != nil {
+		return nil, err
+	}
+	if len(pr.Classes) == 0 {
+		return nil, fieldErr("priority", "priority: at least one class is required, highest first, e.g. critical 100%%")
+	}
+	names, shares := make([]string, len(pr.Classes)), make([]int64, len(pr.Classes))
+	for i, c := range pr.Classes {
+		if !policyName.MatchString(c.Name) {
+			return nil, fieldErr("priority", "priority: class %q: a class name is 1 to 64 letters, digits, '_', '-' or '.'", c.Name)
+		}
+		bp, err := parseShare(c.Share)
+		if err != nil {
+			return nil, fieldErr("priority", "priority: class %q: %v", c.Name, err)
+		}
+		if i == 0 && bp != shareWhole {
+			return nil, fieldErr("priority", "priority: class %q: the first class is the highest, which may use all the capacity: its share is 100%% (got %s)",
+				c.Name, c.Share)
+		}
+		names[i], shares[i] = c.Name, bp
+	}
+	classes, err := newShedClasses(names, shares)
+	if err != nil {
+		return nil, fieldErr("priority", "%v", err)
+	}
+	return classes, nil
+}
+
+// checkFrom checks the placeholder that names a request's class.
+func (pr *Priority) checkFrom() error {
+	switch {
+	case pr.From == "":
+		return fieldErr("priority", "priority: the placeholder that names the class is required, e.g. priority {http.request.header.X-Priority} { ... }")
+	case newTemplate(pr.From).constant():
+		return fieldErr("priority", "priority: %q has no placeholder: every request would be in the same class", pr.From)
+	}
+	return nil
+}
+
+// provisionShed makes a checked shed policy's state: its classes' views
+// of it and its adaptive limiter. Its on_error is fail_open unless it sets
+// its own: shedding must not take the service down with Redis (the
+// handler's on_error is for budgets).
+func (p *Policy) provisionShed(ctx caddy.Context, h *Handler) {
+	if p.OnError == "" {
+		p.onError = failOpen
+	}
+	p.policyHdr = nil // not in the RateLimit fields
+	st := &shedState{}
+	if p.Priority != nil {
+		st.from = newTemplate(p.Priority.From)
+	}
+	if p.Shed.Latency > 0 {
+		st.limiter = shedLimiterOf(p.Name, time.Duration(p.Shed.Latency), p.classes.shares)
+	}
+	p.shed = st
+	st.byClass = make([]*Policy, len(p.classes.names))
+	for i := range st.byClass {
+		cp := *p
+		cp.decisions = policyCounters(p.Name, p.classes.name(i), "")
+		cp.limit.burst = classSlots(p.limit.burst, p.classes.shares[i], i == 0, 1)
+		st.byClass[i] = &cp
+	}
+	if err := registerShedMetrics(ctx); err != nil {
+		h.logger.Warn("registering caddy_rate_limit_shed_limit: " + err.Error())
+	}
+}
+
+// classOf is the class of the request: the index of the class its
+// priority value names, or the lowest.
+func (st *shedState) classOf(p *Policy, r *http.Request, repl *caddy.Replacer) int {
+	if p.Priority == nil {
+		return 0
+	}
+	return p.classes.of(st.from.resolve(r, repl, p.addrMask))
+}
+
+// shedShape is what two definitions of one shed policy must share.
+func (p *Policy) shedShape() string {
+	var parts []string
+	if p.Shed.Concurrent > 0 {
+		parts = append(parts, fmt.Sprintf("concurrent %d, lease %s", p.Shed.Concurrent, time.Duration(p.limit.interval)*time.Microsecond))
+	}
+	if p.Shed.Latency > 0 {
+		parts = append(parts, "latency "+time.Duration(p.Shed.Latency).String())
+	}
+	if p.Priority != nil {
+		classes := make([]string, len(p.classes.names))
+		for i, name := range p.classes.names {
+			classes[i] = name + " " + shareString(p.classes.shares[i])
+		}
+		parts = append(parts, "priority "+p.Priority.From+" { "+strings.Join(classes, ", ")+" }")
+	}
+	return strings.Join(parts, ", ")
+}
+
+// matchShed records a matched shed policy's part in the request: its place
+// under the adaptive limit, taken by admitAdaptive, and the class's policy
+// to decide with the store (shed { concurrent }), or nil without one.
+func (res *reservation) matchShed(p *Policy, r *http.Request, repl *caddy.Replacer, rs *requestState) *Policy {
+	class := p.shed.classOf(p, r, repl)
+	cp := p.shed.byClass[class]
+	if p.shed.limiter != nil {
+		if res.adaptive == nil {
+			res.adaptive = res.adaptivebuf[:0]
+		}
+		res.adaptive = append(res.adaptive, shedAdmission{policy: cp, class: class})
+	}
+	if p.Shed.Concurrent == 0 {
+		rs.policies = append(rs.policies, p.Name) // decided here: once per request
+		return nil
+	}
+	return cp
+}
+
+// admitAdaptive takes the request's places under the adaptive limits,
+// before anything else is decided. It returns the policy that sheds the
+// request, nil when all admit it (a shadow policy that would shed it is
+// counted so, and lets it through without a place).
+func (res *reservation) admitAdaptive() *Policy {
+	for i := range res.adaptive {
+		a := &res.adaptive[i]
+		tk, ok := a.policy.shed.limiter.admit(a.class)
+		switch {
+		case ok:
+			a.ticket, a.held = tk, true
+		case a.policy.shadow:
+			a.policy.decisions[outcomeShadowDenied].Inc()
+		default:
+			a.policy.decisions[outcomeShed].Inc()
+			return a.policy // finishAdaptive gives back the places taken
+		}
+	}
+	return nil
+}
+
+// passAdaptive is called as the admitted request is passed on: its
+// latency is measured from now.
+func (res *reservation) passAdaptive() {
+	res.passed = true
+	for i := range res.adaptive {
+		a := &res.adaptive[i]
+		if !a.held {
+			continue
+		}
+		a.ticket.passed()
+		if a.policy.Shed.Concurrent == 0 { // otherwise counted with its slots (count)
+			a.policy.decisions[outcomeAllowed].Inc()
+		}
+	}
+}
+
+// finishAdaptive gives back the request's places once its handler chain
+// returned: measured if the request was passed on, unmeasured if it was
+// not (another policy denied it, its client went away before).
+func (res *reservation) finishAdaptive() {
+	for i := range res.adaptive {
+		a := &res.adaptive[i]
+		if !a.held {
+			continue
+		}
+		a.held = false
+		if res.passed {
+			a.ticket.done()
+		} else {
+			a.ticket.cancel()
+		}
+	}
+}
+
+// shedOnly reports whether every enforced policy that denied the request
+// is a shed policy: the service is at capacity, and the caller broke no
+// policy of its own (which, if it did, answers 429).
+func (res *reservation) shedOnly() bool {
+	shed := false
+	for i, v := range res.d.verdicts {
+		p := res.shown[i]
+		if v.allowed || p.shadow {
+			continue
+		}
+		if p.Shed == nil {
+			return false
+		}
+		shed = true
+	}
+	return shed
+}
+
+// errShed is the error of a shed request handed to a site's handle_errors.
+var errShed = errors.New("service overloaded: request shed")
+
+// overloaded is the problem a shed request is answered with: the service,
+// not the limiter, is short of capacity.
+func overloaded() problem {
+	return problem{
+		Type:   problemReducedCapacity,
+		Title:  "Temporary Reduced Capacity",
+		Status: http.StatusServiceUnavailable,
+		Detail: "The service is overloaded: it turned this request away to keep serving the others. Try again shortly.",
+	}
+}
+
+// shedBody is the body of every shed response: shedding is the path an
+// overload makes hot, so it is built once.
+var shedBody, _ = json.Marshal(overloaded())
+
+// shed answers a request that a shed policy's adaptive limit turned away,
+// before anything else was decided: no store call, no RateLimit fields.
+func (h *Handler) shed(w http.ResponseWriter, r *http.Request, rs *requestState, p *Policy) error {
+	ra := retryAfter(slotWait, h.jitter)
+	rs.decided, rs.decision, rs.policy, rs.remaining, rs.retryAfter, rs.key = true, outcomeShed, p.Name, -1, ra, p.fixedKey
+	return writeShed(w, r, ra)
+}
+
+// denyShed answers a request that only shed policies' slots denied (shed
+// { concurrent }): 503, with the RateLimit fields of its other policies,
+// none of which charged it.
+func (h *Handler) denyShed(w http.ResponseWriter, r *http.Request, rs *requestState, res *reservation) error {
+	res.outcome = outcomeShed
+	ra := retryAfter(slotWait, h.jitter)
+	h.report(w, rs, res, ra)
+	return writeShed(w, r, ra)
+}
+
+// writeShed writes the 503 of a shed request, whose Retry-After is spread
+// as a 429's is (slots come free when requests end, which nobody can
+// tell: a second, spread by jitter); a site with handle_errors gets it as
+// an error, as a fail_closed 503.
+func writeShed(w http.ResponseWriter, r *http.Request, ra int64) error {
+	w.Header().Set("Retry-After", strconv.FormatInt(ra, 10))
+	if handlesErrors(r, http.StatusServiceUnavailable) {
+		return caddyhttp.Error(http.StatusServiceUnavailable, errShed)
+	}
+	return writeProblemBody(w, http.StatusServiceUnavailable, shedBody)
+}
+
+// shedLimiters keeps each shed policy's adaptive limiter for the process,
+// by name, so that what it learned survives config reloads (one name is
+// one policy, budgets.go). A reload that changes the policy's latency or
+// classes starts a new limiter at the limit the old one reached; requests
+// admitted under the old one finish on it. Its size is the number of shed
+// policy names in configs.
+var shedLimiters = struct {
+	mu sync.Mutex
+	m  map[string]*shedLimiter
+}{m: map[string]*shedLimiter{}}
+
+func shedLimiterOf(name string, target time.Duration, shares []int64) *shedLimiter {
+	shedLimiters.mu.Lock()
+	defer shedLimiters.mu.Unlock()
+	old := shedLimiters.m[name]
+	if old != nil && old.target == target && slices.Equal(old.shares, shares) {
+		return old
+	}
+	l := newShedLimiter(target, shares, time.Now)
+	if old != nil {
+		l.resume(old.limit())
+	}
+	shedLimiters.m[name] = l
+	return l
+}
+
+// shedLimitGauge is caddy_rate_limit_shed_limit{policy}: the adaptive
+// limit of each shed policy of the config loaded last, read when scraped.
+var shedLimitGauge = shedLimitCollector{prometheus.NewDesc("caddy_rate_limit_shed_limit",
+	"The adaptive in-flight limit of a shed { latency } policy on this instance: the most requests of its highest class it lets in flight now (a lower class gets its share of it).",
+	[]string{"policy"}, nil)}
+
+type shedLimitCollector struct{ desc *prometheus.Desc }
+
+func (c shedLimitCollector) Describe(ch chan<- *prometheus.Desc) { ch <- c.desc }
+
+func (c shedLimitCollector) Collect(ch chan<- prometheus.Metric) {
+	var seen []string
+	for _, h := range budgets.handlers() {
+		for _, p := range h.Policies {
+			if p.shed == nil || p.shed.limiter == nil || slices.Contains(seen, p.Name) {
+				continue
+			}
+			seen = append(seen, p.Name)
+			ch <- prometheus.MustNewConstMetric(c.desc, prometheus.GaugeValue, float64(p.shed.limiter.limit()), p.Name)
+		}
+	}
+}
+
+// registerShedMetrics adds the shed gauge to this config load's registry,
+// once (see registerMetrics).
+func registerShedMetrics(ctx caddy.Context) error {
+	reg := ctx.GetMetricsRegistry()
+	if reg == nil {
+		return nil
+	}
+	var are prometheus.AlreadyRegisteredError
+	if err := reg.Register(shedLimitGauge); err != nil && !errors.As(err, &are) {
+		return err
+	}
+	return nil
+}
+
+// shed inspects (or resets) a shed policy: its fleet-wide slots in use,
+// and this instance's adaptive limit and requests in flight under it. A
+// reset drops stale leases, as for a concurrent policy; the adaptive limit
+// is learned, not reset.
+func (a adminAPI) shed(ctx context.Context, action string, def definition, req adminRequest, key string) (*bucketState, error) {
+	p, h := def.policy, def.handler
+	if action == "grant" {
+		return nil, apiError(http.StatusBadRequest, "policy %q sheds load: it has capacity, not tokens, to grant", p.Name)
+	}
+	st := &bucketState{Policy: p.Name, Kind: p.kind(), Identity: req.Identity, Key: key, Store: h.storeName()}
+	if p.Shed.Concurrent > 0 {
+		var err error
+		if st, err = a.slots(ctx, action, def, req, key); err != nil {
+			return nil, err
+		}
+	}
+	if p.shed != nil && p.shed.limiter != nil {
+		limit, in := p.shed.limiter.limit(), p.shed.limiter.inFlight()
+		st.ShedLimit, st.ShedInFlight = &limit, &in
+	}
+	return st, nil
+}
+
+// printShed prints what inspect or reset answered of a shed policy.
+func printShed(w io.Writer, action string, st bucketState) {
+	fmt.Fprintf(w, "%s (shed policy, key %s)", st.Policy, st.Key)
+	if st.InUse != nil {
+		fmt.Fprintf(w, ": fleet-wide, %d of %d slots in use", *st.InUse, st.Slots)
+		if action == "reset" && st.Dropped != nil {
+			fmt.Fprintf(w, "; reset: %d running, kept; %d stale, dropped", *st.InUse, *st.Dropped)
+		}
+	}
+	if st.ShedLimit != nil && st.ShedInFlight != nil {
+		fmt.Fprintf(w, "; this instance: %d in flight, adaptive limit %d", *st.ShedInFlight, *st.ShedLimit)
+	}
+	fmt.Fprintln(w, ".")
+}
+
+// shedArg reads a policy's shed { concurrent <n>  latency <duration> }.
+func (s *section) shedArg(d *caddyfile.Dispenser, p *Policy) error {
+	if d.NextArg() {
+		return s.errf(d, "shed: unexpected %q: the capacity goes in a block, shed { concurrent <n>  latency <duration> }", d.Val())
+	}
+	sh := new(Shed)
+	in := newSection(d, s.prefix+"shed: ")
+	for nesting := d.Nesting(); d.NextBlock(nesting); {
+		if err := in.once(d); err != nil {
+			return err
+		}
+		switch opt := d.Val(); opt {
+		case "concurrent":
+			if err := in.positiveArg(d, &sh.Concurrent); err != nil {
+				return err
+			}
+		case "latency":
+			if err := in.durationArg(d, &sh.Latency); err != nil {
+				return err
+			}
+		default:
+			return in.errf(d, "unrecognized subdirective %q: shed takes concurrent <n> and latency <duration>", opt)
+		}
+	}
+	p.Shed = sh
+	return nil
+}
+
+// priorityArg reads a policy's priority <placeholder> { <class> <share>% ... },
+// checking each class at its own line.
+func (s *section) priorityArg(d *caddyfile.Dispenser, p *Policy) error {
+	pr, at := new(Priority), *d
+	if !d.NextArg() {
+		return s.errf(d, "priority: the placeholder that names the class is required, e.g. priority {http.request.header.X-Priority} { ... }")
+	}
+	pr.From = d.Val()
+	if d.NextArg() {
+		return s.errf(d, "priority: unexpected %q: the classes go in a block, one per line, highest first: <class> <share>%%", d.Val())
+	}
+	if err := pr.checkFrom(); err != nil {
+		return s.errf(d, "%v", err)
+	}
+	for nesting := d.Nesting(); d.NextBlock(nesting); {
+		name := d.Val()
+		var share string
+		if !d.NextArg() {
+			return s.errf(d, "priority: class %q: a share is required, e.g. %s 50%%", name, name)
+		}
+		share = d.Val()
+		if d.NextArg() {
+			return s.errf(d, "priority: class %q: one share expected, got another: %q", name, d.Val())
+		}
+		pr.Classes = append(pr.Classes, PriorityClass{Name: name, Share: share})
+		// The classes before this one passed: a mistake now is this line's.
+		if _, err := pr.check(); err != nil {
+			return s.errf(d, "%v", err)
+		}
+	}
+	if len(pr.Classes) == 0 {
+		return s.errf(&at, "priority: at least one class is required, highest first, e.g. critical 100%%")
+	}
+	p.Priority = pr
+	return nil
+}
