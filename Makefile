@@ -31,9 +31,12 @@ xcaddy:
 # integration tests that run the built Caddy against real redis-server
 # processes (started by the tests on free loopback ports). One package at a
 # time (-p 1): the integration tests load the machine on purpose, and must
-# not also compete with the unit tests for its two cores.
+# not also compete with the unit tests for its two cores. The integration
+# package takes some 5 to 7 minutes on 2 cores, and more on a busy machine:
+# -timeout 25m rather than go test's 10m, so that a slow machine is not
+# mistaken for a hung test.
 test: redis-server check
-	$(GO) test -race -count=1 -p 1 ./...
+	$(GO) test -race -count=1 -p 1 -timeout 25m ./...
 
 # Four Caddy instances on one budget, with in-process buckets (about 4x over)
 # and with buckets in Redis (on budget), then four sidecars sharing a 1/s

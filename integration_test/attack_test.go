@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"io"
-	"math"
 	"net/http"
 	"os"
 	"os/exec"
@@ -27,12 +26,17 @@ import (
 
 // floodResult counts the responses of a flood, by key.
 type floodResult struct {
-	elapsed   time.Duration
-	lastSent  time.Duration // when the last request was sent, since the start
-	sent      int
-	errors    int // transport errors
-	decisions map[string]int
-	admitted  map[string]int // per key sent
+	elapsed  time.Duration
+	lastSent time.Duration // when the last request was sent, since the start
+	// lastAdmitted is when the last admitted response arrived, since the
+	// start: every admission was decided before it. On a loaded machine a
+	// request sent before lastSent may wait in Caddy and be decided well
+	// after it, with the tokens refilled by then.
+	lastAdmitted time.Duration
+	sent         int
+	errors       int // transport errors
+	decisions    map[string]int
+	admitted     map[string]int // per key sent
 }
 
 // failures is how many responses came from a failure mode.
@@ -57,7 +61,7 @@ func flood(t *testing.T, fleet []*instance, conns int, d time.Duration, key func
 	res := &floodResult{decisions: map[string]int{}, admitted: map[string]int{}}
 	var mu sync.Mutex
 	var sent atomic.Int64
-	var lastSent atomicDuration
+	var lastSent, lastAdmitted atomicDuration
 	var wg sync.WaitGroup
 	start := time.Now()
 	stop := start.Add(d)
@@ -89,6 +93,7 @@ func flood(t *testing.T, fleet []*instance, conns int, d time.Duration, key func
 				local[dec]++
 				if resp.StatusCode == 200 {
 					admitted[k]++
+					lastAdmitted.Store(time.Since(start))
 				}
 			}
 			mu.Lock()
@@ -104,7 +109,7 @@ func flood(t *testing.T, fleet []*instance, conns int, d time.Duration, key func
 	}
 	wg.Wait()
 	res.elapsed = time.Since(start)
-	res.lastSent = lastSent.Load()
+	res.lastSent, res.lastAdmitted = lastSent.Load(), lastAdmitted.Load()
 	res.sent = int(min(sent.Load(), maxShots))
 	return res
 }
@@ -237,16 +242,17 @@ func TestFloodOneKey(t *testing.T) {
 		get(t, in.URL, "X-Api-Key", "warm-up") // the connection pool is open
 		f := flood(t, []*instance{in}, 1024, 3*time.Second, func(int, int) string { return "attacker" })
 		// Requests sent within lastSent can be admitted; a denial's answer
-		// may come later (see pacing.go).
-		budget := 10 + 20*f.lastSent.Seconds()
+		// may come later (see pacing.go). The last admission was decided
+		// before its answer arrived: on a loaded machine, after lastSent.
+		budget, most := 10+20*f.lastSent.Seconds(), 10+20*f.lastAdmitted.Seconds()
 		got := f.admitted["attacker"]
-		t.Logf("1,024 connections, one key, %v: %d requests (%d transport errors), admitted %d of a budget of %.1f; decisions %v; store errors %v",
-			f.elapsed.Round(time.Millisecond), f.sent, f.errors, got, budget, f.decisions, storeErrorKinds(t, in))
+		t.Logf("1,024 connections, one key, %v: %d requests (%d transport errors), admitted %d of a budget of %.1f (%.1f by the last admission's answer, %v); decisions %v; store errors %v",
+			f.elapsed.Round(time.Millisecond), f.sent, f.errors, got, budget, most, f.lastAdmitted.Round(time.Millisecond), f.decisions, storeErrorKinds(t, in))
 		if n := f.failures(); n != 0 {
 			t.Errorf("%d responses from a failure mode while Redis answered: %v", n, f.decisions)
 		}
-		if math.Abs(float64(got)-budget) > 2 {
-			t.Errorf("admitted %d, want %.1f ± 2", got, budget)
+		if float64(got) < budget-2 || float64(got) > most+2 {
+			t.Errorf("admitted %d, want from %.1f - 2 to %.1f + 2", got, budget, most)
 		}
 		if logMentions(t, in, "circuit open") {
 			t.Errorf("the circuit breaker opened")
@@ -262,7 +268,7 @@ func TestFloodManyKeys(t *testing.T) {
 		in := startCaddy(t, limiter(addr, nil, policy), echo())
 		get(t, in.URL, "X-Api-Key", "warm-up")
 		f := flood(t, []*instance{in}, 1024, 3*time.Second, func(c, i int) string { return "k" + strconv.Itoa((c*7919+i*104729)%5000) })
-		budget := 1 + f.lastSent.Seconds()/60
+		budget := 1 + f.lastAdmitted.Seconds()/60 // decided before its answer came
 		over, total := 0, 0
 		for _, n := range f.admitted {
 			total += n

@@ -376,9 +376,13 @@ func TestParallelFailedLogins(t *testing.T) {
 	})
 	policy := map[string]any{"name": "failed_logins", "key": "{http.request.header.X-Client}", "rate": "5/15m",
 		"charge_if": map[string]any{"status_code": []int{401}}}
+	// Redis gets a second, not the default 100 ms: this test is about what
+	// parallel attempts reach, and 1,000 at once on a loaded 2-core machine
+	// made calls time out, which the default on_error (fail_open) admits.
+	redis := map[string]any{"addresses": []string{srv.Addr}, "timeout": "1s"}
 	var fleet []*instance
 	for range 2 {
-		fleet = append(fleet, startCaddy(t, limiter(srv.Addr, nil, policy), proxyTo(slowCheck)))
+		fleet = append(fleet, startCaddy(t, limiter(srv.Addr, map[string]any{"redis": redis}, policy), proxyTo(slowCheck)))
 	}
 	for _, n := range []int{64, 1000} {
 		before := checked.Load()

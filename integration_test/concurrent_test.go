@@ -289,8 +289,16 @@ func TestConcurrentInstanceKilled(t *testing.T) {
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
+	// The two leases were renewed apart (each renewal is sent when due):
+	// the first slot may come back before the second lease has run out. A
+	// request reclaims the leases that ran out when it finds them.
 	expired := metricValue(t, survivor, "caddy_rate_limit_leases_expired_total", map[string]string{"policy": "exports"})
-	t.Logf("slots of a SIGKILLed instance back after %v (lease %v); leases_expired_total %v", back.Round(time.Millisecond), lease, expired)
+	for expired < 2 && time.Since(killed) < lease+time.Second {
+		time.Sleep(50 * time.Millisecond)
+		_, _ = send(context.Background(), survivor, "held", 0)
+		expired = metricValue(t, survivor, "caddy_rate_limit_leases_expired_total", map[string]string{"policy": "exports"})
+	}
+	t.Logf("slots of a SIGKILLed instance back after %v (lease %v); leases_expired_total %v %v after the kill", back.Round(time.Millisecond), lease, expired, time.Since(killed).Round(time.Millisecond))
 	// The margin: the killed instance may have renewed just before it died
 	// (a lease is renewed when a third of it is left... or more), plus the
 	// poll of this loop.
@@ -298,7 +306,7 @@ func TestConcurrentInstanceKilled(t *testing.T) {
 		t.Fatalf("the slots came back after %v, want within the lease of %v (+250 ms)", back, lease)
 	}
 	if expired != 2 {
-		t.Fatalf("leases_expired_total %v, want 2", expired)
+		t.Fatalf("leases_expired_total %v within the lease (+1 s) of the kill, want 2", expired)
 	}
 }
 
