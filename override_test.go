@@ -375,6 +375,12 @@ func TestOverrideAnnouncement(t *testing.T) {
 	if set.may("rl:p:{h}") {
 		t.Fatal("a bucket of a policy without overrides may have one")
 	}
+	// Stored first, as the admin API does: the announcement makes b read it
+	// at once, and the read of the index b makes on the event (which, with
+	// nothing stored, would empty b's set again) keeps it.
+	if _, err := a.conn.setOverride(ctx, "rl:p:{h}", override{kind: overrideRate, interval: 3, burst: 300}, overrideEntry{}, 0); err != nil {
+		t.Fatalf("storing the override: %v", err)
+	}
 	start := time.Now()
 	if err := a.conn.announceOverride(ctx, "rl:", "rl:p:{h}"); err != nil {
 		t.Fatalf("announcing: %v", err)

@@ -713,7 +713,14 @@ func TestShedFleetSlots(t *testing.T) {
 			break
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("slots still in use 5 s after the requests ended: %+v", inspectShed(t, fleet[0]))
+			in := inspectShed(t, fleet[0])
+			inUse := int64(-1)
+			if in.InUse != nil {
+				inUse = *in.InUse
+			}
+			t.Fatalf("slots still in use 5 s after the requests ended: %d of %d; release retries %v", inUse, in.Slots,
+				metricValue(t, fleet[0], "caddy_rate_limit_release_retries_total", map[string]string{"policy": "capacity"})+
+					metricValue(t, fleet[1], "caddy_rate_limit_release_retries_total", map[string]string{"policy": "capacity"}))
 		}
 	}
 	for class, want := range map[string][2]float64{"batch": {5, 15}, "default": {3, 17}, "critical": {2, 18}} {
