@@ -179,3 +179,49 @@ func TestParseOverrideArgsQuota(t *testing.T) {
 		t.Fatalf("describe: %q", e.describe())
 	}
 }
+
+// TestQuotaPlanCheck: a quota policy's plans in JSON, as `caddy validate`
+// reads them: mistakes name the policy and the plan; a plan inherits the
+// policy's max_cost and settle room, scaled to its N.
+func TestQuotaPlanCheck(t *testing.T) {
+	plan := func(lim PlanLimit) *Plan { return &Plan{From: "{x}", Plans: map[string]*PlanLimit{"pro": &lim}} }
+	for _, tc := range []struct {
+		name string
+		p    Policy
+		want string
+	}{
+		{"rate in a quota policy", Policy{Quota: "5/day", Plan: plan(PlanLimit{Rate: "2/1s"})}, `plan "pro": policy "api" is a quota: its plans take quota <N> and cost max, not rate, burst or concurrent`},
+		{"burst in a quota policy", Policy{Quota: "5/day", Plan: plan(PlanLimit{Burst: 9})}, `plan "pro": policy "api" is a quota`},
+		{"concurrent in a quota policy", Policy{Quota: "5/day", Plan: plan(PlanLimit{Concurrent: 2})}, `plan "pro": policy "api" is a quota`},
+		{"quota in a rate policy", Policy{Rate: "1/1s", Plan: plan(PlanLimit{Quota: "5"})}, `plan "pro": policy "api" is a rate limit: its plans take rate, burst and cost max, not quota`},
+		{"quota in a concurrent policy", Policy{Concurrent: 2, Plan: plan(PlanLimit{Quota: "5"})}, `plan "pro": policy "api" is a concurrency limit`},
+		{"another unit", Policy{Quota: "5/day", Timezone: "Asia/Tokyo", Plan: plan(PlanLimit{Quota: "50/month"})}, `plan "pro": quota: "50/month": the period is the policy's (quota 5/day, timezone Asia/Tokyo): a plan or an override sets N only, as quota 50 or quota 50/day`},
+		{"zero", Policy{Quota: "5/day", Plan: plan(PlanLimit{Quota: "0"})}, `plan "pro": quota: "0": N must be an integer from 1 to 9007199254740992`},
+		{"beyond 2^53", Policy{Quota: "5/day", Plan: plan(PlanLimit{Quota: "9007199254740993/day"})}, `plan "pro": quota: "9007199254740993/day": N must be`},
+		{"plus sign", Policy{Quota: "5/day", Plan: plan(PlanLimit{Quota: "+5"})}, `plan "pro": quota: "+5"`},
+		{"fixed cost above the plan's N", Policy{Quota: "10/day", Cost: "5", Plan: plan(PlanLimit{Quota: "4"})}, `plan "pro": cost: 5 is more than max 4 or quota 4`},
+		{"negative max_cost", Policy{Quota: "10/day", Plan: plan(PlanLimit{Quota: "20", MaxCost: -1})}, `plan "pro": max_cost: -1`},
+	} {
+		h := &Handler{Policies: []*Policy{&tc.p}}
+		tc.p.Name, tc.p.Key = "api", "{client_ip}"
+		err := h.Validate()
+		if err == nil || !strings.Contains(err.Error(), tc.want) || !strings.HasPrefix(err.Error(), `policy "api": `) {
+			t.Errorf("%s: %v, want an error naming policy \"api\" and containing %q", tc.name, err, tc.want)
+		}
+	}
+	p := &Policy{Name: "api", Key: "k", Quota: "10/month", Timezone: "Europe/Berlin", Cost: "{c}", MaxCost: 7,
+		Settle: &Settle{From: settleHeader, Field: "X-Used"},
+		Plan: &Plan{From: "{x}", Plans: map[string]*PlanLimit{"pro": {Quota: "100/month"}, "dear": {Quota: "40", MaxCost: 30}}}}
+	if err := p.check(); err != nil {
+		t.Fatal(err)
+	}
+	for name, want := range map[string]struct{ n, slack, maxCost int64 }{
+		"pro": {100, 200, 7}, "dear": {40, 80, 30}, // settle's room: twice the plan's N
+	} {
+		q, err := p.planPolicy(name, p.Plan.Plans[name])
+		if err != nil || q.limit != (limit{burst: want.n, slack: want.slack}) || q.maxCost != want.maxCost || q.quota == nil ||
+			q.quota.unit != periodMonth || q.quota.loc.String() != "Europe/Berlin" || q.planLabel() != name {
+			t.Errorf("plan %s: %+v max %d quota %+v (%v), want %+v, monthly in Europe/Berlin", name, q.limit, q.maxCost, q.quota, err, want)
+		}
+	}
+}
