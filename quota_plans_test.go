@@ -211,7 +211,7 @@ func TestQuotaPlanCheck(t *testing.T) {
 	}
 	p := &Policy{Name: "api", Key: "k", Quota: "10/month", Timezone: "Europe/Berlin", Cost: "{c}", MaxCost: 7,
 		Settle: &Settle{From: settleHeader, Field: "X-Used"},
-		Plan: &Plan{From: "{x}", Plans: map[string]*PlanLimit{"pro": {Quota: "100/month"}, "dear": {Quota: "40", MaxCost: 30}}}}
+		Plan:   &Plan{From: "{x}", Plans: map[string]*PlanLimit{"pro": {Quota: "100/month"}, "dear": {Quota: "40", MaxCost: 30}}}}
 	if err := p.check(); err != nil {
 		t.Fatal(err)
 	}
