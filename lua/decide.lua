@@ -80,7 +80,7 @@
 -- and, for an overridable bucket, the interval, burst and slack it was
 -- decided under: an operator's override of its limit, when one of its kind
 -- is stored beside it (<prefix><policy>:{<hash>}:override, in its slot), or
--- the limit sent.
+-- the limit sent (a quota's: 0, its N and its slack).
 --
 -- Redis work is what costs: each key is read once per call and written at
 -- most once, at the end, with what the call's last request left in it. On
