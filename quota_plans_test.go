@@ -225,3 +225,26 @@ func TestQuotaPlanCheck(t *testing.T) {
 		}
 	}
 }
+
+// TestServeHTTPQuotaOverrideSettle: a quota's override applies to what a
+// settle charges after the response, and to what the fields and the
+// placeholders predict of it: reserved 5 of an override's 100, settled at
+// 2, 98 left (the policy's own N is 10).
+func TestServeHTTPQuotaOverrideSettle(t *testing.T) {
+	h := testHandler(t, &Handler{Jitter: jitterOff(), Policies: []*Policy{
+		{Name: "qovr_settle", Key: "{http.request.header.X-User}", Quota: "10/year", Cost: "5", Settle: &Settle{From: settleHeader, Field: "X-Used"}},
+	}}, nil)
+	dana := "dana-" + time.Now().Format("150405.000000")
+	if status, body := adminDo(t, "POST", "/rate_limit/override", `{"policy":"qovr_settle","identity":"`+dana+`","quota":"100"}`); status != 200 {
+		t.Fatalf("setting the override: %d %s", status, body)
+	}
+	defer adminDo(t, "DELETE", "/rate_limit/override", `{"policy":"qovr_settle","identity":"`+dana+`"}`)
+	x := serveWith([]*Handler{h}, nil, upstreamAnswering(200, "X-Used", "2"), "X-User", dana)
+	pol, lim := fields(t, x.header, "RateLimit-Policy")["qovr_settle"], fields(t, x.header, "RateLimit")["qovr_settle"]
+	if x.status != 200 || pol["q"] != 100 || lim["r"] != 98 || x.vars["remaining"] != "98" {
+		t.Fatalf("settled at 2 under quota 100: %d q=%d r=%d remaining %q, want 200 q=100 r=98 remaining 98", x.status, pol["q"], lim["r"], x.vars["remaining"])
+	}
+	if x := serve([]*Handler{h}, nil, "X-User", dana); fields(t, x.header, "RateLimit")["qovr_settle"]["r"] != 93 {
+		t.Fatalf("the next reservation: %v, want r=93 (98 - 5: the settle was made under the override)", fields(t, x.header, "RateLimit")["qovr_settle"])
+	}
+}
