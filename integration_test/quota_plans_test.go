@@ -2,6 +2,7 @@ package integration_test
 
 import (
 	"encoding/json"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -152,4 +153,74 @@ func TestQuotaPlansOverrides(t *testing.T) {
 	} else if q, rem, _ := fields(r); q != 10 || rem != 0 {
 		t.Fatalf("downgraded to free: q=%d r=%d, want q=10 r=0", q, rem)
 	}
+}
+
+// TestQuotaOverrideCluster: 2 instances on a 3-master Redis Cluster; 24
+// identities each use their `quota 5/year` on one instance, get an
+// override of 8 through its admin API, and are admitted on the other
+// instance's next request with 2 left: the override is in its count's
+// slot, where the script reads it. Each delete brings the policy's 5 back.
+func TestQuotaOverrideCluster(t *testing.T) {
+	c := testredis.StartCluster(t, 3, false)
+	policy := map[string]any{"name": "yearly_c", "key": "{http.request.header.X-User}", "quota": "5/year"}
+	var fleet []*instance
+	for range 2 {
+		h := limiter("", map[string]any{"jitter": 0, "on_error": "fail_closed"}, policy)
+		h["redis"] = map[string]any{"addresses": c.Addrs(), "cluster": true, "timeout": "1s"}
+		fleet = append(fleet, startCaddy(t, h, echo()))
+	}
+	quotaOf := func(r response) (q, rem int64) {
+		t.Helper()
+		pol, lim := parseFields(t, r.header, "RateLimit-Policy"), parseFields(t, r.header, "RateLimit")
+		if len(pol) != 1 || len(lim) != 1 {
+			t.Fatalf("fields: RateLimit-Policy %+v, RateLimit %+v", pol, lim)
+		}
+		return pol[0].params["q"], lim[0].params["r"]
+	}
+	owner := func(key string) string { // the master that holds key
+		for _, m := range c.Masters {
+			if v, err := m.Do("EXISTS", key); err == nil && v == "1" {
+				return m.Addr
+			}
+		}
+		return ""
+	}
+	const n = 24
+	nodes := map[string]bool{}
+	for i := range n {
+		id := "tenant-" + strconv.Itoa(i)
+		admitted := 0
+		for range 6 {
+			if r := get(t, fleet[0].URL, "X-User", id); r.status == 200 {
+				admitted++
+			}
+		}
+		if admitted != 5 {
+			t.Fatalf("%s: %d of 6 admitted, want 5", id, admitted)
+		}
+		if status, body := adminCall(t, fleet[0], "POST", "/rate_limit/override", `{"policy":"yearly_c","identity":"`+id+`","quota":"8"}`); status != 200 || !strings.Contains(body, `"announced":true`) {
+			t.Fatalf("%s: setting the override: %d %s, want it confirmed by both instances", id, status, body)
+		}
+		r := get(t, fleet[1].URL, "X-User", id)
+		if q, rem := quotaOf(r); r.status != 200 || q != 8 || rem != 2 {
+			t.Fatalf("%s on the other instance: %d q=%d r=%d; want 200 q=8 r=2", id, r.status, q, rem)
+		}
+		key := plainKey("yearly_c", id)
+		if owner(key) == "" || owner(key) != owner(key+":override") {
+			t.Fatalf("%s: the override (on %q) is not beside its count (on %q)", id, owner(key+":override"), owner(key))
+		}
+		nodes[owner(key)] = true
+	}
+	if len(nodes) != 3 {
+		t.Fatalf("the %d identities' counts are on %d masters, want all 3", n, len(nodes))
+	}
+	for i := range n {
+		id := "tenant-" + strconv.Itoa(i)
+		rateLimitCLI(t, fleet[1], "override", "yearly_c", id, "delete")
+		r := get(t, fleet[0].URL, "X-User", id)
+		if q, rem := quotaOf(r); r.status != 429 || q != 5 || rem != 0 {
+			t.Fatalf("%s after the delete: %d q=%d r=%d, want 429 q=5 r=0 (6 used)", id, r.status, q, rem)
+		}
+	}
+	t.Logf("%d quota overrides on a 3-master cluster (counts on %d masters): each applied on the other instance's next request, each deleted", n, len(nodes))
 }
