@@ -68,7 +68,7 @@ type PlanLimit struct {
 	// period and the timezone are the policy's: a plan changes how much a
 	// period holds, not the period. The key's usage so far in the period
 	// counts against it: a downgrade below the usage denies until the
-	// boundary, an upgrade admits at once.
+	// boundary, an upgrade admits at once. Default: the policy's N.
 	Quota string `json:"quota,omitempty"`
 }
 
