@@ -282,9 +282,9 @@ local function quota_read(key)
 end
 
 -- Overrides (override.go): "o1 r <interval> <burst>" for a rate bucket,
--- "o1 c 0 <slots>" for slots, "o1 q 0 <N>" for a quota, in the key beside the bucket's, read once
--- per call. A value that is not an override is ignored: the limit sent
--- stands. The release before this one never sets the overridable bit.
+-- "o1 c 0 <slots>" for slots, "o1 q 0 <N>" for a quota, in the key beside
+-- the bucket's, read once per call. A value that is not an override is
+-- ignored: the limit sent stands. The release before this one never sets the overridable bit.
 local MAX_SPAN = 2 ^ 51 -- maxBucketSpan
 local overrides = {} -- bucket key -> {kind, interval, burst}, or false
 
