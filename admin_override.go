@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"io"
 	"net/http"
 	"strconv"
@@ -20,7 +21,7 @@ import (
 // The admin API's overrides, beside its other routes:
 //
 //	POST   /rate_limit/override  {"policy": "<name>", "identity": "<id>", "rate": "5000/1m", "burst": 500,
-//	                              "for": "72h", "note": "contract 123"}       (or "concurrent": 10)
+//	                              "for": "72h", "note": "contract 123"}       (or "concurrent": 10, or "quota": "5000000/month")
 //	DELETE /rate_limit/override  {"policy": "<name>", "identity": "<id>"}
 //	GET    /rate_limit/overrides?policy=<name>
 //
@@ -42,6 +43,9 @@ type overrideRequest struct {
 	Rate       string `json:"rate,omitempty"`
 	Burst      int64  `json:"burst,omitempty"`
 	Concurrent int64  `json:"concurrent,omitempty"`
+	// Quota is a quota policy's N: "N", or "N/<unit>" with the policy's
+	// unit (the period and timezone stay the policy's).
+	Quota string `json:"quota,omitempty"`
 	// For is how long the override lasts, a duration such as 72h or 7d;
 	// empty: until deleted.
 	For  string `json:"for,omitempty"`
@@ -136,7 +140,7 @@ func readOverrideRequest(r *http.Request, shape string) (overrideRequest, error)
 }
 
 func (adminAPI) setOverride(r *http.Request) (*overrideAnswer, error) {
-	req, err := readOverrideRequest(r, `{"policy": ..., "identity": ..., "rate": ..., "burst": ..., "concurrent": ..., "for": ..., "note": ...}`)
+	req, err := readOverrideRequest(r, `{"policy": ..., "identity": ..., "rate": ..., "burst": ..., "concurrent": ..., "quota": ..., "for": ..., "note": ...}`)
 	if err != nil {
 		return nil, err
 	}
@@ -145,7 +149,7 @@ func (adminAPI) setOverride(r *http.Request) (*overrideAnswer, error) {
 		return nil, err
 	}
 	p, h := def.policy, def.handler
-	o, entry, err := p.checkOverride(req.Rate, req.Burst, req.Concurrent)
+	o, entry, err := p.checkOverride(req)
 	if err != nil {
 		return nil, apiError(http.StatusBadRequest, "%v", err)
 	}
@@ -175,7 +179,7 @@ func (adminAPI) deleteOverride(r *http.Request) (*overrideAnswer, error) {
 	if err != nil {
 		return nil, err
 	}
-	if req.Rate != "" || req.Burst != 0 || req.Concurrent != 0 || req.For != "" || req.Note != "" {
+	if req.Rate != "" || req.Burst != 0 || req.Concurrent != 0 || req.Quota != "" || req.For != "" || req.Note != "" {
 		return nil, apiError(http.StatusBadRequest, "a delete takes the policy and the identity only")
 	}
 	def, key, store, err := overridePolicy(req.Policy, req.Identity)
@@ -230,13 +234,44 @@ func announceOverride(ctx context.Context, h *Handler, key string) bool {
 // checkOverride checks an override's limit against the policy, as the
 // policy's own limit is checked: of its kind, in range, able to admit its
 // cost. It returns the override and its entry.
-func (p *Policy) checkOverride(rate string, burst, concurrent int64) (override, overrideEntry, error) {
+func (p *Policy) checkOverride(req overrideRequest) (override, overrideEntry, error) {
+	rate, burst, concurrent := req.Rate, req.Burst, req.Concurrent
+	if p.quota != nil {
+		switch {
+		case rate != "" || burst != 0 || concurrent != 0:
+			return override{}, overrideEntry{}, errors.New("policy " + p.Name + " is a quota (" + p.Quota + "): its overrides take quota <N>, not rate, burst or concurrent")
+		case req.Quota == "":
+			return override{}, overrideEntry{}, errors.New("a limit is required: quota <N>, e.g. quota " + p.quotaWith(min(10*p.limit.burst, maxJSONInteger)))
+		}
+		n, err := p.quotaOf(req.Quota)
+		if err != nil {
+			return override{}, overrideEntry{}, err
+		}
+		if n >= maxJSONInteger { // what the store holds exactly (override.valid)
+			return override{}, overrideEntry{}, fmt.Errorf("quota: %d: an override's N is below %d", n, int64(maxJSONInteger))
+		}
+		q := *p
+		q.Plan, q.Quota = nil, p.quotaWith(n)
+		if err := q.check(); err != nil { // e.g. a fixed cost above it
+			return override{}, overrideEntry{}, err
+		}
+		return override{kind: overrideQuota, burst: n}, overrideEntry{Kind: "quota", Quota: q.Quota}, nil
+	}
+	if req.Quota != "" {
+		kind := "rate limit: its overrides take rate <N>/<duration> [burst <n>]"
+		if p.Concurrent > 0 {
+			kind = "concurrency limit: its overrides take concurrent <n>"
+		}
+		return override{}, overrideEntry{}, errors.New("policy " + p.Name + " is a " + kind + ", not quota (a quota is a policy of its own)")
+	}
 	if p.Concurrent > 0 {
 		switch {
 		case rate != "" || burst != 0:
 			return override{}, overrideEntry{}, errors.New("policy " + p.Name + " is a concurrency limit: its overrides take concurrent <n>, not rate or burst")
 		case concurrent == 0:
 			return override{}, overrideEntry{}, errors.New("a limit is required: concurrent <n>")
+		case concurrent >= maxJSONInteger: // what the store holds exactly (override.valid)
+			return override{}, overrideEntry{}, fmt.Errorf("concurrent: %d: an override's slots are below %d", concurrent, int64(maxJSONInteger))
 		}
 		q := *p
 		q.Plan, q.Concurrent = nil, concurrent

@@ -22,6 +22,7 @@ func (adminAPI) quota(ctx context.Context, action string, def definition, req ad
 	// A grant reads the count and gives units back in one decision, as a
 	// rate bucket's grant does: the first request says what it found.
 	inspect := bucketRequest{key: key, limit: p.limit, op: opInspect, quota: p.quota}
+	p.markOverridable(&inspect, true) // shows the override in force
 	reqs := []bucketRequest{inspect}
 	switch action {
 	case "reset":
@@ -39,12 +40,15 @@ func (adminAPI) quota(ctx context.Context, action string, def definition, req ad
 		return nil, storeAPIError(err)
 	}
 	v := d.verdicts[len(reqs)-1]
-	used := p.limit.burst - v.remaining
+	n := v.limit.burst // the plan's N, or an override's
+	used := n - v.remaining
 	text := v.period.text(p.quota.loc)
 	st := &bucketState{
 		Policy: p.Name, Kind: p.kind(), Identity: req.Identity, Key: key, Store: h.storeName(),
-		Tokens: v.remaining, Quota: p.limit.burst, Unit: p.quota.unit.String(), Used: &used, Period: &text,
+		Tokens: v.remaining, Quota: n, Unit: p.quota.unit.String(), Used: &used, Period: &text,
+		Plan: p.planLabel(),
 	}
+	showOverride(ctx, h, key, v, st)
 	if action == "inspect" {
 		return st, nil
 	}
@@ -93,6 +97,7 @@ func printQuota(w io.Writer, action string, st bucketState) error {
 		fmt.Fprintf(tw, "store\t%s\n", st.Store)
 		fmt.Fprintf(tw, "used\t%d of %d; %d left\n", used, st.Quota, max(st.Tokens, 0))
 		fmt.Fprintf(tw, "period\t%s to %s (%s to %s)\n", p.StartZone, p.EndZone, p.Start, p.End)
+		printPlanAndOverride(tw, st) // command_override.go
 		if err := tw.Flush(); err != nil {
 			return err
 		}

@@ -35,7 +35,7 @@ func (d definition) budgetShape() string {
 		key += " (" + p.addrMask.String() + ")"
 	}
 	if p.quota != nil {
-		return fmt.Sprintf("kind %s, quota %s, timezone %s, key %s, store %s", p.kind(), p.Quota, p.quota.loc, key, d.handler.storeName())
+		return fmt.Sprintf("kind %s, quota %s, timezone %s, key %s, store %s", p.kind(), p.Quota, p.quota.loc, key, d.handler.storeName()) + p.planShape()
 	}
 	if p.Shed != nil {
 		return fmt.Sprintf("kind %s, %s, key %s, store %s", p.kind(), p.shedShape(), key, d.handler.storeName())

@@ -91,6 +91,7 @@ const mholtOrderWarning = "rate_limit: a zone is mholt/caddy-ratelimit's syntax,
 //	        durable  replicas <n> | aof
 //	        plan     <placeholder> {
 //	            <name> [rate <N>/<duration>] [burst <n>] [cost max <n>]   # or: <name> concurrent <n>
+//	            <name> quota <N>[/<the policy's unit>] [cost max <n>]       # in a quota policy
 //	        }
 //	        shed     { concurrent <n>  latency <duration> }   # instead of rate
 //	        priority <placeholder> { <class> <share>% ... }

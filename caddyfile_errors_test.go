@@ -334,6 +334,20 @@ func TestCaddyfileErrors(t *testing.T) {
 		{"plan", "unknown word", inPolicy(planBlock("pro speed 5 " + mark))},
 		{"plan", "word twice", inPolicy(planBlock("pro burst 5 burst 6 " + mark))},
 		{"plan", "a block under a plan", inPolicy(planBlock("pro rate 4/1s { " + mark + "\n\t\t\trate 5/1s\n\t\t}"))},
+		// A quota policy's plans: quota <N>, nothing of another kind.
+		{"plan", "rate in a quota policy", inQuota(planBlock("pro rate 20/1s " + mark))},
+		{"plan", "burst in a quota policy", inQuota(planBlock("pro burst 20 " + mark))},
+		{"plan", "concurrent in a quota policy", inQuota(planBlock("pro concurrent 5 " + mark))},
+		{"plan", "quota in a rate policy", inPolicy(planBlock("pro quota 5000 " + mark))},
+		{"plan", "quota in a concurrent policy", "policy api {\n\tkey k\n\tconcurrent 2\n\t" + planBlock("pro quota 5000 "+mark) + "\n}\n"},
+		{"quota", "plan quota zero", inQuota(planBlock("pro quota 0 " + mark))},
+		{"quota", "plan quota negative", inQuota(planBlock("pro quota -5 " + mark))},
+		{"quota", "plan quota above 2^53", inQuota(planBlock("pro quota 9007199254740993 " + mark))},
+		{"quota", "plan quota not a number", inQuota(planBlock("pro quota lots " + mark))},
+		{"quota", "plan quota of another unit", inQuota(planBlock("pro quota 50/month " + mark))},
+		{"quota", "plan quota of an unknown unit", inQuota(planBlock("pro quota 50/fortnight " + mark))},
+		{"quota", "plan quota without value", inQuota(planBlock("pro quota " + mark))},
+		{"cost", "plan quota below the fixed cost", "policy q {\n\tkey k\n\tquota 10/day\n\tcost 5\n\t" + planBlock("pro quota 4 "+mark) + "\n}\n"},
 	} {
 		t.Run(tc.sub+"/"+tc.name, func(t *testing.T) {
 			caddyfileText, lines := siteWith(tc.body)

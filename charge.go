@@ -464,7 +464,7 @@ func (h *Handler) charge(ctx context.Context, aw *afterResponse, rs *requestStat
 		for j, k := range charged {
 			i := res.after[k].i
 			p := res.shown[i]
-			res.d.verdicts[i].remaining, res.d.verdicts[i].untilFits = p.limit.adjusted(res.d.verdicts[i], reqs[j].delta)
+			res.d.verdicts[i].remaining, res.d.verdicts[i].untilFits = res.decidedLimit(i, p).adjusted(res.d.verdicts[i], reqs[j].delta)
 			lost = append(lost, p)
 		}
 		h.setPlaceholders(rs, res, rs.retryAfter)

@@ -37,6 +37,7 @@ admin API of a running Caddy:
                                                          v0.3.0 or later, v1 before rolling back (docs/redis.md)
   caddy rate-limit override <policy> <identity> rate <N>/<duration> [burst <n>] [for <duration>] [note <text>]
   caddy rate-limit override <policy> <identity> concurrent <n> [for <duration>] [note <text>]
+  caddy rate-limit override <policy> <identity> quota <N>[/<unit>] [for <duration>] [note <text>]
                                                          one identity's limit instead of its plan's, on every
                                                          instance at once; for: it expires by itself
   caddy rate-limit override <policy> <identity> delete   back to its plan's limit

@@ -25,17 +25,20 @@ import (
 func addOverrideCommands(cmd *cobra.Command) {
 	cmd.AddCommand(
 		&cobra.Command{
-			Use:   "override <policy> <identity> rate <N>/<duration> [burst <n>] | concurrent <n> | delete [for <duration>] [note <text>]",
+			Use:   "override <policy> <identity> rate <N>/<duration> [burst <n>] | concurrent <n> | quota <N>[/<unit>] | delete [for <duration>] [note <text>]",
 			Short: "Sets (or deletes) one identity's limit, in place of its plan's, on every instance at once",
 			Long: `Sets one identity's limit, in place of its plan's (or its policy's), on every
 instance at once, until deleted or, with for, until it expires by itself:
 
   caddy rate-limit override per_tenant acme rate 5000/1m burst 500 for 72h note "contract 123"
   caddy rate-limit override exports acme concurrent 10
+  caddy rate-limit override monthly acme quota 5000000/month for 30d
   caddy rate-limit override per_tenant acme delete
 
 The identity's bucket keeps its state: an override that raises the limit
-frees it at once; one that lowers it applies at once.`,
+frees it at once; one that lowers it applies at once. A quota's override sets
+its N; the period and the timezone stay the policy's, and the units used so
+far in the period count against the new N.`,
 			Args: cobra.MinimumNArgs(3), RunE: overrideCommand("override")},
 		&cobra.Command{Use: "overrides <policy>", Short: "Lists a policy's overrides: hash, limit, expiry, note",
 			Args: cobra.ExactArgs(1), RunE: overrideCommand("overrides")},
@@ -80,6 +83,8 @@ func parseOverrideArgs(args []string) (req overrideRequest, del bool, err error)
 		switch word {
 		case "rate":
 			req.Rate = v
+		case "quota":
+			req.Quota = v
 		case "for":
 			req.For = v
 		case "burst", "concurrent":
@@ -93,7 +98,7 @@ func parseOverrideArgs(args []string) (req overrideRequest, del bool, err error)
 				req.Concurrent = n
 			}
 		default:
-			return req, false, fmt.Errorf("unknown %q: an override is rate <N>/<duration> [burst <n>] or concurrent <n>, then [for <duration>] [note <text>]; or delete", word)
+			return req, false, fmt.Errorf("unknown %q: an override is rate <N>/<duration> [burst <n>], concurrent <n> or quota <N>, then [for <duration>] [note <text>]; or delete", word)
 		}
 	}
 	return req, false, nil

@@ -31,23 +31,24 @@ import (
 
 // override is an override's limit as the script reads it.
 type override struct {
-	kind     byte  // overrideRate or overrideSlots
+	kind     byte  // overrideRate, overrideSlots or overrideQuota
 	interval int64 // µs per token (rate)
-	burst    int64 // capacity in tokens, or slots
+	burst    int64 // capacity in tokens, slots, or a quota's N
 }
 
 // Override kinds, in the stored value.
 const (
 	overrideRate  = 'r'
 	overrideSlots = 'c'
+	overrideQuota = 'q'
 )
 
 // overrideTag starts every override value: a format of its own, which no
 // bucket value (digits and a colon) has.
 const overrideTag = "o1 "
 
-// encode is the override's stored value: "o1 r <interval> <burst>" or
-// "o1 c 0 <slots>".
+// encode is the override's stored value: "o1 r <interval> <burst>",
+// "o1 c 0 <slots>" or "o1 q 0 <N>".
 func (o override) encode() string {
 	return overrideTag + string(o.kind) + " " + strconv.FormatInt(o.interval, 10) + " " + strconv.FormatInt(o.burst, 10)
 }
@@ -85,13 +86,15 @@ func digits(s string) (int64, bool) {
 }
 
 // valid reports whether the override is one a bucket can be decided under:
-// a rate's burst × interval within maxBucketSpan, slots at least one.
+// a rate's burst × interval within maxBucketSpan, slots or a quota's N
+// from one to below 2^53 (16 digits above it, which a Lua double rounds
+// down to 2^53, must not pass there as 2^53).
 func (o override) valid() bool {
 	switch o.kind {
 	case overrideRate:
 		return o.interval >= 1 && o.burst >= 1 && o.burst <= maxBucketSpan/o.interval
-	case overrideSlots:
-		return o.burst >= 1 && o.burst <= maxJSONInteger
+	case overrideSlots, overrideQuota:
+		return o.burst >= 1 && o.burst < maxJSONInteger
 	}
 	return false
 }
@@ -122,6 +125,23 @@ func (o override) limitFor(sent limit, slots bool, waitUS, debt int64) limit {
 	return limit{interval: o.interval, burst: o.burst, slack: slack}
 }
 
+// quotaLimitFor is the limit a quota bucket is decided under when o is the
+// override in force and sent the limit its request carries: a quota
+// override's N, with the room beyond it the policy's debt rule gives a
+// settle (debt units when debt >= 0, -debt × N otherwise), at most what
+// keeps N + slack within 2^53 (as checkQuota); any other kind leaves sent
+// as it is.
+func (o override) quotaLimitFor(sent limit, debt int64) limit {
+	if o.kind != overrideQuota {
+		return sent
+	}
+	units := debt
+	if debt < 0 {
+		units = -debt * o.burst
+	}
+	return limit{burst: o.burst, slack: min(units, maxJSONInteger-o.burst)}
+}
+
 // Widths of an overridable bucket in a script call: the ARGV it takes
 // after those of its code (the policy's wait and debt rule), and the
 // numbers its reply has after those of its op (the interval, burst and
@@ -150,7 +170,7 @@ func decidedUnder(res []int64, at []int, reqs []bucketRequest) []bucketRequest {
 		if !rq.overridable {
 			continue
 		}
-		o := at[i] + replyWidth(rq.op)
+		o := at[i] + bucketReplyWidth(rq)
 		l := limit{interval: res[o], burst: res[o+1], slack: res[o+2]}
 		if l == rq.limit {
 			continue
@@ -186,8 +206,12 @@ func (p *Policy) markOverridable(rq *bucketRequest, always bool) {
 }
 
 // applyOverride is rq as decided under the override o in force (see
-// limitFor).
+// limitFor, quotaLimitFor).
 func (rq bucketRequest) applyOverride(o override) bucketRequest {
+	if rq.quota != nil {
+		rq.limit = o.quotaLimitFor(rq.limit, rq.overrideDebt)
+		return rq
+	}
 	rq.limit = o.limitFor(rq.limit, rq.op.slots(), rq.overrideWait, rq.overrideDebt)
 	return rq
 }
@@ -196,17 +220,27 @@ func (rq bucketRequest) applyOverride(o override) bucketRequest {
 // override's when one was in force, or the policy's (its plan's), as
 // configured (a `local` bucket holds a share of it).
 func (res *reservation) decidedLimit(i int, p *Policy) limit {
-	if v := res.d.verdicts[i]; v.limit != res.shownReqs[i].limit && v.limit.interval > 0 {
+	if v := res.d.verdicts[i]; v.limit != res.shownReqs[i].limit && v.limit != (limit{}) {
 		return v.limit
 	}
 	return p.limit
+}
+
+// decidedQuota is the N the request's quota bucket i was decided under: an
+// override's when one was in force, or the one sent (its plan's, or a
+// `local` share of it).
+func (res *reservation) decidedQuota(i int) int64 {
+	if v := res.d.verdicts[i]; v.limit != res.shownReqs[i].limit && v.limit != (limit{}) {
+		return v.limit.burst
+	}
+	return res.shownReqs[i].limit.burst
 }
 
 // overridden reports whether a bucket of the decision was decided under an
 // override, whose RateLimit-Policy member is not the policy's.
 func (res *reservation) overridden() bool {
 	for i, v := range res.d.verdicts {
-		if i < len(res.shownReqs) && v.limit != res.shownReqs[i].limit && v.limit.interval > 0 {
+		if i < len(res.shownReqs) && v.limit != res.shownReqs[i].limit && v.limit != (limit{}) {
 			return true
 		}
 	}

@@ -8,6 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -86,12 +87,14 @@ type overrideEntry struct {
 	Format int    `json:"v"`
 	Hash   string `json:"hash,omitempty"`
 	Key    string `json:"key,omitempty"`
-	// Kind is rate or concurrent; Rate and Burst (rate), Concurrent
-	// (concurrent) the limit as given.
+	// Kind is rate, concurrent or quota; Rate and Burst (rate), Concurrent
+	// (concurrent), Quota (quota: N/<the policy's unit>) the limit as
+	// given.
 	Kind       string `json:"kind"`
 	Rate       string `json:"rate,omitempty"`
 	Burst      int64  `json:"burst,omitempty"`
 	Concurrent int64  `json:"concurrent,omitempty"`
+	Quota      string `json:"quota,omitempty"`
 	// Expires is when it expires, Unix ms on the store's clock (0: never);
 	// Set when it was set, Unix ms.
 	Expires int64  `json:"expires_ms,omitempty"`
@@ -103,6 +106,9 @@ type overrideEntry struct {
 func (e overrideEntry) describe() string {
 	if e.Kind == "concurrent" {
 		return fmt.Sprintf("concurrent %d", e.Concurrent)
+	}
+	if e.Kind == "quota" {
+		return "quota " + e.Quota
 	}
 	if e.Burst > 0 {
 		return fmt.Sprintf("rate %s burst %d", e.Rate, e.Burst)
@@ -605,8 +611,11 @@ func (c *redisConn) overrideOf(ctx context.Context, key string) (*overrideEntry,
 	e, ok := parseOverrideEntry(raw)
 	if !ok { // no entry (a write that failed half-way): what the key says
 		e = overrideEntry{Format: 1, Kind: "concurrent", Concurrent: o.burst}
-		if o.kind == overrideRate {
+		switch o.kind {
+		case overrideRate:
 			e = overrideEntry{Format: 1, Kind: "rate", Rate: fmt.Sprintf("1/%s", time.Duration(o.interval)*time.Microsecond), Burst: o.burst}
+		case overrideQuota:
+			e = overrideEntry{Format: 1, Kind: "quota", Quota: strconv.FormatInt(o.burst, 10)}
 		}
 	}
 	e.Hash, e.Key = hashOf(key), key

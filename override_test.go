@@ -39,7 +39,10 @@ func TestDecodeOverride(t *testing.T) {
 		{"o1 r +1 5", override{}, false},
 		{"o1 r 12345678901234567 5", override{}, false}, // 17 digits: beyond what Lua holds exactly
 		{"o1 c 12345678901234567 5", override{}, false},
-		{"o1 q 1 5", override{}, false},
+		{"o1 q 0 5000", override{overrideQuota, 0, 5000}, true},
+		{"o1 q 1 5", override{overrideQuota, 1, 5}, true}, // the interval is not read, as for slots
+		{"o1 q 0 0", override{}, false},
+		{"o1 q 0 9007199254740993", override{}, false}, // beyond 2^53
 		{"o2 r 1 5", override{}, false},
 		{"1700000000000000:1000", override{}, false}, // a bucket
 		{"", override{}, false},
@@ -404,29 +407,38 @@ func TestOverrideAnnouncement(t *testing.T) {
 	}
 }
 
-// TestLuaOverrideValues: for each stored value, beside a rate bucket and
-// beside a concurrency policy's slots, the script decides under the limit
-// decodeOverride and limitFor give (the sent one for a value that is not an
-// override, or one of the other kind).
+// TestLuaOverrideValues: for each stored value, beside a rate bucket,
+// beside a concurrency policy's slots and beside a quota's count (under
+// each debt rule: none, settle max 7, settle's twice the N), the script
+// decides under the limit decodeOverride and limitFor (quotaLimitFor) give
+// (the sent one for a value that is not an override, or one of another
+// kind).
 func TestLuaOverrideValues(t *testing.T) {
 	_, client, _ := newTestRedis(t)
 	ctx := context.Background()
 	rate := limit{interval: 1_000_000, burst: 5, slack: 2_000_000}
 	slots := limit{interval: 30_000_000, burst: 1}
+	quota := limit{burst: 5, slack: 10} // settle, twice the quota of debt
+	year := &quotaSpec{periods: newCalendar(periodYear, time.UTC), unit: periodYear, loc: time.UTC, name: "q"}
 	for i, v := range []string{
 		"o1 r 12000 500", "o1 c 0 10", "o1 c 7 3", "o1 r 0 5", "o1 c 0 0", "o1 r 12345678901234567 1", "o1 c 12345678901234567 4",
 		"o1 c 0 12345678901234567", "o1 r 2 2251799813685248", "o1 r 1 2251799813685248", "o1 x 1 1", " o1 r 1 1", "o1 r 1 1 ", "",
+		"o1 q 0 5000", "o1 q 3 7", "o1 q 0 1", "o1 q 0 0", "o1 q 0 4503599627370496", "o1 q 0 9007199254740991",
+		"o1 q 0 9007199254740992", "o1 q 0 9007199254740993", "o1 c 0 9007199254740993", "o1 q 0 12345678901234567", "o1 q 0 -5",
 	} {
 		for _, rq := range []bucketRequest{
 			{key: fmt.Sprintf("rl:r:{v%d}", i), limit: rate, op: opTake, cost: 1, overridable: true, overrideWait: 2_000_000},
 			{key: fmt.Sprintf("rl:s:{v%d}", i), limit: slots, op: opAcquire, cost: 1, lease: "l", events: "rl:events", overridable: true},
+			{key: fmt.Sprintf("rl:q:{v%d}", i), limit: quota, op: opTake, cost: 1, quota: year, overridable: true, overrideDebt: -2},
+			{key: fmt.Sprintf("rl:qm:{v%d}", i), limit: limit{burst: 5, slack: 7}, op: opCheck, cost: 1, quota: year, overridable: true, overrideDebt: 7},
+			{key: fmt.Sprintf("rl:q0:{v%d}", i), limit: limit{burst: 5}, op: opInspect, quota: year, overridable: true},
 		} {
 			client.Set(ctx, overrideKey(rq.key), v, 0)
 			res, err := evalDecide(ctx, client, []bucketRequest{rq})
 			if err != nil {
 				t.Fatalf("%q: %v", v, err)
 			}
-			o := 1 + replyWidth(rq.op) + 1 // now, status, the op's numbers
+			o := 1 + 1 + bucketReplyWidth(rq) // now, status, the op's numbers
 			got := limit{interval: res[o], burst: res[o+1], slack: res[o+2]}
 			want := rq.limit
 			if ov, ok := decodeOverride(v); ok {

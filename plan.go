@@ -42,8 +42,8 @@ type Plan struct {
 	// of caddy_rate_limit_decisions_total. Each is a limit of the policy's
 	// kind: `rate`, `burst` and `max_cost` for a rate policy (a field left
 	// out is the policy's: a plan with a rate and no burst has the burst of
-	// its rate's N, as a policy has), `concurrent` for a concurrency policy.
-	// At least one.
+	// its rate's N, as a policy has), `concurrent` for a concurrency policy,
+	// `quota` and `max_cost` for a quota policy. At least one.
 	Plans map[string]*PlanLimit `json:"plans"`
 }
 
@@ -62,6 +62,14 @@ type PlanLimit struct {
 
 	// A concurrency policy's slots under this plan.
 	Concurrent int64 `json:"concurrent,omitempty"`
+
+	// A quota policy's N under this plan: `N`, or `N/<unit>` with the
+	// policy's own unit (`5000/month` on a `quota 1000/month` policy). The
+	// period and the timezone are the policy's: a plan changes how much a
+	// period holds, not the period. The key's usage so far in the period
+	// counts against it: a downgrade below the usage denies until the
+	// boundary, an upgrade admits at once. Default: the policy's N.
+	Quota string `json:"quota,omitempty"`
 }
 
 // defaultPlan is the plan label of a request that names no plan: it is
@@ -120,6 +128,9 @@ func (p *Policy) planExample() string {
 	if p.Concurrent > 0 {
 		return "concurrent 10"
 	}
+	if p.quota != nil {
+		return "quota 5000"
+	}
 	return "rate 2000/1m burst 200"
 }
 
@@ -134,10 +145,14 @@ func (p *Policy) planPolicy(name string, lim *PlanLimit) (*Policy, error) {
 		return nil, fieldErr(planField(name), "plan %q: default names the policy's own limit (the requests that name no plan): give this plan another name, or set the policy's own limit", name)
 	case lim == nil || *lim == PlanLimit{}:
 		return nil, fieldErr(planField(name), "plan %q: a limit is required, e.g. %s %s", name, name, p.planExample())
-	case p.Concurrent > 0 && (lim.Rate != "" || lim.Burst != 0 || lim.MaxCost != 0):
-		return nil, fieldErr(planField(name), "plan %q: policy %q is a concurrency limit: its plans take concurrent <n>, not rate, burst or cost", name, p.Name)
-	case p.Concurrent == 0 && lim.Concurrent != 0:
+	case p.quota != nil && (lim.Rate != "" || lim.Burst != 0 || lim.Concurrent != 0):
+		return nil, fieldErr(planField(name), "plan %q: policy %q is a quota: its plans take quota <N> and cost max, not rate, burst or concurrent (a rate limit is a policy of its own)", name, p.Name)
+	case p.Concurrent > 0 && (lim.Rate != "" || lim.Burst != 0 || lim.MaxCost != 0 || lim.Quota != ""):
+		return nil, fieldErr(planField(name), "plan %q: policy %q is a concurrency limit: its plans take concurrent <n>, not rate, burst, cost or quota", name, p.Name)
+	case p.quota == nil && p.Concurrent == 0 && lim.Concurrent != 0:
 		return nil, fieldErr(planField(name), "plan %q: policy %q is a rate limit: its plans take rate, burst and cost max, not concurrent (a concurrency limit is a policy of its own)", name, p.Name)
+	case p.quota == nil && lim.Quota != "":
+		return nil, fieldErr(planField(name), "plan %q: policy %q is a rate limit: its plans take rate, burst and cost max, not quota (a quota is a policy of its own, decided with this one at once)", name, p.Name)
 	}
 	q := *p
 	q.Plan, q.plans, q.planName = nil, nil, name
@@ -152,6 +167,13 @@ func (p *Policy) planPolicy(name string, lim *PlanLimit) (*Policy, error) {
 	}
 	if lim.Concurrent != 0 {
 		q.Concurrent = lim.Concurrent
+	}
+	if lim.Quota != "" {
+		n, err := p.quotaOf(lim.Quota)
+		if err != nil {
+			return nil, fieldErr(planField(name), "plan %q: %v", name, err)
+		}
+		q.Quota = p.quotaWith(n)
 	}
 	if err := q.check(); err != nil {
 		return nil, fieldErr(planField(name), "plan %q: %v", name, err)
@@ -175,6 +197,8 @@ func (p *Policy) provisionPlans() error {
 		}
 		if q.Concurrent > 0 {
 			q.policyHdr = slotsMember(nil, q.Name, q.Concurrent)
+		} else if q.quota != nil {
+			q.policyHdr = nil // a member per period: quotaSpec.policyMember
 		} else {
 			qq, w := fieldQuota(q.events, q.period)
 			q.policyHdr = policyMember(nil, q.Name, qq, w)
@@ -257,6 +281,7 @@ func (h *Handler) provisionPlans() error {
 //	plan <placeholder> {
 //	    <name> [rate <N>/<duration>] [burst <n>] [cost max <n>]
 //	    <name> concurrent <n>
+//	    <name> quota <N>[/<the policy's unit>] [cost max <n>]
 //	}
 //
 // Each plan's line is recorded, so that a mistake found when the policy is
@@ -294,6 +319,11 @@ func (s *section) planArg(d *caddyfile.Dispenser, p *Policy) error {
 					return s.errf(d, "plan %q: rate: a value is required, e.g. rate 2000/1m", name)
 				}
 				lim.Rate = d.Val()
+			case "quota": // checked with the policy, whose unit it must have
+				if !d.NextArg() {
+					return s.errf(d, "plan %q: quota: a value is required, e.g. quota 5000", name)
+				}
+				lim.Quota = d.Val()
 			case "burst", "concurrent":
 				if !d.NextArg() {
 					return s.errf(d, "plan %q: %s: a value is required", name, word)
@@ -317,11 +347,11 @@ func (s *section) planArg(d *caddyfile.Dispenser, p *Policy) error {
 				}
 				lim.MaxCost = n
 			default:
-				return s.errf(d, "plan %q: unknown %q: a plan line takes rate <N>/<duration>, burst <n> and cost max <n> (or concurrent <n>)", name, word)
+				return s.errf(d, "plan %q: unknown %q: a plan line takes rate <N>/<duration>, burst <n> and cost max <n> (or concurrent <n>, or quota <N>)", name, word)
 			}
 		}
 		if *lim == (PlanLimit{}) {
-			return s.errf(d, "plan %q: a limit is required, e.g. %s rate 2000/1m burst 200 (or %s concurrent 10)", name, name, name)
+			return s.errf(d, "plan %q: a limit is required, e.g. %s rate 2000/1m burst 200 (or %s concurrent 10, or %s quota 5000)", name, name, name, name)
 		}
 		pl.Plans[name] = lim
 	}

@@ -115,7 +115,36 @@ func (p *Policy) checkQuota() error {
 	p.limit = limit{burst: n, slack: p.debt}
 	p.quota = &quotaSpec{periods: newCalendar(unit, loc), unit: unit, loc: loc, durable: d, name: p.Name}
 	p.keyTmpl, p.costTmpl = newTemplate(p.Key), newTemplate(string(p.Cost))
-	return nil
+	return p.checkPlans()
+}
+
+// quotaOf reads the N of a plan's or an override's quota on a checked quota
+// policy: `N`, or `N/<unit>` with the policy's own unit. The period and the
+// timezone are the policy's (one count per key and period, whatever the
+// plan), so another unit is a mistake, not a conversion: 5000/day on a
+// monthly quota would have to become a daily one.
+func (p *Policy) quotaOf(s string) (int64, error) {
+	if !strings.Contains(s, "/") {
+		n, err := strconv.ParseInt(s, 10, 64)
+		if err != nil || n < 1 || n > maxJSONInteger || strings.HasPrefix(s, "+") {
+			return 0, fmt.Errorf("quota: %q: N must be an integer from 1 to %d", s, int64(maxJSONInteger))
+		}
+		return n, nil
+	}
+	n, unit, err := parseQuota(s)
+	if err != nil {
+		return 0, fmt.Errorf("quota: %v", err)
+	}
+	if unit != p.quota.unit {
+		return 0, fmt.Errorf("quota: %q: the period is the policy's (quota %s, timezone %s): a plan or an override sets N only, as quota %d or quota %d/%s",
+			s, p.Quota, p.quota.loc, n, n, p.quota.unit)
+	}
+	return n, nil
+}
+
+// quotaWith is the policy's quota with n in place of its N: the same unit.
+func (p *Policy) quotaWith(n int64) string {
+	return strconv.FormatInt(n, 10) + "/" + p.quota.unit.String()
 }
 
 // unmarshalDurable reads `durable replicas <n> [aof]` or `durable aof

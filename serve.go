@@ -510,7 +510,7 @@ func (h *Handler) writeFields(hdr http.Header, rs *requestState, res *reservatio
 		}
 		if !all {
 			if q := res.shownReqs[i].quota; q != nil {
-				pol = append(pol, q.policyMember(res.shownReqs[i].limit.burst, v.period)...)
+				pol = append(pol, q.policyMember(res.decidedQuota(i), v.period)...)
 			} else {
 				pol = res.appendPolicyMember(pol, i, p)
 			}

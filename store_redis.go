@@ -230,6 +230,9 @@ func encodeCall(batch []*pending, format int) []any {
 			}
 			if rq.quota != nil {
 				args = quotaArgs(append(args, op), rq, now)
+				if rq.overridable { // the policy's rule for an override's slack (override.go)
+					args = append(args, rq.overrideWait, rq.overrideDebt)
+				}
 				continue
 			}
 			var amount, wait any = rq.cost, rq.wait

@@ -80,7 +80,7 @@
 -- and, for an overridable bucket, the interval, burst and slack it was
 -- decided under: an operator's override of its limit, when one of its kind
 -- is stored beside it (<prefix><policy>:{<hash>}:override, in its slot), or
--- the limit sent.
+-- the limit sent (a quota's: 0, its N and its slack).
 --
 -- Redis work is what costs: each key is read once per call and written at
 -- most once, at the end, with what the call's last request left in it. On
@@ -282,9 +282,9 @@ local function quota_read(key)
 end
 
 -- Overrides (override.go): "o1 r <interval> <burst>" for a rate bucket,
--- "o1 c 0 <slots>" for slots, in the key beside the bucket's, read once
--- per call. A value that is not an override is ignored: the limit sent
--- stands. The release before this one never sets the overridable bit.
+-- "o1 c 0 <slots>" for slots, "o1 q 0 <N>" for a quota, in the key beside
+-- the bucket's, read once per call. A value that is not an override is
+-- ignored: the limit sent stands. The release before this one never sets the overridable bit.
 local MAX_SPAN = 2 ^ 51 -- maxBucketSpan
 local overrides = {} -- bucket key -> {kind, interval, burst}, or false
 
@@ -294,12 +294,12 @@ local function override_of(key)
   o = false
   local v = redis.pcall('GET', key .. ':override')
   if type(v) == 'string' then
-    local kind, a, b = string.match(v, '^o1 ([rc]) (%d+) (%d+)$')
+    local kind, a, b = string.match(v, '^o1 ([rcq]) (%d+) (%d+)$')
     if kind and #a <= 16 and #b <= 16 then -- below 2^53: exact
       local interval, burst = tonumber(a), tonumber(b)
       if kind == 'r' and interval >= 1 and burst >= 1 and interval * burst <= MAX_SPAN then
         o = {kind = kind, interval = interval, burst = burst}
-      elseif kind == 'c' and burst >= 1 and burst <= 2 ^ 53 then
+      elseif kind ~= 'r' and burst >= 1 and burst < 2 ^ 53 then
         o = {kind = kind, interval = 0, burst = burst}
       end
     end
@@ -320,6 +320,16 @@ local function overridden(o, code, interval, burst, slack, wait_us, debt)
   local tokens = debt
   if debt < 0 then tokens = -debt * o.burst end
   return o.interval, o.burst, math.min(wait_us + tokens * o.interval, MAX_SPAN - o.interval * o.burst)
+end
+
+-- quota_overridden is the N and slack a quota bucket is decided under: a
+-- quota override's N, with the units beyond it the policy's debt rule
+-- gives a settle, or the ones sent (quotaLimitFor).
+local function quota_overridden(o, limit, slack, debt)
+  if not o or o.kind ~= 'q' then return limit, slack end
+  local units = debt
+  if debt < 0 then units = -debt * o.burst end
+  return o.burst, math.min(units, 2 ^ 53 - o.burst)
 end
 
 local out, n_out = {now}, 1
@@ -355,6 +365,10 @@ while arg <= #ARGV do
     if code >= QUOTA then
       local verb = code - QUOTA + TAKE
       local limit, slack, amount = tonumber(ARGV[arg + 1]), tonumber(ARGV[arg + 2]), tonumber(ARGV[arg + 3])
+      if overridable then
+        limit, slack = quota_overridden(override_of(key), limit, slack, tonumber(ARGV[arg + width(code) + 1]))
+        intervals[i], bursts[i], slacks[i] = 0, limit, slack
+      end
       local bucket = index_of[key] or quota_read(key)
       at[i], before[i], after[i], starts[i], ends[i] = bucket, 0, 0, 0, 0
       -- The period holding Redis's clock.
