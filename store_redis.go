@@ -172,10 +172,8 @@ func (c *redisConn) eval(batch []*pending) callResult {
 		if p.then == nil { // a request waited for it
 			storeDuration.Observe(end.Sub(p.queued).Seconds())
 		}
-		var bad *badBucketError
-		if errors.As(p.err, &bad) {
-			storeErrors.WithLabelValues(bad.kind).Inc()
-			c.report(bad.kind, p.err)
+		if p.err != nil {
+			c.reportBadBucket(p.err)
 		}
 	}
 	if err == nil {
@@ -198,6 +196,17 @@ type callContext struct {
 }
 
 func (c *callContext) Deadline() (time.Time, bool) { return c.deadline, true }
+
+// reportBadBucket counts and reports err if it is a request's own bucket's
+// (badBucketError). Apart from eval, so that what errors.As fills in is
+// allocated only for an error, not for every request.
+func (c *redisConn) reportBadBucket(err error) {
+	var bad *badBucketError
+	if errors.As(err, &bad) {
+		storeErrors.WithLabelValues(bad.kind).Inc()
+		c.report(bad.kind, err)
+	}
+}
 
 // resultOf is what a call's error says about Redis: a reply, even an error
 // reply, is an answer; a timeout or a broken connection is a failure.
