@@ -256,8 +256,8 @@ func TestCoalescerDropsGone(t *testing.T) {
 		}
 	}}
 	results := make(chan error, 3)
-	submit := func(gone <-chan struct{}) {
-		p := newPending(nil, gone)
+	submit := func(ctx context.Context) {
+		p := newPending(nil, ctx)
 		c.submit(p)
 		results <- p.err
 	}
@@ -271,7 +271,7 @@ func TestCoalescerDropsGone(t *testing.T) {
 		}
 		time.Sleep(time.Millisecond)
 	}
-	gone := make(chan struct{})
+	gone, cancel := context.WithCancel(context.Background())
 	go submit(gone)
 	go submit(nil)
 	for {
@@ -283,7 +283,7 @@ func TestCoalescerDropsGone(t *testing.T) {
 		}
 		time.Sleep(time.Millisecond)
 	}
-	close(gone) // that client goes away while queued
+	cancel() // that client goes away while queued
 	close(gate)
 	var errs []error
 	for range 3 {

@@ -30,6 +30,10 @@ type requestState struct {
 	// The members of RateLimit-Policy and RateLimit set by earlier
 	// handlers, which later ones add to.
 	policyField, limitField string
+	// fieldValues holds the values of the first RateLimit-Policy and
+	// RateLimit fields set (fieldsSet), in place of an allocation.
+	fieldValues [2]string
+	fieldsSet   bool
 
 	// header is the request's, for {http.rate_limit.bearer}.
 	header http.Header

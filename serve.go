@@ -530,8 +530,8 @@ func (h *Handler) writeFields(hdr http.Header, rs *requestState, res *reservatio
 	if len(lim) == 0 {
 		return // only shed policies: no fields
 	}
-	// Both fields in one string, and both values in one array: two
-	// allocations for what the response keeps.
+	// Both fields in one string, and both values in one array: one
+	// allocation for what the response keeps.
 	var both string
 	var policyField string
 	if all {
@@ -541,7 +541,14 @@ func (h *Handler) writeFields(hdr http.Header, rs *requestState, res *reservatio
 		policyField = both[:len(pol)]
 	}
 	rs.policyField, rs.limitField = policyField, both[len(both)-len(lim):]
-	values := new([2]string)
+	// The first fields of a request live in its requestState, which
+	// outlives the response as they must; later ones (a response updating
+	// them) get their own, so that no header set before changes under it.
+	values := &rs.fieldValues
+	if rs.fieldsSet {
+		values = new([2]string)
+	}
+	rs.fieldsSet = true
 	values[0], values[1] = policyField, rs.limitField
 	hdr["Ratelimit-Policy"] = values[0:1:1]
 	hdr["Ratelimit"] = values[1:2:2]

@@ -20,6 +20,10 @@ var decideLua string
 
 var decideSHA = redis.NewScript(decideLua).Hash()
 
+// decideSHAArg is decideSHA as a call's argument, boxed once rather than
+// once per call.
+var decideSHAArg any = decideSHA
+
 var (
 	// errCircuitOpen: the request skipped Redis, which recently failed.
 	errCircuitOpen = errors.New("rate limit store: circuit open after repeated Redis failures")
@@ -105,7 +109,7 @@ func (s *redisStore) decideLater(reqs []bucketRequest, then func(decision, error
 // decideInOneCall decides buckets that one script call can reach: a single
 // Redis, or one Redis Cluster slot.
 func (s *redisStore) decideInOneCall(ctx context.Context, reqs []bucketRequest) (decision, error) {
-	p := newPending(reqs, ctx.Done())
+	p := newPending(reqs, ctx)
 	if s.conn.coalescer != nil {
 		s.conn.coalescerFor(reqs).submit(p) // durable requests apart
 	} else {
@@ -142,13 +146,12 @@ func (c *redisConn) eval(batch []*pending) callResult {
 	if want := batchConfirmation(batch); want.wanted() {
 		return c.evalDurable(batch, want) // with its WAIT or WAITAOF
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), c.callTimeout)
-	defer cancel()
+	ctx := &callContext{Context: context.Background(), deadline: time.Now().Add(c.callTimeout)}
 	args := encodeCall(batch, int(c.format.Load()))
 	sent := monotonicMicros()
 	cmd := redis.NewIntSliceCmd(ctx, args...)
 	_ = c.client.Process(ctx, cmd)
-	if redis.HasErrorPrefix(cmd.Err(), "NOSCRIPT") {
+	if cmd.Err() != nil && redis.HasErrorPrefix(cmd.Err(), "NOSCRIPT") {
 		// A restarted or flushed Redis: EVAL loads the script again. The
 		// script did not run, so nothing was charged twice.
 		args[0], args[1] = "eval", decideLua
@@ -169,10 +172,8 @@ func (c *redisConn) eval(batch []*pending) callResult {
 		if p.then == nil { // a request waited for it
 			storeDuration.Observe(end.Sub(p.queued).Seconds())
 		}
-		var bad *badBucketError
-		if errors.As(p.err, &bad) {
-			storeErrors.WithLabelValues(bad.kind).Inc()
-			c.report(bad.kind, p.err)
+		if p.err != nil {
+			c.reportBadBucket(p.err)
 		}
 	}
 	if err == nil {
@@ -182,6 +183,29 @@ func (c *redisConn) eval(batch []*pending) callResult {
 	storeErrors.WithLabelValues(kind).Inc()
 	c.report(kind, err)
 	return resultOf(err)
+}
+
+// callContext bounds a script call by its deadline alone, which go-redis
+// puts on the socket's reads and writes (ContextTimeoutEnabled), on the wait
+// for a connection and on dialing. Nobody cancels a call, so it needs no
+// Done channel: context.WithTimeout would cost a timer, a channel and six
+// allocations per call for a cancellation nobody makes.
+type callContext struct {
+	context.Context // Background: never done
+	deadline        time.Time
+}
+
+func (c *callContext) Deadline() (time.Time, bool) { return c.deadline, true }
+
+// reportBadBucket counts and reports err if it is a request's own bucket's
+// (badBucketError). Apart from eval, so that what errors.As fills in is
+// allocated only for an error, not for every request.
+func (c *redisConn) reportBadBucket(err error) {
+	var bad *badBucketError
+	if errors.As(err, &bad) {
+		storeErrors.WithLabelValues(bad.kind).Inc()
+		c.report(bad.kind, err)
+	}
 }
 
 // resultOf is what a call's error says about Redis: a reply, even an error
@@ -207,7 +231,7 @@ func encodeCall(batch []*pending, format int) []any {
 	args := make([]any, 3, 4+n+len(batch)+6*n)
 	// Values are sent as Redis sees them, strings; an empty events
 	// channel is never read.
-	args[0], args[1], args[2] = "evalsha", decideSHA, n
+	args[0], args[1], args[2] = "evalsha", decideSHAArg, n
 	for _, p := range batch {
 		for _, rq := range p.reqs {
 			args = append(args, rq.key)
