@@ -1,7 +1,6 @@
 package ratelimit
 
 import (
-	"context"
 	"crypto/tls"
 	"crypto/x509"
 	_ "embed"
@@ -208,27 +207,23 @@ func (c RedisConfig) newClient() (redis.UniversalClient, error) {
 	// open, so that the first requests after a start or an idle spell do
 	// not pay for connecting.
 	dial, pool := c.dialTimeout(), c.poolSize()
-	var dialer func(ctx context.Context, network, addr string) (net.Conn, error) // nil: go-redis's, with TLS
-	if tlsConfig == nil {
-		dialer = peekingDialer(dial) // see redis_dial.go
-	}
 	switch {
 	case c.Cluster:
 		return redis.NewClusterClient(&redis.ClusterOptions{
-			Addrs: c.Addresses, Username: c.Username, Password: c.Password, TLSConfig: tlsConfig, Dialer: dialer,
+			Addrs: c.Addresses, Username: c.Username, Password: c.Password, TLSConfig: tlsConfig,
 			DialTimeout: dial, ReadTimeout: timeout, WriteTimeout: timeout, PoolTimeout: dial,
 			ContextTimeoutEnabled: true, PoolSize: pool, MinIdleConns: 2, MaxRetries: -1, DialerRetries: 1,
 		}), nil
 	case c.Sentinel != "":
 		return redis.NewFailoverClient(&redis.FailoverOptions{
 			MasterName: c.Sentinel, SentinelAddrs: c.Addresses, Username: c.Username, Password: c.Password,
-			DB: c.DB, TLSConfig: tlsConfig, Dialer: dialer,
+			DB: c.DB, TLSConfig: tlsConfig,
 			DialTimeout: dial, ReadTimeout: timeout, WriteTimeout: timeout, PoolTimeout: dial,
 			ContextTimeoutEnabled: true, PoolSize: pool, MinIdleConns: 2, MaxRetries: -1, DialerRetries: 1,
 		}), nil
 	default:
 		return redis.NewClient(&redis.Options{
-			Addr: c.Addresses[0], Username: c.Username, Password: c.Password, DB: c.DB, TLSConfig: tlsConfig, Dialer: dialer,
+			Addr: c.Addresses[0], Username: c.Username, Password: c.Password, DB: c.DB, TLSConfig: tlsConfig,
 			DialTimeout: dial, ReadTimeout: timeout, WriteTimeout: timeout, PoolTimeout: dial,
 			ContextTimeoutEnabled: true, PoolSize: pool, MinIdleConns: 2, MaxRetries: -1, DialerRetries: 1,
 		}), nil
