@@ -336,7 +336,7 @@ func TestCoalescerLater(t *testing.T) {
 		p.then = func(p *pending) { done <- p.err }
 		c.submitLater(p)
 	}
-	// Alone: at once, by itself.
+	// Alone, with no decision to ride with: by itself, within laterWait.
 	later()
 	<-started
 	// A decision while that call is in flight queues; so does more work
@@ -377,5 +377,52 @@ func TestCoalescerLater(t *testing.T) {
 	defer mu.Unlock()
 	if fmt.Sprint(batches) != "[[later] [later later decision]]" {
 		t.Fatalf("calls carried %v, want [[later] [later later decision]]", batches)
+	}
+}
+
+// TestCoalescerLaterRides: work after responses on an idle instance waits
+// for the next decision and rides with it (one call, the work first),
+// rather than making a call of its own; with no decision, it goes by
+// itself (TestCoalescerLater).
+func TestCoalescerLaterRides(t *testing.T) {
+	var mu sync.Mutex
+	var batches [][]string
+	c := &coalescer{maxCalls: 1, wait: time.Hour, call: func(batch []*pending) {
+		var kinds []string
+		for _, m := range batch {
+			kind := "decision"
+			if m.then != nil {
+				kind = "later"
+			}
+			kinds = append(kinds, kind)
+			m.err = nil
+		}
+		mu.Lock()
+		batches = append(batches, kinds)
+		mu.Unlock()
+	}}
+	done := make(chan error, 2)
+	for range 2 {
+		p := newPending(nil, nil)
+		p.then = func(p *pending) { done <- p.err }
+		c.submitLater(p)
+	}
+	p := newPending(nil, nil)
+	c.submit(p)
+	p.release()
+	for range 2 {
+		select {
+		case err := <-done:
+			if err != nil {
+				t.Fatalf("work after a response: %v", err)
+			}
+		case <-time.After(5 * time.Second):
+			t.Fatal("a callback never came")
+		}
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if fmt.Sprint(batches) != "[[later later decision]]" {
+		t.Fatalf("calls carried %v, want [[later later decision]]", batches)
 	}
 }

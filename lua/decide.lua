@@ -91,75 +91,43 @@
 
 if redis.replicate_commands then redis.replicate_commands() end
 
-local clock = redis.call('TIME')
-local now = tonumber(clock[1]) * 1000000 + tonumber(clock[2])
--- redis.REDIS_VERSION_NUM and SET ... NX GET both came with Redis 7.0.
-local set_get = redis.REDIS_VERSION_NUM ~= nil
+-- What the script costs Redis is mostly the Lua it runs: the common path
+-- (a rate take, no override) is written inline, with locals for the
+-- library functions it calls, and makes no table that only quotas, slots
+-- or overrides use (those are made when a call first needs them). The
+-- functions below take what they need as arguments and return what they
+-- find: a function that refers to the script's locals (upvalues) costs
+-- every call that defines it, used or not (measured: some 0.9 µs per
+-- request of a call of 8).
 
-local TAKE, CHECK, ADJUST, RESET = 1, 2, 3, 5
-local ACQUIRE, RELEASE, RENEW, FREE, RESTORE = 6, 7, 8, 10, 11
-local QUOTA = 12 -- the first quota code
-
--- width is how many ARGV values a bucket of the given code takes.
-local function width(code)
-  if code >= QUOTA then return 10 end
-  return 6
-end
-local WRONGTYPE, CORRUPT, CLOCK = -1, -2, -3
-
--- The keys this call touched, by index in the order first touched.
-local index_of = {}                         -- key -> index
-local key_at = {}                           -- index -> key
-local tat_now, interval_now = {}, {}        -- as the requests so far left it
-local tat_stored, interval_stored = {}, {}  -- what Redis holds now
-local bad = {}                              -- index -> WRONGTYPE or CORRUPT
-local replace = {}                          -- index -> the key held another kind's slots
-local touched = 0
--- Quota buckets, by the same index: the period and units used as the
--- requests so far left them, whether Redis holds a value for the key, and
--- whether the call changed it.
-local quota, q_start, q_end, q_used, q_held, q_dirty = {}, {}, {}, {}, {}, {}
-
--- The formats of format.go: v1 "<tat>:<interval>"; v2 one integer, the
--- interval's code then the TAT's offset from EPOCH in 15 digits; v0 (read
--- only) "<tat>".
-local EPOCH, OFFSETS = 1700000000000000, 1000000000000000
-local compact = tonumber(ARGV[1]) == 2
-local codes = {} -- interval -> its v2 code, or false
-
+-- code_of is an interval's v2 code, or false.
 local function code_of(interval)
-  local code = codes[interval]
-  if code ~= nil then return code end
-  code = false
-  if interval < 1000 then
-    code = 9 + interval
-  else
-    local m, e = interval, 0
-    while m >= 1000 and m % 10 == 0 do
-      m, e = m / 10, e + 1
-    end
-    if m < 1000 and 1009 + (e - 1) * 900 + m - 100 <= 9222 then
-      code = 1009 + (e - 1) * 900 + m - 100
-    end
+  if interval < 1000 then return 9 + interval end
+  local m, e = interval, 0
+  while m >= 1000 and m % 10 == 0 do
+    m, e = m / 10, e + 1
   end
-  codes[interval] = code
-  return code
+  if m < 1000 and 1009 + (e - 1) * 900 + m - 100 <= 9222 then
+    return 1009 + (e - 1) * 900 + m - 100
+  end
+  return false
 end
 
-local function interval_of(code)
-  if not code or code < 10 or code > 9222 or code ~= math.floor(code) then return nil end
-  local i = code - 10
+-- interval_of is the interval a v2 code stands for, or nil.
+local function interval_of(c)
+  if not c or c < 10 or c > 9222 or c ~= math.floor(c) then return nil end
+  local i = c - 10
   if i < 999 then return i + 1 end
   i = i - 999
   return (i % 900 + 100) * 10 ^ (math.floor(i / 900) + 1)
 end
 
-local function encode(tat, interval)
-  if compact then
-    local code, off = code_of(interval), tat - EPOCH
-    if code and off >= 0 and off < OFFSETS then
-      return string.format('%d%015d', code, off)
-    end
+-- encode is a bucket's value: v2 when v2 (the interval's code, or false)
+-- can state it, v1 otherwise.
+local function encode(tat, interval, v2)
+  local off = tat - 1700000000000000 -- EPOCH; 15 digits below
+  if v2 and off >= 0 and off < 1000000000000000 then
+    return string.format('%d%015d', v2, off)
   end
   return string.format('%d:%d', tat, interval)
 end
@@ -177,32 +145,13 @@ local function decode(value, interval)
   if n > 19 then return nil end
   local off = tonumber(string.sub(value, -15))
   if not off or off < 0 or off ~= math.floor(off) then return nil end
-  return EPOCH + off, interval_of(tonumber(string.sub(value, 1, n - 15)))
+  return 1700000000000000 + off, interval_of(tonumber(string.sub(value, 1, n - 15)))
 end
 
--- read loads a key the first time the call touches it and returns its
--- index.
-local function read(key, code, interval, burst, cost)
-  touched = touched + 1
-  local bucket = touched
-  index_of[key], key_at[bucket] = bucket, key
-  tat_now[bucket], interval_now[bucket] = 0, interval
-  tat_stored[bucket], interval_stored[bucket] = 0, interval
-  local value
-  if set_get and code == TAKE and cost <= burst then
-    -- A full bucket admits any cost up to burst.
-    local span = cost * interval
-    value = redis.pcall('SET', key, encode(now + span, interval), 'PX', math.ceil(span / 1000), 'NX', 'GET')
-    if not value then
-      tat_stored[bucket] = now + span
-      return bucket
-    end
-  else
-    value = redis.pcall('GET', key)
-    if not value then
-      return bucket
-    end
-  end
+-- stored reads the value Redis held for a rate bucket's key (the first
+-- read of the call found one): its TAT and interval, or nil and what is in
+-- the way: WRONGTYPE (-1) or CORRUPT (-2), or 0 for a value to replace.
+local function stored(key, value, interval)
   if type(value) == 'table' then -- an error reply
     if not string.find(value.err or '', 'WRONGTYPE', 1, true) then
       error(value)
@@ -210,33 +159,27 @@ local function read(key, code, interval, burst, cost)
     if redis.call('TYPE', key).ok == 'zset' then
       -- A concurrency policy's slots, left by an earlier config that gave
       -- this name to another kind of policy: replaced.
-      replace[bucket] = true
-    else
-      bad[bucket] = WRONGTYPE
+      return nil, 0
     end
-    return bucket
+    return nil, -1
   end
   if string.sub(value, 1, 2) == 'q:' then
     -- A quota's count, left by an earlier config that gave this name to a
     -- quota policy: replaced.
-    replace[bucket] = true
-    return bucket
+    return nil, 0
   end
   local tat, stored_interval = decode(value, interval)
   if not tat or not stored_interval or stored_interval <= 0 or tat ~= math.floor(tat) then
-    bad[bucket] = CORRUPT
-    return bucket
+    return nil, -2
   end
-  tat_now[bucket], interval_now[bucket] = tat, stored_interval
-  tat_stored[bucket], interval_stored[bucket] = tat, stored_interval
-  return bucket
+  return tat, stored_interval
 end
 
 -- slots reads a concurrency key: it removes the expired leases and
 -- returns the leases held and how many expired, or nil for a key of
 -- another type (a rate bucket left by an earlier config that gave the name
 -- to another kind of policy is replaced).
-local function slots(key)
+local function slots(key, now)
   local expired = redis.pcall('ZREMRANGEBYSCORE', key, '-inf', now)
   if type(expired) == 'table' then
     if redis.call('TYPE', key).ok ~= 'string' then
@@ -248,47 +191,38 @@ local function slots(key)
   return redis.call('ZCARD', key), expired
 end
 
--- quota_read loads a quota key the first time the call touches it and
--- returns its index.
+-- quota_read reads a quota key: whether Redis holds a value for it, the
+-- period and units used it holds (0 0 0: none), and what is in the way:
+-- WRONGTYPE (-1) or CORRUPT (-2), or nil.
 local function quota_read(key)
-  touched = touched + 1
-  local bucket = touched
-  index_of[key], key_at[bucket] = bucket, key
-  tat_now[bucket], interval_now[bucket], tat_stored[bucket], interval_stored[bucket] = 0, 0, 0, 0
-  quota[bucket], q_start[bucket], q_end[bucket], q_used[bucket], q_held[bucket] = true, 0, 0, 0, false
   local value = redis.pcall('GET', key)
   if not value then
-    return bucket
+    return false, 0, 0, 0
   end
   if type(value) == 'table' then -- an error reply
     if not string.find(value.err or '', 'WRONGTYPE', 1, true) then
       error(value)
     end
     if redis.call('TYPE', key).ok == 'zset' then
-      q_held[bucket] = true -- a concurrency policy's slots: replaced
-    else
-      bad[bucket] = WRONGTYPE
+      return true, 0, 0, 0 -- a concurrency policy's slots: replaced
     end
-    return bucket
+    return false, 0, 0, 0, -1
   end
-  q_held[bucket] = true
   local s, e, used = string.match(value, '^q:(%d+):(%d+):(%d+)$')
   if s then
-    q_start[bucket], q_end[bucket], q_used[bucket] = tonumber(s), tonumber(e), tonumber(used)
+    return true, tonumber(s), tonumber(e), tonumber(used)
   elseif not decode(value, 1) then -- not a rate bucket either (which is replaced)
-    bad[bucket] = CORRUPT
+    return true, 0, 0, 0, -2
   end
-  return bucket
+  return true, 0, 0, 0
 end
 
 -- Overrides (override.go): "o1 r <interval> <burst>" for a rate bucket,
 -- "o1 c 0 <slots>" for slots, "o1 q 0 <N>" for a quota, in the key beside
 -- the bucket's, read once per call. A value that is not an override is
--- ignored: the limit sent stands. The release before this one never sets the overridable bit.
-local MAX_SPAN = 2 ^ 51 -- maxBucketSpan
-local overrides = {} -- bucket key -> {kind, interval, burst}, or false
-
-local function override_of(key)
+-- ignored: the limit sent stands. The release before this one never sets
+-- the overridable bit.
+local function override_of(overrides, key)
   local o = overrides[key]
   if o ~= nil then return o end
   o = false
@@ -297,7 +231,7 @@ local function override_of(key)
     local kind, a, b = string.match(v, '^o1 ([rcq]) (%d+) (%d+)$')
     if kind and #a <= 16 and #b <= 16 then -- below 2^53: exact
       local interval, burst = tonumber(a), tonumber(b)
-      if kind == 'r' and interval >= 1 and burst >= 1 and interval * burst <= MAX_SPAN then
+      if kind == 'r' and interval >= 1 and burst >= 1 and interval * burst <= 2 ^ 51 then -- MAX_SPAN
         o = {kind = kind, interval = interval, burst = burst}
       elseif kind ~= 'r' and burst >= 1 and burst < 2 ^ 53 then
         o = {kind = kind, interval = 0, burst = burst}
@@ -311,15 +245,15 @@ end
 -- overridden is the limit a bucket is decided under: its override's, with
 -- the slack the policy's rule gives it, or the one sent (limitFor).
 local function overridden(o, code, interval, burst, slack, wait_us, debt)
-  if not o or code >= QUOTA then return interval, burst, slack end
-  if code >= ACQUIRE then
+  if not o or code >= 12 then return interval, burst, slack end -- QUOTA
+  if code >= 6 then -- ACQUIRE
     if o.kind == 'c' then return interval, o.burst, slack end
     return interval, burst, slack
   end
   if o.kind ~= 'r' then return interval, burst, slack end
   local tokens = debt
   if debt < 0 then tokens = -debt * o.burst end
-  return o.interval, o.burst, math.min(wait_us + tokens * o.interval, MAX_SPAN - o.interval * o.burst)
+  return o.interval, o.burst, math.min(wait_us + tokens * o.interval, 2 ^ 51 - o.interval * o.burst) -- MAX_SPAN
 end
 
 -- quota_overridden is the N and slack a quota bucket is decided under: a
@@ -332,44 +266,156 @@ local function quota_overridden(o, limit, slack, debt)
   return o.burst, math.min(units, 2 ^ 53 - o.burst)
 end
 
-local out, n_out = {now}, 1
-local first_key, arg = 0, 2 -- the request's first KEYS index less one; its first ARGV index
--- Per bucket of the request: its first ARGV index, its index, code and
--- interval; whether it alone would admit; its TAT before (rebased; slots:
--- leases held), and the TAT a take or adjust leaves it with; expired
--- leases.
-local argat, at, codes, intervals, allowed, before, after, expired = {}, {}, {}, {}, {}, {}, {}, {}
--- Per quota bucket of the request: the start and end of the period picked.
-local starts, ends = {}, {}
--- Per bucket: whether it is overridable, and the burst and slack it is
--- decided under.
-local overridable_at, bursts, slacks = {}, {}, {}
+local tonumber, floor, ceil, min = tonumber, math.floor, math.ceil, math.min
+local rcall, pcall_ = redis.call, redis.pcall
 
-while arg <= #ARGV do
+local clock = rcall('TIME')
+local now = tonumber(clock[1]) * 1000000 + tonumber(clock[2])
+-- redis.REDIS_VERSION_NUM and SET ... NX GET both came with Redis 7.0.
+local set_get = redis.REDIS_VERSION_NUM ~= nil
+
+local TAKE, CHECK, ADJUST, RESET = 1, 2, 3, 5
+local ACQUIRE, RELEASE, RENEW, FREE, RESTORE = 6, 7, 8, 10, 11
+local QUOTA = 12 -- the first quota code
+local WRONGTYPE, CORRUPT, CLOCK = -1, -2, -3
+
+-- The keys this call touched, by index in the order first touched.
+local index_of = {}                         -- key -> index
+local key_at = {}                           -- index -> key
+local tat_now, interval_now = {}, {}        -- as the requests so far left it
+local tat_stored, interval_stored = {}, {}  -- what Redis holds now
+local bad = {}                              -- index -> WRONGTYPE or CORRUPT
+local replace = {}                          -- index -> the key held another kind's slots
+local touched = 0
+-- Quota buckets, by the same index: the period and units used as the
+-- requests so far left them, whether Redis holds a value for the key, and
+-- whether the call changed it (made with the call's first quota bucket).
+local quota, q_start, q_end, q_used, q_held, q_dirty
+-- Overrides read, by bucket key: {kind, interval, burst}, or false (made
+-- with the call's first overridable bucket).
+local overrides
+
+-- The formats of format.go: v1 "<tat>:<interval>"; v2 one integer, the
+-- interval's code then the TAT's offset from EPOCH (formatEpoch,
+-- 1700000000000000) in 15 digits; v0 (read only) "<tat>".
+local compact = tonumber(ARGV[1]) == 2
+local coded, coded_as = nil, false -- the last interval encoded, and its v2 code (or false)
+
+local out, n_out = {now}, 1
+local first_key, arg, n_args = 0, 2, #ARGV -- the request's first KEYS index less one; its first ARGV index
+-- Per bucket of the request: its op, index, code and interval; whether it
+-- alone would admit; its TAT before (rebased; slots: leases held), and the
+-- TAT a take or adjust leaves it with.
+local ops, at, codes, intervals, allowed, before, after = {}, {}, {}, {}, {}, {}, {}
+-- Made when a call first needs them: per bucket of the request, its first
+-- ARGV index and expired leases (slots); the start and end of the period
+-- picked (quotas); the burst and slack it is decided under (slots,
+-- overridable buckets).
+local argat, expired, starts, ends, bursts, slacks
+
+while arg <= n_args do
   local count = tonumber(ARGV[arg])
   arg = arg + 1
   local status = 1
   for i = 1, count do
     local key = KEYS[first_key + i]
     local op = tonumber(ARGV[arg])
-    local code, shadow = math.floor(op / 4), op % 2 == 1
+    local code = (op - op % 4) / 4 -- not math.floor: arithmetic is no call
     local interval, burst = tonumber(ARGV[arg + 1]), tonumber(ARGV[arg + 2])
-    local slack = tonumber(ARGV[arg + 3])
-    local overridable = math.floor(op / 2) % 2 == 1
-    if overridable then
-      local rule = arg + width(code)
-      interval, burst, slack = overridden(override_of(key), code, interval, burst, slack, tonumber(ARGV[rule]), tonumber(ARGV[rule + 1]))
+    local slack -- read where it counts
+    local width = 6 -- the ARGV values of this bucket
+    if code >= QUOTA then width = 10 end
+    if op % 4 >= 2 then -- overridable
+      if not bursts then bursts, slacks, overrides = {}, {}, {} end
+      interval, burst, slack = overridden(override_of(overrides, key), code, interval, burst, tonumber(ARGV[arg + 3]),
+        tonumber(ARGV[arg + width]), tonumber(ARGV[arg + width + 1]))
+      bursts[i], slacks[i] = burst, slack
+      width = width + 2
     end
-    argat[i], codes[i], intervals[i], allowed[i] = arg, code, interval, 1
-    overridable_at[i], bursts[i], slacks[i] = overridable, burst, slack
-    if code >= QUOTA then
-      local verb = code - QUOTA + TAKE
-      local limit, slack, amount = tonumber(ARGV[arg + 1]), tonumber(ARGV[arg + 2]), tonumber(ARGV[arg + 3])
-      if overridable then
-        limit, slack = quota_overridden(override_of(key), limit, slack, tonumber(ARGV[arg + width(code) + 1]))
-        intervals[i], bursts[i], slacks[i] = 0, limit, slack
+    ops[i], codes[i], intervals[i], allowed[i] = op, code, interval, 1
+    if code < ACQUIRE then
+      local amount = tonumber(ARGV[arg + 4])
+      local bucket = index_of[key]
+      if not bucket then
+        -- The call's first read of the key.
+        touched = touched + 1
+        bucket = touched
+        index_of[key], key_at[bucket] = bucket, key
+        tat_now[bucket], interval_now[bucket], tat_stored[bucket], interval_stored[bucket] = 0, interval, 0, interval
+        local value
+        if set_get and code == TAKE and amount <= burst then
+          -- A full bucket admits any cost up to burst.
+          local span = amount * interval
+          if compact and interval ~= coded then coded, coded_as = interval, code_of(interval) end
+          value = pcall_('SET', key, encode(now + span, interval, compact and coded_as), 'PX', ceil(span / 1000), 'NX', 'GET')
+          if not value then tat_stored[bucket] = now + span end
+        else
+          value = pcall_('GET', key)
+        end
+        if value then
+          local tat, held = stored(key, value, interval)
+          if tat then
+            tat_now[bucket], interval_now[bucket], tat_stored[bucket], interval_stored[bucket] = tat, held, tat, held
+          elseif held == 0 then
+            replace[bucket] = true
+          else
+            bad[bucket] = held
+          end
+        end
       end
-      local bucket = index_of[key] or quota_read(key)
+      at[i] = bucket
+      if bad[bucket] then
+        status = bad[bucket]
+      elseif quota and quota[bucket] then
+        status = CORRUPT -- a quota's key earlier in this call
+      end
+      -- Rebase: the tokens owed, at the current interval, at most what the
+      -- current limit lets a bucket owe.
+      local tat = tat_now[bucket]
+      local tau = interval * burst
+      if tat > now then
+        local ahead = tat - now
+        if interval_now[bucket] ~= interval then
+          ahead = floor(ahead * interval / interval_now[bucket])
+        end
+        slack = slack or tonumber(ARGV[arg + 3])
+        tat = now + min(ahead, tau + slack)
+      end
+      before[i] = tat
+      if tat < now then tat = now end
+      if code == TAKE or code == CHECK then
+        local wait = 0
+        if code == TAKE then wait = tonumber(ARGV[arg + 5]) or 0 end
+        if amount > burst or tat + amount * interval - now > tau + wait then
+          allowed[i] = 0
+          if status == 1 and op % 2 == 0 then status = 0 end -- unless shadow
+        end
+        after[i] = tat + amount * interval
+      elseif code == ADJUST then
+        slack = slack or tonumber(ARGV[arg + 3])
+        after[i] = min(tat + amount * interval, now + tau + slack)
+        if after[i] <= now then after[i] = 0 end -- never beyond a full bucket
+      end
+    elseif code >= QUOTA then
+      if not quota then
+        quota, q_start, q_end, q_used, q_held, q_dirty = {}, {}, {}, {}, {}, {}
+      end
+      if not starts then starts, ends = {}, {} end
+      local verb = code - QUOTA + TAKE
+      local limit, q_slack, amount = tonumber(ARGV[arg + 1]), tonumber(ARGV[arg + 2]), tonumber(ARGV[arg + 3])
+      if op % 4 >= 2 then -- overridable: its debt rule follows the 10 values of a quota bucket and the wait
+        limit, q_slack = quota_overridden(override_of(overrides, key), limit, q_slack, tonumber(ARGV[arg + 11]))
+        intervals[i], bursts[i], slacks[i] = 0, limit, q_slack
+      end
+      local bucket = index_of[key]
+      if not bucket then
+        touched = touched + 1
+        bucket = touched
+        index_of[key], key_at[bucket] = bucket, key
+        tat_now[bucket], interval_now[bucket], tat_stored[bucket], interval_stored[bucket] = 0, 0, 0, 0
+        quota[bucket] = true
+        q_held[bucket], q_start[bucket], q_end[bucket], q_used[bucket], bad[bucket] = quota_read(key)
+      end
       at[i], before[i], after[i], starts[i], ends[i] = bucket, 0, 0, 0, 0
       -- The period holding Redis's clock.
       local s, e
@@ -394,7 +440,7 @@ while arg <= #ARGV do
         if verb == TAKE or verb == CHECK then
           if amount > limit - used then
             allowed[i] = 0
-            if not shadow and status == 1 then status = 0 end
+            if status == 1 and op % 2 == 0 then status = 0 end -- unless shadow
           end
           after[i] = used + amount
         elseif verb == ADJUST then
@@ -403,109 +449,81 @@ while arg <= #ARGV do
             -- Within the period the charge belongs to: never below 0 used,
             -- never beyond quota + slack by a charge.
             local charged = used + amount
-            if amount > 0 then charged = math.min(charged, math.max(used, limit + slack)) end
+            if amount > 0 then charged = min(charged, math.max(used, limit + q_slack)) end
             after[i] = math.max(charged, 0)
           end
         end
       end
-    elseif code >= ACQUIRE then
-      local held, gone = slots(key)
+    else
+      if not argat then argat, expired = {}, {} end
+      if not bursts then bursts, slacks = {}, {} end
+      argat[i], bursts[i] = arg, burst
+      local held, gone = slots(key, now)
       at[i], before[i], expired[i] = 0, held or 0, gone or 0
       if not held then
         allowed[i], status = WRONGTYPE, WRONGTYPE
       elseif code == ACQUIRE and held >= burst then
         allowed[i] = 0
-        if not shadow and status == 1 then status = 0 end
-      end
-    else
-      local amount = tonumber(ARGV[arg + 4])
-      local bucket = index_of[key] or read(key, code, interval, burst, amount)
-      at[i] = bucket
-      if bad[bucket] then
-        status = bad[bucket]
-      elseif quota[bucket] then
-        status = CORRUPT -- a quota's key earlier in this call
-      end
-      -- Rebase: the tokens owed, at the current interval, at most what the
-      -- current limit lets a bucket owe.
-      local tat = tat_now[bucket]
-      local tau = interval * burst
-      if tat > now then
-        local ahead = tat - now
-        if interval_now[bucket] ~= interval then
-          ahead = math.floor(ahead * interval / interval_now[bucket])
-        end
-        tat = now + math.min(ahead, tau + slack)
-      end
-      before[i] = tat
-      if tat < now then tat = now end
-      if code == TAKE or code == CHECK then
-        local wait = code == TAKE and tonumber(ARGV[arg + 5]) or 0
-        if amount > burst or tat + amount * interval - now > tau + wait then
-          allowed[i] = 0
-          if not shadow and status == 1 then status = 0 end
-        end
-        after[i] = tat + amount * interval
-      elseif code == ADJUST then
-        after[i] = math.min(tat + amount * interval, now + tau + slack)
-        if after[i] <= now then after[i] = 0 end -- never beyond a full bucket
+        if status == 1 and op % 2 == 0 then status = 0 end -- unless shadow
       end
     end
-    arg = arg + width(code)
-    if overridable then arg = arg + 2 end
+    arg = arg + width
   end
   n_out = n_out + 1
   out[n_out] = status
   for i = 1, count do
     local bucket, code = at[i], codes[i]
-    if status >= 0 and code >= QUOTA then
-      local verb = code - QUOTA + TAKE
-      if verb == TAKE and status == 1 and allowed[i] == 1 or verb == ADJUST then
-        q_start[bucket], q_end[bucket], q_used[bucket], q_dirty[bucket] = starts[i], ends[i], after[i], true
-      elseif verb == RESET then
-        q_start[bucket], q_end[bucket], q_used[bucket], q_dirty[bucket] = 0, 0, 0, true
-      end
-    elseif status >= 0 and code >= ACQUIRE and code < QUOTA then
-      local a = argat[i] -- this bucket's ARGV
-      local key, interval, member = KEYS[first_key + i], intervals[i], ARGV[a + 4]
-      if code == ACQUIRE and status == 1 and allowed[i] == 1 then
-        redis.call('ZADD', key, now + interval, member)
-        redis.call('PEXPIRE', key, math.ceil(2 * interval / 1000))
-      elseif code == RENEW then
-        allowed[i] = redis.call('ZADD', key, 'XX', 'CH', now + interval, member)
-        if allowed[i] == 1 then redis.call('PEXPIRE', key, math.ceil(2 * interval / 1000)) end
-      elseif code == RELEASE then
-        -- A slot freed from a full set: waiters on every instance may try.
-        if redis.call('ZREM', key, member) == 1 and before[i] >= bursts[i] then
-          redis.call('PUBLISH', ARGV[a + 5], 'freed ' .. key)
-        end
-      elseif code == RESTORE then
-        redis.call('ZADD', key, now + interval, member)
-        redis.call('PEXPIRE', key, math.ceil(2 * interval / 1000))
-      elseif code == FREE then
-        local stale = redis.call('ZREMRANGEBYSCORE', key, '-inf', now + tonumber(member))
-        before[i], expired[i] = before[i] - stale, expired[i] + stale
-        if stale > 0 then
-          redis.call('PUBLISH', ARGV[a + 5], 'freed ' .. key)
+    if code < ACQUIRE then
+      if status >= 0 then
+        if code == TAKE and status == 1 and allowed[i] == 1 or code == ADJUST then
+          tat_now[bucket], interval_now[bucket] = after[i], intervals[i]
+        elseif code == RESET then
+          tat_now[bucket] = 0
         end
       end
-    elseif status >= 0 and code < QUOTA then
-      if code == TAKE and status == 1 and allowed[i] == 1 or code == ADJUST then
-        tat_now[bucket], interval_now[bucket] = after[i], intervals[i]
-      elseif code == RESET then
-        tat_now[bucket] = 0
+      out[n_out + 1], out[n_out + 2] = bad[bucket] or allowed[i], before[i]
+      n_out = n_out + 2
+    elseif code >= QUOTA then
+      if status >= 0 then
+        local verb = code - QUOTA + TAKE
+        if verb == TAKE and status == 1 and allowed[i] == 1 or verb == ADJUST then
+          q_start[bucket], q_end[bucket], q_used[bucket], q_dirty[bucket] = starts[i], ends[i], after[i], true
+        elseif verb == RESET then
+          q_start[bucket], q_end[bucket], q_used[bucket], q_dirty[bucket] = 0, 0, 0, true
+        end
       end
+      out[n_out + 1], out[n_out + 2], out[n_out + 3] = bad[bucket] or allowed[i], before[i], starts[i]
+      n_out = n_out + 3
+    else
+      if status >= 0 then
+        local a = argat[i] -- this bucket's ARGV
+        local key, interval, member = KEYS[first_key + i], intervals[i], ARGV[a + 4]
+        if code == ACQUIRE and status == 1 and allowed[i] == 1 then
+          rcall('ZADD', key, now + interval, member)
+          rcall('PEXPIRE', key, ceil(2 * interval / 1000))
+        elseif code == RENEW then
+          allowed[i] = rcall('ZADD', key, 'XX', 'CH', now + interval, member)
+          if allowed[i] == 1 then rcall('PEXPIRE', key, ceil(2 * interval / 1000)) end
+        elseif code == RELEASE then
+          -- A slot freed from a full set: waiters on every instance may try.
+          if rcall('ZREM', key, member) == 1 and before[i] >= bursts[i] then
+            rcall('PUBLISH', ARGV[a + 5], 'freed ' .. key)
+          end
+        elseif code == RESTORE then
+          rcall('ZADD', key, now + interval, member)
+          rcall('PEXPIRE', key, ceil(2 * interval / 1000))
+        elseif code == FREE then
+          local stale = rcall('ZREMRANGEBYSCORE', key, '-inf', now + tonumber(member))
+          before[i], expired[i] = before[i] - stale, expired[i] + stale
+          if stale > 0 then
+            rcall('PUBLISH', ARGV[a + 5], 'freed ' .. key)
+          end
+        end
+      end
+      out[n_out + 1], out[n_out + 2], out[n_out + 3] = bad[bucket] or allowed[i], before[i], expired[i]
+      n_out = n_out + 3
     end
-    out[n_out + 1], out[n_out + 2] = bad[bucket] or allowed[i], before[i]
-    n_out = n_out + 2
-    if code >= QUOTA then
-      n_out = n_out + 1
-      out[n_out] = starts[i]
-    elseif code >= ACQUIRE then
-      n_out = n_out + 1
-      out[n_out] = expired[i]
-    end
-    if overridable_at[i] then
+    if ops[i] % 4 >= 2 then -- overridable: the limit it was decided under
       out[n_out + 1], out[n_out + 2], out[n_out + 3] = intervals[i], bursts[i], slacks[i]
       n_out = n_out + 3
     end
@@ -514,23 +532,27 @@ while arg <= #ARGV do
 end
 
 for bucket = 1, touched do
-  local tat = tat_now[bucket]
-  if quota[bucket] then
+  if quota and quota[bucket] then
     if not bad[bucket] and q_dirty[bucket] then
       if q_used[bucket] > 0 then
         -- Expire a second after the period: a count of a past one is 0.
-        redis.call('SET', key_at[bucket], string.format('q:%d:%d:%d', q_start[bucket], q_end[bucket], q_used[bucket]),
-          'PX', math.ceil((q_end[bucket] - now) / 1000) + 1000)
+        rcall('SET', key_at[bucket], string.format('q:%d:%d:%d', q_start[bucket], q_end[bucket], q_used[bucket]),
+          'PX', ceil((q_end[bucket] - now) / 1000) + 1000)
       elseif q_held[bucket] then
-        redis.call('DEL', key_at[bucket])
+        rcall('DEL', key_at[bucket])
       end
     end
-  elseif not bad[bucket] and (replace[bucket] or tat ~= tat_stored[bucket] or (tat > now and interval_now[bucket] ~= interval_stored[bucket])) then
-    if tat > now then
-      -- Expire once the bucket is full again: a missing key is a full bucket.
-      redis.call('SET', key_at[bucket], encode(tat, interval_now[bucket]), 'PX', math.ceil((tat - now) / 1000))
-    elseif tat_stored[bucket] ~= 0 or replace[bucket] then
-      redis.call('DEL', key_at[bucket])
+  elseif not bad[bucket] then
+    local tat = tat_now[bucket]
+    if replace[bucket] or tat ~= tat_stored[bucket] or (tat > now and interval_now[bucket] ~= interval_stored[bucket]) then
+      if tat > now then
+        -- Expire once the bucket is full again: a missing key is a full bucket.
+        local interval = interval_now[bucket]
+        if compact and interval ~= coded then coded, coded_as = interval, code_of(interval) end
+        rcall('SET', key_at[bucket], encode(tat, interval, compact and coded_as), 'PX', ceil((tat - now) / 1000))
+      elseif tat_stored[bucket] ~= 0 or replace[bucket] then
+        rcall('DEL', key_at[bucket])
+      end
     end
   end
 end

@@ -79,8 +79,9 @@ type wrkRun struct {
 	// CPU time per request in µs, of wrk, Caddy and Redis during the run,
 	// and the share of the machine's cores the three kept busy.
 	wrkCPU, caddyCPU, redisCPU, busy float64
-	// redisScript: Redis's µs in the script per request (before/after).
-	redisScript float64
+	// redisScript: Redis's µs in the script per request, and script calls
+	// per request (before/after).
+	redisScript, redisCalls float64
 }
 
 const identitiesLua = `
@@ -622,8 +623,8 @@ func beforeAfter(s *testcaddy.Session, wrk string, redis *testredis.Server, prev
 	measure := func(sc *scenario) wrkRun {
 		run := runWrk(s, wrk, sc.in.URL, sc.script, []int{sc.in.Pid(), redis.Pid()}, func() { _, _ = redis.Do("CONFIG", "RESETSTAT") })
 		if sc.redis {
-			_, usec := scriptStats(s, redis)
-			run.redisScript = usec / run.requests
+			calls, usec := scriptStats(s, redis)
+			run.redisScript, run.redisCalls = usec/run.requests, calls/run.requests
 		}
 		return run
 	}
@@ -649,15 +650,16 @@ func beforeAfter(s *testcaddy.Session, wrk string, redis *testredis.Server, prev
 		}
 	}
 	tw := tabwriter.NewWriter(os.Stdout, 2, 4, 2, ' ', 0)
-	fmt.Fprintln(tw, "scenario\tratio before\trange\tratio after\trange\tCaddy µs/req before\tafter\tRedis script µs/req before\tafter")
+	fmt.Fprintln(tw, "scenario\tratio before\trange\tratio after\trange\tCaddy µs/req before\tafter\tRedis script µs/req before\tafter\tRedis calls/req before\tafter")
 	for i, pair := range pairs {
 		m := func(w int, f func(wrkRun) float64) float64 { return median(pick(runs[i][w], f)) }
 		cpu := func(w wrkRun) float64 { return w.caddyCPU }
 		script := func(w wrkRun) float64 { return w.redisScript }
-		fmt.Fprintf(tw, "(%s)\t%.2f\t%.2f-%.2f\t%.2f\t%.2f-%.2f\t%.1f\t%.1f\t%.2f\t%.2f\n", pair[1].sc.name,
+		calls := func(w wrkRun) float64 { return w.redisCalls }
+		fmt.Fprintf(tw, "(%s)\t%.2f\t%.2f-%.2f\t%.2f\t%.2f-%.2f\t%.1f\t%.1f\t%.2f\t%.2f\t%.3f\t%.3f\n", pair[1].sc.name,
 			median(pair[0].ratios), slices.Min(pair[0].ratios), slices.Max(pair[0].ratios),
 			median(pair[1].ratios), slices.Min(pair[1].ratios), slices.Max(pair[1].ratios),
-			m(0, cpu), m(1, cpu), m(0, script), m(1, script))
+			m(0, cpu), m(1, cpu), m(0, script), m(1, script), m(0, calls), m(1, calls))
 	}
 	tw.Flush()
 	for _, pair := range pairs {
