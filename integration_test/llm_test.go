@@ -712,7 +712,7 @@ func TestLLMAcrossInstances(t *testing.T) {
 				fleet = append(fleet, startCaddy(t, limiter(srv.Addr, map[string]any{"jitter": 0, "redis": redis}, policies...), proxyTo(up.addr)))
 			}
 			n0, sum0 := up.total()
-			var admitted atomic.Int64
+			var admitted, denied, admittedTime atomic.Int64 // admittedTime: ns the clients spent in admitted requests
 			var wg sync.WaitGroup
 			start := time.Now()
 			client := newClient()
@@ -728,6 +728,7 @@ func TestLLMAcrossInstances(t *testing.T) {
 							"X-Words": strconv.Itoa(1 + rand.IntN(80)), "X-Prompt-Tokens": "3"} {
 							req.Header.Set(k, v)
 						}
+						sent := time.Now()
 						resp, err := client.Do(req)
 						if err != nil {
 							t.Error(err)
@@ -737,7 +738,9 @@ func TestLLMAcrossInstances(t *testing.T) {
 						resp.Body.Close()
 						if resp.StatusCode == 200 {
 							admitted.Add(1)
+							admittedTime.Add(int64(time.Since(sent)))
 						} else {
+							denied.Add(1)
 							time.Sleep(10 * time.Millisecond)
 						}
 					}
@@ -747,12 +750,21 @@ func TestLLMAcrossInstances(t *testing.T) {
 			elapsed := time.Since(start)
 			n1, sum1 := up.total()
 			settled, budget := float64(sum1-sum0), 2000+1000*elapsed.Seconds()
-			t.Logf("%d admitted (%d reached the upstream), %.0f tokens used of a budget of %.0f (%.2f)", admitted.Load(), n1-n0, settled, budget, settled/budget)
+			busy := float64(admittedTime.Load()) / float64(16*elapsed)
+			t.Logf("%d admitted (%d reached the upstream), %d denied, %.0f tokens used of a budget of %.0f (%.2f); the clients' time in admitted requests %.0f%%",
+				admitted.Load(), n1-n0, denied.Load(), settled, budget, settled/budget, 100*busy)
 			if settled > budget+108 {
 				t.Errorf("%.0f tokens used, more than the budget %.0f + one reservation", settled, budget)
 			}
-			if settled < 0.7*budget {
-				t.Errorf("%.0f tokens used of %.0f: the refunds did not come back", settled, budget)
+			// Reservations not given back would leave the bucket empty: the
+			// clients would spend their time denied, and the budget unused.
+			// On a machine so busy that each admitted request takes long
+			// (its reservation held all that time), the clients spend their
+			// time in admitted requests instead: the budget is then limited by
+			// what 16 clients can send, not by the refunds.
+			if settled < 0.7*budget && busy < 0.7 {
+				t.Errorf("%.0f tokens used of %.0f, %d denied, the clients in admitted requests %.0f%% of the time: the refunds did not come back",
+					settled, budget, denied.Load(), 100*busy)
 			}
 		})
 	}

@@ -321,7 +321,11 @@ func TestQuotaDurableFailover(t *testing.T) {
 	primary := testredis.Start(t)
 	link := testredis.StartProxy(t, primary.Addr, 0)
 	replica := testredis.StartReplicaVia(t, primary, link.Addr)
-	sn := testredis.WatchWithSentinels(t, primary, replica)
+	// failover-timeout 60s: with the default 5 s, on a loaded machine the
+	// sentinels pointed the replica at the primary itself before the
+	// partition (+fix-slave-config), and the frozen link partitioned
+	// nothing.
+	sn := testredis.WatchWithSentinelsFor(t, primary, replica, time.Minute)
 	// A timeout long enough for a replica's acknowledgement on a loaded
 	// machine (every unconfirmed request below waits it out).
 	const timeout = 800 * time.Millisecond
@@ -352,6 +356,9 @@ func TestQuotaDurableFailover(t *testing.T) {
 	t.Logf("40 durable requests confirmed by the replica and 40 plain ones, the slowest in %v", slowest.Round(time.Millisecond))
 
 	// The replica stops receiving.
+	if info, _ := replica.Do("INFO", "replication"); !strings.Contains(info, "master_port:"+link.Addr[strings.LastIndex(link.Addr, ":")+1:]) {
+		t.Fatalf("the replica no longer replicates through the link the test partitions:\n%s", info)
+	}
 	if err := link.Pause(); err != nil {
 		t.Fatal(err)
 	}

@@ -124,14 +124,24 @@ func StartSentinels(t testing.TB) *Sentinels {
 // replica from it), as StartSentinels does.
 func WatchWithSentinels(t testing.TB, master, replica *Server) *Sentinels {
 	t.Helper()
+	return WatchWithSentinelsFor(t, master, replica, 5*time.Second)
+}
+
+// WatchWithSentinelsFor is WatchWithSentinels with the sentinels'
+// failover-timeout. It is also how long a sentinel lets a replica
+// replicate from another address than the master's before it points the
+// replica at the master itself (+fix-slave-config): a replica behind a
+// Proxy needs longer than its test runs.
+func WatchWithSentinelsFor(t testing.TB, master, replica *Server, failoverTimeout time.Duration) *Sentinels {
+	t.Helper()
 	sn := &Sentinels{Master: master, Replica: replica}
 	for range 3 {
 		port := FreePort(t)
 		dir := t.TempDir()
 		conf := filepath.Join(dir, "sentinel.conf")
 		body := fmt.Sprintf("port %d\nbind 127.0.0.1\ndir %s\nsentinel monitor %s 127.0.0.1 %d 2\n"+
-			"sentinel down-after-milliseconds %s 1000\nsentinel failover-timeout %s 5000\nsentinel parallel-syncs %s 1\n",
-			port, dir, MasterName, sn.Master.port(), MasterName, MasterName, MasterName)
+			"sentinel down-after-milliseconds %s 1000\nsentinel failover-timeout %s %d\nsentinel parallel-syncs %s 1\n",
+			port, dir, MasterName, sn.Master.port(), MasterName, MasterName, failoverTimeout.Milliseconds(), MasterName)
 		if err := os.WriteFile(conf, []byte(body), 0o600); err != nil {
 			t.Fatal(err)
 		}
