@@ -133,17 +133,8 @@ func rateLimitCommand(action string) func(*cobra.Command, []string) error {
 			raw, _ := json.Marshal(req)
 			body = bytes.NewReader(raw)
 		}
-		resp, err := caddycmd.AdminAPIRequest(adminAddr, method, uri, nil, body)
-		if err != nil {
-			return err
-		}
-		defer resp.Body.Close()
-		raw, err := io.ReadAll(resp.Body)
-		if err != nil {
-			return err
-		}
-		if asJSON {
-			_, err := os.Stdout.Write(raw)
+		raw, err := callAdmin(adminAddr, method, uri, body, asJSON)
+		if err != nil || asJSON {
 			return err
 		}
 		return printAnswer(os.Stdout, action, raw)
@@ -242,4 +233,22 @@ func printAnswer(w io.Writer, action string, raw []byte) error {
 
 func secondsString(s float64) string {
 	return time.Duration(s * float64(time.Second)).Round(time.Millisecond).String()
+}
+
+// callAdmin makes a call of the admin API and returns the answer's body,
+// which it also writes to stdout when asJSON (the --json flag) is set.
+func callAdmin(adminAddr, method, uri string, body io.Reader, asJSON bool) ([]byte, error) {
+	resp, err := caddycmd.AdminAPIRequest(adminAddr, method, uri, nil, body)
+	if err != nil {
+		return nil, err
+	}
+	defer resp.Body.Close()
+	raw, err := io.ReadAll(resp.Body)
+	if err != nil {
+		return nil, err
+	}
+	if asJSON {
+		_, err = os.Stdout.Write(raw)
+	}
+	return raw, err
 }

@@ -136,17 +136,8 @@ func overrideCommand(action string) func(*cobra.Command, []string) error {
 		if err != nil {
 			return fmt.Errorf("finding the admin API: %v", err)
 		}
-		resp, err := caddycmd.AdminAPIRequest(adminAddr, method, uri, nil, body)
-		if err != nil {
-			return err
-		}
-		defer resp.Body.Close()
-		raw, err := io.ReadAll(resp.Body)
-		if err != nil {
-			return err
-		}
-		if asJSON {
-			_, err := os.Stdout.Write(raw)
+		raw, err := callAdmin(adminAddr, method, uri, body, asJSON)
+		if err != nil || asJSON {
 			return err
 		}
 		return printOverrideAnswer(os.Stdout, action, del, raw)
