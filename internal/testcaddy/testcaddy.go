@@ -18,6 +18,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/testproc"
 	"github.com/ratelimit-caddy/caddy-ratelimit/internal/testredis"
 )
 
@@ -91,6 +92,7 @@ func Start(t testredis.TB, bin string, tune func(cfg map[string]any), handlers .
 	cmd := exec.Command(bin, "run", "--config", cfgPath)
 	cmd.Env = append(os.Environ(), "XDG_DATA_HOME="+filepath.Join(dir, "data"), "XDG_CONFIG_HOME="+filepath.Join(dir, "config"), "HOME="+dir)
 	cmd.Stdout, cmd.Stderr = logFile, logFile
+	testproc.DieWithParent(cmd)
 	if err := cmd.Start(); err != nil {
 		logFile.Close()
 		t.Fatalf("starting caddy: %v", err)

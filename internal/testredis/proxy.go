@@ -11,6 +11,8 @@ import (
 	"sync"
 	"syscall"
 	"time"
+
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/testproc"
 )
 
 // Proxy is a TCP proxy on a free loopback port that delays every byte by a
@@ -47,6 +49,7 @@ func StartProxy(t TB, target string, oneWay time.Duration) *Proxy {
 	cmd := exec.Command(exe)
 	cmd.Env = append(os.Environ(), proxyEnv+"="+target+","+oneWay.String())
 	cmd.Stderr = os.Stderr
+	testproc.DieWithParent(cmd)
 	stdin, err := cmd.StdinPipe()
 	if err != nil {
 		t.Fatalf("proxy: %v", err)

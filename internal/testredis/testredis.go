@@ -15,6 +15,8 @@ import (
 	"strconv"
 	"syscall"
 	"time"
+
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/testproc"
 )
 
 // TB is the part of testing.TB that Start, Restart and FreePort use.
@@ -95,6 +97,7 @@ func (s *Server) Resume() error { return s.cmd.Process.Signal(syscall.SIGCONT) }
 func (s *Server) start(t TB) {
 	t.Helper()
 	s.cmd = exec.Command(s.bin, s.args...)
+	testproc.DieWithParent(s.cmd)
 	if err := s.cmd.Start(); err != nil {
 		t.Fatalf("starting redis-server: %v", err)
 	}
