@@ -79,6 +79,11 @@ type wrkRun struct {
 	// CPU time per request in µs, of wrk, Caddy and Redis during the run,
 	// and the share of the machine's cores the three kept busy.
 	wrkCPU, caddyCPU, redisCPU, busy float64
+	// caddySys is the part of caddyCPU spent in the kernel, and
+	// caddySwitches Caddy's context switches per request (all its threads):
+	// where a round trip to Redis costs Caddy (a thread that sleeps for a
+	// reply is woken, and its writes wake the reader on the other end).
+	caddySys, caddySwitches float64
 	// redisScript: Redis's µs in the script per request, and script calls
 	// per request (before/after).
 	redisScript, redisCalls float64
@@ -297,12 +302,13 @@ func main() {
 	// Where the machine's time goes: wrk, Caddy and Redis share the cores.
 	fmt.Printf("\nCPU time per request (µs; medians; Caddy and Redis from /proc, wrk from its rusage):\n")
 	tw = tabwriter.NewWriter(os.Stdout, 2, 4, 2, ' ', 0)
-	fmt.Fprintln(tw, "scenario\twrk\tCaddy\tRedis\ttotal\tcores busy")
+	fmt.Fprintln(tw, "scenario\twrk\tCaddy\tof which kernel\tCaddy's context switches/request\tRedis\ttotal\tcores busy")
 	for _, sc := range scenarios {
 		m := func(f func(wrkRun) float64) float64 { return median(pick(sc.runs, f)) }
 		wrkCPU, caddyCPU, redisCPU := m(func(w wrkRun) float64 { return w.wrkCPU }), m(func(w wrkRun) float64 { return w.caddyCPU }), m(func(w wrkRun) float64 { return w.redisCPU })
-		fmt.Fprintf(tw, "(%s)\t%.1f\t%.1f\t%.1f\t%.1f\t%.0f%%\n", sc.name, wrkCPU, caddyCPU, redisCPU, wrkCPU+caddyCPU+redisCPU,
-			100*m(func(w wrkRun) float64 { return w.busy }))
+		fmt.Fprintf(tw, "(%s)\t%.1f\t%.1f\t%.1f\t%.2f\t%.1f\t%.1f\t%.0f%%\n", sc.name, wrkCPU, caddyCPU,
+			m(func(w wrkRun) float64 { return w.caddySys }), m(func(w wrkRun) float64 { return w.caddySwitches }),
+			redisCPU, wrkCPU+caddyCPU+redisCPU, 100*m(func(w wrkRun) float64 { return w.busy }))
 	}
 	tw.Flush()
 	if d := byName["d"]; d != nil {
@@ -387,6 +393,12 @@ func runWrkWith(s *testcaddy.Session, wrk, url, script string, threads, connecti
 	for i, pid := range pids {
 		before[i] = cpuTime(pid)
 	}
+	var sysBefore time.Duration
+	var switchesBefore int64
+	if len(pids) > 0 {
+		_, sysBefore = cpuTimes(pids[0])
+		switchesBefore = contextSwitches(pids[0])
+	}
 	start := time.Now()
 	cmd := exec.Command(wrk, "-t"+strconv.Itoa(threads), "-c"+strconv.Itoa(connections),
 		"-d"+duration.String(), "--latency", "-s", script, url)
@@ -403,6 +415,9 @@ func runWrkWith(s *testcaddy.Session, wrk, url, script string, threads, connecti
 		wrkCPU := cmd.ProcessState.UserTime() + cmd.ProcessState.SystemTime()
 		caddyCPU, redisCPU := cpuTime(pids[0])-before[0], cpuTime(pids[1])-before[1]
 		run.wrkCPU, run.caddyCPU, run.redisCPU = perRequest(wrkCPU), perRequest(caddyCPU), perRequest(redisCPU)
+		_, sys := cpuTimes(pids[0])
+		run.caddySys = perRequest(sys - sysBefore)
+		run.caddySwitches = float64(contextSwitches(pids[0])-switchesBefore) / n
 		run.busy = float64(wrkCPU+caddyCPU+redisCPU) / float64(elapsed) / float64(runtime.NumCPU())
 	}
 	if m := rpsRe.FindStringSubmatch(text); m != nil {
@@ -437,18 +452,48 @@ func runWrkWith(s *testcaddy.Session, wrk, url, script string, threads, connecti
 // cpuTime is the user and system CPU time a process has used so far, from
 // /proc/<pid>/stat (in clock ticks of 10 ms, Linux's fixed USER_HZ).
 func cpuTime(pid int) time.Duration {
+	user, sys := cpuTimes(pid)
+	return user + sys
+}
+
+// cpuTimes is a process's user and system CPU time so far, apart.
+func cpuTimes(pid int) (user, sys time.Duration) {
 	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
 	if err != nil {
-		return 0
+		return 0, 0
 	}
 	// The command name, in parentheses, may hold spaces: count after it.
 	f := strings.Fields(string(b[bytes.LastIndexByte(b, ')')+1:]))
 	if len(f) < 13 {
-		return 0
+		return 0, 0
 	}
 	utime, _ := strconv.ParseInt(f[11], 10, 64)
 	stime, _ := strconv.ParseInt(f[12], 10, 64)
-	return time.Duration(utime+stime) * 10 * time.Millisecond
+	return time.Duration(utime) * 10 * time.Millisecond, time.Duration(stime) * 10 * time.Millisecond
+}
+
+// contextSwitches is the context switches, voluntary and not, of all a
+// process's threads so far (a thread that ended is no longer counted: Go
+// keeps its threads).
+func contextSwitches(pid int) int64 {
+	tasks, _ := filepath.Glob(fmt.Sprintf("/proc/%d/task/*/status", pid))
+	var n int64
+	for _, t := range tasks {
+		b, err := os.ReadFile(t)
+		if err != nil {
+			continue
+		}
+		for _, line := range strings.Split(string(b), "\n") {
+			if v, ok := strings.CutPrefix(line, "voluntary_ctxt_switches:"); ok {
+				c, _ := strconv.ParseInt(strings.TrimSpace(v), 10, 64)
+				n += c
+			} else if v, ok := strings.CutPrefix(line, "nonvoluntary_ctxt_switches:"); ok {
+				c, _ := strconv.ParseInt(strings.TrimSpace(v), 10, 64)
+				n += c
+			}
+		}
+	}
+	return n
 }
 
 // scriptStats reads the script calls and Redis's µs in them since the last
