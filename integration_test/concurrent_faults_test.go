@@ -55,7 +55,9 @@ func holders(t *testing.T, in *instance, up *holdingUpstream, key string, n int,
 func TestConcurrentResetKeepsRunning(t *testing.T) {
 	srv := testredis.Start(t)
 	up := startHoldingUpstream(t)
-	in := startCaddy(t, limiter(srv.Addr, nil, slotsPolicy(3, "wait", "10s")), proxyTo(up.addr))
+	// fail_closed, 1s: a call that times out on a loaded machine must not
+	// admit past the slots (fail_open would, by design), nor fail the test.
+	in := startCaddy(t, redisLimiter(srv.Addr, "1s", map[string]any{"on_error": "fail_closed"}, slotsPolicy(3, "wait", "10s")), proxyTo(up.addr))
 	done := holders(t, in, up, "busy", 3, 2*time.Second)
 	var waiters sync.WaitGroup
 	for range 3 {
@@ -113,7 +115,9 @@ func TestConcurrentFlushAll(t *testing.T) {
 	const lease = 3 * time.Second // renewed every second
 	srv := testredis.Start(t)
 	up := startHoldingUpstream(t)
-	in := startCaddy(t, limiter(srv.Addr, nil, slotsPolicy(3, "lease", "3s")), proxyTo(up.addr))
+	// fail_closed, 1s: a call timed out under load must not admit past the
+	// slots (as fail_open would) in what measures the renewals.
+	in := startCaddy(t, redisLimiter(srv.Addr, "1s", map[string]any{"on_error": "fail_closed"}, slotsPolicy(3, "lease", "3s")), proxyTo(up.addr))
 	done := holders(t, in, up, "flushed", 3, 4*time.Second)
 	client := redis.NewClient(&redis.Options{Addr: srv.Addr})
 	defer client.Close()
@@ -172,7 +176,7 @@ func TestConcurrentSlowRedis(t *testing.T) {
 func TestConcurrentWaitedCountsDelayed(t *testing.T) {
 	srv := testredis.Start(t)
 	up := startHoldingUpstream(t)
-	in := startCaddy(t, limiter(srv.Addr, nil, slotsPolicy(1, "wait", "5s")), proxyTo(up.addr))
+	in := startCaddy(t, redisLimiter(srv.Addr, "1s", nil, slotsPolicy(1, "wait", "5s")), proxyTo(up.addr)) // a timeout would count fail_open
 	done := holders(t, in, up, "turn", 1, 300*time.Millisecond)
 	if status, _ := send(context.Background(), in, "turn", 0); status != 200 {
 		t.Fatalf("the waiter: %d", status)

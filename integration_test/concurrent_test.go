@@ -265,8 +265,10 @@ func TestConcurrentInstanceKilled(t *testing.T) {
 	const lease = 2 * time.Second
 	srv := testredis.Start(t)
 	up := startHoldingUpstream(t)
-	doomed := startCaddy(t, limiter(srv.Addr, nil, slotsPolicy(2, "lease", "2s")), proxyTo(up.addr))
-	survivor := startCaddy(t, limiter(srv.Addr, map[string]any{"jitter": 0}, slotsPolicy(2, "lease", "2s")), proxyTo(up.addr))
+	// 1s: a call timed out on a loaded machine would follow fail_open and
+	// let the survivor in while both slots are held.
+	doomed := startCaddy(t, redisLimiter(srv.Addr, "1s", nil, slotsPolicy(2, "lease", "2s")), proxyTo(up.addr))
+	survivor := startCaddy(t, redisLimiter(srv.Addr, "1s", map[string]any{"jitter": 0}, slotsPolicy(2, "lease", "2s")), proxyTo(up.addr))
 	for range 2 {
 		go func() { _, _ = send(context.Background(), doomed, "held", time.Minute) }()
 	}
