@@ -23,8 +23,14 @@ func withErrorRoutes(cfg map[string]any) {
 // the handler's problem+json (TestDenialContract).
 func TestHandleErrors(t *testing.T) {
 	stores(t, func(t *testing.T, redisAddr string) {
-		in := startCaddyTuned(t, withErrorRoutes, limiter(redisAddr, map[string]any{"jitter": 0},
-			map[string]any{"name": "per_user", "key": "{http.request.header.X-User}", "rate": "1/1m"}), echo())
+		h := limiter(redisAddr, map[string]any{"jitter": 0},
+			map[string]any{"name": "per_user", "key": "{http.request.header.X-User}", "rate": "1/1m"})
+		if redisAddr != "" {
+			// 1s: a call timed out on a loaded machine would follow the
+			// default fail_open, which this test is not about.
+			h["redis"].(map[string]any)["timeout"] = "1s"
+		}
+		in := startCaddyTuned(t, withErrorRoutes, h, echo())
 		if r := get(t, in.URL, "X-User", "gil"); r.status != 200 {
 			t.Fatalf("first request: %d", r.status)
 		}

@@ -680,7 +680,9 @@ func TestShedFleetSlots(t *testing.T) {
 	policy := shedPolicy(map[string]any{"concurrent": 10}, "100%", "80%", "50%")
 	var fleet []*instance
 	for range 2 {
-		fleet = append(fleet, startCaddy(t, limiter(srv.Addr, nil, policy), proxyTo(up.addr)))
+		// 1s: a call timed out on a loaded machine would follow the default
+		// fail_open and admit past the slots, which this test counts.
+		fleet = append(fleet, startCaddy(t, redisLimiter(srv.Addr, "1s", nil, policy), proxyTo(up.addr)))
 	}
 	var waits []func() []int
 	for _, step := range []struct {
