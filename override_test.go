@@ -451,6 +451,43 @@ func TestLuaOverrideValues(t *testing.T) {
 	}
 }
 
+// TestLuaOverrideAfterSlots: an overridable bucket after a concurrency
+// slot in one call (a request of a `concurrent` and a rate policy, or an
+// inspect that rode with a slot's release) reads its override. The
+// script made its table of overrides with the first overridable bucket's
+// other tables, which a slot makes too: the call failed as a whole
+// ("attempt to index local 'overrides'"), found beside two CPU hogs by
+// TestConcurrentWithRate.
+func TestLuaOverrideAfterSlots(t *testing.T) {
+	_, client, _ := newTestRedis(t)
+	ctx := context.Background()
+	rate := limit{interval: 1_000_000, burst: 5, slack: 2_000_000}
+	year := &quotaSpec{periods: newCalendar(periodYear, time.UTC), unit: periodYear, loc: time.UTC, name: "q"}
+	slot := bucketRequest{key: "rl:s:{after}", limit: limit{interval: 30_000_000, burst: 1}, op: opAcquire, cost: 1, lease: "l", events: "rl:events"}
+	for _, rq := range []bucketRequest{
+		{key: "rl:r:{after}", limit: rate, op: opTake, cost: 1, overridable: true, overrideWait: 2_000_000},
+		{key: "rl:r:{after}", limit: rate, op: opInspect, overridable: true},
+		{key: "rl:q:{after}", limit: limit{burst: 5}, op: opTake, cost: 1, quota: year, overridable: true},
+	} {
+		client.Set(ctx, overrideKey(rq.key), "o1 r 12000 500", 0)
+		if rq.quota != nil {
+			client.Set(ctx, overrideKey(rq.key), "o1 q 0 5000", 0)
+		}
+		client.Del(ctx, slot.key)
+		res, err := evalDecide(ctx, client, []bucketRequest{slot, rq})
+		if err != nil {
+			t.Fatalf("a slot, then %s (op %d): %v", rq.key, rq.op, err)
+		}
+		o := 1 + 1 + bucketReplyWidth(slot) + bucketReplyWidth(rq) // now, status, the slot's numbers, this op's
+		got := limit{interval: res[o], burst: res[o+1], slack: res[o+2]}
+		v, _ := client.Get(ctx, overrideKey(rq.key)).Result()
+		ov, _ := decodeOverride(v)
+		if want := rq.applyOverride(ov).limit; got != want {
+			t.Errorf("a slot, then %s (op %d): decided under %+v, want the override's %+v", rq.key, rq.op, got, want)
+		}
+	}
+}
+
 // BenchmarkRedisOverrides: Redis's own µs per decision (INFO
 // commandstats: the script's time over the decisions) for 10,000
 // identities of which none, 1,000 or all have an override, and for 100,000

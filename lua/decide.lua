@@ -326,7 +326,8 @@ while arg <= n_args do
     local width = 6 -- the ARGV values of this bucket
     if code >= QUOTA then width = 10 end
     if op % 4 >= 2 then -- overridable
-      if not bursts then bursts, slacks, overrides = {}, {}, {} end
+      if not bursts then bursts, slacks = {}, {} end -- a slot may have made them
+      if not overrides then overrides = {} end
       interval, burst, slack = overridden(override_of(overrides, key), code, interval, burst, tonumber(ARGV[arg + 3]),
         tonumber(ARGV[arg + width]), tonumber(ARGV[arg + width + 1]))
       bursts[i], slacks[i] = burst, slack
