@@ -389,14 +389,13 @@ func runWrkWith(s *testcaddy.Session, wrk, url, script string, threads, connecti
 	warm := exec.Command(wrk, "-t1", "-c4", "-d1s", "-s", script, url)
 	_ = warm.Run()
 	ready()
-	before := make([]time.Duration, len(pids))
+	before, sysBefore := make([]time.Duration, len(pids)), make([]time.Duration, len(pids))
 	for i, pid := range pids {
-		before[i] = cpuTime(pid)
+		user, sys := cpuTimes(pid)
+		before[i], sysBefore[i] = user+sys, sys
 	}
-	var sysBefore time.Duration
 	var switchesBefore int64
 	if len(pids) > 0 {
-		_, sysBefore = cpuTimes(pids[0])
 		switchesBefore = contextSwitches(pids[0])
 	}
 	start := time.Now()
@@ -413,10 +412,10 @@ func runWrkWith(s *testcaddy.Session, wrk, url, script string, threads, connecti
 		n, _ := strconv.ParseFloat(m[1], 64)
 		perRequest := func(d time.Duration) float64 { return float64(d.Microseconds()) / n }
 		wrkCPU := cmd.ProcessState.UserTime() + cmd.ProcessState.SystemTime()
-		caddyCPU, redisCPU := cpuTime(pids[0])-before[0], cpuTime(pids[1])-before[1]
+		caddyUser, caddySys := cpuTimes(pids[0])
+		caddyCPU, redisCPU := caddyUser+caddySys-before[0], cpuTime(pids[1])-before[1]
 		run.wrkCPU, run.caddyCPU, run.redisCPU = perRequest(wrkCPU), perRequest(caddyCPU), perRequest(redisCPU)
-		_, sys := cpuTimes(pids[0])
-		run.caddySys = perRequest(sys - sysBefore)
+		run.caddySys = perRequest(caddySys - sysBefore[0])
 		run.caddySwitches = float64(contextSwitches(pids[0])-switchesBefore) / n
 		run.busy = float64(wrkCPU+caddyCPU+redisCPU) / float64(elapsed) / float64(runtime.NumCPU())
 	}
@@ -484,10 +483,7 @@ func contextSwitches(pid int) int64 {
 			continue
 		}
 		for _, line := range strings.Split(string(b), "\n") {
-			if v, ok := strings.CutPrefix(line, "voluntary_ctxt_switches:"); ok {
-				c, _ := strconv.ParseInt(strings.TrimSpace(v), 10, 64)
-				n += c
-			} else if v, ok := strings.CutPrefix(line, "nonvoluntary_ctxt_switches:"); ok {
+			if name, v, ok := strings.Cut(line, ":"); ok && (name == "voluntary_ctxt_switches" || name == "nonvoluntary_ctxt_switches") {
 				c, _ := strconv.ParseInt(strings.TrimSpace(v), 10, 64)
 				n += c
 			}
