@@ -97,6 +97,7 @@ func (s *Server) Role() (string, error) {
 type Sentinels struct {
 	Master, Replica *Server
 	Sentinels       []*Server
+	logs            []string // each sentinel's log file
 }
 
 // MasterName is what the sentinels call the master.
@@ -139,9 +140,11 @@ func WatchWithSentinelsFor(t testing.TB, master, replica *Server, failoverTimeou
 		port := FreePort(t)
 		dir := t.TempDir()
 		conf := filepath.Join(dir, "sentinel.conf")
-		body := fmt.Sprintf("port %d\nbind 127.0.0.1\ndir %s\nsentinel monitor %s 127.0.0.1 %d 2\n"+
+		logfile := filepath.Join(dir, "sentinel.log")
+		sn.logs = append(sn.logs, logfile)
+		body := fmt.Sprintf("port %d\nbind 127.0.0.1\ndir %s\nlogfile %s\nsentinel monitor %s 127.0.0.1 %d 2\n"+
 			"sentinel down-after-milliseconds %s 1000\nsentinel failover-timeout %s %d\nsentinel parallel-syncs %s 1\n",
-			port, dir, MasterName, sn.Master.port(), MasterName, MasterName, failoverTimeout.Milliseconds(), MasterName)
+			port, dir, logfile, MasterName, sn.Master.port(), MasterName, MasterName, failoverTimeout.Milliseconds(), MasterName)
 		if err := os.WriteFile(conf, []byte(body), 0o600); err != nil {
 			t.Fatal(err)
 		}
@@ -150,6 +153,18 @@ func WatchWithSentinelsFor(t testing.TB, master, replica *Server, failoverTimeou
 		s.start(t)
 		sn.Sentinels = append(sn.Sentinels, s)
 	}
+	// What the sentinels decided, and why, for a test that failed: the
+	// cleanups run last-in first-out, so the logs are read before the
+	// sentinels are stopped.
+	t.Cleanup(func() {
+		if !t.Failed() {
+			return
+		}
+		for i, f := range sn.logs {
+			b, _ := os.ReadFile(f)
+			t.Logf("sentinel %s log:\n%s", sn.Sentinels[i].Addr, b)
+		}
+	})
 	deadline := time.Now().Add(30 * time.Second)
 	for _, s := range sn.Sentinels {
 		for {
