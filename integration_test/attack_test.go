@@ -396,12 +396,15 @@ func floodKey(t *testing.T, in *instance, key string, n int) map[string]int {
 }
 
 // TestReloadRaisesLimit: a client drained at rate 1/1m burst 3 is admitted
-// on its first request after a reload to 100/1s burst 100; a reload back
-// to 1/1m burst 3 applies at once.
+// on its first request after a reload to 100/1h burst 100; a reload back
+// to 1/1m burst 3 applies at once. The raised limit refills a token every
+// 36 s, so the 7 tokens it owes are still owed after the reload back,
+// however slow the machine (at 100/1s they were gone after 40 ms: a slow
+// reload found a full bucket).
 func TestReloadRaisesLimit(t *testing.T) {
 	stores(t, func(t *testing.T, redisAddr string) {
 		slow := map[string]any{"name": "per_user", "key": "{http.request.header.X-User}", "rate": "1/1m", "burst": 3}
-		fast := map[string]any{"name": "per_user", "key": "{http.request.header.X-User}", "rate": "100/1s", "burst": 100}
+		fast := map[string]any{"name": "per_user", "key": "{http.request.header.X-User}", "rate": "100/1h", "burst": 100}
 		in := startCaddy(t, limiter(redisAddr, nil, slow), echo())
 		for i := range 4 {
 			r := get(t, in.URL, "X-User", "frank")
@@ -412,7 +415,7 @@ func TestReloadRaisesLimit(t *testing.T) {
 		in.reload(t, limiter(redisAddr, nil, fast), echo())
 		r := get(t, in.URL, "X-User", "frank")
 		lim := parseFields(t, r.header, "RateLimit")
-		t.Logf("after the reload to 100/1s burst 100: %d, RateLimit %+v, Retry-After %q", r.status, lim, r.header.Get("Retry-After"))
+		t.Logf("after the reload to 100/1h burst 100: %d, RateLimit %+v, Retry-After %q", r.status, lim, r.header.Get("Retry-After"))
 		if r.status != 200 || len(lim) != 1 || lim[0].params["r"] < 90 {
 			t.Fatalf("after raising the limit: %d %+v, want 200 with about 96 tokens left", r.status, lim)
 		}
