@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"sync/atomic"
@@ -546,6 +547,49 @@ func TestLuaSlots(t *testing.T) {
 	rs.conn.call([]*pending{p, q})
 	if errorKind(p.err) != "wrongtype" || q.err != nil || !q.d.admitted {
 		t.Fatalf("a hash: %v; an old rate bucket: %+v %v", p.err, q.d, q.err)
+	}
+}
+
+// TestLuaLargeCall: one call of 64 requests of five buckets each (1,984
+// numbers, which the script unpacks 1,000 at a time) decides each request
+// in order, as the calls of one request would, and names each lease by its
+// own string.
+func TestLuaLargeCall(t *testing.T) {
+	_, client, rs := newTestRedis(t)
+	ctx := context.Background()
+	rate := limit{interval: 1_000_000_000, burst: 3}
+	var batch []*pending
+	for r := range 64 {
+		var reqs []bucketRequest
+		for j := range 4 { // request r's keys are those of r+16, r+32 and r+48
+			reqs = append(reqs, bucketRequest{key: fmt.Sprintf("rl:big:{%d}:%d", r%16, j), limit: rate, op: opTake, cost: 1})
+		}
+		reqs = append(reqs, bucketRequest{key: "rl:big-slots", limit: limit{interval: 60_000_000, burst: 100}, op: opAcquire, cost: 1,
+			lease: fmt.Sprintf("lease-%d", r), events: "rl:events"})
+		batch = append(batch, &pending{reqs: reqs})
+	}
+	rs.conn.call(batch)
+	var want []string
+	for r, p := range batch {
+		if p.err != nil {
+			t.Fatalf("request %d: %v", r, p.err)
+		}
+		// Each key's 3 tokens go to the first three requests that take it.
+		if p.d.admitted != (r < 48) || p.d.verdicts[0].allowed != (r < 48) || !p.d.verdicts[4].allowed {
+			t.Fatalf("request %d: %+v, want admitted iff it is among the first 48", r, p.d)
+		}
+		if r < 48 {
+			want = append(want, fmt.Sprintf("lease-%d", r))
+		}
+	}
+	held, err := client.ZRange(ctx, "rl:big-slots", 0, -1).Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	slices.Sort(held)
+	slices.Sort(want)
+	if !slices.Equal(held, want) {
+		t.Fatalf("leases held %v, want those of the 48 admitted requests %v", held, want)
 	}
 }
 

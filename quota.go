@@ -146,16 +146,18 @@ func bucketReplyWidth(rq bucketRequest) int {
 // (reset), in the order of the rate verbs.
 func quotaCode(op bucketOp) int64 { return int64(op) - int64(opTake) + 12 }
 
-// quotaArgs are the ARGV of a quota bucket after its op: the quota, the
-// slack, the amount (cost, or adjust's delta), the period a charge belongs
-// to (0 0: the current one), and the four bounds around the Go clock now.
-func quotaArgs(args []any, rq bucketRequest, now time.Time) []any {
+// quotaNumbers are the numbers of a quota bucket after its op: the quota,
+// the slack, the amount (cost, or adjust's delta), the period a charge
+// belongs to (0 0: the current one), and the four bounds around the Go
+// clock now.
+func quotaNumbers(nums callNumbers, rq bucketRequest, now time.Time) callNumbers {
 	amount := rq.cost
 	if rq.op == opAdjust {
 		amount = rq.delta
 	}
 	b := rq.quota.periods.bounds(now)
-	return append(args, rq.limit.burst, rq.limit.slack, amount, rq.period.start, rq.period.end, b[0], b[1], b[2], b[3])
+	nums = nums.add(rq.limit.burst).add(rq.limit.slack).add(amount).add(rq.period.start).add(rq.period.end)
+	return nums.add(b[0]).add(b[1]).add(b[2]).add(b[3])
 }
 
 // notePeriods records, in each quota bucket request, the period its

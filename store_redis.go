@@ -3,8 +3,10 @@ package ratelimit
 import (
 	"context"
 	_ "embed"
+	"encoding/binary"
 	"errors"
 	"fmt"
+	"math"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -222,25 +224,26 @@ func resultOf(err error) callResult {
 }
 
 // encodeCall is the EVALSHA of lua/decide.lua for the requests of a batch,
-// whose buckets it writes in the given format (see format.go).
+// whose buckets it writes in the given format (see format.go): the keys,
+// the format, the numbers packed in one argument, then the strings.
 func encodeCall(batch []*pending, format int) []any {
 	n := 0
 	for _, p := range batch {
 		n += len(p.reqs)
 	}
-	args := make([]any, 3, 4+n+len(batch)+6*n)
-	// Values are sent as Redis sees them, strings; an empty events
-	// channel is never read.
+	args := make([]any, 3, 5+n)
 	args[0], args[1], args[2] = "evalsha", decideSHAArg, n
 	for _, p := range batch {
 		for _, rq := range p.reqs {
 			args = append(args, rq.key)
 		}
 	}
-	args = append(args, format)
+	args = append(args, format, nil) // the numbers, once packed
+	argv := len(args) - 2            // ARGV[1]'s index in args
+	nums := make(callNumbers, 0, 8*(len(batch)+8*n))
 	now := time.Now() // quotas' bounds are taken around it
 	for _, p := range batch {
-		args = append(args, len(p.reqs))
+		nums = nums.add(int64(len(p.reqs)))
 		for _, rq := range p.reqs {
 			op := 4 * int64(rq.op)
 			if rq.quota != nil {
@@ -253,28 +256,42 @@ func encodeCall(batch []*pending, format int) []any {
 				op++
 			}
 			if rq.quota != nil {
-				args = quotaArgs(append(args, op), rq, now)
+				nums = quotaNumbers(nums.add(op), rq, now)
 				if rq.overridable { // the policy's rule for an override's slack (override.go)
-					args = append(args, rq.overrideWait, rq.overrideDebt)
+					nums = nums.add(rq.overrideWait).add(rq.overrideDebt)
 				}
 				continue
 			}
-			var amount, wait any = rq.cost, rq.wait
+			// A string goes after the numbers, which give its ARGV index.
+			amount, wait := rq.cost, rq.wait
 			switch {
 			case rq.op == opAdjust:
 				amount = rq.delta
 			case rq.op == opFree:
-				amount, wait = rq.delta, rq.events
+				args = append(args, rq.events)
+				amount, wait = rq.delta, int64(len(args)-argv)
 			case rq.op.slots():
-				amount, wait = rq.lease, rq.events
+				args = append(args, rq.lease, rq.events)
+				amount, wait = int64(len(args)-1-argv), int64(len(args)-argv)
 			}
-			args = append(args, op, rq.limit.interval, rq.limit.burst, rq.limit.slack, amount, wait)
+			nums = nums.add(op).add(rq.limit.interval).add(rq.limit.burst).add(rq.limit.slack).add(amount).add(wait)
 			if rq.overridable { // the policy's rule for an override's slack (override.go)
-				args = append(args, rq.overrideWait, rq.overrideDebt)
+				nums = nums.add(rq.overrideWait).add(rq.overrideDebt)
 			}
 		}
 	}
+	args[argv+1] = []byte(nums)
 	return args
+}
+
+// callNumbers are a call's numbers as the script reads them: little-endian
+// doubles in one argument, exact for every value it is sent (all below
+// 2^53). Redis's handling of an argument cost more than what the script
+// then does with a rate take (see lua/decide.lua).
+type callNumbers []byte
+
+func (c callNumbers) add(v int64) callNumbers {
+	return binary.LittleEndian.AppendUint64(c, math.Float64bits(float64(v)))
 }
 
 // decodeReply reads the script's reply into each request's decision,

@@ -5,8 +5,14 @@
 --
 -- KEYS   the buckets of every request, request after request
 -- ARGV   first the format buckets are written in (1 or 2, see format.go);
---        then per request: its bucket count, then per bucket six values
---        (a kind of bucket may take more after them, see width):
+--        then the call's numbers in one string, little-endian doubles
+--        (exact: every value stays below 2^53), read by one struct.unpack:
+--        Redis's handling of an argument costs more than the Lua that
+--        reads it (measured: some 1.7 µs a request of 7 numbers); then the
+--        call's strings (leases' members, events channels), each given
+--        among the numbers by its ARGV index. The numbers are, per request:
+--        its bucket count, then per bucket six values (a kind of bucket may
+--        take more after them, see width):
 --          op        4 * code + 2 * overridable + shadow; codes: 1 take,
 --                    2 check, 3 adjust, 4 inspect, 5 reset; for concurrency
 --                    slots 6 acquire, 7 release, 8 renew, 9 count, 10 free,
@@ -19,10 +25,11 @@
 --          slack     µs a TAT may run beyond a full refill (reserved slots,
 --                    debt)
 --          amount    take, check: the cost; adjust: tokens charged (> 0)
---                    or given back (< 0); slots: the lease's member; free:
---                    the µs a lease must have left to be kept
+--                    or given back (< 0); slots: the lease's member (a
+--                    string); free: the µs a lease must have left to be kept
 --          wait      take: µs ahead a slot may be reserved (policy `wait`);
---                    release, free: the channel of events between instances
+--                    slots: the channel of events between instances (a
+--                    string)
 --        a quota bucket (codes 12 take, 13 check, 14 adjust, 15 inspect,
 --        16 reset: the rate verbs) takes ten values instead: op, quota (N),
 --        slack (units a settle may charge beyond N), amount (the cost, or
@@ -266,6 +273,23 @@ local function quota_overridden(o, limit, slack, debt)
   return o.burst, math.min(units, 2 ^ 53 - o.burst)
 end
 
+-- numbers unpacks the call's numbers: at most 1000 a struct.unpack (each
+-- takes a slot of Lua's stack, which holds some 8000).
+local function numbers(blob)
+  local n = #blob / 8
+  if n <= 1000 then
+    return {struct.unpack('<' .. string.rep('d', n), blob)}, n -- and the end's position, unused
+  end
+  local all, got, pos = {}, 0, 1
+  while got < n do
+    local k = math.min(n - got, 1000)
+    local chunk = {struct.unpack('<' .. string.rep('d', k), blob, pos)}
+    for j = 1, k do all[got + j] = chunk[j] end
+    got, pos = got + k, chunk[k + 1]
+  end
+  return all, n
+end
+
 local tonumber, floor, ceil, min = tonumber, math.floor, math.ceil, math.min
 local rcall, pcall_ = redis.call, redis.pcall
 
@@ -302,40 +326,41 @@ local compact = tonumber(ARGV[1]) == 2
 local coded, coded_as = nil, false -- the last interval encoded, and its v2 code (or false)
 
 local out, n_out = {now}, 1
-local first_key, arg, n_args = 0, 2, #ARGV -- the request's first KEYS index less one; its first ARGV index
+local A, n_args = numbers(ARGV[2])
+local first_key, arg = 0, 1 -- the request's first KEYS index less one; its first number's index in A
 -- Per bucket of the request: its op, index, code and interval; whether it
 -- alone would admit; its TAT before (rebased; slots: leases held), and the
 -- TAT a take or adjust leaves it with.
 local ops, at, codes, intervals, allowed, before, after = {}, {}, {}, {}, {}, {}, {}
 -- Made when a call first needs them: per bucket of the request, its first
--- ARGV index and expired leases (slots); the start and end of the period
+-- number's index and expired leases (slots); the start and end of the period
 -- picked (quotas); the burst and slack it is decided under (slots,
 -- overridable buckets).
 local argat, expired, starts, ends, bursts, slacks
 
 while arg <= n_args do
-  local count = tonumber(ARGV[arg])
+  local count = A[arg]
   arg = arg + 1
   local status = 1
   for i = 1, count do
     local key = KEYS[first_key + i]
-    local op = tonumber(ARGV[arg])
+    local op = A[arg]
     local code = (op - op % 4) / 4 -- not math.floor: arithmetic is no call
-    local interval, burst = tonumber(ARGV[arg + 1]), tonumber(ARGV[arg + 2])
+    local interval, burst = A[arg + 1], A[arg + 2]
     local slack -- read where it counts
-    local width = 6 -- the ARGV values of this bucket
+    local width = 6 -- the numbers of this bucket
     if code >= QUOTA then width = 10 end
     if op % 4 >= 2 then -- overridable
       if not bursts then bursts, slacks = {}, {} end -- a slot may have made them
       if not overrides then overrides = {} end
-      interval, burst, slack = overridden(override_of(overrides, key), code, interval, burst, tonumber(ARGV[arg + 3]),
-        tonumber(ARGV[arg + width]), tonumber(ARGV[arg + width + 1]))
+      interval, burst, slack = overridden(override_of(overrides, key), code, interval, burst, A[arg + 3],
+        A[arg + width], A[arg + width + 1])
       bursts[i], slacks[i] = burst, slack
       width = width + 2
     end
     ops[i], codes[i], intervals[i], allowed[i] = op, code, interval, 1
     if code < ACQUIRE then
-      local amount = tonumber(ARGV[arg + 4])
+      local amount = A[arg + 4]
       local bucket = index_of[key]
       if not bucket then
         -- The call's first read of the key.
@@ -379,21 +404,21 @@ while arg <= n_args do
         if interval_now[bucket] ~= interval then
           ahead = floor(ahead * interval / interval_now[bucket])
         end
-        slack = slack or tonumber(ARGV[arg + 3])
+        slack = slack or A[arg + 3]
         tat = now + min(ahead, tau + slack)
       end
       before[i] = tat
       if tat < now then tat = now end
       if code == TAKE or code == CHECK then
         local wait = 0
-        if code == TAKE then wait = tonumber(ARGV[arg + 5]) or 0 end
+        if code == TAKE then wait = A[arg + 5] end
         if amount > burst or tat + amount * interval - now > tau + wait then
           allowed[i] = 0
           if status == 1 and op % 2 == 0 then status = 0 end -- unless shadow
         end
         after[i] = tat + amount * interval
       elseif code == ADJUST then
-        slack = slack or tonumber(ARGV[arg + 3])
+        slack = slack or A[arg + 3]
         after[i] = min(tat + amount * interval, now + tau + slack)
         if after[i] <= now then after[i] = 0 end -- never beyond a full bucket
       end
@@ -403,9 +428,9 @@ while arg <= n_args do
       end
       if not starts then starts, ends = {}, {} end
       local verb = code - QUOTA + TAKE
-      local limit, q_slack, amount = tonumber(ARGV[arg + 1]), tonumber(ARGV[arg + 2]), tonumber(ARGV[arg + 3])
+      local limit, q_slack, amount = A[arg + 1], A[arg + 2], A[arg + 3]
       if op % 4 >= 2 then -- overridable: its debt rule follows the 10 values of a quota bucket and the wait
-        limit, q_slack = quota_overridden(override_of(overrides, key), limit, q_slack, tonumber(ARGV[arg + 11]))
+        limit, q_slack = quota_overridden(override_of(overrides, key), limit, q_slack, A[arg + 11])
         intervals[i], bursts[i], slacks[i] = 0, limit, q_slack
       end
       local bucket = index_of[key]
@@ -421,7 +446,7 @@ while arg <= n_args do
       -- The period holding Redis's clock.
       local s, e
       for j = arg + 6, arg + 8 do
-        local lo, hi = tonumber(ARGV[j]), tonumber(ARGV[j + 1])
+        local lo, hi = A[j], A[j + 1]
         if lo <= now and now < hi then
           s, e = lo, hi
           break
@@ -445,8 +470,8 @@ while arg <= n_args do
           end
           after[i] = used + amount
         elseif verb == ADJUST then
-          local of = tonumber(ARGV[arg + 4])
-          if of == 0 or (of == s and tonumber(ARGV[arg + 5]) == e) then
+          local of = A[arg + 4]
+          if of == 0 or (of == s and A[arg + 5] == e) then
             -- Within the period the charge belongs to: never below 0 used,
             -- never beyond quota + slack by a charge.
             local charged = used + amount
@@ -497,8 +522,8 @@ while arg <= n_args do
       n_out = n_out + 3
     else
       if status >= 0 then
-        local a = argat[i] -- this bucket's ARGV
-        local key, interval, member = KEYS[first_key + i], intervals[i], ARGV[a + 4]
+        local a = argat[i] -- this bucket's numbers
+        local key, interval, member = KEYS[first_key + i], intervals[i], ARGV[A[a + 4]] -- free: nil (its amount is µs)
         if code == ACQUIRE and status == 1 and allowed[i] == 1 then
           rcall('ZADD', key, now + interval, member)
           rcall('PEXPIRE', key, ceil(2 * interval / 1000))
@@ -508,16 +533,16 @@ while arg <= n_args do
         elseif code == RELEASE then
           -- A slot freed from a full set: waiters on every instance may try.
           if rcall('ZREM', key, member) == 1 and before[i] >= bursts[i] then
-            rcall('PUBLISH', ARGV[a + 5], 'freed ' .. key)
+            rcall('PUBLISH', ARGV[A[a + 5]], 'freed ' .. key)
           end
         elseif code == RESTORE then
           rcall('ZADD', key, now + interval, member)
           rcall('PEXPIRE', key, ceil(2 * interval / 1000))
         elseif code == FREE then
-          local stale = rcall('ZREMRANGEBYSCORE', key, '-inf', now + tonumber(member))
+          local stale = rcall('ZREMRANGEBYSCORE', key, '-inf', now + A[a + 4])
           before[i], expired[i] = before[i] - stale, expired[i] + stale
           if stale > 0 then
-            rcall('PUBLISH', ARGV[a + 5], 'freed ' .. key)
+            rcall('PUBLISH', ARGV[A[a + 5]], 'freed ' .. key)
           end
         end
       end
