@@ -15,6 +15,8 @@ import (
 	"testing"
 	"time"
 
+	dto "github.com/prometheus/client_model/go"
+
 	"github.com/ratelimit-caddy/caddy-ratelimit/internal/testredis"
 )
 
@@ -141,6 +143,12 @@ func attackPolicy() map[string]any {
 func metricValue(t *testing.T, in *instance, name string, want map[string]string) float64 {
 	t.Helper()
 	mfs, _ := scrape(t, in)
+	return metricSum(mfs, name, want)
+}
+
+// metricSum sums, of scraped metrics, a metric's samples whose labels
+// include want.
+func metricSum(mfs map[string]*dto.MetricFamily, name string, want map[string]string) float64 {
 	mf := mfs[name]
 	if mf == nil {
 		return 0

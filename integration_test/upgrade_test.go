@@ -86,18 +86,27 @@ func getWith(t *testing.T, c *http.Client, url string, hdr map[string]string) in
 // instances (first goes first), and returns how many got 200.
 func alternate(t *testing.T, first, second *instance, n int, hdr map[string]string) int {
 	t.Helper()
-	c := newClient()
 	ok := 0
+	alternateEach(t, first, second, n, hdr, func(_ *instance, status int) {
+		if status == 200 {
+			ok++
+		}
+	})
+	return ok
+}
+
+// alternateEach is alternate with each request's instance and status
+// given to each once its answer arrived.
+func alternateEach(t *testing.T, first, second *instance, n int, hdr map[string]string, each func(in *instance, status int)) {
+	t.Helper()
+	c := newClient()
 	for i := range n {
 		in := first
 		if i%2 == 1 {
 			in = second
 		}
-		if getWith(t, c, in.URL+"/", hdr) == 200 {
-			ok++
-		}
+		each(in, getWith(t, c, in.URL+"/", hdr))
 	}
-	return ok
 }
 
 // orders runs a subtest with the previous release first, then with this
@@ -195,14 +204,8 @@ func TestUpgradeMixedFleet(t *testing.T) {
 		old, cur := mixedFleet(t, redisLimiter(srv.Addr, "1s", decidedByRedis, policy), proxyTo(upstream))
 		orders(t, old, cur, func(t *testing.T, first, second *instance, id string) {
 			before := seen.Load()
-			c := newClient()
-			key := map[string]string{"X-Key": "login-" + id}
-			for i := range 12 {
-				in := first
-				if i%2 == 1 {
-					in = second
-				}
-				if getWith(t, c, in.URL+"/", key) == 401 && in == old {
+			alternateEach(t, first, second, 12, map[string]string{"X-Key": "login-" + id}, func(in *instance, status int) {
+				if status == 401 && in == old {
 					// The previous release charges an attempt after its
 					// response, and beside four CPU hogs its answer reached
 					// the client before the charge reached Redis: the next
@@ -211,9 +214,9 @@ func TestUpgradeMixedFleet(t *testing.T) {
 					// for that charge, so that what is compared is how each
 					// build counts the other's charges.
 					want := max(0, 5-(seen.Load()-before))
-					waitFor(t, "the previous release's charge in Redis", func() bool { return tokensOf(t, cur, "failed", "login-"+id) == want })
+					waitFor(t, "the previous release's charge in Redis", func() bool { return bucketTokens(t, cur, "failed", "login-"+id) == want })
 				}
-			}
+			})
 			got := seen.Load() - before
 			t.Logf("12 failed logins alternating, burst 5: %d reached the upstream", got)
 			if got != 5 {
@@ -270,19 +273,7 @@ func TestUpgradeMixedFleet(t *testing.T) {
 func whyPassed(t *testing.T, in *instance) string {
 	t.Helper()
 	mfs, _ := scrape(t, in)
-	return fmt.Sprintf("%v, charges lost %.0f", decisionCounts(mfs), metricValue(t, in, "caddy_rate_limit_charges_lost_total", nil))
-}
-
-// tokensOf is the whole tokens a policy's bucket holds for identity, as
-// the instance's admin API reads them from the store.
-func tokensOf(t *testing.T, in *instance, policy, identity string) int64 {
-	t.Helper()
-	status, body := adminCall(t, in, "GET", "/rate_limit/inspect?policy="+policy+"&identity="+identity, "")
-	var b bucketAnswer
-	if err := json.Unmarshal([]byte(body), &b); status != 200 || err != nil {
-		t.Fatalf("inspect %s %s: %d %s", policy, identity, status, body)
-	}
-	return b.Tokens
+	return fmt.Sprintf("%v, charges lost %.0f", decisionCounts(mfs), metricSum(mfs, "caddy_rate_limit_charges_lost_total", nil))
 }
 
 // startCounting starts an upstream that counts its requests and answers
