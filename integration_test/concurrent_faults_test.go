@@ -57,7 +57,7 @@ func TestConcurrentResetKeepsRunning(t *testing.T) {
 	up := startHoldingUpstream(t)
 	// fail_closed, 1s: a call that times out on a loaded machine must not
 	// admit past the slots (fail_open would, by design), nor fail the test.
-	in := startCaddy(t, redisLimiter(srv.Addr, "1s", map[string]any{"on_error": "fail_closed"}, slotsPolicy(3, "wait", "10s")), proxyTo(up.addr))
+	in := startCaddy(t, decidedByRedis(srv.Addr, slotsPolicy(3, "wait", "10s")), proxyTo(up.addr))
 	done := holders(t, in, up, "busy", 3, 2*time.Second)
 	var waiters sync.WaitGroup
 	for range 3 {
@@ -117,7 +117,7 @@ func TestConcurrentFlushAll(t *testing.T) {
 	up := startHoldingUpstream(t)
 	// fail_closed, 1s: a call timed out under load must not admit past the
 	// slots (as fail_open would) in what measures the renewals.
-	in := startCaddy(t, redisLimiter(srv.Addr, "1s", map[string]any{"on_error": "fail_closed"}, slotsPolicy(3, "lease", "3s")), proxyTo(up.addr))
+	in := startCaddy(t, decidedByRedis(srv.Addr, slotsPolicy(3, "lease", "3s")), proxyTo(up.addr))
 	done := holders(t, in, up, "flushed", 3, 4*time.Second)
 	client := redis.NewClient(&redis.Options{Addr: srv.Addr})
 	defer client.Close()

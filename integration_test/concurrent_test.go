@@ -121,7 +121,7 @@ func TestConcurrentFleet(t *testing.T) {
 	up := startHoldingUpstream(t)
 	var fleet []*instance
 	for range 4 {
-		fleet = append(fleet, startCaddy(t, redisLimiter(srv.Addr, "1s", map[string]any{"on_error": "fail_closed"}, slotsPolicy(3, "wait", "10s")), proxyTo(up.addr)))
+		fleet = append(fleet, startCaddy(t, decidedByRedis(srv.Addr, slotsPolicy(3, "wait", "10s")), proxyTo(up.addr)))
 	}
 	const hold = 500 * time.Millisecond
 	begin := time.Now()

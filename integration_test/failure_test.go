@@ -27,6 +27,15 @@ func redisLimiter(addr, timeout string, extra map[string]any, policies ...map[st
 	return h
 }
 
+// decidedByRedis is a limiter whose every request Redis decides: within a
+// 1 s timeout no load reaches, and fail_closed, so that a call that still
+// timed out answers 503 instead of admitting. Tests that count what was
+// admitted on a loaded machine use it: at the default 100 ms, calls beside
+// CPU hogs timed out and followed fail_open.
+func decidedByRedis(addr string, policies ...map[string]any) map[string]any {
+	return redisLimiter(addr, "1s", map[string]any{"on_error": "fail_closed"}, policies...)
+}
+
 // TestOutageFailureModes: with Redis gone, fail_closed answers only 503s,
 // fail_open only 2xx, and local enforces its in-process budget.
 func TestOutageFailureModes(t *testing.T) {

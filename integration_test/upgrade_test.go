@@ -116,17 +116,14 @@ func orders(t *testing.T, old, cur *instance, test func(t *testing.T, first, sec
 	t.Run("this build first", func(t *testing.T) { test(t, cur, old, "b") })
 }
 
-// decidedByRedis: every request of TestUpgradeMixedFleet is decided by
-// Redis, within a 1 s timeout no load reaches, and a call that still timed
-// out would answer 503, not admit: at the default 100 ms, one call beside
-// four CPU hogs timed out and followed fail_open, a 6th failed login of 5.
-var decidedByRedis = map[string]any{"on_error": "fail_closed"}
-
+// TestUpgradeMixedFleet: every request is decided by Redis
+// (decidedByRedis): at the default 100 ms, one call beside four CPU hogs
+// timed out and followed fail_open, a 6th failed login of 5.
 func TestUpgradeMixedFleet(t *testing.T) {
 	srv := testredis.Start(t)
 	t.Run("rate", func(t *testing.T) {
 		policy := map[string]any{"name": "per_key", "key": "{http.request.header.X-Key}", "rate": "5/1h", "burst": 5}
-		old, cur := mixedFleet(t, redisLimiter(srv.Addr, "1s", decidedByRedis, policy), respond())
+		old, cur := mixedFleet(t, decidedByRedis(srv.Addr, policy), respond())
 		orders(t, old, cur, func(t *testing.T, first, second *instance, id string) {
 			got := alternate(t, first, second, 12, map[string]string{"X-Key": "rate-" + id})
 			t.Logf("12 requests alternating, burst 5: %d admitted", got)
@@ -155,7 +152,7 @@ func TestUpgradeMixedFleet(t *testing.T) {
 	})
 	t.Run("concurrent", func(t *testing.T) {
 		up := startHoldingUpstream(t)
-		old, cur := mixedFleet(t, redisLimiter(srv.Addr, "1s", decidedByRedis, slotsPolicy(2)), proxyTo(up.addr))
+		old, cur := mixedFleet(t, decidedByRedis(srv.Addr, slotsPolicy(2)), proxyTo(up.addr))
 		orders(t, old, cur, func(t *testing.T, first, second *instance, id string) {
 			key := "slots-" + id
 			// Holders, alternating, until both slots are taken; then every
@@ -201,10 +198,10 @@ func TestUpgradeMixedFleet(t *testing.T) {
 		upstream := startCounting(t, &seen, func(w http.ResponseWriter) { w.WriteHeader(http.StatusUnauthorized) })
 		policy := map[string]any{"name": "failed", "key": "{http.request.header.X-Key}", "rate": "5/15m", "burst": 5,
 			"charge_if": map[string]any{"status_code": []int{401}}}
-		old, cur := mixedFleet(t, redisLimiter(srv.Addr, "1s", decidedByRedis, policy), proxyTo(upstream))
+		old, cur := mixedFleet(t, decidedByRedis(srv.Addr, policy), proxyTo(upstream))
 		orders(t, old, cur, func(t *testing.T, first, second *instance, id string) {
-			before := seen.Load()
-			alternateEach(t, first, second, 12, map[string]string{"X-Key": "login-" + id}, func(in *instance, status int) {
+			before, key := seen.Load(), "login-"+id
+			alternateEach(t, first, second, 12, map[string]string{"X-Key": key}, func(in *instance, status int) {
 				if status == 401 && in == old {
 					// The previous release charges an attempt after its
 					// response, and beside four CPU hogs its answer reached
@@ -214,7 +211,7 @@ func TestUpgradeMixedFleet(t *testing.T) {
 					// for that charge, so that what is compared is how each
 					// build counts the other's charges.
 					want := max(0, 5-(seen.Load()-before))
-					waitFor(t, "the previous release's charge in Redis", func() bool { return bucketTokens(t, cur, "failed", "login-"+id) == want })
+					waitFor(t, "the previous release's charge in Redis", func() bool { return bucketTokens(t, cur, "failed", key) == want })
 				}
 			})
 			got := seen.Load() - before
@@ -230,7 +227,7 @@ func TestUpgradeMixedFleet(t *testing.T) {
 		upstream := startCounting(t, &seen, func(w http.ResponseWriter) { w.Header().Set("X-Usage-Tokens", "5") })
 		policy := map[string]any{"name": "tokens", "key": "{http.request.header.X-Key}", "rate": "50/1h", "burst": 50,
 			"cost": "10", "settle": map[string]any{"from": "header", "field": "X-Usage-Tokens"}}
-		old, cur := mixedFleet(t, redisLimiter(srv.Addr, "1s", decidedByRedis, policy), proxyTo(upstream))
+		old, cur := mixedFleet(t, decidedByRedis(srv.Addr, policy), proxyTo(upstream))
 		orders(t, old, cur, func(t *testing.T, first, second *instance, id string) {
 			got := alternate(t, first, second, 14, map[string]string{"X-Key": "llm-" + id})
 			// Each admitted request reserves 10 and settles 5: admitted while
@@ -243,7 +240,7 @@ func TestUpgradeMixedFleet(t *testing.T) {
 	})
 	t.Run("format v2", func(t *testing.T) {
 		policy := map[string]any{"name": "per_key", "key": "{http.request.header.X-Key}", "rate": "100/1m", "burst": 5}
-		old, cur := mixedFleet(t, redisLimiter(srv.Addr, "1s", decidedByRedis, policy), respond())
+		old, cur := mixedFleet(t, decidedByRedis(srv.Addr, policy), respond())
 		setFormat(t, cur, "v2")
 		c := newClient()
 		// This build writes v2; the previous release reads it as a bucket
