@@ -107,6 +107,34 @@ type coalescer struct {
 	timer   *time.Timer
 	// wait is laterWait, unless set (tests).
 	wait time.Duration
+	// idle are closed once no call is in flight and no work after
+	// responses is queued (drained); while any wait, that work goes at
+	// once.
+	idle []chan struct{}
+}
+
+// drained sends the work after responses at once, rather than after
+// laterWait, and returns a channel closed once it and every call in flight
+// are done: for a connection about to close.
+func (c *coalescer) drained() <-chan struct{} {
+	ch := make(chan struct{})
+	c.mu.Lock()
+	if c.calling == 0 && len(c.later) == 0 {
+		c.mu.Unlock()
+		close(ch)
+		return ch
+	}
+	c.idle = append(c.idle, ch)
+	var batch []*pending
+	if c.calling == 0 {
+		c.calling++
+		batch = c.take()
+	}
+	c.mu.Unlock()
+	if batch != nil {
+		go c.lead(nil, batch)
+	}
+	return ch
 }
 
 // submitLater queues p, work after a response that nobody waits for: it
@@ -256,13 +284,18 @@ var errClientGone = errors.New("rate limit: the client went away before its deci
 
 func (c *coalescer) finish(p *pending, batch []*pending) {
 	var next []*pending
+	var idle []chan struct{} // closed once batch's callbacks are done
 	c.mu.Lock()
-	if len(c.queue) > 0 || len(c.later) >= maxBatch {
+	if len(c.queue) > 0 || len(c.later) >= maxBatch || (len(c.later) > 0 && len(c.idle) > 0) {
 		next = c.take()
 	} else {
 		c.calling--
-		if len(c.later) > 0 && c.calling == 0 {
+		switch {
+		case c.calling > 0:
+		case len(c.later) > 0:
 			c.waitLater() // for the next decision to carry it
+		default:
+			idle, c.idle = c.idle, nil
 		}
 	}
 	c.mu.Unlock()
@@ -282,5 +315,8 @@ func (c *coalescer) finish(p *pending, batch []*pending) {
 		case m != p:
 			m.done <- struct{}{}
 		}
+	}
+	for _, ch := range idle {
+		close(ch)
 	}
 }

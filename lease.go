@@ -128,12 +128,16 @@ func (c *redisConn) release(s store, leases []lease) {
 		rels, policies = append(rels, rq), append(policies, l.policy)
 	}
 	b.mu.Unlock()
-	if len(rels) == 0 {
-		return
+	if len(rels) > 0 {
+		c.sendReleases(s, rels, policies)
 	}
-	// With the next call (or by itself when none is in flight); then the
-	// requests this instance has waiting try (those of other instances
-	// hear of it from Redis).
+}
+
+// sendReleases frees slots in the store with the next call (or by itself
+// when none is in flight); then the requests this instance has waiting try
+// (those of other instances hear of it from Redis). A release that fails
+// is kept, to send again.
+func (c *redisConn) sendReleases(s store, rels []bucketRequest, policies []*Policy) {
 	s.decideLater(rels, func(_ decision, err error) {
 		if err != nil {
 			c.retryReleases(rels, policies)
@@ -154,6 +158,21 @@ func (c *redisConn) retryReleases(rels []bucketRequest, policies []*Policy) {
 		b.pending[rq.lease] = &pendingRelease{rq: rq, policy: policies[i], expires: now.Add(leaseOf(rq)), next: now.Add(retryEvery)}
 	}
 	b.mu.Unlock()
+}
+
+// unconfirmed takes the releases the store has not confirmed whose leases
+// have not run out yet: for a last try when the connection closes.
+func (b *leaseBook) unconfirmed() (rels []bucketRequest, policies []*Policy) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	now := time.Now()
+	for id, p := range b.pending {
+		if now.Before(p.expires) {
+			rels, policies = append(rels, p.rq), append(policies, p.policy)
+		}
+		delete(b.pending, id)
+	}
+	return rels, policies
 }
 
 // renew, every tick until the connection closes: renews the leases due,

@@ -53,7 +53,10 @@ type RedisConfig struct {
 	// `on_error`. Connecting (TCP, TLS, authentication) may take up to
 	// max(timeout, 1s). Time a request spends queued in this instance
 	// behind other calls is not a Redis failure and is not bounded by it.
-	// At least 1ms. Default 100ms.
+	// When Caddy stops, or reloads to another Redis, the work its last
+	// requests left after their responses (slots' releases, settles) is
+	// waited for up to max(timeout, 1s) + 3 × timeout before the
+	// connection closes. At least 1ms. Default 100ms.
 	Timeout caddy.Duration `json:"timeout,omitempty"`
 
 	// The most connections kept open to each Redis server, and so the most

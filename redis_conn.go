@@ -60,9 +60,74 @@ type redisConn struct {
 	// overrides say which buckets may have overrides in this Redis
 	// (override_store.go).
 	overrides overrideFlags
+	// laterApart counts the work after responses on its way in calls of
+	// its own: in cluster mode, which has no coalescer to ride.
+	laterApart callCount
 }
 
+// finishLaterWork sends what requests left to do after their responses,
+// and the releases the store has not confirmed once more, and waits for
+// them until deadline.
+func (c *redisConn) finishLaterWork(deadline time.Time) {
+	if rels, policies := c.leases.unconfirmed(); len(rels) > 0 {
+		c.sendReleases(&redisStore{conn: c}, rels, policies)
+	}
+	done := c.laterApart.drained()
+	if c.coalescer != nil {
+		done = c.coalescer.drained()
+	}
+	wait := time.Until(deadline)
+	timer := time.NewTimer(wait)
+	defer timer.Stop()
+	select {
+	case <-done:
+	case <-timer.C:
+		c.logger.Warn("closing: Redis did not answer the work after the last responses (releases, settles, charges) in time; their slots come back when their leases run out",
+			zap.String("redis", c.name), zap.Duration("waited", wait))
+	}
+}
+
+// callCount counts calls in flight, and tells when none is.
+type callCount struct {
+	mu   sync.Mutex
+	n    int
+	idle []chan struct{}
+}
+
+func (cc *callCount) add(n int) {
+	cc.mu.Lock()
+	defer cc.mu.Unlock()
+	cc.n += n
+	if cc.n == 0 {
+		for _, ch := range cc.idle {
+			close(ch)
+		}
+		cc.idle = nil
+	}
+}
+
+// drained returns a channel closed once no call is in flight.
+func (cc *callCount) drained() <-chan struct{} {
+	ch := make(chan struct{})
+	cc.mu.Lock()
+	defer cc.mu.Unlock()
+	if cc.n == 0 {
+		close(ch)
+	} else {
+		cc.idle = append(cc.idle, ch)
+	}
+	return ch
+}
+
+// Destruct closes the connection once no config uses it (Caddy stopping,
+// or a reload to another Redis), after the apps stopped and their requests
+// ended. What those requests left to do after their responses (releases,
+// settles, charges) is sent first, and the releases not yet confirmed once
+// more, waited for at most callTimeout: else a stopped instance's last
+// slots stay taken until their leases run out, and its last settles are
+// lost.
 func (c *redisConn) Destruct() error {
+	c.finishLaterWork(time.Now().Add(c.callTimeout))
 	c.events.close()
 	close(c.closed)
 	return c.client.Close()

@@ -95,7 +95,11 @@ func (s *redisStore) decide(ctx context.Context, reqs []bucketRequest) (decision
 // waits for it.
 func (s *redisStore) decideLater(reqs []bucketRequest, then func(decision, error)) {
 	if s.conn.coalescer == nil { // Cluster: a call per slot group, apart
-		go func() { then(s.decide(context.Background(), reqs)) }()
+		s.conn.laterApart.add(1)
+		go func() {
+			defer s.conn.laterApart.add(-1)
+			then(s.decide(context.Background(), reqs))
+		}()
 		return
 	}
 	if s.conn.breaker.skipping() {

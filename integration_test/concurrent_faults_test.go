@@ -171,6 +171,69 @@ func TestConcurrentSlowRedis(t *testing.T) {
 	}
 }
 
+// TestConcurrentGracefulStop: an instance stopped (SIGTERM, as `caddy
+// stop` and service managers do) while its two requests hold both slots of
+// `concurrent 2`, and Redis stalls as they end (the link to it paused: a
+// failover, a slow network): the first release is on the wire, the second
+// queued behind it. The instance lets both requests finish, and before it
+// exits both releases reach Redis, once Redis answers again: another
+// instance gets both slots at once, not when the 30 s leases run out.
+func TestConcurrentGracefulStop(t *testing.T) {
+	srv := testredis.Start(t)
+	link := testredis.StartProxy(t, srv.Addr, 0)
+	up := startHoldingUpstream(t)
+	// 5s: the stall below must not time the first release out.
+	stopping := startCaddy(t, redisLimiter(link.Addr, "5s", map[string]any{"on_error": "fail_closed"}, slotsPolicy(2, "lease", "30s")), proxyTo(up.addr))
+	other := startCaddy(t, redisLimiter(srv.Addr, "1s", map[string]any{"on_error": "fail_closed", "jitter": 0}, slotsPolicy(2, "lease", "30s")), proxyTo(up.addr))
+	statuses := make(chan int, 2)
+	for _, hold := range []time.Duration{400 * time.Millisecond, 600 * time.Millisecond} {
+		go func() {
+			status, _ := send(context.Background(), stopping, "held", hold)
+			statuses <- status
+		}()
+	}
+	waitFor(t, "2 requests at the upstream", func() bool { return up.now("held") == 2 })
+	if err := link.Pause(); err != nil {
+		t.Fatal(err)
+	}
+	if status, _ := send(context.Background(), other, "held", 0); status != 429 {
+		t.Fatalf("with both slots held: %d, want 429", status)
+	}
+	exited := make(chan struct{})
+	go func() { stopping.Stop(); close(exited) }()
+	for range 2 {
+		if status := <-statuses; status != 200 {
+			t.Fatalf("a request running when its instance was stopped: %d, want 200", status)
+		}
+	}
+	// Caddy notices its last request is done within about 500 ms (its
+	// server's shutdown polls), then cleans up: an instance that does not
+	// wait for its releases has exited by 1.5 s. One that waits does not
+	// exit while Redis stalls, and 1.5 s is well inside the 5 s its calls
+	// may take and the 5 s Stop gives it.
+	select {
+	case <-exited:
+	case <-time.After(1500 * time.Millisecond):
+	}
+	resumed := time.Now()
+	if err := link.Resume(); err != nil {
+		t.Fatal(err)
+	}
+	<-exited
+	after := time.Since(resumed)
+	var wg sync.WaitGroup
+	got := make([]int, 2)
+	for i := range got {
+		wg.Add(1)
+		go func() { defer wg.Done(); got[i], _ = send(context.Background(), other, "held", 100*time.Millisecond) }()
+	}
+	wg.Wait()
+	t.Logf("stopped with 2 of 2 slots held and Redis stalled as they ended: exited %v after Redis answered again; the other instance then got %v", after.Round(time.Millisecond), got)
+	if got[0] != 200 || got[1] != 200 {
+		t.Fatalf("right after the stopped instance exited, 2 requests on the other got %v, want [200 200]: a release was lost, its slot held until the lease runs out", got)
+	}
+}
+
 // TestConcurrentWaitedCountsDelayed: a request that waited for its slot is
 // counted delayed, as {http.rate_limit.decision} says.
 func TestConcurrentWaitedCountsDelayed(t *testing.T) {
