@@ -102,12 +102,12 @@ type Handler struct {
 	// shares its buckets, and must be defined the same way in both.
 	Policies []*Policy `json:"policies,omitempty"`
 
-	store      store
-	closeStore func() error
-	config     any    // the config load this handler belongs to (see budgets)
-	events     string // the Redis channel of events between instances
-	keyPrefix  string
-	hasher     *keyHasher
+	store     store
+	storeUse  *storeUse
+	config    any    // the config load this handler belongs to (see budgets)
+	events    string // the Redis channel of events between instances
+	keyPrefix string
+	hasher    *keyHasher
 	// allPolicyHdr is RateLimit-Policy when every policy matches and none
 	// is a shadow: the common case, built once.
 	allPolicyHdr string
@@ -203,10 +203,11 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		h.config = nil
 		return err
 	}
-	var err error
-	if h.store, h.closeStore, err = openStore(h.Redis, h.keyPrefix, h.logger); err != nil {
+	store, closeStore, err := openStore(h.Redis, h.keyPrefix, h.logger)
+	if err != nil {
 		return err
 	}
+	h.store, h.storeUse = store, &storeUse{close: closeStore}
 	return h.provisionPlans()
 }
 
@@ -284,10 +285,10 @@ func (h *Handler) Cleanup() error {
 		budgets.remove(h.config, h)
 		h.config = nil
 	}
-	if h.closeStore == nil {
+	if h.storeUse == nil {
 		return nil
 	}
-	return h.closeStore()
+	return h.storeUse.end()
 }
 
 // Interface guards.

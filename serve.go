@@ -22,6 +22,8 @@ import (
 // one atomic decision, then passes it on (after its reserved slot, with
 // `wait`) or answers it.
 func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
+	h.storeUse.enter()
+	defer h.storeUse.leave() // last: after the releases and charges
 	repl := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
 	rs := requestStateOf(r, repl)
 	res := reservations.Get().(*reservation)

@@ -300,32 +300,64 @@ func TestSettleDebt(t *testing.T) {
 	}
 }
 
+// heldStream is an upstream answering an SSE stream: its first event at
+// once, then, once release is closed, final.
+type heldStream struct {
+	addr     string
+	release  chan struct{}
+	finished atomic.Int64 // when it wrote final, UnixNano
+}
+
+func startHeldStream(t *testing.T, first, final string) *heldStream {
+	t.Helper()
+	u := &heldStream{release: make(chan struct{})}
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	u.addr = l.Addr().String()
+	srv := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "text/event-stream")
+		_, _ = io.WriteString(w, first)
+		w.(http.Flusher).Flush()
+		<-u.release
+		_, _ = io.WriteString(w, final)
+		u.finished.Store(time.Now().UnixNano())
+	})}
+	go func() { _ = srv.Serve(l) }()
+	t.Cleanup(func() { srv.Close() })
+	return u
+}
+
+// streamedTokens waits (at most 2 s) for the bucket to leave the
+// reservation's count (reserved) for want, and fails if it holds anything
+// else.
+func streamedTokens(t *testing.T, in *instance, identity string, reserved, want int64) {
+	t.Helper()
+	deadline := time.Now().Add(2 * time.Second)
+	for {
+		b := inspect(t, in, "llm_tokens", identity)
+		if b.Tokens == want {
+			return
+		}
+		if time.Now().After(deadline) || b.Tokens != reserved {
+			t.Fatalf("after the stream: %d tokens, want %d", b.Tokens, want)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
 // TestSettleStreams: with settle openai, an SSE stream's bytes reach the
 // client as the upstream sends them: the first byte arrives before the
 // upstream finishes, and the stream is forwarded unchanged.
 func TestSettleStreams(t *testing.T) {
 	srv := testredis.Start(t)
-	release := make(chan struct{})
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	var finished atomic.Int64
 	stream := "data: {\"choices\":[{\"delta\":{\"content\":\"first\"}}]}\n\n"
 	final := "data: {\"choices\":[],\"usage\":{\"total_tokens\":3}}\n\ndata: [DONE]\n\n"
-	up := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		w.Header().Set("Content-Type", "text/event-stream")
-		_, _ = io.WriteString(w, stream)
-		w.(http.Flusher).Flush()
-		<-release
-		_, _ = io.WriteString(w, final)
-		finished.Store(time.Now().UnixNano())
-	})}
-	go func() { _ = up.Serve(l) }()
-	defer up.Close()
+	up := startHeldStream(t, stream, final)
 	slow := tokenPolicy(map[string]any{"from": "openai"})
 	slow["rate"] = "1000/1h" // nothing refills during the test
-	in := startCaddy(t, limiter(srv.Addr, nil, slow), proxyTo(l.Addr().String()))
+	in := startCaddy(t, limiter(srv.Addr, nil, slow), proxyTo(up.addr))
 
 	req, _ := http.NewRequestWithContext(context.Background(), "GET", in.URL+"/sse", nil)
 	req.Header.Set("X-Api-Key", "streamer")
@@ -339,26 +371,52 @@ func TestSettleStreams(t *testing.T) {
 	br := bufio.NewReader(resp.Body)
 	first, err := br.ReadString('\n')
 	firstAt := time.Since(start)
-	if err != nil || finished.Load() != 0 {
+	if err != nil || up.finished.Load() != 0 {
 		t.Fatalf("first line %q (%v): read after the upstream finished, or not at all", first, err)
 	}
-	close(release)
+	close(up.release)
 	rest, _ := io.ReadAll(br)
 	t.Logf("first byte after %v, before the upstream finished; %d bytes in all", firstAt.Round(time.Millisecond), len(first)+len(rest))
 	if first+string(rest) != stream+final {
 		t.Fatalf("the stream changed on the way:\n%q\nwant\n%q", first+string(rest), stream+final)
 	}
 	// 100 reserved, 3 used: the bucket has 1,997 of 2,000 once settled.
-	deadline := time.Now().Add(2 * time.Second)
-	for {
-		b := inspect(t, in, "llm_tokens", "streamer")
-		if b.Tokens == 1997 {
-			break
-		}
-		if time.Now().After(deadline) || b.Tokens != 1900 {
-			t.Fatalf("after the stream: %d tokens, want 1,997 (100 reserved, 3 used)", b.Tokens)
-		}
-		time.Sleep(20 * time.Millisecond)
+	streamedTokens(t, in, "streamer", 1900, 1997)
+}
+
+// TestSettleAcrossReload: a stream that runs while a reload changes the
+// redis block (its timeout: another connection) is settled when it ends,
+// on the config it was admitted by: 100 reserved, 150 used, 150 charged.
+func TestSettleAcrossReload(t *testing.T) {
+	srv := testredis.Start(t)
+	up := startHeldStream(t, "data: {\"choices\":[{\"delta\":{\"content\":\"first\"}}]}\n\n",
+		"data: {\"choices\":[],\"usage\":{\"total_tokens\":150}}\n\ndata: [DONE]\n\n")
+	slow := tokenPolicy(map[string]any{"from": "openai"})
+	slow["rate"] = "1000/1h" // nothing refills during the test
+	redisWith := func(timeout string) map[string]any {
+		return map[string]any{"redis": map[string]any{"addresses": []string{srv.Addr}, "timeout": timeout}}
+	}
+	in := startCaddy(t, limiter("", redisWith("1s"), slow), proxyTo(up.addr))
+	req, _ := http.NewRequestWithContext(context.Background(), "GET", in.URL+"/sse", nil)
+	req.Header.Set("X-Api-Key", "streamer")
+	req.Header.Set("X-Max-Tokens", "100")
+	resp, err := newClient().Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	br := bufio.NewReader(resp.Body)
+	if _, err := br.ReadString('\n'); err != nil {
+		t.Fatal(err)
+	}
+	in.reload(t, limiter("", redisWith("2s"), slow), proxyTo(up.addr))
+	close(up.release)
+	if _, err := io.ReadAll(br); err != nil {
+		t.Fatal(err)
+	}
+	streamedTokens(t, in, "streamer", 1900, 1850)
+	if lost := lostCount(t, in, "llm_tokens", "store_unreachable"); lost != 0 {
+		t.Fatalf("charges_lost_total{reason=store_unreachable} %v, want 0", lost)
 	}
 }
 

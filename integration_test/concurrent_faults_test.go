@@ -234,6 +234,48 @@ func TestConcurrentGracefulStop(t *testing.T) {
 	}
 }
 
+// TestConcurrentReloadKeepsSlots: a reload that changes the redis block
+// (here its timeout: another connection) while a request holds the one slot
+// of `concurrent 1` with `lease 1s`: Caddy cleans the old config up while
+// the request still runs on it, and the request keeps its slot (its lease
+// renewed) until it ends, then frees it.
+func TestConcurrentReloadKeepsSlots(t *testing.T) {
+	srv := testredis.Start(t)
+	up := startHoldingUpstream(t)
+	in := startCaddy(t, redisLimiter(srv.Addr, "1s", map[string]any{"on_error": "fail_closed", "jitter": 0}, slotsPolicy(1, "lease", "1s")), proxyTo(up.addr))
+	done := make(chan int, 1)
+	go func() {
+		status, _ := send(context.Background(), in, "kept", 3*time.Second)
+		done <- status
+	}()
+	waitFor(t, "the long request at the upstream", func() bool { return up.now("kept") == 1 })
+	in.reload(t, redisLimiter(srv.Addr, "2s", map[string]any{"on_error": "fail_closed", "jitter": 0}, slotsPolicy(1, "lease", "1s")), proxyTo(up.addr))
+	tries, admitted := 0, 0
+	for up.now("kept") == 1 {
+		if status, _ := send(context.Background(), in, "kept", 0); status == 200 {
+			admitted++
+		}
+		tries++
+		time.Sleep(100 * time.Millisecond)
+	}
+	if status := <-done; status != 200 {
+		t.Fatalf("the long request: %d", status)
+	}
+	after := 0
+	for range 5 {
+		if status, _ := send(context.Background(), in, "kept", 0); status == 200 {
+			after++
+		}
+	}
+	t.Logf("a request of 3 s, lease 1 s, the redis block changed by a reload as it ran: %d of %d others got in meanwhile, most at once %d; after it ended %d of 5", admitted, tries, up.mostAtOnce("kept"), after)
+	if admitted != 0 || up.mostAtOnce("kept") != 1 || tries < 10 {
+		t.Fatalf("%d of %d got in while the request of the old config ran (most at once %d), want none: its lease was not renewed", admitted, tries, up.mostAtOnce("kept"))
+	}
+	if after != 5 {
+		t.Fatalf("after it ended, %d of 5 one after the other got in, want 5: its slot was not freed", after)
+	}
+}
+
 // TestConcurrentWaitedCountsDelayed: a request that waited for its slot is
 // counted delayed, as {http.rate_limit.decision} says.
 func TestConcurrentWaitedCountsDelayed(t *testing.T) {
