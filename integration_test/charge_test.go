@@ -347,6 +347,21 @@ func streamedTokens(t *testing.T, in *instance, identity string, reserved, want 
 	}
 }
 
+// openStream sends the request of a stream reserving 100 tokens for
+// "streamer", and returns its body once the response's header is in.
+func openStream(t *testing.T, in *instance) *bufio.Reader {
+	t.Helper()
+	req, _ := http.NewRequestWithContext(context.Background(), "GET", in.URL+"/sse", nil)
+	req.Header.Set("X-Api-Key", "streamer")
+	req.Header.Set("X-Max-Tokens", "100")
+	resp, err := newClient().Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { resp.Body.Close() })
+	return bufio.NewReader(resp.Body)
+}
+
 // TestSettleStreams: with settle openai, an SSE stream's bytes reach the
 // client as the upstream sends them: the first byte arrives before the
 // upstream finishes, and the stream is forwarded unchanged.
@@ -359,16 +374,8 @@ func TestSettleStreams(t *testing.T) {
 	slow["rate"] = "1000/1h" // nothing refills during the test
 	in := startCaddy(t, limiter(srv.Addr, nil, slow), proxyTo(up.addr))
 
-	req, _ := http.NewRequestWithContext(context.Background(), "GET", in.URL+"/sse", nil)
-	req.Header.Set("X-Api-Key", "streamer")
-	req.Header.Set("X-Max-Tokens", "100")
 	start := time.Now()
-	resp, err := newClient().Do(req)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer resp.Body.Close()
-	br := bufio.NewReader(resp.Body)
+	br := openStream(t, in)
 	first, err := br.ReadString('\n')
 	firstAt := time.Since(start)
 	if err != nil || up.finished.Load() != 0 {
@@ -393,23 +400,12 @@ func TestSettleAcrossReload(t *testing.T) {
 		"data: {\"choices\":[],\"usage\":{\"total_tokens\":150}}\n\ndata: [DONE]\n\n")
 	slow := tokenPolicy(map[string]any{"from": "openai"})
 	slow["rate"] = "1000/1h" // nothing refills during the test
-	redisWith := func(timeout string) map[string]any {
-		return map[string]any{"redis": map[string]any{"addresses": []string{srv.Addr}, "timeout": timeout}}
-	}
-	in := startCaddy(t, limiter("", redisWith("1s"), slow), proxyTo(up.addr))
-	req, _ := http.NewRequestWithContext(context.Background(), "GET", in.URL+"/sse", nil)
-	req.Header.Set("X-Api-Key", "streamer")
-	req.Header.Set("X-Max-Tokens", "100")
-	resp, err := newClient().Do(req)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer resp.Body.Close()
-	br := bufio.NewReader(resp.Body)
+	in := startCaddy(t, redisLimiter(srv.Addr, "1s", nil, slow), proxyTo(up.addr))
+	br := openStream(t, in)
 	if _, err := br.ReadString('\n'); err != nil {
 		t.Fatal(err)
 	}
-	in.reload(t, limiter("", redisWith("2s"), slow), proxyTo(up.addr))
+	in.reload(t, redisLimiter(srv.Addr, "2s", nil, slow), proxyTo(up.addr))
 	close(up.release)
 	if _, err := io.ReadAll(br); err != nil {
 		t.Fatal(err)

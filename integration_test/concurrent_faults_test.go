@@ -250,14 +250,7 @@ func TestConcurrentReloadKeepsSlots(t *testing.T) {
 	}()
 	waitFor(t, "the long request at the upstream", func() bool { return up.now("kept") == 1 })
 	in.reload(t, redisLimiter(srv.Addr, "2s", map[string]any{"on_error": "fail_closed", "jitter": 0}, slotsPolicy(1, "lease", "1s")), proxyTo(up.addr))
-	tries, admitted := 0, 0
-	for up.now("kept") == 1 {
-		if status, _ := send(context.Background(), in, "kept", 0); status == 200 {
-			admitted++
-		}
-		tries++
-		time.Sleep(100 * time.Millisecond)
-	}
+	tries, admitted := probeWhileRunning(in, up, "kept")
 	if status := <-done; status != 200 {
 		t.Fatalf("the long request: %d", status)
 	}

@@ -238,14 +238,7 @@ func TestConcurrentLongRequest(t *testing.T) {
 	for up.now("long") == 0 {
 		time.Sleep(5 * time.Millisecond)
 	}
-	tries, admitted := 0, 0
-	for up.now("long") == 1 {
-		if status, _ := send(context.Background(), in, "long", 0); status == 200 {
-			admitted++
-		}
-		tries++
-		time.Sleep(100 * time.Millisecond)
-	}
+	tries, admitted := probeWhileRunning(in, up, "long")
 	if status := <-done; status != 200 {
 		t.Fatalf("the long request: %d", status)
 	}
@@ -256,6 +249,19 @@ func TestConcurrentLongRequest(t *testing.T) {
 	if status, _ := send(context.Background(), in, "long", 0); status != 200 {
 		t.Fatalf("after it ended: %d", status)
 	}
+}
+
+// probeWhileRunning sends a request for key every 100 ms while one request
+// of key runs at the upstream, and counts those admitted.
+func probeWhileRunning(in *instance, up *holdingUpstream, key string) (tries, admitted int) {
+	for up.now(key) == 1 {
+		if status, _ := send(context.Background(), in, key, 0); status == 200 {
+			admitted++
+		}
+		tries++
+		time.Sleep(100 * time.Millisecond)
+	}
+	return tries, admitted
 }
 
 // TestConcurrentInstanceKilled: SIGKILL an instance holding slots: they
