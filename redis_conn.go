@@ -65,6 +65,20 @@ type redisConn struct {
 	laterApart callCount
 }
 
+// Destruct closes the connection once no handler uses it: Caddy stopped,
+// after its requests ended, or the last request of a config reloaded to
+// other connection settings ended (storeUse). What those requests left to
+// do after their responses (releases, settles, charges) is sent first, and
+// the releases not yet confirmed once more, waited for at most
+// callTimeout: else a stopped instance's last slots stay taken until their
+// leases run out, and its last settles are lost.
+func (c *redisConn) Destruct() error {
+	c.finishLaterWork(time.Now().Add(c.callTimeout))
+	c.events.close()
+	close(c.closed)
+	return c.client.Close()
+}
+
 // finishLaterWork sends what requests left to do after their responses,
 // and the releases the store has not confirmed once more, and waits for
 // them until deadline.
@@ -117,20 +131,6 @@ func (cc *callCount) drained() <-chan struct{} {
 		cc.idle = append(cc.idle, ch)
 	}
 	return ch
-}
-
-// Destruct closes the connection once no config uses it (Caddy stopping,
-// or a reload to another Redis), after the apps stopped and their requests
-// ended. What those requests left to do after their responses (releases,
-// settles, charges) is sent first, and the releases not yet confirmed once
-// more, waited for at most callTimeout: else a stopped instance's last
-// slots stay taken until their leases run out, and its last settles are
-// lost.
-func (c *redisConn) Destruct() error {
-	c.finishLaterWork(time.Now().Add(c.callTimeout))
-	c.events.close()
-	close(c.closed)
-	return c.client.Close()
 }
 
 // noCoalescing sends every request in its own script call, for benchmarks
