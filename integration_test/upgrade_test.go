@@ -135,18 +135,20 @@ func TestUpgradeMixedFleet(t *testing.T) {
 			key := map[string]string{"X-Key": "part-" + id}
 			c := newClient()
 			n := 0
-			for range 3 {
-				if getWith(t, c, first.URL+"/", key) == 200 {
-					n++
+			var statuses []int // for a failure's message
+			for i := range 7 {
+				in := first
+				if i >= 3 {
+					in = second
 				}
-			}
-			for range 4 {
-				if getWith(t, c, second.URL+"/", key) == 200 {
+				status := getWith(t, c, in.URL+"/", key)
+				statuses = append(statuses, status)
+				if status == 200 {
 					n++
 				}
 			}
 			if n != 5 {
-				t.Errorf("3 then 4 requests on the two builds: %d admitted, want 5", n)
+				t.Errorf("3 then 4 requests on the two builds: %d admitted, want 5 (statuses %v)", n, statuses)
 			}
 		})
 	})
