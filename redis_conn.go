@@ -86,9 +86,11 @@ func (c *redisConn) finishLaterWork(deadline time.Time) {
 	if rels, policies := c.leases.unconfirmed(); len(rels) > 0 {
 		c.sendReleases(&redisStore{conn: c}, rels, policies)
 	}
-	done := c.laterApart.drained()
+	var done <-chan struct{}
 	if c.coalescer != nil {
 		done = c.coalescer.drained()
+	} else {
+		done = c.laterApart.drained()
 	}
 	wait := time.Until(deadline)
 	timer := time.NewTimer(wait)
