@@ -110,21 +110,19 @@ type coalescer struct {
 	// idle are closed once no call is in flight and no work after
 	// responses is queued (drained); while any wait, that work goes at
 	// once.
-	idle []chan struct{}
+	idle drainWaiters
 }
 
 // drained sends the work after responses at once, rather than after
 // laterWait, and returns a channel closed once it and every call in flight
 // are done: for a connection about to close.
 func (c *coalescer) drained() <-chan struct{} {
-	ch := make(chan struct{})
 	c.mu.Lock()
 	if c.calling == 0 && len(c.later) == 0 {
 		c.mu.Unlock()
-		close(ch)
-		return ch
+		return closedChan()
 	}
-	c.idle = append(c.idle, ch)
+	ch := c.idle.add()
 	var batch []*pending
 	if c.calling == 0 {
 		c.calling++
@@ -284,7 +282,7 @@ var errClientGone = errors.New("rate limit: the client went away before its deci
 
 func (c *coalescer) finish(p *pending, batch []*pending) {
 	var next []*pending
-	var idle []chan struct{} // closed once batch's callbacks are done
+	var idle drainWaiters // woken once batch's callbacks are done
 	c.mu.Lock()
 	if len(c.queue) > 0 || len(c.later) >= maxBatch || (len(c.later) > 0 && len(c.idle) > 0) {
 		next = c.take()
@@ -295,7 +293,7 @@ func (c *coalescer) finish(p *pending, batch []*pending) {
 		case len(c.later) > 0:
 			c.waitLater() // for the next decision to carry it
 		default:
-			idle, c.idle = c.idle, nil
+			idle = c.idle.take()
 		}
 	}
 	c.mu.Unlock()
@@ -316,7 +314,5 @@ func (c *coalescer) finish(p *pending, batch []*pending) {
 			m.done <- struct{}{}
 		}
 	}
-	for _, ch := range idle {
-		close(ch)
-	}
+	idle.wake()
 }

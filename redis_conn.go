@@ -107,7 +107,7 @@ func (c *redisConn) finishLaterWork(deadline time.Time) {
 type callCount struct {
 	mu   sync.Mutex
 	n    int
-	idle []chan struct{}
+	idle drainWaiters
 }
 
 func (cc *callCount) add(n int) {
@@ -115,24 +115,18 @@ func (cc *callCount) add(n int) {
 	defer cc.mu.Unlock()
 	cc.n += n
 	if cc.n == 0 {
-		for _, ch := range cc.idle {
-			close(ch)
-		}
-		cc.idle = nil
+		cc.idle.take().wake()
 	}
 }
 
 // drained returns a channel closed once no call is in flight.
 func (cc *callCount) drained() <-chan struct{} {
-	ch := make(chan struct{})
 	cc.mu.Lock()
 	defer cc.mu.Unlock()
 	if cc.n == 0 {
-		close(ch)
-	} else {
-		cc.idle = append(cc.idle, ch)
+		return closedChan()
 	}
-	return ch
+	return cc.idle.add()
 }
 
 // noCoalescing sends every request in its own script call, for benchmarks
