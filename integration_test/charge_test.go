@@ -127,15 +127,21 @@ func TestFailedLogins(t *testing.T) {
 		body, _ := io.ReadAll(resp.Body)
 		return response{resp.StatusCode, resp.Header, body}
 	}
-	// A successful login gives its reservation back once its response is
-	// known, which may land just after the client has the response: the
-	// next login, sent at once to the other instance, may still see the
-	// one before reserved (r=4). Nothing stays charged.
+	// A successful login gives its reservation back once its handler
+	// returns, which may be after the client has the response: the next
+	// logins, sent at once, may still see earlier ones reserved (beside
+	// two CPU hogs, login 6 once saw logins 4 and 5 reserved: r=3). Ten
+	// logins in a row on a burst of 5 all pass only if they are given
+	// back, and then nothing stays charged.
+	least := int64(5)
 	for i := range 10 {
-		if r := login(fleet[i%2], "right"); r.status != 200 || remainingOf(t, r.header)["failed_logins"] < 4 {
-			t.Fatalf("successful login %d: %d RateLimit %q, want 200 and at most the one before still reserved", i+1, r.status, r.header.Get("RateLimit"))
+		r := login(fleet[i%2], "right")
+		if r.status != 200 {
+			t.Fatalf("successful login %d: %d RateLimit %q, want 200: successful logins are given back", i+1, r.status, r.header.Get("RateLimit"))
 		}
+		least = min(least, remainingOf(t, r.header)["failed_logins"])
 	}
+	t.Logf("10 successful logins: at least %d of 5 left at each", least)
 	waitFor(t, "the successful logins' reservations given back", func() bool {
 		return inspect(t, fleet[0], "failed_logins", "mallory").Tokens == 5
 	})
