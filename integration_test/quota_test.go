@@ -60,17 +60,18 @@ func TestQuotaMinuteBoundaries(t *testing.T) {
 	for range 4 {
 		fleet = append(fleet, startCaddy(t, h, echo()))
 	}
-	// Start 2 s before a minute ends.
-	now := time.Now()
-	start := now.Truncate(time.Minute).Add(58 * time.Second)
-	if start.Before(now.Add(500 * time.Millisecond)) {
-		start = start.Add(time.Minute)
-	}
+	start := startBeforeMinute(t)
 	b1 := start.Truncate(time.Minute).Add(time.Minute)
 	stop := b1.Add(2*time.Minute + time.Second)
-	t.Logf("waiting %v for %s; boundaries at %s, %s and %s", time.Until(start).Round(time.Millisecond),
-		start.Format("15:04:05"), b1.Format("15:04:05"), b1.Add(time.Minute).Format("15:04:05"), b1.Add(2*time.Minute).Format("15:04:05"))
-	time.Sleep(time.Until(start))
+	t.Logf("boundaries at %s, %s and %s", b1.Format("15:04:05"), b1.Add(time.Minute).Format("15:04:05"), b1.Add(2*time.Minute).Format("15:04:05"))
+	began := time.Now()
+	defer func() {
+		// Redis counts minutes on the wall clock; a step of it during the
+		// load would explain a failure, so it is told.
+		if step := time.Now().Round(0).Sub(began.Round(0)) - time.Since(began); step > 500*time.Millisecond || step < -500*time.Millisecond {
+			t.Logf("the wall clock stepped %v during the load", step.Round(time.Millisecond))
+		}
+	}()
 
 	var mu sync.Mutex
 	var shots []quotaShot
@@ -189,6 +190,36 @@ func TestQuotaMinuteBoundaries(t *testing.T) {
 		t.Errorf("requests decided in %d minutes, want 4", len(minutes))
 	}
 	t.Logf("%d requests over %d instances from %s: %s", len(shots), len(fleet), start.Format("15:04:05"), strings.Join(counts, "; "))
+}
+
+// startBeforeMinute waits until 2 s before a minute of the wall clock ends
+// and returns that instant. Quota periods are the wall clock's (Redis reads
+// it), and a machine's wall clock can step while a test waits: a CI VM's
+// once stepped some 7 s ahead during this minute's wait, so the load began
+// after the first boundary. The wait follows the wall clock a second at a
+// time, and if it stepped past the start, the next minute is taken, twice
+// at most.
+func startBeforeMinute(t *testing.T) time.Time {
+	t.Helper()
+	for tries := 0; ; tries++ {
+		now := time.Now()
+		start := now.Truncate(time.Minute).Add(58 * time.Second) // wall time: Truncate drops the monotonic reading
+		if start.Before(now.Add(500 * time.Millisecond)) {
+			start = start.Add(time.Minute)
+		}
+		t.Logf("waiting %v for %s", time.Until(start).Round(time.Millisecond), start.Format("15:04:05"))
+		for d := time.Until(start); d > 0; d = time.Until(start) {
+			time.Sleep(min(d, time.Second))
+		}
+		late := time.Since(start)
+		if late < 500*time.Millisecond {
+			return start
+		}
+		if tries == 2 {
+			t.Fatalf("the wall clock stepped past the start three times (last %v past %s)", late.Round(time.Millisecond), start.Format("15:04:05"))
+		}
+		t.Logf("the wall clock stepped: %v past %s; the next minute is taken", late.Round(time.Millisecond), start.Format("15:04:05"))
+	}
 }
 
 // quotaAnswer is the admin API's answer for a quota.
