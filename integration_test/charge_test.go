@@ -302,7 +302,7 @@ func TestSettleDebt(t *testing.T) {
 	// The debt refills at 100/s: 500 owed, then 1 more: 5.01 s from the
 	// first decision, which came after start; less what has passed since.
 	lim := parseFields(t, send(1, 0).header, "RateLimit")
-	if least := 5 - int64(time.Since(start)/time.Second); len(lim) != 1 || lim[0].params["t"] < least || lim[0].params["t"] > 6 {
+	if least := leastWait(5, time.Since(start)); len(lim) != 1 || lim[0].params["t"] < least || lim[0].params["t"] > 6 {
 		t.Fatalf("RateLimit %+v, %v after the first request, want t of about 5 s (the debt's refill), at least %d",
 			lim, time.Since(start).Round(time.Millisecond), least)
 	}

@@ -45,7 +45,7 @@ func TestHandleErrors(t *testing.T) {
 		// after start: the wait (Retry-After with jitter 0, t and the
 		// placeholder alike) is from 60 - elapsed, rounded up, to 60. On a
 		// quiet machine that is 60.
-		least, wait := 60-int64(time.Since(start)/time.Second), r.retryAfter(t)
+		least, wait := leastWait(60, time.Since(start)), r.retryAfter(t)
 		lim := parseFields(t, r.header, "RateLimit")
 		if wait < least || wait > 60 || string(r.body) != fmt.Sprintf("our page: 429 denied per_user retry in %ds", wait) ||
 			len(lim) != 1 || lim[0].params["t"] != wait || r.header.Get("RateLimit-Policy") == "" {
