@@ -2,7 +2,6 @@ package integration_test
 
 import (
 	"context"
-	"encoding/json"
 	"io"
 	"net"
 	"net/http"
@@ -455,13 +454,7 @@ func TestConcurrentWithRate(t *testing.T) {
 	up := startHoldingUpstream(t)
 	rate := map[string]any{"name": "per_user", "key": "{http.request.header.X-User}", "rate": "2/1h"}
 	in := startCaddy(t, limiter(srv.Addr, map[string]any{"jitter": 0}, slotsPolicy(1), rate), proxyTo(up.addr))
-	inUse := func() int64 {
-		var b struct {
-			InUse int64 `json:"in_use"`
-		}
-		_ = json.Unmarshal([]byte(rateLimitCLI(t, in, "inspect", "exports", "pat", "--json")), &b)
-		return b.InUse
-	}
+	inUse := func() int64 { return slotsInUse(t, in, "exports", "pat") }
 	// The slot taken by a long request: another is denied a slot, and the
 	// rate bucket is not charged for it.
 	go func() { _, _ = send(context.Background(), in, "pat", 800*time.Millisecond) }()
