@@ -5,4 +5,4 @@ package ratelimit
 // made with `make xcaddy` (xcaddy's `--with module@<version>=<path>`); the
 // handler logs it when provisioned. CHANGELOG.md says what each release
 // changed.
-const Version = "v0.3.0"
+const Version = "v0.4.0"
