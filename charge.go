@@ -157,6 +157,18 @@ type afterResponse struct {
 	// trailer, sent with the settled state.
 	wantTrailers, trailers bool
 	http1                  bool
+	// The end of the response, which the client must not see before the
+	// store has what the request leaves (finish.go): ctx is the request's;
+	// head: a HEAD request, whose response has no body; length: the bytes
+	// the response declared, -1 when its end is only known when the
+	// handler chain returns; written: the body bytes passed on; finished:
+	// the work after the response is done.
+	ctx         context.Context
+	head        bool
+	endAtReturn bool
+	length      int64
+	written     int64
+	finished    bool
 }
 
 func (w *afterResponse) WriteHeader(status int) {
@@ -180,6 +192,11 @@ func (w *afterResponse) WriteHeader(status int) {
 				hdr.Del("Content-Length") // HTTP/1.1 carries trailers in a chunked body only
 			}
 		}
+		w.length = w.declaredLength(status, hdr)
+		if w.length == 0 {
+			// Its headers are the whole response.
+			w.h.finish(w, w.rs, w.res, nil)
+		}
 	}
 	w.ResponseWriter.WriteHeader(status)
 }
@@ -193,17 +210,29 @@ func (w *afterResponse) Write(b []byte) (int, error) {
 	if !w.wroteHeader {
 		w.WriteHeader(http.StatusOK)
 	}
+	if !w.finished && w.length > 0 && w.written+int64(len(b)) >= w.length {
+		// The last bytes: what they carry (a usage) is read, and the work
+		// after the response done, before the client can have them.
+		if w.body != nil {
+			w.body.Write(b)
+		}
+		w.h.finish(w, w.rs, w.res, nil)
+		n, err := w.ResponseWriter.Write(b)
+		w.written += int64(n)
+		return n, err
+	}
 	n, err := w.ResponseWriter.Write(b)
-	if w.body != nil && n > 0 {
+	w.written += int64(n)
+	if w.body != nil && n > 0 && !w.finished {
 		w.body.Write(b[:n])
 	}
 	return n, err
 }
 
-// ReadFrom copies through Write, so the body is scanned (a ReadFrom of the
-// wrapped writer would bypass it).
+// ReadFrom copies through Write, so the body is scanned and its end seen
+// (a ReadFrom of the wrapped writer would bypass both).
 func (w *afterResponse) ReadFrom(r io.Reader) (int64, error) {
-	if w.body == nil {
+	if w.body == nil && (w.finished || w.wroteHeader && w.length < 0) { // nothing to read, no end to find
 		if !w.wroteHeader {
 			w.WriteHeader(http.StatusOK)
 		}
@@ -286,7 +315,7 @@ func (h *Handler) serveWatched(w http.ResponseWriter, r *http.Request, next cadd
 	returned := false
 	defer func() {
 		if !returned { // panicking: charge, and let the panic go on
-			h.charge(r.Context(), aw, rs, res, errAborted)
+			h.finish(aw, rs, res, errAborted)
 		}
 		if aw.body != nil {
 			aw.body.finish()
@@ -294,19 +323,20 @@ func (h *Handler) serveWatched(w http.ResponseWriter, r *http.Request, next cadd
 	}()
 	err := next.ServeHTTP(aw, r)
 	returned = true
-	h.charge(r.Context(), aw, rs, res, err)
+	h.finish(aw, rs, res, err)
 	return err
 }
 
 // errAborted stands for the error of a handler chain that panicked.
 var errAborted = errors.New("the handler chain aborted")
 
-// watchResponse wraps w when a policy of the admitted request charges
-// after the response; nil when none does.
+// watchResponse wraps w when the admitted request leaves work for after
+// its response: a policy charged after it (charge_if, settle), or a
+// concurrency slot to free (see finish.go); nil when there is none.
 func (h *Handler) watchResponse(w http.ResponseWriter, r *http.Request, rs *requestState, res *reservation) *afterResponse {
 	res.after = res.afterbuf[:0]
 	var body *bodyWatch
-	afterBody := false
+	afterBody, fromTrailer := false, false
 	for i, p := range res.shown {
 		if !res.d.verdicts[i].allowed || p.ChargeIf == nil && p.Settle == nil {
 			continue
@@ -316,11 +346,12 @@ func (h *Handler) watchResponse(w http.ResponseWriter, r *http.Request, rs *requ
 			continue
 		}
 		afterBody = afterBody || p.Settle.From != settleHeader
+		fromTrailer = fromTrailer || p.Settle.From == settleTrailer
 		if p.Settle.fromBody() && body == nil {
 			body = new(bodyWatch)
 		}
 	}
-	if len(res.after) == 0 {
+	if len(res.after) == 0 && !res.holdsClientSlots() {
 		return nil
 	}
 	if body != nil {
@@ -334,8 +365,11 @@ func (h *Handler) watchResponse(w http.ResponseWriter, r *http.Request, rs *requ
 			}
 		}
 	}
-	return &afterResponse{ResponseWriterWrapper: caddyhttp.ResponseWriterWrapper{ResponseWriter: w}, res: res, h: h, rs: rs, body: body,
-		wantTrailers: afterBody && acceptsTrailers(r), http1: r.ProtoMajor == 1}
+	aw := &afterResponse{ResponseWriterWrapper: caddyhttp.ResponseWriterWrapper{ResponseWriter: w}, res: res, h: h, rs: rs, body: body,
+		wantTrailers: afterBody && acceptsTrailers(r), http1: r.ProtoMajor == 1,
+		ctx: r.Context(), head: r.Method == http.MethodHead, length: -1}
+	aw.endAtReturn = fromTrailer // the usage comes after the body
+	return aw
 }
 
 // acceptsTrailers reports whether the client said it takes trailers
@@ -379,13 +413,14 @@ func parseUsage(v string, max int64) (int64, bool) {
 	return min(u, max), true
 }
 
-// charge makes the charges and settles of the request once its handler
-// chain returned (err is what it returned): one store call. A settle
-// without usage charges what the response delivered implies, at least
-// its reservation (estimate). What was not charged as measured (no usage,
-// a body that cannot be read, the client gone, the store unreachable) is
-// counted as lost.
-func (h *Handler) charge(ctx context.Context, aw *afterResponse, rs *requestState, res *reservation, err error) {
+// charges are the charges and settles of the request once its response is
+// known (err is what its handler chain returned, if it has): the store
+// requests that make them, and the policies of those. A settle without
+// usage charges what the response delivered implies, at least its
+// reservation (estimate). What was not charged as measured (no usage, a
+// body that cannot be read, the client gone) is counted as lost here; a
+// charge the store does not take, by the caller.
+func (h *Handler) charges(ctx context.Context, aw *afterResponse, rs *requestState, res *reservation, err error) (reqs []bucketRequest, policies []*Policy) {
 	if !aw.wroteHeader {
 		// No response was written: a Caddy error's status stands for it, or,
 		// when the client went away first, no response at all: a charge_if
@@ -413,7 +448,6 @@ func (h *Handler) charge(ctx context.Context, aw *afterResponse, rs *requestStat
 		aw.body.finish()
 	}
 	gone := ctx.Err() != nil
-	var reqs []bucketRequest
 	var charged []int // indexes in res.after
 	for k := range res.after {
 		a := &res.after[k]
@@ -455,26 +489,16 @@ func (h *Handler) charge(ctx context.Context, aw *afterResponse, rs *requestStat
 		charged = append(charged, k)
 	}
 	if len(reqs) > 0 {
-		// The charge is owed even if the client went away. It rides with
-		// the next call to the store (or goes by itself when none is due),
-		// so the response does not wait for it; the placeholders, which
-		// access logs read after the response, and the trailer say what it
-		// leaves, as this decision's state predicts.
-		var lost []*Policy
+		// The charge is owed even if the client went away. The
+		// placeholders, which access logs read after the response, and the
+		// trailer say what it leaves, as this decision's state predicts.
 		for j, k := range charged {
 			i := res.after[k].i
 			p := res.shown[i]
 			res.d.verdicts[i].remaining, res.d.verdicts[i].untilFits = res.decidedLimit(i, p).adjusted(res.d.verdicts[i], reqs[j].delta)
-			lost = append(lost, p)
+			policies = append(policies, p)
 		}
 		h.setPlaceholders(rs, res, rs.retryAfter)
-		res.decidedBy.decideLater(reqs, func(_ decision, err error) {
-			if err != nil {
-				for _, p := range lost {
-					p.chargesLost[lostStoreUnreachable].Inc()
-				}
-			}
-		})
 	}
 	for k := range res.after {
 		if a := &res.after[k]; a.lost >= 0 {
@@ -485,6 +509,7 @@ func (h *Handler) charge(ctx context.Context, aw *afterResponse, rs *requestStat
 		// The declared RateLimit trailer: the state once settled.
 		h.writeFields(aw.Header(), rs, res, false)
 	}
+	return reqs, policies
 }
 
 // Why a charge after the response was not made as measured: the label

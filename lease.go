@@ -111,10 +111,17 @@ func leaseOf(rq bucketRequest) time.Duration {
 // release frees leases in the store, at once; a release that cannot reach
 // it is kept and sent again (see renew).
 func (c *redisConn) release(s store, leases []lease) {
+	if rels, policies := c.releasing(leases); len(rels) > 0 {
+		c.sendReleases(s, rels, policies)
+	}
+}
+
+// releasing takes leases out of the book, no longer renewed: the requests
+// that free them in the store, for the caller to send.
+func (c *redisConn) releasing(leases []lease) (rels []bucketRequest, policies []*Policy) {
 	b := &c.leases
-	var rels []bucketRequest
-	var policies []*Policy
 	b.mu.Lock()
+	defer b.mu.Unlock()
 	for _, l := range leases {
 		if h := b.leases[l.rq.lease]; h != nil && h.restoring {
 			// A restore in flight could land after this release: the renewer
@@ -127,10 +134,7 @@ func (c *redisConn) release(s store, leases []lease) {
 		rq.op = opRelease
 		rels, policies = append(rels, rq), append(policies, l.policy)
 	}
-	b.mu.Unlock()
-	if len(rels) > 0 {
-		c.sendReleases(s, rels, policies)
-	}
+	return rels, policies
 }
 
 // sendReleases frees slots in the store with the next call (or by itself
@@ -446,24 +450,65 @@ func (res *reservation) takeSlots() {
 // again until it does, or its lease has run out), and wakes the requests
 // this instance has waiting for them once they are free.
 func (res *reservation) freeSlots() {
-	if len(res.leases) == 0 {
+	rels, policies := res.slotReleases(true)
+	if len(rels) == 0 {
 		return
 	}
+	if rs, ok := res.decidedBy.(*redisStore); ok {
+		rs.conn.sendReleases(rs, rels, policies)
+		return
+	}
+	_, _ = res.decidedBy.decide(context.Background(), rels)
+	for _, rq := range rels {
+		slotQueues.wake(rq.key)
+	}
+}
+
+// slotReleases takes the request's slots (with shed, a shed policy's too)
+// off its hands: the requests that free them in the store that decided it,
+// for the caller to send.
+func (res *reservation) slotReleases(shed bool) (rels []bucketRequest, policies []*Policy) {
+	kept := res.leases[:0]
+	var freed []lease
 	for _, l := range res.leases {
+		if l.policy.Shed != nil && !shed {
+			kept = append(kept, l)
+			continue
+		}
 		l.policy.inFlight.Dec()
+		freed = append(freed, l)
+	}
+	res.leases = kept
+	if len(freed) == 0 {
+		return nil, nil
 	}
 	if rs, ok := res.decidedBy.(*redisStore); ok {
-		rs.conn.release(rs, res.leases)
-	} else {
-		rels := make([]bucketRequest, len(res.leases))
-		for i, l := range res.leases {
-			rels[i] = l.rq
-			rels[i].op = opRelease
-		}
-		_, _ = res.decidedBy.decide(context.Background(), rels)
-		for _, rq := range rels {
-			slotQueues.wake(rq.key)
+		return rs.conn.releasing(freed)
+	}
+	for _, l := range freed {
+		rq := l.rq
+		rq.op = opRelease
+		rels, policies = append(rels, rq), append(policies, l.policy)
+	}
+	return rels, policies
+}
+
+// holdsClientSlots reports whether the request holds a concurrency slot of
+// a caller's budget (a `concurrent` policy's, not a shed policy's), whose
+// release the client must find done when its response ends (finish.go).
+func (res *reservation) holdsClientSlots() bool {
+	for _, l := range res.leases {
+		if l.policy.Shed == nil {
+			return true
 		}
 	}
-	res.leases = nil
+	return false
+}
+
+// retryReleases keeps releases the store did not take, to send again
+// (Redis; in process, a release never fails).
+func (res *reservation) retryReleases(rels []bucketRequest, policies []*Policy) {
+	if rs, ok := res.decidedBy.(*redisStore); ok && len(rels) > 0 {
+		rs.conn.retryReleases(rels, policies)
+	}
 }
