@@ -210,23 +210,25 @@ func (c RedisConfig) newClient() (redis.UniversalClient, error) {
 	// open, so that the first requests after a start or an idle spell do
 	// not pay for connecting.
 	dial, pool := c.dialTimeout(), c.poolSize()
+	// The timeout counts Redis's time, not this process's (redis_socket.go).
+	dialer := redisDialer(tlsConfig, dial, timeout)
 	switch {
 	case c.Cluster:
 		return redis.NewClusterClient(&redis.ClusterOptions{
-			Addrs: c.Addresses, Username: c.Username, Password: c.Password, TLSConfig: tlsConfig,
+			Addrs: c.Addresses, Username: c.Username, Password: c.Password, TLSConfig: tlsConfig, Dialer: dialer,
 			DialTimeout: dial, ReadTimeout: timeout, WriteTimeout: timeout, PoolTimeout: dial,
 			ContextTimeoutEnabled: true, PoolSize: pool, MinIdleConns: 2, MaxRetries: -1, DialerRetries: 1,
 		}), nil
 	case c.Sentinel != "":
 		return redis.NewFailoverClient(&redis.FailoverOptions{
 			MasterName: c.Sentinel, SentinelAddrs: c.Addresses, Username: c.Username, Password: c.Password,
-			DB: c.DB, TLSConfig: tlsConfig,
+			DB: c.DB, TLSConfig: tlsConfig, Dialer: dialer,
 			DialTimeout: dial, ReadTimeout: timeout, WriteTimeout: timeout, PoolTimeout: dial,
 			ContextTimeoutEnabled: true, PoolSize: pool, MinIdleConns: 2, MaxRetries: -1, DialerRetries: 1,
 		}), nil
 	default:
 		return redis.NewClient(&redis.Options{
-			Addr: c.Addresses[0], Username: c.Username, Password: c.Password, DB: c.DB, TLSConfig: tlsConfig,
+			Addr: c.Addresses[0], Username: c.Username, Password: c.Password, DB: c.DB, TLSConfig: tlsConfig, Dialer: dialer,
 			DialTimeout: dial, ReadTimeout: timeout, WriteTimeout: timeout, PoolTimeout: dial,
 			ContextTimeoutEnabled: true, PoolSize: pool, MinIdleConns: 2, MaxRetries: -1, DialerRetries: 1,
 		}), nil

@@ -1,0 +1,111 @@
+package ratelimit
+
+import (
+	"context"
+	"crypto/tls"
+	"errors"
+	"net"
+	"os"
+	"syscall"
+	"time"
+)
+
+// The redis block's timeout measures Redis, not this process. go-redis
+// puts it on the socket as deadlines; but a deadline passes whether Redis
+// was late or this process was: a gateway saturated by a flood (or stopped
+// by its host for a moment) wakes up to a deadline that passed while the
+// reply sat on its socket, and the call fails, and its requests follow
+// on_error, when the limiter matters most. So a Redis connection's socket
+// judges its deadlines by what Redis did:
+//
+//   - a read whose deadline passed looks once more, at once: a reply that
+//     reached the socket is read, and the rest of it gets the timeout again;
+//   - a write whose deadline passed before the request reached the socket
+//     (this process was late) gets the timeout again, from then.
+//
+// A Redis that truly stalls still fails a call within the timeout plus
+// lookAgain (docs/redis.md, "Timeouts"), plus this process's own scheduling
+// delay in noticing it.
+
+// lookAgain is how long the second look at a socket whose read deadline
+// passed waits for a reply: long enough to cover the instant between
+// arming it and the read, far below any timeout.
+const lookAgain = 5 * time.Millisecond
+
+// redisSocket is a connection to Redis whose deadlines count Redis's time
+// (see above). It sits below TLS, on the TCP connection.
+type redisSocket struct {
+	net.Conn
+	timeout time.Duration // the redis block's
+}
+
+func (s *redisSocket) Read(b []byte) (int, error) {
+	n, err := s.Conn.Read(b)
+	if n > 0 || !isDeadline(err) {
+		return n, err
+	}
+	if s.Conn.SetReadDeadline(time.Now().Add(lookAgain)) != nil {
+		return n, err
+	}
+	m, again := s.Conn.Read(b)
+	if m == 0 {
+		return n, err // nothing came: Redis is late
+	}
+	// Redis answered in time: the rest of its reply is on its way.
+	_ = s.Conn.SetReadDeadline(time.Now().Add(s.timeout))
+	return m, again
+}
+
+func (s *redisSocket) Write(b []byte) (int, error) {
+	n, err := s.Conn.Write(b)
+	if n == len(b) || !isDeadline(err) {
+		return n, err
+	}
+	// This process reached the socket late, or the socket's buffer stayed
+	// full for a timeout: one more timeout, from now, and no more.
+	if s.Conn.SetWriteDeadline(time.Now().Add(s.timeout)) != nil {
+		return n, err
+	}
+	m, err := s.Conn.Write(b[n:])
+	return n + m, err
+}
+
+// SyscallConn lets go-redis check an idle connection's health as it does
+// a plain TCP one's.
+func (s *redisSocket) SyscallConn() (syscall.RawConn, error) {
+	if sc, ok := s.Conn.(syscall.Conn); ok {
+		return sc.SyscallConn()
+	}
+	return nil, errors.ErrUnsupported
+}
+
+func isDeadline(err error) bool { return errors.Is(err, os.ErrDeadlineExceeded) }
+
+// redisDialer connects to Redis as go-redis's own dialer does (TCP
+// keep-alives, TLS when configured), through a redisSocket.
+func redisDialer(tlsConfig *tls.Config, dialTimeout, timeout time.Duration) func(ctx context.Context, network, addr string) (net.Conn, error) {
+	return func(ctx context.Context, network, addr string) (net.Conn, error) {
+		d := &net.Dialer{Timeout: dialTimeout, KeepAliveConfig: net.KeepAliveConfig{Enable: true, Idle: 30 * time.Second, Interval: 5 * time.Second, Count: 3}}
+		raw, err := d.DialContext(ctx, network, addr)
+		if err != nil {
+			return nil, err
+		}
+		conn := net.Conn(&redisSocket{Conn: raw, timeout: timeout})
+		if tlsConfig == nil {
+			return conn, nil
+		}
+		cfg := tlsConfig
+		if cfg.ServerName == "" {
+			cfg = cfg.Clone()
+			cfg.ServerName, _, _ = net.SplitHostPort(addr)
+		}
+		hctx, cancel := context.WithTimeout(ctx, dialTimeout)
+		defer cancel()
+		tc := tls.Client(conn, cfg)
+		if err := tc.HandshakeContext(hctx); err != nil {
+			_ = raw.Close()
+			return nil, err
+		}
+		return tc, nil
+	}
+}
