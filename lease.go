@@ -53,6 +53,9 @@ const (
 type lease struct {
 	policy *Policy
 	rq     bucketRequest // its opAcquire
+	// mirrored: taken in Redis, and counted in the `local` fallback's
+	// slots too (see mirrorSlots).
+	mirrored bool
 }
 
 // leaseBook is the leases a Redis connection's instance holds, renewed in
@@ -442,6 +445,27 @@ func (res *reservation) takeSlots() {
 	}
 	if rs, ok := res.decidedBy.(*redisStore); ok {
 		rs.conn.hold(res.leases)
+		res.mirrorSlots()
+	}
+}
+
+// mirrorSlots counts the slots a request took in Redis, of policies whose
+// on_error is local, in the local fallback's slots as well: when Redis
+// goes away, the requests it admitted are still running, and the fallback
+// admits only what fits beside them (its max(1, N / instances) counts them).
+func (res *reservation) mirrorSlots() {
+	var reqs []bucketRequest
+	for i := range res.leases {
+		l := &res.leases[i]
+		if l.policy.onError != failLocal {
+			continue
+		}
+		rq := l.rq
+		rq.op = opRestore // held whatever the fallback's limit: Redis admitted it
+		reqs, l.mirrored = append(reqs, rq), true
+	}
+	if len(reqs) > 0 {
+		_, _ = localFallback.decide(context.Background(), reqs)
 	}
 }
 
@@ -479,6 +503,7 @@ func (res *reservation) slotReleases(shed bool) (rels []bucketRequest, policies 
 		freed = append(freed, l)
 	}
 	res.leases = kept
+	unmirrorSlots(freed)
 	if len(freed) == 0 {
 		return nil, nil
 	}
@@ -491,6 +516,22 @@ func (res *reservation) slotReleases(shed bool) (rels []bucketRequest, policies 
 		rels, policies = append(rels, rq), append(policies, l.policy)
 	}
 	return rels, policies
+}
+
+// unmirrorSlots frees the local fallback's count of leases taken in Redis
+// (mirrorSlots).
+func unmirrorSlots(leases []lease) {
+	var reqs []bucketRequest
+	for _, l := range leases {
+		if l.mirrored {
+			rq := l.rq
+			rq.op = opRelease
+			reqs = append(reqs, rq)
+		}
+	}
+	if len(reqs) > 0 {
+		_, _ = localFallback.decide(context.Background(), reqs)
+	}
 }
 
 // holdsClientSlots reports whether the request holds a concurrency slot of

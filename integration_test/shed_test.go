@@ -831,3 +831,48 @@ func TestShedPriorityFromAuth(t *testing.T) {
 		t.Errorf("fromHeader: %v batch requests shed, want 1 (the urgent one)", n)
 	}
 }
+
+// TestShedLocalFallbackCountsRedis: shed { concurrent 10 } with on_error
+// local on two instances (instances 2: 5 slots each while Redis is away).
+// 10 requests admitted through Redis are at the upstream when Redis goes
+// away; 20 more, spread over the instances, find no room in the local
+// fallback, which counts the requests Redis admitted: the upstream never
+// has more than 10 at once. Once those end, the fallback admits its 5 per
+// instance.
+func TestShedLocalFallbackCountsRedis(t *testing.T) {
+	srv := testredis.Start(t)
+	up := startGateUpstream(t)
+	policy := shedPolicy(map[string]any{"concurrent": 10}, "100%")
+	policy["on_error"] = "local"
+	var fleet []*instance
+	for range 2 {
+		fleet = append(fleet, startCaddy(t, redisLimiter(srv.Addr, "1s", map[string]any{"instances": 2}, policy), proxyTo(up.addr)))
+	}
+	shed, waitHeld := burst(t, fleet, up, 10, "X-Priority", "critical")
+	if _, now, _ := up.counts(); shed != 0 || now != 10 {
+		t.Fatalf("through Redis: %d shed, %d at the upstream, want 0 and 10", shed, now)
+	}
+	srv.Stop()
+	shed, waitMore := burst(t, fleet, up, 20, "X-Priority", "critical")
+	_, now, most := up.counts()
+	t.Logf("Redis gone with 10 requests it admitted running: 20 more over 2 instances, %d shed; at the upstream %d now, at most %d", shed, now, most)
+	if most > 10 || shed != 20 {
+		t.Errorf("with Redis gone, the upstream had up to %d at once (%d of 20 more shed), want at most 10: the local fallback did not count the requests Redis admitted", most, shed)
+	}
+	up.open()
+	for _, status := range append(waitHeld(), waitMore()...) {
+		if status != 200 && status != 503 {
+			t.Errorf("a request ended %d", status)
+		}
+	}
+	// The requests Redis admitted have ended: the fallback admits its 5 per
+	// instance, no more.
+	shed, waitLast := burst(t, fleet, up, 20, "X-Priority", "critical")
+	_, now, _ = up.counts()
+	t.Logf("after they ended: 20 more, %d shed, %d at the upstream", shed, now)
+	if now != 10 || shed != 10 {
+		t.Errorf("after the requests Redis admitted ended: %d at the upstream, %d of 20 shed; want 10 and 10", now, shed)
+	}
+	up.open()
+	waitLast()
+}
