@@ -175,14 +175,16 @@ func TestConcurrentSlowRedis(t *testing.T) {
 // stop` and service managers do) while its two requests hold both slots of
 // `concurrent 2`, and Redis stalls as they end (the link to it paused: a
 // failover, a slow network): the first release is on the wire, the second
-// queued behind it. The instance lets both requests finish, and before it
-// exits both releases reach Redis, once Redis answers again: another
-// instance gets both slots at once, not when the 30 s leases run out.
+// queued behind it, and each response waits for its own release to reach
+// Redis (a finished request is finished everywhere). The instance lets
+// both requests finish, and exits only once both releases have reached
+// Redis, when it answers again: another instance gets both slots at once,
+// not when the 30 s leases run out.
 func TestConcurrentGracefulStop(t *testing.T) {
 	srv := testredis.Start(t)
 	link := testredis.StartProxy(t, srv.Addr, 0)
 	up := startHoldingUpstream(t)
-	// 5s: the stall below must not time the first release out.
+	// 5s: the stall below must not time the releases out.
 	stopping := startCaddy(t, redisLimiter(link.Addr, "5s", map[string]any{"on_error": "fail_closed"}, slotsPolicy(2, "lease", "30s")), proxyTo(up.addr))
 	other := startCaddy(t, redisLimiter(srv.Addr, "1s", map[string]any{"on_error": "fail_closed", "jitter": 0}, slotsPolicy(2, "lease", "30s")), proxyTo(up.addr))
 	statuses := make(chan int, 2)
@@ -201,23 +203,27 @@ func TestConcurrentGracefulStop(t *testing.T) {
 	}
 	exited := make(chan struct{})
 	go func() { stopping.Stop(); close(exited) }()
-	for range 2 {
-		if status := <-statuses; status != 200 {
-			t.Fatalf("a request running when its instance was stopped: %d, want 200", status)
-		}
-	}
-	// Caddy notices its last request is done within about 500 ms (its
-	// server's shutdown polls), then cleans up: an instance that does not
-	// wait for its releases has exited by 1.5 s. One that waits does not
-	// exit while Redis stalls, and 1.5 s is well inside the 5 s its calls
-	// may take and the 5 s Stop gives it.
+	// The requests leave the upstream within 600 ms; their responses wait
+	// for their releases, which wait for Redis. Caddy notices its last
+	// request is done within about 500 ms of its end (its server's shutdown
+	// polls): an instance that does not wait for its releases has exited by
+	// 1.5 s. One that waits does not exit while Redis stalls, and 1.5 s is
+	// well inside the 5 s its calls may take and the 5 s Stop gives it.
 	select {
+	case status := <-statuses:
+		t.Errorf("a response ended (%d) while its release could not reach Redis", status)
+		statuses <- status
 	case <-exited:
 	case <-time.After(1500 * time.Millisecond):
 	}
 	resumed := time.Now()
 	if err := link.Resume(); err != nil {
 		t.Fatal(err)
+	}
+	for range 2 {
+		if status := <-statuses; status != 200 {
+			t.Fatalf("a request running when its instance was stopped: %d, want 200", status)
+		}
 	}
 	<-exited
 	after := time.Since(resumed)
