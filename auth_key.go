@@ -46,6 +46,47 @@ func (h *Handler) warnUnauthenticatedKeys(ctx caddy.Context) {
 	}
 }
 
+// clientChosen are the placeholders whose value the client picks: a key
+// made of one of them without authentication is a fresh identity per
+// value the client sends.
+var clientChosen = []string{"{http.request.header.", "{http.request.cookie.", "{http.request.uri", "{http.request.orig_uri"}
+
+// warnAnonymousQuotaKeys warns, at provision, of each quota policy keyed
+// on a value the client chooses (a header, a cookie, the query) in an app
+// that has no authentication handler and no forward_auth (a reverse_proxy
+// with handle_response routes): every value a client makes up is a count
+// that Redis keeps until the quota's period ends, a month for /month, and
+// an anonymous client rotating the value grows Redis for that long. The
+// warning says what a key costs and how to bound it (docs/quotas.md).
+func (h *Handler) warnAnonymousQuotaKeys(ctx caddy.Context) {
+	var keyed []*Policy
+	for _, p := range h.Policies {
+		if p.quota == nil {
+			continue
+		}
+		for _, c := range clientChosen {
+			if strings.Contains(p.Key, c) {
+				keyed = append(keyed, p)
+				break
+			}
+		}
+	}
+	if len(keyed) == 0 {
+		return
+	}
+	app := httpAppOf(ctx)
+	if app == nil || mayAuthenticate(app) || mayForwardAuth(app) {
+		return
+	}
+	for _, p := range keyed {
+		h.logger.Warn("rate_limit: quota policy "+p.Name+" keys on "+p.Key+", a value the client chooses, and nothing in this config "+
+			"authenticates it: every value a client sends is a count that Redis keeps until the "+p.quota.unit.String()+" ends "+
+			"(about 200 bytes each), so a client rotating the value grows Redis for that long. Key the quota on an authenticated "+
+			"identity (basic_auth, forward_auth's copied headers), or use a shorter period (docs/quotas.md, \"What a key costs\")",
+			zap.String("policy", p.Name), zap.String("key", p.Key), zap.String("period", p.quota.unit.String()))
+	}
+}
+
 // httpAppOf is the HTTP app being provisioned with the handler, from the
 // lineage of modules Caddy is provisioning; nil when the handler is
 // provisioned outside one.
@@ -62,15 +103,39 @@ func httpAppOf(ctx caddy.Context) *caddyhttp.App {
 // handler: one found, or a config too large to search (then it does not
 // know, and says it may).
 func mayAuthenticate(app *caddyhttp.App) bool {
-	s := authSearch{seen: map[uintptr]bool{}, budget: authSearchBudget}
+	s := authSearch{seen: map[uintptr]bool{}, budget: authSearchBudget, module: isAuthentication, raw: authHandlerJSON}
 	return s.found(reflect.ValueOf(app.Servers))
+}
+
+// mayForwardAuth reports whether the app may hold a forward_auth: a
+// reverse_proxy whose handle_response routes copy what the auth server
+// says into the request.
+func mayForwardAuth(app *caddyhttp.App) bool {
+	s := authSearch{seen: map[uintptr]bool{}, budget: authSearchBudget, module: isForwardAuth, raw: handleResponseJSON}
+	return s.found(reflect.ValueOf(app.Servers))
+}
+
+func isAuthentication(m caddy.Module) bool {
+	return caddy.GetModuleID(m) == "http.handlers.authentication"
+}
+
+func isForwardAuth(m caddy.Module) bool {
+	if caddy.GetModuleID(m) != "http.handlers.reverse_proxy" {
+		return false
+	}
+	v := reflect.Indirect(reflect.ValueOf(m)).FieldByName("HandleResponse")
+	return v.IsValid() && v.Kind() == reflect.Slice && v.Len() > 0
 }
 
 // authSearchBudget bounds the values an authSearch visits.
 const authSearchBudget = 1_000_000
 
-// authHandlerJSON is an authentication handler in a config's JSON.
-var authHandlerJSON = regexp.MustCompile(`"handler"\s*:\s*"authentication"`)
+// authHandlerJSON is an authentication handler in a config's JSON;
+// handleResponseJSON a reverse_proxy's handle_response routes.
+var (
+	authHandlerJSON    = regexp.MustCompile(`"handler"\s*:\s*"authentication"`)
+	handleResponseJSON = regexp.MustCompile(`"handle_response"\s*:\s*\[\s*\{`)
+)
 
 var rawMessageType = reflect.TypeFor[json.RawMessage]()
 
@@ -81,6 +146,8 @@ var rawMessageType = reflect.TypeFor[json.RawMessage]()
 type authSearch struct {
 	seen   map[uintptr]bool
 	budget int
+	module func(caddy.Module) bool // what is looked for, provisioned
+	raw    *regexp.Regexp          // and in JSON
 }
 
 func (s *authSearch) found(v reflect.Value) bool {
@@ -95,7 +162,7 @@ func (s *authSearch) found(v reflect.Value) bool {
 			return false
 		}
 		s.seen[v.Pointer()] = true
-		if m, ok := v.Interface().(caddy.Module); ok && caddy.GetModuleID(m) == "http.handlers.authentication" {
+		if m, ok := v.Interface().(caddy.Module); ok && s.module(m) {
 			return true
 		}
 		return s.found(v.Elem())
@@ -108,7 +175,7 @@ func (s *authSearch) found(v reflect.Value) bool {
 		}
 	case reflect.Slice:
 		if v.Type() == rawMessageType {
-			return authHandlerJSON.Match(v.Bytes())
+			return s.raw.Match(v.Bytes())
 		}
 		if v.Type().Elem().Kind() == reflect.Uint8 {
 			return false

@@ -179,6 +179,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		}
 	}
 	h.warnUnauthenticatedKeys(ctx)
+	h.warnAnonymousQuotaKeys(ctx)
 
 	var all []byte
 	for _, p := range h.Policies {

@@ -325,9 +325,18 @@ func main() {
 	}
 
 	// What one Redis round trip adds to a request on an idle machine: one
-	// connection, one request at a time.
+	// connection, one request at a time. Beside (b), the scenarios whose
+	// responses wait at their end for the work they leave to reach Redis
+	// (a settle, a slot's release: docs/concurrency.md): a second round
+	// trip.
 	fmt.Printf("\nOne connection, one request at a time (wrk -t1 -c1), %s each, alternating, 3 rounds:\n", *duration)
-	alternately(scenarios[0], b, func(sc *scenario) (p50, p99 float64, note string) {
+	oneAtATime := []*scenario{b}
+	for _, name := range []string{"f", "g"} {
+		if sc := byName[name]; sc != nil {
+			oneAtATime = append(oneAtATime, sc)
+		}
+	}
+	alternately(scenarios[0], oneAtATime, func(sc *scenario) (p50, p99 float64, note string) {
 		run := runWrkWith(s, wrk, sc.in.URL, sc.script, 1, 1, nil, func() {})
 		return run.p50, run.p99, ""
 	})
@@ -343,32 +352,36 @@ func main() {
 		{median(pick(b.runs, func(w wrkRun) float64 { return w.rps })) / 2, "half of (b)'s median"},
 	} {
 		fmt.Printf("\nOpen-loop latency at %.0f req/s (%s), 5s each, alternating, 3 rounds:\n", at.rate, at.what)
-		alternately(scenarios[0], b, func(sc *scenario) (p50, p99 float64, note string) {
+		alternately(scenarios[0], []*scenario{b}, func(sc *scenario) (p50, p99 float64, note string) {
 			p50, p99, errs := openLoop(sc.in.URL, at.rate, 5*time.Second)
 			return p50, p99, fmt.Sprintf(", %d errors", errs)
 		})
 	}
 }
 
-// alternately measures plain Caddy and the Redis-backed limiter in turn, 3
-// rounds in alternating order, and prints the medians of p50 and p99 (ms).
-func alternately(plain, limited *scenario, measure func(*scenario) (p50, p99 float64, note string)) {
-	var p50s, p99s [2][]float64
+// alternately measures plain Caddy and each limited scenario in turn, 3
+// rounds, the order flipped from round to round, and prints the medians
+// of p50 and p99 (ms), each against plain Caddy's.
+func alternately(plain *scenario, limited []*scenario, measure func(*scenario) (p50, p99 float64, note string)) {
+	all := append([]*scenario{plain}, limited...)
+	p50s, p99s := make([][]float64, len(all)), make([][]float64, len(all))
 	for r := range 3 {
-		order := []int{0, 1}
-		if r%2 == 1 {
-			order = []int{1, 0}
-		}
-		for _, i := range order {
-			sc := []*scenario{plain, limited}[i]
+		for k := range all {
+			i := k
+			if r%2 == 1 {
+				i = len(all) - 1 - k
+			}
+			sc := all[i]
 			p50, p99, note := measure(sc)
 			fmt.Printf("round %d %s: p50 %.3f ms, p99 %.3f ms%s\n", r+1, sc.name, p50, p99, note)
 			p50s[i], p99s[i] = append(p50s[i], p50), append(p99s[i], p99)
 		}
 	}
-	fmt.Printf("median p50: plain %.3f ms, Redis-backed %.3f ms (+%.3f ms); median p99: plain %.3f ms, Redis-backed %.3f ms (+%.3f ms)\n",
-		median(p50s[0]), median(p50s[1]), median(p50s[1])-median(p50s[0]),
-		median(p99s[0]), median(p99s[1]), median(p99s[1])-median(p99s[0]))
+	for i, sc := range limited {
+		fmt.Printf("median p50: plain %.3f ms, (%s) %.3f ms (+%.3f ms); median p99: plain %.3f ms, (%s) %.3f ms (+%.3f ms)\n",
+			median(p50s[0]), sc.name, median(p50s[i+1]), median(p50s[i+1])-median(p50s[0]),
+			median(p99s[0]), sc.name, median(p99s[i+1]), median(p99s[i+1])-median(p99s[0]))
+	}
 }
 
 var (
