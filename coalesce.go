@@ -51,9 +51,10 @@ const (
 type pending struct {
 	reqs   []bucketRequest
 	queued time.Time
-	// then, for work after a response, which nobody waits for, is called
-	// with the outcome once the call is over.
-	then func(*pending)
+	// then, for work after a response, is called with the outcome once the
+	// call is over. awaited: a response waits for it (see submitAwaited).
+	then    func(*pending)
+	awaited bool
 	// ctx is the request's: a request still queued when it is done (its
 	// client went away) is dropped, neither decided nor charged (nil:
 	// never). Its Err is read, not its Done, which a context makes on
@@ -99,8 +100,9 @@ type coalescer struct {
 	calling int // calls in flight
 	queue   []*pending
 	// later is work after responses (settles, charges, releases), which
-	// rides with the next call.
-	later []*pending
+	// rides with the next call; awaited of it, responses wait for.
+	later   []*pending
+	awaited int
 	// waiting: later work waits (laterWait) for a call to ride with, and
 	// the timer will send it by itself if none comes.
 	waiting bool
@@ -167,6 +169,27 @@ func (c *coalescer) waitLater() {
 	}
 }
 
+// submitAwaited queues p, work after a response that the response waits
+// for (a finished request is finished everywhere: finish.go): it rides
+// with the call that goes next when calls are in flight, without making
+// one more (a request's own decision and its finish would otherwise be
+// two members of calls, twice the calls under load), and goes at once, by
+// itself, when none is. p.then tells the waiter.
+func (c *coalescer) submitAwaited(p *pending) {
+	p.awaited = true
+	c.mu.Lock()
+	if c.calling == 0 {
+		c.calling++
+		batch := append(c.takeLater(), p)
+		c.mu.Unlock()
+		c.lead(nil, batch)
+		return
+	}
+	c.later = append(c.later, p)
+	c.awaited++
+	c.mu.Unlock()
+}
+
 // sendLater sends the later work by itself, unless a call took it or is in
 // flight (which will).
 func (c *coalescer) sendLater() {
@@ -226,6 +249,7 @@ func (c *coalescer) takeWith(later bool) []*pending {
 	batch := make([]*pending, 0, l+n)
 	batch = append(batch, c.later[:l]...)
 	batch = append(batch, c.queue[:n]...)
+	c.tookLater(l)
 	c.later = c.later[:copy(c.later, c.later[l:])]
 	c.queue = c.queue[:copy(c.queue, c.queue[n:])]
 	return batch
@@ -236,8 +260,22 @@ func (c *coalescer) takeWith(later bool) []*pending {
 func (c *coalescer) takeLater() []*pending {
 	l := min(len(c.later), maxBatch-1)
 	batch := append([]*pending(nil), c.later[:l]...)
+	c.tookLater(l)
 	c.later = c.later[:copy(c.later, c.later[l:])]
 	return batch
+}
+
+// tookLater counts the awaited work among the first l of later, about to
+// be taken; c.mu is held.
+func (c *coalescer) tookLater(l int) {
+	if c.awaited == 0 {
+		return
+	}
+	for _, p := range c.later[:l] {
+		if p.awaited {
+			c.awaited--
+		}
+	}
 }
 
 // leader is the member of batch that waits for it and can lead it, nil
@@ -284,7 +322,7 @@ func (c *coalescer) finish(p *pending, batch []*pending) {
 	var next []*pending
 	var idle drainWaiters // woken once batch's callbacks are done
 	c.mu.Lock()
-	if len(c.queue) > 0 || len(c.later) >= maxBatch || (len(c.later) > 0 && len(c.idle) > 0) {
+	if len(c.queue) > 0 || len(c.later) >= maxBatch || (len(c.later) > 0 && (len(c.idle) > 0 || c.awaited > 0)) {
 		next = c.take()
 	} else {
 		c.calling--

@@ -426,3 +426,79 @@ func TestCoalescerLaterRides(t *testing.T) {
 		t.Fatalf("calls carried %v, want [[later later decision]]", batches)
 	}
 }
+
+// TestCoalescerAwaited: work after a response that the response waits for
+// goes at once, alone, when no call is in flight; while one is, it rides
+// with the next call and never makes one more: parallelBatch of it
+// queued beside a call in flight start no call of their own; and when the
+// call in flight ends with only such work queued, it goes at once, not
+// after laterWait.
+func TestCoalescerAwaited(t *testing.T) {
+	var mu sync.Mutex
+	var sizes []int
+	gate := make(chan struct{})
+	started := make(chan int, 10)
+	c := &coalescer{maxCalls: 3, wait: time.Hour, call: func(batch []*pending) {
+		mu.Lock()
+		sizes = append(sizes, len(batch))
+		n := len(sizes)
+		mu.Unlock()
+		started <- n
+		if n == 2 {
+			<-gate
+		}
+		for _, m := range batch {
+			m.err = nil
+		}
+	}}
+	awaited := func(done chan<- error) {
+		p := newPending(nil, nil)
+		p.err = errCallAborted
+		p.then = func(p *pending) { done <- p.err }
+		c.submitAwaited(p)
+	}
+	// Alone: at once.
+	done := make(chan error, 1)
+	awaited(done)
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	<-started
+	// A decision in flight (call 2): awaited work waits for it, and starts
+	// no call of its own however much of it comes.
+	go func() { c.submit(newPending(nil, nil)) }()
+	if n := <-started; n != 2 {
+		t.Fatalf("call %d started, want 2", n)
+	}
+	many := make(chan error, 2*parallelBatch)
+	for range 2 * parallelBatch {
+		go awaited(many)
+	}
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(time.Millisecond) {
+		c.mu.Lock()
+		n := len(c.later)
+		c.mu.Unlock()
+		if n == 2*parallelBatch {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d awaited queued, want %d", n, 2*parallelBatch)
+		}
+	}
+	select {
+	case n := <-started:
+		t.Fatalf("call %d started while one was in flight: awaited work made a call of its own", n)
+	case <-time.After(50 * time.Millisecond):
+	}
+	// Call 2 ends: the awaited work goes at once (laterWait is an hour
+	// here), all in call 3.
+	close(gate)
+	for range 2 * parallelBatch {
+		if err := <-many; err != nil {
+			t.Fatal(err)
+		}
+	}
+	if want := []int{1, 1, 2 * parallelBatch}; !slices.Equal(sizes, want) {
+		t.Fatalf("calls carried %v, want %v", sizes, want)
+	}
+}

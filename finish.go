@@ -1,7 +1,6 @@
 package ratelimit
 
 import (
-	"context"
 	"net/http"
 	"strconv"
 )
@@ -36,9 +35,8 @@ func (h *Handler) finish(aw *afterResponse, rs *requestState, res *reservation, 
 	if len(reqs) == 0 {
 		return
 	}
-	// Owed even when the client went away: the request's context does not
-	// cancel it.
-	_, err = res.decidedBy.decide(context.WithoutCancel(aw.ctx), reqs)
+	// Owed even when the client went away: nothing cancels it.
+	_, err = res.decidedBy.decideAwaited(reqs)
 	if err != nil {
 		for _, p := range charged {
 			p.chargesLost[lostStoreUnreachable].Inc()

@@ -31,6 +31,10 @@ func (f failingStore) decideLater(reqs []bucketRequest, then func(decision, erro
 	then(f.decide(context.Background(), reqs))
 }
 
+func (f failingStore) decideAwaited(reqs []bucketRequest) (decision, error) {
+	return f.decide(context.Background(), reqs)
+}
+
 // testHandler provisions h as Caddy would, then puts its buckets in st (an
 // in-process store on an injected clock, or a failing one).
 func testHandler(t *testing.T, h *Handler, st store) *Handler {

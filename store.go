@@ -19,6 +19,10 @@ type store interface {
 	// work after a response (a settle, a charge, a release), which nobody
 	// waits for. It must not keep reqs' memory past the call.
 	decideLater(reqs []bucketRequest, then func(decision, error))
+	// decideAwaited decides reqs, work after a response that the response
+	// waits for (finish.go), when it suits the store without delaying it:
+	// riding with a call already due, never making one more.
+	decideAwaited(reqs []bucketRequest) (decision, error)
 }
 
 // openStore returns the store a handler's buckets live in: this process's

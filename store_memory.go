@@ -177,6 +177,11 @@ func (m *memoryStore) decideLater(reqs []bucketRequest, then func(decision, erro
 	then(m.decide(context.Background(), reqs))
 }
 
+// decideAwaited decides at once.
+func (m *memoryStore) decideAwaited(reqs []bucketRequest) (decision, error) {
+	return m.decide(context.Background(), reqs)
+}
+
 // applySlots takes, frees or renews a lease; for opRenew it reports
 // whether the lease is still held. In this process a lease lasts until its
 // request releases it (the process that holds it is this one), so none is

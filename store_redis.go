@@ -112,6 +112,30 @@ func (s *redisStore) decideLater(reqs []bucketRequest, then func(decision, error
 	s.conn.coalescer.submitLater(p)
 }
 
+// decideAwaited decides work after a response that the response waits for
+// (finish.go): with the next call when calls are in flight, at once by
+// itself when none is.
+func (s *redisStore) decideAwaited(reqs []bucketRequest) (decision, error) {
+	if s.conn.coalescer == nil { // Cluster: a call per slot group
+		return s.decide(context.Background(), reqs)
+	}
+	if s.conn.breaker.skipping() {
+		circuitOpenErrors.Inc()
+		return decision{}, errCircuitOpen
+	}
+	var d decision
+	var err error
+	done := make(chan struct{}, 1)
+	p := newPending(reqs, nil)
+	p.then = func(p *pending) {
+		d, err = p.d, p.err
+		done <- struct{}{}
+	}
+	s.conn.coalescer.submitAwaited(p)
+	<-done
+	return d, err
+}
+
 // decideInOneCall decides buckets that one script call can reach: a single
 // Redis, or one Redis Cluster slot.
 func (s *redisStore) decideInOneCall(ctx context.Context, reqs []bucketRequest) (decision, error) {
