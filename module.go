@@ -142,6 +142,7 @@ const (
 // Provision sets up the handler: its defaults, its policies and its store.
 func (h *Handler) Provision(ctx caddy.Context) error {
 	h.logger = ctx.Logger()
+	goRedisLog.use(h.logger)
 	announceVersion.Do(func() { h.logger.Info("rate_limit module", zap.String("version", Version)) })
 	if err := registerMetrics(ctx); err != nil {
 		return err
