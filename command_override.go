@@ -51,7 +51,7 @@ far in the period count against the new N.`,
 			return cmd.Help()
 		}
 		cmd.SilenceUsage = true
-		return fmt.Errorf("unknown command %q for caddy rate-limit: use inspect, reset, grant, top, format, override or overrides (caddy rate-limit --help)", args[0])
+		return fmt.Errorf("unknown command %q for caddy rate-limit: use inspect, reset, grant, top, format, fleet, check, override or overrides (caddy rate-limit --help)", args[0])
 	}
 }
 

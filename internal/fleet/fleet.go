@@ -177,6 +177,7 @@ type Variant struct {
 // enforce in more than one way: they do not share one budget.
 type Split struct {
 	Policy string `json:"policy"`
+	Prefix string `json:"key_prefix"`
 	// Differs names the parts that are not the same in every variant:
 	// limit, key, key_secret.
 	Differs  []string  `json:"differs"`
@@ -310,7 +311,7 @@ func splits(records []Record, id fleetID, self string) []Split {
 		if e.mine > 0 { // self's first
 			vs = append([]Variant{vs[e.mine]}, append(slices.Clone(vs[:e.mine]), vs[e.mine+1:]...)...)
 		}
-		out = append(out, Split{Policy: name, Differs: differs(vs), Variants: vs})
+		out = append(out, Split{Policy: name, Prefix: id.prefix, Differs: differs(vs), Variants: vs})
 	}
 	return out
 }
