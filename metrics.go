@@ -121,6 +121,9 @@ func errorKind(err error) string {
 		case "wrongpass", "noauth", "noperm", "readonly", "oom", "loading", "busy", "masterdown", "clusterdown":
 			return word
 		}
+		if strings.Contains(redisErr.Error(), "user executing the script can't") {
+			return "noperm" // an ACL without a command the script runs: ERR, not NOPERM
+		}
 		return "redis"
 	case errors.Is(err, context.DeadlineExceeded), errors.As(err, &netErr) && netErr.Timeout():
 		return "timeout"
