@@ -79,6 +79,7 @@ type fleetView struct {
 	probed      any                   // the config last probed (probe.go)
 	probeOK     bool                  // the last probe found Redis deciding
 	known       map[string]fleetKnown // the other live instances' records, by id
+	seen        []string              // their ids, as last logged
 	warned      map[splitKey]bool     // the disagreements logged and still there
 	disagreeing int                   // counted in fleetDisagreements
 	failed      string                // the kind of the refresh failure logged last
@@ -248,10 +249,17 @@ func (c *redisConn) refreshFleet() bool {
 		}
 	}
 	others := make([]fleet.Record, 0, len(v.known))
-	for _, k := range v.known {
+	ids := make([]string, 0, len(v.known))
+	for id, k := range v.known {
+		ids = append(ids, id)
 		if k.ok {
 			others = append(others, k.record)
 		}
+	}
+	slices.Sort(ids)
+	if !slices.Equal(ids, v.seen) {
+		v.seen = ids
+		c.logger.Debug("the other live instances on this Redis database", zap.String("redis", c.name), zap.Int("db", c.db), zap.Strings("instances", ids))
 	}
 	c.noteSplits(fleet.Against(self, others))
 	return true
