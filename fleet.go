@@ -328,12 +328,18 @@ func (c *redisConn) readRecords(ctx context.Context, live []fleetEntry) error {
 	if len(need) == 0 {
 		return nil
 	}
-	vals, err := c.client.HMGet(ctx, fleetRecordsKey, need...).Result()
-	if err != nil {
+	// HGETs in one round trip: the ACL the limiter needs has HGET already.
+	gets := make([]*redis.StringCmd, len(need))
+	if _, err := c.client.Pipelined(ctx, func(p redis.Pipeliner) error {
+		for i, id := range need {
+			gets[i] = p.HGet(ctx, fleetRecordsKey, id)
+		}
+		return nil
+	}); err != nil && !errors.Is(err, redis.Nil) {
 		return err
 	}
-	for i, val := range vals {
-		raw, _ := val.(string)
+	for i, get := range gets {
+		raw := get.Val()
 		if raw == "" {
 			delete(v.known, need[i]) // it left meanwhile
 			continue

@@ -241,11 +241,12 @@ func (c *redisConn) report(kind string, err error) {
 func perKey(kind string) bool { return kind == "wrongtype" || kind == "corrupt" || kind == "clock" }
 
 // limiterACL is what the limiter's Redis user needs: its keys and channels
-// (rl: with the default key_prefix), the commands of lua/decide.lua (TYPE
-// only to name a key that is not a bucket; the sorted-set commands for
-// concurrency slots), and PUBLISH and SUBSCRIBE for the events between
-// instances.
-const limiterACL = "~rl:* &rl:* +evalsha +eval +time +get +set +del +type +publish +subscribe +zadd +zrem +zcard +zremrangebyscore +pexpire +hset +hdel +hget +hgetall +hkeys +hscan +pubsub|numsub"
+// (rl: with the default key_prefix), the fleet's keys (fleet.go), the
+// commands of lua/decide.lua and lua/fleet.lua (TYPE only to name a key
+// that is not a bucket; the sorted-set commands for concurrency slots; the
+// hash commands for overrides and the fleet), and PUBLISH and SUBSCRIBE
+// for the events between instances.
+const limiterACL = "~rl:* ~rate_limit:{fleet}* &rl:* +evalsha +eval +time +get +set +del +type +publish +subscribe +zadd +zrem +zcard +zremrangebyscore +pexpire +hset +hdel +hget +hgetall +hkeys +hscan +pubsub|numsub"
 
 // errorFixes is what to change for each permanent error kind.
 var errorFixes = map[string]string{
