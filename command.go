@@ -88,15 +88,11 @@ reads the config given with --config (and --adapter) instead.
 func rateLimitCommand(action string) func(*cobra.Command, []string) error {
 	return func(cmd *cobra.Command, args []string) error {
 		cmd.SilenceUsage = true
-		flags := cmd.Flags()
-		address, _ := flags.GetString("address")
-		configFile, _ := flags.GetString("config")
-		adapter, _ := flags.GetString("adapter")
-		asJSON, _ := flags.GetBool("json")
-		plan, _ := flags.GetString("plan")
-		adminAddr, err := caddycmd.DetermineAdminAPIAddress(address, nil, configFile, adapter)
+		asJSON, _ := cmd.Flags().GetBool("json")
+		plan, _ := cmd.Flags().GetString("plan")
+		adminAddr, err := adminAddress(cmd)
 		if err != nil {
-			return fmt.Errorf("finding the admin API: %v", err)
+			return err
 		}
 		req := adminRequest{Plan: plan}
 		if len(args) > 0 && action != "format" {
@@ -147,6 +143,21 @@ func rateLimitCommand(action string) func(*cobra.Command, []string) error {
 		}
 		return printAnswer(os.Stdout, action, raw)
 	}
+}
+
+// adminAddress finds the admin API as caddy reload does: --address, or
+// the admin listener of the config given with --config (and --adapter),
+// or Caddy's default.
+func adminAddress(cmd *cobra.Command) (string, error) {
+	flags := cmd.Flags()
+	address, _ := flags.GetString("address")
+	configFile, _ := flags.GetString("config")
+	adapter, _ := flags.GetString("adapter")
+	adminAddr, err := caddycmd.DetermineAdminAPIAddress(address, nil, configFile, adapter)
+	if err != nil {
+		return "", fmt.Errorf("finding the admin API: %v", err)
+	}
+	return adminAddr, nil
 }
 
 // printAnswer writes an admin API answer for a person.

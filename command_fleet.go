@@ -12,7 +12,6 @@ import (
 	"text/tabwriter"
 	"time"
 
-	caddycmd "github.com/caddyserver/caddy/v2/cmd"
 	"github.com/ratelimit-caddy/caddy-ratelimit/internal/fleet"
 	"github.com/spf13/cobra"
 )
@@ -42,14 +41,10 @@ nothing.`,
 
 func fleetCommand(cmd *cobra.Command, _ []string) error {
 	cmd.SilenceUsage = true
-	flags := cmd.Flags()
-	address, _ := flags.GetString("address")
-	configFile, _ := flags.GetString("config")
-	adapter, _ := flags.GetString("adapter")
-	asJSON, _ := flags.GetBool("json")
-	adminAddr, err := caddycmd.DetermineAdminAPIAddress(address, nil, configFile, adapter)
+	asJSON, _ := cmd.Flags().GetBool("json")
+	adminAddr, err := adminAddress(cmd)
 	if err != nil {
-		return fmt.Errorf("finding the admin API: %v", err)
+		return err
 	}
 	raw, err := callAdmin(adminAddr, http.MethodGet, "/rate_limit/fleet", nil, asJSON)
 	if err != nil || asJSON {

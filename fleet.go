@@ -418,9 +418,9 @@ func (c *redisConn) fleetFailed(err error) {
 	case "timeout", "connection", "loading", "busy", "masterdown", "clusterdown":
 		c.logger.Debug("announcing this instance to the fleet", fields...)
 	case "noperm":
-		c.logger.Warn("this instance cannot announce itself to the fleet: grant the Redis user the fleet's keys, ~"+fleetIndexKey+"* "+
-			"(see the ACL in docs/redis.md). Decisions are not affected, but `caddy rate-limit fleet` does not list this instance, "+
-			"and instances that disagree on a policy are not told", fields...)
+		c.logger.Warn("this instance cannot announce itself to the fleet: the Redis user may not run its script or use its keys; "+
+			"grant ~"+fleetIndexKey+"* with the ACL of docs/redis.md. Decisions are not affected, but `caddy rate-limit fleet` "+
+			"does not list this instance, and instances that disagree on a policy are not told", fields...)
 	default:
 		c.logger.Warn("this instance cannot announce itself to the fleet; decisions are not affected", fields...)
 	}
@@ -435,7 +435,9 @@ func (c *redisConn) leaveFleet(deadline time.Time) {
 	v.mu.Lock()
 	defer v.mu.Unlock()
 	v.left = true
-	c.noteSplits(nil)
+	// Off the gauge, without saying the fleet agrees: this instance leaves.
+	fleetDisagreements.Add(-float64(v.disagreeing))
+	v.disagreeing, v.warned = 0, nil
 	if v.written == "" {
 		return
 	}
