@@ -78,6 +78,7 @@ type fleetView struct {
 	published   string                // the digest last announced on the events channels
 	probed      any                   // the config last probed (probe.go)
 	probeOK     bool                  // the last probe found Redis deciding
+	probeAgain  bool                  // it found Redis away: probe once Redis answers
 	known       map[string]fleetKnown // the other live instances' records, by id
 	seen        []string              // their ids, as last logged
 	warned      map[splitKey]bool     // the disagreements logged and still there
@@ -229,6 +230,9 @@ func (c *redisConn) refreshFleet() bool {
 	if v.failed != "" {
 		c.logger.Info("this instance announces itself to the fleet again", zap.String("redis", c.name))
 		v.failed = ""
+	}
+	if v.probeAgain && config != nil {
+		c.probeStarted(hs) // Redis answers again: does it decide?
 	}
 	v.written = digest
 	if digest == "" {
@@ -414,10 +418,10 @@ func (c *redisConn) fleetFailed(err error) {
 	}
 	v.failed = kind
 	fields := []zap.Field{zap.String("redis", c.name), zap.String("kind", kind), zap.Error(err)}
-	switch kind {
-	case "timeout", "connection", "loading", "busy", "masterdown", "clusterdown":
+	switch {
+	case away(kind): // the decisions report it
 		c.logger.Debug("announcing this instance to the fleet", fields...)
-	case "noperm":
+	case kind == "noperm":
 		c.logger.Warn("this instance cannot announce itself to the fleet: the Redis user may not run its script or use its keys; "+
 			"grant ~"+fleetIndexKey+"* with the ACL of docs/redis.md. Decisions are not affected, but `caddy rate-limit fleet` "+
 			"does not list this instance, and instances that disagree on a policy are not told", fields...)

@@ -115,8 +115,14 @@ func probeKind(err error) string {
 // every policy's alike; otherwise it may be one policy's (an ACL without
 // a command only some policies use, a key that is not a bucket).
 func connectionWide(kind string) bool {
+	return away(kind) || kind == "wrongpass" || kind == "noauth" || kind == "noscripting"
+}
+
+// away reports whether a kind of failure is Redis not answering (yet),
+// rather than refusing: the probe is made again once it answers.
+func away(kind string) bool {
 	switch kind {
-	case "connection", "timeout", "wrongpass", "noauth", "noscripting", "loading", "busy", "masterdown", "clusterdown":
+	case "connection", "timeout", "loading", "busy", "masterdown", "clusterdown":
 		return true
 	}
 	return false
@@ -197,6 +203,10 @@ func (c *redisConn) probeStarted(hs []*Handler) {
 	}
 	failures := failuresOf(c.probe(defs))
 	v := &c.fleet
+	v.probeAgain = len(failures) > 0
+	for _, f := range failures {
+		v.probeAgain = v.probeAgain && away(f.kind)
+	}
 	if len(failures) == 0 {
 		if !v.probeOK {
 			var ps []*Policy

@@ -78,6 +78,26 @@ func TestRedisUnusableAtStart(t *testing.T) {
 	}
 }
 
+// TestRedisComesBack: Caddy started while Redis was down logs the ERROR,
+// then, once Redis answers, one INFO line that Redis decides.
+func TestRedisComesBack(t *testing.T) {
+	srv := testredis.Start(t)
+	srv.Stop()
+	in := startCaddyTuned(t, logLevel("INFO"), limiter(srv.Addr, nil, map[string]any{"name": "per_user", "key": "{http.request.header.X-User}", "rate": "3/1h"}), echo())
+	waitForLog(t, in, 10*time.Second, "the ERROR at start", func(e map[string]any) bool {
+		msg, _ := e["msg"].(string)
+		return e["level"] == "error" && strings.HasPrefix(msg, "Redis cannot decide for policy per_user: Redis cannot be reached")
+	})
+	srv.Restart(t)
+	back := time.Now()
+	// The fleet's next refresh (every 5 s) finds Redis answering; a call
+	// on a connection Redis's stop broke may fail once more.
+	waitForLog(t, in, 15*time.Second, "Redis deciding again", func(e map[string]any) bool {
+		return e["level"] == "info" && e["msg"] == "Redis decides for policy per_user"
+	})
+	t.Logf("logged that Redis decides %.1f s after it came back", time.Since(back).Seconds())
+}
+
 // runCaddy runs `caddy run --config <file>` with its own home, logging to
 // a file; the process is stopped (by its PID) when the test ends.
 func runCaddy(t *testing.T, configFile string) (*exec.Cmd, string) {
