@@ -98,35 +98,41 @@ func TestRedisComesBack(t *testing.T) {
 	t.Logf("logged that Redis decides %.1f s after it came back", time.Since(back).Seconds())
 }
 
+// ranCaddy is a `caddy run` process: done is closed once it exited.
+type ranCaddy struct {
+	cmd  *exec.Cmd
+	log  string
+	done chan struct{}
+}
+
 // runCaddy runs `caddy run --config <file>` with its own home, logging to
 // a file; the process is stopped (by its PID) when the test ends.
-func runCaddy(t *testing.T, configFile string) (*exec.Cmd, string) {
+func runCaddy(t *testing.T, configFile string) *ranCaddy {
 	t.Helper()
 	dir := t.TempDir()
-	logPath := filepath.Join(dir, "caddy.log")
-	log, err := os.Create(logPath)
+	r := &ranCaddy{log: filepath.Join(dir, "caddy.log"), done: make(chan struct{})}
+	log, err := os.Create(r.log)
 	if err != nil {
 		t.Fatal(err)
 	}
-	cmd := exec.Command(caddyBin, "run", "--config", configFile)
-	cmd.Env = append(os.Environ(), "XDG_DATA_HOME="+filepath.Join(dir, "data"), "XDG_CONFIG_HOME="+filepath.Join(dir, "config"), "HOME="+dir)
-	cmd.Stdout, cmd.Stderr = log, log
-	testproc.DieWithParent(cmd)
-	if err := cmd.Start(); err != nil {
+	r.cmd = exec.Command(caddyBin, "run", "--config", configFile)
+	r.cmd.Env = append(os.Environ(), "XDG_DATA_HOME="+filepath.Join(dir, "data"), "XDG_CONFIG_HOME="+filepath.Join(dir, "config"), "HOME="+dir)
+	r.cmd.Stdout, r.cmd.Stderr = log, log
+	testproc.DieWithParent(r.cmd)
+	if err := r.cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
-	done := make(chan struct{})
-	go func() { _ = cmd.Wait(); log.Close(); close(done) }()
+	go func() { _ = r.cmd.Wait(); log.Close(); close(r.done) }()
 	t.Cleanup(func() {
-		_ = cmd.Process.Signal(syscall.SIGTERM)
+		_ = r.cmd.Process.Signal(syscall.SIGTERM)
 		select {
-		case <-done:
+		case <-r.done:
 		case <-time.After(5 * time.Second):
-			_ = cmd.Process.Kill()
-			<-done
+			_ = r.cmd.Process.Kill()
+			<-r.done
 		}
 	})
-	return cmd, logPath
+	return r
 }
 
 // TestRequireRedis: with require_redis, Caddy does not start while Redis
@@ -134,14 +140,16 @@ func runCaddy(t *testing.T, configFile string) (*exec.Cmd, string) {
 func TestRequireRedis(t *testing.T) {
 	closed := "127.0.0.1:" + strconv.Itoa(testredis.FreePort(t))
 	h := limiter(closed, map[string]any{"require_redis": true}, map[string]any{"name": "per_user", "key": "{http.request.header.X-User}", "rate": "3/1h"})
-	cmd, logPath := runCaddy(t, writeConfig(t, h, echo()))
-	deadline := time.Now().Add(20 * time.Second)
-	for cmd.ProcessState == nil && time.Now().Before(deadline) {
-		time.Sleep(50 * time.Millisecond)
+	r := runCaddy(t, writeConfig(t, h, echo()))
+	select {
+	case <-r.done:
+	case <-time.After(20 * time.Second):
+		raw, _ := os.ReadFile(r.log)
+		t.Fatalf("caddy did not exit within 20 s:\n%s", raw)
 	}
-	raw, _ := os.ReadFile(logPath)
-	if cmd.ProcessState == nil || cmd.ProcessState.Success() {
-		t.Fatalf("caddy did not exit with an error within 20 s:\n%s", raw)
+	raw, _ := os.ReadFile(r.log)
+	if r.cmd.ProcessState.Success() {
+		t.Fatalf("caddy exited 0:\n%s", raw)
 	}
 	if !strings.Contains(string(raw), "require_redis: Redis cannot decide for policy per_user: Redis cannot be reached: check the redis address") {
 		t.Errorf("caddy's error does not say why:\n%s", raw)
@@ -216,7 +224,7 @@ func TestLogsStayJSON(t *testing.T) {
 // process listens on its addresses, naming them and that process.
 func TestSameConfigTwice(t *testing.T) {
 	configFile := writeConfig(t, limiter("", nil, map[string]any{"name": "per_user", "key": "{http.request.header.X-User}", "rate": "3/1h"}), echo())
-	first, _ := runCaddy(t, configFile)
+	first := runCaddy(t, configFile)
 	raw, _ := os.ReadFile(configFile)
 	var cfg struct {
 		Admin struct {
@@ -225,7 +233,7 @@ func TestSameConfigTwice(t *testing.T) {
 	}
 	_ = json.Unmarshal(raw, &cfg)
 	waitListening(t, cfg.Admin.Listen)
-	_, secondLog := runCaddy(t, configFile)
+	secondLog := runCaddy(t, configFile).log
 	deadline := time.Now().Add(10 * time.Second)
 	for {
 		log, _ := os.ReadFile(secondLog)
@@ -233,8 +241,8 @@ func TestSameConfigTwice(t *testing.T) {
 			line := string(log)[strings.LastIndex(string(log[:i]), "\n")+1:]
 			line = line[:strings.Index(line, "\n")]
 			t.Logf("the second instance: %s", line)
-			if !strings.Contains(line, cfg.Admin.Listen) || !strings.Contains(line, `"other_pids":[`+strconv.Itoa(first.Process.Pid)+`]`) {
-				t.Errorf("the warning does not name the admin address %s and the first process %d: %s", cfg.Admin.Listen, first.Process.Pid, line)
+			if !strings.Contains(line, cfg.Admin.Listen) || !strings.Contains(line, `"other_pids":[`+strconv.Itoa(first.cmd.Process.Pid)+`]`) {
+				t.Errorf("the warning does not name the admin address %s and the first process %d: %s", cfg.Admin.Listen, first.cmd.Process.Pid, line)
 			}
 			return
 		}
