@@ -227,10 +227,10 @@ func (c *redisConn) refreshFleet() bool {
 		c.fleetFailed(err)
 		return true
 	}
-	if v.failed != "" {
+	if v.failed != "" && !away(v.failed) { // what was warned about is fixed
 		c.logger.Info("this instance announces itself to the fleet again", zap.String("redis", c.name))
-		v.failed = ""
 	}
+	v.failed = ""
 	if v.probeAgain && config != nil {
 		c.probeStarted(hs) // Redis answers again: does it decide?
 	}
