@@ -7,6 +7,7 @@ import (
 	"net/http"
 	"slices"
 	"strings"
+	"time"
 
 	"github.com/ratelimit-caddy/caddy-ratelimit/internal/fleet"
 	"github.com/redis/go-redis/v9"
@@ -73,17 +74,21 @@ func (adminAPI) fleet(w http.ResponseWriter, r *http.Request) error {
 }
 
 // readFleets reads the live instances of the connection's database and,
-// on a single Redis, of its other databases.
+// on a single Redis, of its other databases, on a client of its own: an
+// operator's listing may take longer than the decisions' timeout, and
+// SELECT changes a connection's database, which must not go back to the
+// decisions' pool.
 func (c *redisConn) readFleets(ctx context.Context) (fleetStore, error) {
 	st := fleetStore{Store: "Redis " + c.name}
-	now, live, err := fleetCall(ctx, c.client, "", "", nil, true)
+	client := c.listingClient()
+	defer client.Close()
+	now, live, err := fleetCall(ctx, client, "", "", nil, true)
 	if err != nil {
 		return st, err
 	}
 	st.Instances = liveInstances(c.db, now, live)
-	if cl, ok := c.client.(*redis.Client); ok && !c.cluster { // a Redis Cluster has one database
-
-		others, note := readOtherDatabases(ctx, cl, c.db)
+	if single, ok := client.(*redis.Client); ok { // a Redis Cluster has one database
+		others, note := readOtherDatabases(ctx, single, c.db)
 		st.Instances, st.OtherDatabases = append(st.Instances, others...), note
 	}
 	var records []fleet.Record
@@ -94,16 +99,31 @@ func (c *redisConn) readFleets(ctx context.Context) (fleetStore, error) {
 	return st, nil
 }
 
+// listingTimeout bounds each read of a listing.
+const listingTimeout = 2 * time.Second
+
+// listingClient is a client of one connection to the connection's Redis
+// (each node's, for a Cluster), whose reads may take listingTimeout.
+func (c *redisConn) listingClient() redis.UniversalClient {
+	switch cl := c.client.(type) {
+	case *redis.ClusterClient:
+		opt := *cl.Options()
+		opt.PoolSize, opt.MinIdleConns, opt.MaxIdleConns = 1, 0, 1
+		opt.ReadTimeout, opt.WriteTimeout = listingTimeout, listingTimeout
+		return redis.NewClusterClient(&opt)
+	case *redis.Client: // a single Redis, or a master found through Sentinel
+		opt := *cl.Options()
+		opt.PoolSize, opt.MinIdleConns, opt.MaxIdleConns = 1, 0, 1
+		opt.ReadTimeout, opt.WriteTimeout = listingTimeout, listingTimeout
+		return redis.NewClient(&opt)
+	}
+	return nil
+}
+
 // readOtherDatabases reads the fleets of a single Redis's databases other
-// than own, on a connection of its own (SELECT changes a connection's
-// database, which must not go back to the pool), until one is out of
-// range; note says why not all were read.
+// than own, until one is out of range; note says why not all were read.
 func readOtherDatabases(ctx context.Context, cl *redis.Client, own int) (out []fleetInstance, note string) {
-	opt := *cl.Options()
-	opt.PoolSize, opt.MinIdleConns, opt.MaxIdleConns = 1, 0, 1
-	dedicated := redis.NewClient(&opt)
-	defer dedicated.Close()
-	conn := dedicated.Conn()
+	conn := cl.Conn()
 	defer conn.Close()
 	for db := 0; db < maxListedDBs; db++ {
 		if db == own {

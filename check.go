@@ -154,7 +154,9 @@ func checkHandler(ctx context.Context, w io.Writer, h *Handler) (problems []stri
 	if decided == 0 {
 		return problems
 	}
-	now, live, err := fleetCall(ctx, c.client, "", "", nil, true)
+	client := c.listingClient()
+	defer client.Close()
+	now, live, err := fleetCall(ctx, client, "", "", nil, true)
 	if err != nil {
 		fmt.Fprintf(w, "  the fleet's records could not be read: %v\n", err)
 		return append(problems, "the fleet's records could not be read")
