@@ -79,22 +79,24 @@ func findHandlers(raw []byte) ([]foundHandler, error) {
 }
 
 // runCheck checks the config in configFile and writes what it finds to
-// w; problems are what would not be decided by Redis, or not shared.
-func runCheck(w io.Writer, configFile, adapter string) (problems []string, err error) {
+// w; problems are what would not be decided by Redis, or not shared;
+// alone names the fleets of the config without a live instance (nothing
+// to compare with).
+func runCheck(w io.Writer, configFile, adapter string) (problems, alone []string, err error) {
 	raw, file, _, err := caddycmd.LoadConfig(configFile, adapter)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	if raw == nil {
-		return nil, fmt.Errorf("no config to check: give --config <file> (and --adapter), or run it where a Caddyfile is")
+		return nil, nil, fmt.Errorf("no config to check: give --config <file> (and --adapter), or run it where a Caddyfile is")
 	}
 	found, err := findHandlers(raw)
 	if err != nil {
-		return nil, fmt.Errorf("reading the config: %v", err)
+		return nil, nil, fmt.Errorf("reading the config: %v", err)
 	}
 	if len(found) == 0 {
 		fmt.Fprintf(w, "%s has no rate_limit handler: nothing to check.\n", file)
-		return nil, nil
+		return nil, nil, nil
 	}
 	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
 	defer cancel()
@@ -117,18 +119,23 @@ func runCheck(w io.Writer, configFile, adapter string) (problems []string, err e
 			continue
 		}
 		fmt.Fprintf(w, "rate_limit at %s: %s\n", f.path, h.storeName())
-		problems = append(problems, checkHandler(ctx, w, h)...)
+		p, lonely := checkHandler(ctx, w, h)
+		problems = append(problems, p...)
+		if lonely && !slices.Contains(alone, h.storeName()) {
+			alone = append(alone, h.storeName())
+		}
 	}
-	return problems, nil
+	return problems, alone, nil
 }
 
 // checkHandler probes the handler's policies and compares them with the
-// live instances of their fleet.
-func checkHandler(ctx context.Context, w io.Writer, h *Handler) (problems []string) {
+// live instances of their fleet; alone: Redis decides, and no live
+// instance of the fleet was there to compare with.
+func checkHandler(ctx context.Context, w io.Writer, h *Handler) (problems []string, alone bool) {
 	rs, ok := h.store.(*redisStore)
 	if !ok {
 		fmt.Fprintln(w, "  in-process buckets (no redis block): each instance decides alone; nothing to check against Redis")
-		return nil
+		return nil, false
 	}
 	c := rs.conn
 	decided := 0
@@ -152,14 +159,14 @@ func checkHandler(ctx context.Context, w io.Writer, h *Handler) (problems []stri
 		}
 	}
 	if decided == 0 {
-		return problems
+		return problems, false
 	}
 	client := c.listingClient()
 	defer client.Close()
 	now, live, err := fleetCall(ctx, client, "", "", nil, true)
 	if err != nil {
 		fmt.Fprintf(w, "  the fleet's records could not be read: %v\n", err)
-		return append(problems, "the fleet's records could not be read")
+		return append(problems, "the fleet's records could not be read"), false
 	}
 	var others []fleet.Record
 	for _, in := range liveInstances(c.db, now, live) {
@@ -198,7 +205,7 @@ func checkHandler(ctx context.Context, w io.Writer, h *Handler) (problems []stri
 				"If they should, use key_prefix %s\n", prefix, strings.Join(sameNames[prefix], ", "), prefix)
 		}
 	}
-	return problems
+	return problems, len(mates) == 0
 }
 
 func idList(ids []string) string {

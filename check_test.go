@@ -75,7 +75,7 @@ func TestRunCheck(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			var out bytes.Buffer
-			problems, err := runCheck(&out, checkConfig(t, tc.handlers...), "")
+			problems, _, err := runCheck(&out, checkConfig(t, tc.handlers...), "")
 			if err != nil {
 				t.Fatal(err)
 			}

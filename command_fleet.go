@@ -57,12 +57,17 @@ func checkCommand(cmd *cobra.Command, _ []string) error {
 	cmd.SilenceUsage = true
 	configFile, _ := cmd.Flags().GetString("config")
 	adapter, _ := cmd.Flags().GetString("adapter")
-	problems, err := runCheck(os.Stdout, configFile, adapter)
+	problems, alone, err := runCheck(os.Stdout, configFile, adapter)
 	if err != nil {
 		return err
 	}
 	if len(problems) > 0 {
 		return fmt.Errorf("check: %d problem(s): %s", len(problems), strings.Join(problems, "; "))
+	}
+	if len(alone) > 0 {
+		fmt.Printf("check: every policy is decided by Redis; no live instance announces itself in %s to compare with: "+
+			"a first instance, or not the Redis, db or key_prefix the others use?\n", strings.Join(alone, "; "))
+		return nil
 	}
 	fmt.Println("check: every policy is decided by Redis, and agrees with the live instances of its fleet")
 	return nil

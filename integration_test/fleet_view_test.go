@@ -302,7 +302,7 @@ func TestCheckAgainstFleet(t *testing.T) {
 		{"another key_prefix", fleetHandler(srv.Addr, "secret-one", with("key_prefix", "rl:other:"), "5/1m"), true,
 			[]string{"0 live instance(s)", "note: on this database, instances with key_prefix rl: enforce policies of the same names (api)"}},
 		{"another database", fleetHandler(srv.Addr, "secret-one", with("db", 1), "5/1m"), true,
-			[]string{"db 1", "0 live instance(s)"}},
+			[]string{"db 1", "0 live instance(s)", "no live instance announces itself in Redis " /* its address follows */}},
 		{"a wrong password", fleetHandler(srv.Addr, "secret-one", with("password", "wrong"), "5/1m"), false,
 			[]string{"policy api: NOT decided by Redis: Redis refuses the username or password", "policy api will fail_open (admit every request) until Redis answers"}},
 		{"an address nothing listens on", fleetHandler(closed, "secret-one", with(), "5/1m"), false,
