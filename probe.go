@@ -22,8 +22,7 @@ import (
 // provisioned, and a failure fails the config. `caddy rate-limit check`
 // (check.go) runs the same probe.
 
-// probeIdentity is the identity whose bucket a probe reads, and never
-// writes.
+// probeIdentity is the identity whose bucket a probe reads.
 const probeIdentity = "rate_limit probe"
 
 // probeResult is what the probe of one policy found: kind is "" when
@@ -61,7 +60,9 @@ func (c *redisConn) probe(defs []definition) []probeResult {
 }
 
 // probeRequest reads the policy's bucket of probeIdentity (or its one
-// bucket): a decision that charges and writes nothing.
+// bucket): a decision that charges nothing. Slots are counted as inspect
+// counts them: the expired leases found go, as in any decision, and are
+// counted in leases_expired_total.
 func (p *Policy) probeRequest(h *Handler) bucketRequest {
 	key := p.fixedKey
 	if key == "" {
@@ -69,7 +70,7 @@ func (p *Policy) probeRequest(h *Handler) bucketRequest {
 	}
 	rq := bucketRequest{key: key, limit: p.limit, op: opInspect, quota: p.quota}
 	if p.Concurrent > 0 || p.Shed != nil {
-		rq.op = opCount
+		rq.op, rq.leasesExpired = opCount, p.leasesExpired
 	}
 	return rq
 }
