@@ -36,6 +36,7 @@ func init() {
 //	GET  /rate_limit/top?policy=<name>&n=<n>
 //	GET  /rate_limit/format
 //	POST /rate_limit/format  {"format": "v1" | "v2"}
+//	GET  /rate_limit/fleet
 //
 // and the overrides of admin_override.go. Inspect, reset and grant take
 // an optional plan (query or body), to read the bucket under that plan's
@@ -116,12 +117,15 @@ func (a adminAPI) serve(w http.ResponseWriter, r *http.Request) error {
 	if action == "format" {
 		return a.format(w, r)
 	}
+	if action == "fleet" {
+		return a.fleet(w, r) // admin_fleet.go
+	}
 	if action == "override" || action == "overrides" {
 		return a.serveOverride(w, r, action)
 	}
 	method := map[string]string{"inspect": http.MethodGet, "top": http.MethodGet, "reset": http.MethodPost, "grant": http.MethodPost}[action]
 	if method == "" {
-		return apiError(http.StatusNotFound, "no such rate_limit endpoint %q: use inspect, reset, grant, top, format, override or overrides", action)
+		return apiError(http.StatusNotFound, "no such rate_limit endpoint %q: use inspect, reset, grant, top, format, fleet, override or overrides", action)
 	}
 	if r.Method != method {
 		return apiError(http.StatusMethodNotAllowed, "%s takes %s", action, method)

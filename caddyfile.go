@@ -68,6 +68,7 @@ const mholtOrderWarning = "rate_limit: a zone is mholt/caddy-ratelimit's syntax,
 //	    jitter     <percent>
 //	    headers    draft|off
 //	    shadow
+//	    require_redis
 //	    instances  <n>
 //	    ipv6_prefix <bits>
 //	    ipv4_prefix <bits>
@@ -162,6 +163,11 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return err
 			}
 			h.Shadow = true
+		case "require_redis":
+			if err := top.noArg(d); err != nil {
+				return err
+			}
+			h.RequireRedis = true
 		case "instances":
 			if err := top.intArg(d, &h.Instances, 1); err != nil {
 				return err

@@ -149,20 +149,19 @@ func checkAdaptedConfig(t *testing.T, file string, adapted []byte) {
 		t.Fatalf("%s: caddy.Validate of the adapted config: %v", file, err)
 	}
 
-	var tree any
-	if err := json.Unmarshal(adapted, &tree); err != nil {
+	handlers, err := findHandlers(adapted) // check.go
+	if err != nil {
 		t.Fatal(err)
 	}
-	handlers := findHandlers(tree, "rate_limit", nil)
 	if len(handlers) == 0 {
 		t.Fatalf("%s: no rate_limit handler in the adapted JSON", file)
 	}
-	for i, raw := range handlers {
+	for i, found := range handlers {
 		// Round trip: decoding the handler's JSON and encoding it again
 		// gives the same JSON, so no field is unknown or lost.
-		delete(raw, "handler")
-		in, err := json.Marshal(raw)
-		if err != nil {
+		in := found.raw
+		var raw map[string]any
+		if err := json.Unmarshal(in, &raw); err != nil {
 			t.Fatal(err)
 		}
 		h := new(Handler)
@@ -206,24 +205,6 @@ func checkAdaptedConfig(t *testing.T, file string, adapted []byte) {
 		}
 		cancel()
 	}
-}
-
-// findHandlers returns every JSON object in tree whose "handler" is name.
-func findHandlers(tree any, name string, found []map[string]any) []map[string]any {
-	switch v := tree.(type) {
-	case map[string]any:
-		if v["handler"] == name {
-			found = append(found, v)
-		}
-		for _, child := range v {
-			found = findHandlers(child, name, found)
-		}
-	case []any:
-		for _, child := range v {
-			found = findHandlers(child, name, found)
-		}
-	}
-	return found
 }
 
 // lineDiff is a small line diff (longest common subsequence) that shows the

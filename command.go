@@ -23,7 +23,7 @@ import (
 func init() {
 	caddycmd.RegisterCommand(caddycmd.Command{
 		Name:  "rate-limit",
-		Usage: "inspect|reset|grant|top|format|override|overrides [--address <interface>] [--config <path> [--adapter <name>]] [--json]",
+		Usage: "inspect|reset|grant|top|format|fleet|check|override|overrides [--address <interface>] [--config <path> [--adapter <name>]] [--json]",
 		Short: "Inspects and resets the rate_limit buckets of a running Caddy",
 		Long: `
 Answers "why is this customer blocked, and can you unblock them?" through the
@@ -35,6 +35,12 @@ admin API of a running Caddy:
   caddy rate-limit top     <policy> [n]                  the identities this instance denied most in the last 5 minutes
   caddy rate-limit format  [v1|v2]                       the fleet's storage format: v2 once every instance runs
                                                          v0.3.0 or later, v1 before rolling back (docs/redis.md)
+  caddy rate-limit fleet                                 the live instances on each Redis, by database and
+                                                         key_prefix, and the policies they disagree on
+  caddy rate-limit check [--config <file>]               before starting: one read-only decision per policy
+                                                         against its Redis, and the config against the live
+                                                         fleet; non-zero exit naming what fails (no running
+                                                         Caddy needed)
   caddy rate-limit override <policy> <identity> rate <N>/<duration> [burst <n>] [for <duration>] [note <text>]
   caddy rate-limit override <policy> <identity> concurrent <n> [for <duration>] [note <text>]
   caddy rate-limit override <policy> <identity> quota <N>[/<unit>] [for <duration>] [note <text>]
@@ -51,7 +57,8 @@ user id, an IP address); it is hashed as the handler hashes it. With Redis,
 inspect, reset and grant act on the shared bucket; top is this instance's.
 
 The admin endpoint is found as caddy reload finds it: from --address if given,
-otherwise from the config given with --config, otherwise the default.
+otherwise from the config given with --config, otherwise the default. check
+reads the config given with --config (and --adapter) instead.
 `,
 		CobraFunc: func(cmd *cobra.Command) {
 			cmd.PersistentFlags().String("address", "", "Address of the administration listener, if different from config")
@@ -72,6 +79,7 @@ otherwise from the config given with --config, otherwise the default.
 					Args: cobra.RangeArgs(0, 1), RunE: rateLimitCommand("format")},
 			)
 			addOverrideCommands(cmd) // command_override.go
+			addFleetCommands(cmd)    // command_fleet.go
 		},
 	})
 }
@@ -80,15 +88,11 @@ otherwise from the config given with --config, otherwise the default.
 func rateLimitCommand(action string) func(*cobra.Command, []string) error {
 	return func(cmd *cobra.Command, args []string) error {
 		cmd.SilenceUsage = true
-		flags := cmd.Flags()
-		address, _ := flags.GetString("address")
-		configFile, _ := flags.GetString("config")
-		adapter, _ := flags.GetString("adapter")
-		asJSON, _ := flags.GetBool("json")
-		plan, _ := flags.GetString("plan")
-		adminAddr, err := caddycmd.DetermineAdminAPIAddress(address, nil, configFile, adapter)
+		asJSON, _ := cmd.Flags().GetBool("json")
+		plan, _ := cmd.Flags().GetString("plan")
+		adminAddr, err := adminAddress(cmd)
 		if err != nil {
-			return fmt.Errorf("finding the admin API: %v", err)
+			return err
 		}
 		req := adminRequest{Plan: plan}
 		if len(args) > 0 && action != "format" {
@@ -139,6 +143,21 @@ func rateLimitCommand(action string) func(*cobra.Command, []string) error {
 		}
 		return printAnswer(os.Stdout, action, raw)
 	}
+}
+
+// adminAddress finds the admin API as caddy reload does: --address, or
+// the admin listener of the config given with --config (and --adapter),
+// or Caddy's default.
+func adminAddress(cmd *cobra.Command) (string, error) {
+	flags := cmd.Flags()
+	address, _ := flags.GetString("address")
+	configFile, _ := flags.GetString("config")
+	adapter, _ := flags.GetString("adapter")
+	adminAddr, err := caddycmd.DetermineAdminAPIAddress(address, nil, configFile, adapter)
+	if err != nil {
+		return "", fmt.Errorf("finding the admin API: %v", err)
+	}
+	return adminAddr, nil
 }
 
 // printAnswer writes an admin API answer for a person.

@@ -13,7 +13,6 @@ import (
 	"text/tabwriter"
 	"time"
 
-	caddycmd "github.com/caddyserver/caddy/v2/cmd"
 	"github.com/spf13/cobra"
 )
 
@@ -51,7 +50,7 @@ far in the period count against the new N.`,
 			return cmd.Help()
 		}
 		cmd.SilenceUsage = true
-		return fmt.Errorf("unknown command %q for caddy rate-limit: use inspect, reset, grant, top, format, override or overrides (caddy rate-limit --help)", args[0])
+		return fmt.Errorf("unknown command %q for caddy rate-limit: use inspect, reset, grant, top, format, fleet, check, override or overrides (caddy rate-limit --help)", args[0])
 	}
 }
 
@@ -108,11 +107,7 @@ func parseOverrideArgs(args []string) (req overrideRequest, del bool, err error)
 func overrideCommand(action string) func(*cobra.Command, []string) error {
 	return func(cmd *cobra.Command, args []string) error {
 		cmd.SilenceUsage = true
-		flags := cmd.Flags()
-		address, _ := flags.GetString("address")
-		configFile, _ := flags.GetString("config")
-		adapter, _ := flags.GetString("adapter")
-		asJSON, _ := flags.GetBool("json")
+		asJSON, _ := cmd.Flags().GetBool("json")
 		var method, uri string
 		var body io.Reader
 		del := false
@@ -132,9 +127,9 @@ func overrideCommand(action string) func(*cobra.Command, []string) error {
 				method = http.MethodDelete
 			}
 		}
-		adminAddr, err := caddycmd.DetermineAdminAPIAddress(address, nil, configFile, adapter)
+		adminAddr, err := adminAddress(cmd)
 		if err != nil {
-			return fmt.Errorf("finding the admin API: %v", err)
+			return err
 		}
 		raw, err := callAdmin(adminAddr, method, uri, body, asJSON)
 		if err != nil || asJSON {

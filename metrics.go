@@ -57,6 +57,12 @@ var (
 	buckets = bucketsCollector{prometheus.NewDesc("caddy_rate_limit_buckets",
 		"Buckets held in this process, by store: in_process (handlers without a redis block), local (the on_error local fallback). Bounded; see memoryMaxBuckets.",
 		[]string{"store"}, nil)}
+	// fleetDisagreements: the policies of this instance that another live
+	// instance of its fleet enforces differently (fleet.go).
+	fleetDisagreements = prometheus.NewGauge(prometheus.GaugeOpts{
+		Namespace: "caddy", Subsystem: "rate_limit", Name: "fleet_disagreements",
+		Help: "Policies of this instance that another live instance of its fleet (the same Redis database and key_prefix) enforces with another limit, key or key_secret: they do not share one budget. 0 when the fleet agrees; caddy rate-limit fleet shows who differs and how.",
+	})
 	circuitOpen = prometheus.NewGauge(prometheus.GaugeOpts{
 		Namespace: "caddy", Subsystem: "rate_limit", Name: "circuit_open",
 		Help: "1 while the circuit breaker to Redis is open (decisions skip Redis and follow on_error); with several Redis connections, how many are open.",
@@ -71,7 +77,7 @@ func registerMetrics(ctx caddy.Context) error {
 	if reg == nil {
 		return nil
 	}
-	for _, c := range []prometheus.Collector{decisionsTotal, chargesLost, inFlight, leasesExpired, releaseRetries, waiting, storeDuration, storeErrors, circuitOpen, buckets} {
+	for _, c := range []prometheus.Collector{decisionsTotal, chargesLost, inFlight, leasesExpired, releaseRetries, waiting, storeDuration, storeErrors, circuitOpen, fleetDisagreements, buckets} {
 		if err := reg.Register(c); err != nil {
 			var are prometheus.AlreadyRegisteredError
 			if !errors.As(err, &are) {
@@ -114,6 +120,9 @@ func errorKind(err error) string {
 		switch word = strings.ToLower(word); word {
 		case "wrongpass", "noauth", "noperm", "readonly", "oom", "loading", "busy", "masterdown", "clusterdown":
 			return word
+		}
+		if strings.Contains(redisErr.Error(), "user executing the script can't") {
+			return "noperm" // an ACL without a command the script runs: ERR, not NOPERM
 		}
 		return "redis"
 	case errors.Is(err, context.DeadlineExceeded), errors.As(err, &netErr) && netErr.Timeout():

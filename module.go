@@ -97,6 +97,16 @@ type Handler struct {
 	// return turns by instances tokens. Default 1.
 	Instances int `json:"instances,omitempty"`
 
+	// Refuses to start (or reload to) this config unless Redis decides for
+	// every policy: checked while Caddy loads the config, with one
+	// read-only decision per policy. Without it, Caddy starts while Redis
+	// cannot decide (unreachable, a wrong password, an ACL without the
+	// limiter's commands, no scripting), logs one ERROR per cause, and the
+	// policies follow `on_error` until Redis answers. Needs a `redis`
+	// block. Once started, Redis failing later engages `on_error` either
+	// way.
+	RequireRedis bool `json:"require_redis,omitempty"`
+
 	// The budgets. Every policy that matches a request takes part in its
 	// decision. A policy name is one budget: the same name in two handlers
 	// shares its buckets, and must be defined the same way in both.
@@ -142,6 +152,8 @@ const (
 // Provision sets up the handler: its defaults, its policies and its store.
 func (h *Handler) Provision(ctx caddy.Context) error {
 	h.logger = ctx.Logger()
+	goRedisLog.use(h.logger)
+	watchSharedListeners(h.logger) // listeners_linux.go
 	announceVersion.Do(func() { h.logger.Info("rate_limit module", zap.String("version", Version)) })
 	if err := registerMetrics(ctx); err != nil {
 		return err
@@ -209,7 +221,18 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		return err
 	}
 	h.store, h.storeUse = store, &storeUse{close: closeStore}
-	return h.provisionPlans()
+	if err := h.provisionPlans(); err != nil {
+		return err
+	}
+	if h.RequireRedis {
+		if err := h.requireRedis(); err != nil {
+			return err
+		}
+	}
+	if rs, ok := store.(*redisStore); ok {
+		rs.conn.join(h) // announced to the fleet once the config runs (fleet.go)
+	}
+	return nil
 }
 
 // storeName says where the handler's buckets are, for messages.
@@ -264,6 +287,9 @@ func (h *Handler) checkOwn() error {
 	if h.Jitter != nil && (*h.Jitter < 0 || *h.Jitter > maxJitter || *h.Jitter != *h.Jitter) {
 		return fieldErr("jitter", "jitter: %v must be between 0 and %v (%v%%)", *h.Jitter, maxJitter, 100*maxJitter)
 	}
+	if h.RequireRedis && h.Redis == nil {
+		return fieldErr("require_redis", "require_redis: needs a redis block (without one, the buckets are in this process)")
+	}
 	if h.Headers != "" && h.Headers != "draft" && h.Headers != "off" {
 		return fieldErr("headers", "headers: %q is not draft or off", h.Headers)
 	}
@@ -282,6 +308,9 @@ const maxJitter = 10.0
 // Cleanup releases this config's reference to its Redis client; the client
 // is closed when no loaded config uses it any more.
 func (h *Handler) Cleanup() error {
+	if rs, ok := h.store.(*redisStore); ok {
+		rs.conn.part(h)
+	}
 	if h.config != nil {
 		budgets.remove(h.config, h)
 		h.config = nil

@@ -189,6 +189,9 @@ end
 local function slots(key, now)
   local expired = redis.pcall('ZREMRANGEBYSCORE', key, '-inf', now)
   if type(expired) == 'table' then
+    if not string.find(expired.err or '', 'WRONGTYPE', 1, true) then
+      error(expired) -- an ACL without the command, not a key of another type
+    end
     if redis.call('TYPE', key).ok ~= 'string' then
       return nil
     end
