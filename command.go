@@ -72,6 +72,9 @@ otherwise from the config given with --config, otherwise the default.
 					Args: cobra.RangeArgs(0, 1), RunE: rateLimitCommand("format")},
 			)
 			addOverrideCommands(cmd) // command_override.go
+			for _, sub := range cmd.Commands() {
+				numbersAsArgs(sub) // command_cli.go
+			}
 		},
 	})
 }
@@ -80,15 +83,10 @@ otherwise from the config given with --config, otherwise the default.
 func rateLimitCommand(action string) func(*cobra.Command, []string) error {
 	return func(cmd *cobra.Command, args []string) error {
 		cmd.SilenceUsage = true
-		flags := cmd.Flags()
-		address, _ := flags.GetString("address")
-		configFile, _ := flags.GetString("config")
-		adapter, _ := flags.GetString("adapter")
-		asJSON, _ := flags.GetBool("json")
-		plan, _ := flags.GetString("plan")
-		adminAddr, err := caddycmd.DetermineAdminAPIAddress(address, nil, configFile, adapter)
+		plan, _ := cmd.Flags().GetString("plan")
+		target, err := adminTargetOf(cmd) // command_cli.go
 		if err != nil {
-			return fmt.Errorf("finding the admin API: %v", err)
+			return err
 		}
 		req := adminRequest{Plan: plan}
 		if len(args) > 0 && action != "format" {
@@ -118,6 +116,9 @@ func rateLimitCommand(action string) func(*cobra.Command, []string) error {
 					q.Set("plan", plan)
 				}
 			} else if len(args) > 1 {
+				if n, err := strconv.Atoi(args[1]); err != nil || n < 1 {
+					return fmt.Errorf("n: %q is not a positive integer", args[1])
+				}
 				q.Set("n", args[1])
 			}
 			uri = "/rate_limit/" + action + "?" + q.Encode()
@@ -133,8 +134,8 @@ func rateLimitCommand(action string) func(*cobra.Command, []string) error {
 			raw, _ := json.Marshal(req)
 			body = bytes.NewReader(raw)
 		}
-		raw, err := callAdmin(adminAddr, method, uri, body, asJSON)
-		if err != nil || asJSON {
+		raw, err := target.call(os.Stdout, method, uri, body)
+		if err != nil || target.asJSON {
 			return err
 		}
 		return printAnswer(os.Stdout, action, raw)

@@ -49,3 +49,25 @@ func TestDocsCaddyfilesFormatted(t *testing.T) {
 		t.Fatalf("found %d Caddyfile snippets, the docs have more", n)
 	}
 }
+
+// TestOperatorControlsListsEverySubcommand: every subcommand of `caddy
+// rate-limit` is in docs/operator-controls.md's list at its top, as
+// `caddy rate-limit <name>`.
+func TestOperatorControlsListsEverySubcommand(t *testing.T) {
+	raw, err := os.ReadFile("docs/operator-controls.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The first code block: the list of commands.
+	_, list, _ := strings.Cut(string(raw), "\n```\n")
+	list, _, _ = strings.Cut(list, "\n```\n")
+	subs := rateLimitCobra(t).Commands()
+	if len(subs) < 7 {
+		t.Fatalf("found %d subcommands of caddy rate-limit, there are more", len(subs))
+	}
+	for _, sub := range subs {
+		if !regexp.MustCompile(`(?m)^caddy rate-limit ` + regexp.QuoteMeta(sub.Name()) + `\b`).MatchString(list) {
+			t.Errorf("caddy rate-limit %s is not in the list of commands at the top of docs/operator-controls.md", sub.Name())
+		}
+	}
+}

@@ -39,6 +39,9 @@ func parseQuota(s string) (n int64, unit periodUnit, err error) {
 		return 0, 0, fmt.Errorf("%q: N must be an integer from 1 to %d", s, int64(maxJSONInteger))
 	}
 	if unit, err = parsePeriodUnit(name); err != nil {
+		if hint := periodHint(num, name); hint != "" {
+			return 0, 0, fmt.Errorf("%q: %v; %s", s, err, hint)
+		}
 		return 0, 0, fmt.Errorf("%q: %v", s, err)
 	}
 	return n, unit, nil
