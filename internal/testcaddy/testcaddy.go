@@ -79,6 +79,13 @@ func Config(port, adminPort int, tune func(map[string]any), handlers []map[strin
 // most 20 s) until it listens. The process is stopped by t.Cleanup.
 func Start(t testredis.TB, bin string, tune func(cfg map[string]any), handlers ...map[string]any) *Instance {
 	t.Helper()
+	return StartEnv(t, bin, nil, tune, handlers...)
+}
+
+// StartEnv is Start with variables added to Caddy's environment
+// ("NAME=value", as OTEL_* for its tracing).
+func StartEnv(t testredis.TB, bin string, env []string, tune func(cfg map[string]any), handlers ...map[string]any) *Instance {
+	t.Helper()
 	port, adminPort := testredis.FreePort(t), testredis.FreePort(t)
 	dir := t.TempDir()
 	cfgPath := filepath.Join(dir, "caddy.json")
@@ -91,6 +98,7 @@ func Start(t testredis.TB, bin string, tune func(cfg map[string]any), handlers .
 	}
 	cmd := exec.Command(bin, "run", "--config", cfgPath)
 	cmd.Env = append(os.Environ(), "XDG_DATA_HOME="+filepath.Join(dir, "data"), "XDG_CONFIG_HOME="+filepath.Join(dir, "config"), "HOME="+dir)
+	cmd.Env = append(cmd.Env, env...)
 	cmd.Stdout, cmd.Stderr = logFile, logFile
 	testproc.DieWithParent(cmd)
 	if err := cmd.Start(); err != nil {
