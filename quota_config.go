@@ -116,7 +116,7 @@ func (p *Policy) checkQuota() error {
 	}
 	p.events, p.period, p.waitUS = 0, 0, 0
 	p.limit = limit{burst: n, slack: p.debt}
-	p.quota = &quotaSpec{periods: newCalendar(unit, loc), unit: unit, loc: loc, durable: d, name: p.Name}
+	p.quota = &quotaSpec{periods: newCalendar(unit, loc), unit: unit, loc: loc, durable: d, name: p.Name, used: quotaUsed.WithLabelValues(p.Name)}
 	p.keyTmpl, p.costTmpl = newTemplate(p.Key), newTemplate(string(p.Cost))
 	return p.checkPlans()
 }
