@@ -45,6 +45,14 @@ test: redis-server prometheus check
 demo: redis-server
 	$(GO) run ./cmd/demo
 
+# A Redis and two Caddy instances running Caddyfile.fleet (one file, two
+# sets of ports) on one shared budget: prints how to send requests to each,
+# runs a short scripted load and what each instance admitted against the
+# budget, then keeps the fleet up until Ctrl-C stops every process it
+# started.
+fleet: redis-server
+	$(GO) run ./cmd/fleet
+
 # What the limiter costs: plain Caddy against rate_limit (Redis, in-process,
 # an abusive identity with and without Retry-After pacing, two policies, a
 # settle, a concurrency slot) under wrk, side by side in one run, then the Go

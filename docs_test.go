@@ -1,12 +1,14 @@
 package ratelimit
 
 import (
+	"encoding/json"
 	"os"
 	"path/filepath"
 	"regexp"
 	"strings"
 	"testing"
 
+	"github.com/caddyserver/caddy/v2/caddyconfig"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 )
 
@@ -69,5 +71,57 @@ func TestOperatorControlsListsEverySubcommand(t *testing.T) {
 		if !regexp.MustCompile(`(?m)^caddy rate-limit ` + regexp.QuoteMeta(sub.Name()) + `\b`).MatchString(list) {
 			t.Errorf("caddy rate-limit %s is not in the list of commands at the top of docs/operator-controls.md", sub.Name())
 		}
+	}
+}
+
+// TestFleetCaddyfileIsTheExample: Caddyfile.fleet, which `make fleet`
+// runs, is Caddyfile.example with its buckets in Redis: the same policies.
+func TestFleetCaddyfileIsTheExample(t *testing.T) {
+	policies := func(file string) (string, map[string]any) {
+		t.Helper()
+		raw, err := os.ReadFile(file)
+		if err != nil {
+			t.Fatal(err)
+		}
+		out, _, err := caddyconfig.GetAdapter("caddyfile").Adapt(raw, map[string]any{"filename": file})
+		if err != nil {
+			t.Fatalf("%s: %v", file, err)
+		}
+		var handler map[string]any
+		var find func(v any)
+		find = func(v any) {
+			switch x := v.(type) {
+			case map[string]any:
+				if x["handler"] == "rate_limit" {
+					handler = x
+					return
+				}
+				for _, e := range x {
+					find(e)
+				}
+			case []any:
+				for _, e := range x {
+					find(e)
+				}
+			}
+		}
+		var cfg any
+		if err := json.Unmarshal(out, &cfg); err != nil {
+			t.Fatal(err)
+		}
+		find(cfg)
+		if handler == nil {
+			t.Fatalf("%s: no rate_limit handler", file)
+		}
+		p, _ := json.Marshal(handler["policies"])
+		return string(p), handler
+	}
+	example, _ := policies("Caddyfile.example")
+	fleet, h := policies("Caddyfile.fleet")
+	if example != fleet {
+		t.Errorf("Caddyfile.fleet's policies differ from Caddyfile.example's:\n%s\n%s", fleet, example)
+	}
+	if h["redis"] == nil || h["key_secret"] != "{env.RATE_LIMIT_SECRET}" {
+		t.Errorf("Caddyfile.fleet: want a redis block and key_secret {env.RATE_LIMIT_SECRET}, got %v", h)
 	}
 }

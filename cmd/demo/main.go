@@ -70,8 +70,7 @@ func main() {
 		s.Fatalf("building caddy: %v", err)
 	}
 	srv := testredis.Start(s)
-	version, _ := srv.Do("INFO", "server")
-	fmt.Printf("Started redis-server %s on %s.\n\n", field(version, "redis_version"), srv.Addr)
+	fmt.Printf("Started redis-server %s on %s.\n\n", srv.Version(), srv.Addr)
 
 	// Inbound: one API key, one policy, four instances.
 	fmt.Printf("Inbound: policy %q keyed on the X-Api-Key header, rate %d/1s, burst %d, on %d Caddy instances.\n", redisPolicy, inRate, inBurst, fleetSize)
@@ -98,16 +97,6 @@ func main() {
 
 	s.Close()
 	fmt.Printf("\nStopped the %d Caddy processes and redis-server it started (%.0f s in all).\n", 4*fleetSize, time.Since(start).Seconds())
-}
-
-// field reads "name:value" out of an INFO reply.
-func field(info, name string) string {
-	for _, line := range strings.Split(info, "\r\n") {
-		if v, ok := strings.CutPrefix(line, name+":"); ok {
-			return v
-		}
-	}
-	return "?"
 }
 
 // limiter is the rate_limit handler, with the buckets in Redis when
