@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"net"
-	"slices"
 	"strings"
 	"time"
 
@@ -111,17 +110,12 @@ type slotsCollector struct{ desc *prometheus.Desc }
 func (c slotsCollector) Describe(ch chan<- *prometheus.Desc) { ch <- c.desc }
 
 func (c slotsCollector) Collect(ch chan<- prometheus.Metric) {
-	var seen []string
-	for _, h := range budgets.handlers() {
-		for _, p := range h.Policies {
-			n := p.Concurrent
-			if p.Shed != nil {
-				n = p.Shed.Concurrent
-			}
-			if n == 0 || slices.Contains(seen, p.Name) {
-				continue
-			}
-			seen = append(seen, p.Name)
+	for _, p := range budgets.policies() {
+		n := p.Concurrent
+		if p.Shed != nil {
+			n = p.Shed.Concurrent
+		}
+		if n > 0 {
 			ch <- prometheus.MustNewConstMetric(c.desc, prometheus.GaugeValue, float64(n), p.Name)
 		}
 	}

@@ -11,9 +11,6 @@ import (
 	"go.opentelemetry.io/otel/codes"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
-	"go.uber.org/zap"
-
-	"github.com/ratelimit-caddy/caddy-ratelimit/internal/testredis"
 )
 
 // tracedServe sends one request through h as a child of a span of tp, as
@@ -123,14 +120,8 @@ func TestDecisionSpan(t *testing.T) {
 // ones, the requests per call they report account for exactly the calls
 // Redis counted.
 func TestDecisionCarriesItsCall(t *testing.T) {
-	srv := testredis.Start(t)
-	conn, err := newRedisConn(RedisConfig{Addresses: []string{srv.Addr}, Timeout: testTimeout}.resolved(), zap.NewNop())
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { conn.Destruct() })
-	conn.denials = nil // every decision reaches Redis
-	rs := &redisStore{conn: conn}
+	srv, _, rs := newTestRedis(t)
+	rs.conn.denials = nil // every decision reaches Redis
 	reqs := []bucketRequest{{key: "rl:p:{call}", limit: limit{interval: 1, burst: 1_000_000}, op: opTake, cost: 1}}
 	if _, err := rs.decide(context.Background(), reqs); err != nil { // loads the script
 		t.Fatal(err)

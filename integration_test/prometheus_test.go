@@ -11,7 +11,6 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
-	"syscall"
 	"testing"
 	"time"
 
@@ -107,17 +106,8 @@ scrape_configs:
 
 // stop stops the process (SIGTERM, then SIGKILL after 5 s).
 func (p *prometheus) stop() {
-	if p.cmd.ProcessState != nil {
-		return
-	}
-	_ = p.cmd.Process.Signal(syscall.SIGTERM)
-	done := make(chan struct{})
-	go func() { _ = p.cmd.Wait(); close(done) }()
-	select {
-	case <-done:
-	case <-time.After(5 * time.Second):
-		_ = p.cmd.Process.Kill()
-		<-done
+	if p.cmd.ProcessState == nil {
+		testproc.Stop(p.cmd, 5*time.Second)
 	}
 }
 

@@ -17,12 +17,10 @@ import (
 	"net"
 	"net/http"
 	"os"
-	"os/signal"
 	"path/filepath"
 	"strconv"
 	"strings"
 	"sync"
-	"syscall"
 	"text/tabwriter"
 	"time"
 
@@ -62,16 +60,11 @@ func main() {
 	defer s.Close()
 	var pids []string
 	var pidsMu sync.Mutex
-	go func() {
-		sig := make(chan os.Signal, 1)
-		signal.Notify(sig, os.Interrupt, syscall.SIGTERM)
-		got := <-sig
+	s.CloseOnSignal(func() string {
 		pidsMu.Lock()
-		fmt.Fprintf(os.Stderr, "\nfleet: %v: stopping %s\n", got, strings.Join(pids, ", "))
-		pidsMu.Unlock()
-		s.Close()
-		os.Exit(130)
-	}()
+		defer pidsMu.Unlock()
+		return "stopping " + strings.Join(pids, ", ")
+	})
 
 	bin := *caddyBin
 	if bin == "" {
@@ -151,55 +144,32 @@ type row struct {
 	sent, admitted, denied, other int
 }
 
-// scriptedRun paces offered requests per second over the instances, in
-// turn, for runFor, from at most workers requests at once (a tick that
-// finds them all busy is skipped), and counts each instance's answers.
+// scriptedRun offers requests over the instances in turn (testcaddy.Paced)
+// and counts each instance's answers.
 func scriptedRun(fleet []*testcaddy.Instance) []row {
 	rows := make([]row, len(fleet))
 	var mu sync.Mutex
-	jobs := make(chan int)
 	client := &http.Client{Timeout: 5 * time.Second}
-	var wg sync.WaitGroup
-	for range workers {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for i := range jobs {
-				status, decision := 0, ""
-				if resp, err := client.Get(fleet[i].URL + "/"); err == nil {
-					_, _ = io.Copy(io.Discard, resp.Body)
-					resp.Body.Close()
-					status, decision = resp.StatusCode, resp.Header.Get("X-RateLimit-Decision")
-				}
-				mu.Lock()
-				switch {
-				case status == 200 && decision == "allowed":
-					rows[i].admitted++
-				case status == 429:
-					rows[i].denied++
-				default:
-					rows[i].other++
-				}
-				mu.Unlock()
-			}
-		}()
-	}
-	tick := time.NewTicker(time.Second / offered)
-	defer tick.Stop()
-	start := time.Now()
-	for n := 0; time.Since(start) < runFor; n++ {
+	testcaddy.Paced(offered, runFor, workers, func(n int, _ time.Duration) {
 		i := n % len(fleet)
-		select {
-		case jobs <- i:
-			mu.Lock()
-			rows[i].sent++
-			mu.Unlock()
-		default: // every worker busy: this tick's request is not sent
+		status, decision := 0, ""
+		if resp, err := client.Get(fleet[i].URL + "/"); err == nil {
+			_, _ = io.Copy(io.Discard, resp.Body)
+			resp.Body.Close()
+			status, decision = resp.StatusCode, resp.Header.Get("X-RateLimit-Decision")
 		}
-		<-tick.C
-	}
-	close(jobs)
-	wg.Wait()
+		mu.Lock()
+		defer mu.Unlock()
+		rows[i].sent++
+		switch {
+		case status == 200 && decision == "allowed":
+			rows[i].admitted++
+		case status == 429:
+			rows[i].denied++
+		default:
+			rows[i].other++
+		}
+	})
 	return rows
 }
 

@@ -15,7 +15,6 @@ import (
 	"path/filepath"
 	"strconv"
 	"sync"
-	"syscall"
 	"time"
 
 	"github.com/ratelimit-caddy/caddy-ratelimit/internal/testproc"
@@ -157,15 +156,7 @@ func launch(t testredis.TB, bin, dir string, args, env []string, port, adminPort
 // after 5 s) and closes its log. It is safe to call more than once.
 func (in *Instance) Stop() {
 	in.stopOnce.Do(func() {
-		_ = in.cmd.Process.Signal(syscall.SIGTERM)
-		done := make(chan struct{})
-		go func() { _ = in.cmd.Wait(); close(done) }()
-		select {
-		case <-done:
-		case <-time.After(5 * time.Second):
-			_ = in.cmd.Process.Kill()
-			<-done
-		}
+		testproc.Stop(in.cmd, 5*time.Second)
 		in.logFile.Close()
 	})
 }
