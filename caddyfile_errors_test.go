@@ -400,6 +400,7 @@ func TestCaddyfileErrorsSayWhatToDo(t *testing.T) {
 		{"key_secret in the redis block", redisBlock("key_secret s " + mark), "outside the redis block"},
 		{"key in the redis block", redisBlock("key {client_ip} " + mark), "key is a policy's"},
 		{"nothing near", inPolicy("frobnicate 5 " + mark), "expected one of match, key, rate"},
+		{"mholt's window in a policy", inPolicy("window 1m " + mark), "window is mholt/caddy-ratelimit's, in a zone: a policy's limit is rate <events>/<window>"},
 		{"rate per minute in words", "policy api {\n\tkey k\n\trate 100/minute " + mark + "\n}\n", `"100/minute": bad duration "minute": did you mean 100/1m?`},
 		{"rate per second abbreviated", "policy api {\n\tkey k\n\trate 5/sec " + mark + "\n}\n", "did you mean 5/1s?"},
 		{"rate per 2 minutes in words", "policy api {\n\tkey k\n\trate 5/2minutes " + mark + "\n}\n", "did you mean 5/2m?"},

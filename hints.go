@@ -46,6 +46,8 @@ func unknownSubdirective(d *caddyfile.Dispenser, s *section, block int, sub stri
 func subdirectiveHint(block int, sub string) string {
 	own := [...][]string{handlerSubdirectives, redisSubdirectives, policySubdirectives}[block]
 	switch {
+	case block == blockOfPolicy && (sub == "events" || sub == "window"):
+		return sub + " is mholt/caddy-ratelimit's, in a zone: a policy's limit is rate <events>/<window>, as rate 100/1m (docs/migrating.md)"
 	case block != blockOfPolicy && slices.Contains(policySubdirectives, sub):
 		return fmt.Sprintf("%s is a policy's: it belongs inside a policy block, policy <name> { %s ... }, itself inside rate_limit { }", sub, sub)
 	case block != blockOfRedis && slices.Contains(redisSubdirectives, sub):
