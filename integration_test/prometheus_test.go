@@ -176,7 +176,7 @@ func maxValue(result []series) (float64, bool) {
 }
 
 // scrapedSince waits (at most 10 s) until Prometheus has scraped every
-// target after t: what happened before t is in its data.
+// target after since: what happened before since is in its data.
 func (p *prometheus) scrapedSince(t *testing.T, since time.Time, targets int) {
 	t.Helper()
 	deadline := time.Now().Add(10 * time.Second)
@@ -198,7 +198,7 @@ func (p *prometheus) scrapedSince(t *testing.T, since time.Time, targets int) {
 			return
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("prometheus did not scrape the %d targets within 10s of the load (%d fresh): %v", targets, fresh, err)
+			t.Fatalf("prometheus did not scrape the %d targets within 10s (%d fresh): %v", targets, fresh, err)
 		}
 		time.Sleep(200 * time.Millisecond)
 	}
