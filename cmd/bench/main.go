@@ -120,7 +120,7 @@ func main() {
 	flag.Parse()
 	s := testcaddy.NewSession("bench")
 	defer s.Close()
-	s.CloseOnSignal(nil)
+	s.CloseOnSignal(nil, 130)
 	wrk, err := exec.LookPath("wrk")
 	if err != nil {
 		s.Fatalf("wrk not found: `make bench` installs it (apt-get install wrk)")

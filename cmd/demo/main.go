@@ -50,7 +50,7 @@ const (
 func main() {
 	s := testcaddy.NewSession("demo")
 	defer s.Close()
-	s.CloseOnSignal(func() string { return "stopping every process it started" })
+	s.CloseOnSignal(func() string { return "stopping every process it started" }, 130)
 	start := time.Now()
 
 	fmt.Println("rate_limit demo: the same policy on four Caddy instances, with in-process buckets and with buckets in Redis.")

@@ -38,8 +38,11 @@ const (
 
 // The scripted run: one client, so one per_ip bucket, over both instances.
 const (
-	runFor  = 5 * time.Second
-	offered = 20 // requests per second, in total
+	runFor = 5 * time.Second
+	// offered is requests per second, in total: 15, so that a token comes
+	// back (every 500 ms) on either instance's turn in the alternation, not
+	// always on the same one's.
+	offered = 15
 	workers = 8
 )
 
@@ -60,11 +63,11 @@ func main() {
 	defer s.Close()
 	var pids []string
 	var pidsMu sync.Mutex
-	s.CloseOnSignal(func() string {
+	s.CloseOnSignal(func() string { // Ctrl-C is how the fleet ends: exit 0
 		pidsMu.Lock()
 		defer pidsMu.Unlock()
 		return "stopping " + strings.Join(pids, ", ")
-	})
+	}, 0)
 
 	bin := *caddyBin
 	if bin == "" {

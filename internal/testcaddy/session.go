@@ -71,8 +71,9 @@ func (s *Session) TempDir() string {
 }
 
 // CloseOnSignal stops everything on Ctrl-C or SIGTERM, then exits with
-// status 130; say, when not nil, tells what is being stopped.
-func (s *Session) CloseOnSignal(say func() string) {
+// status code (130 for an interrupted run; 0 where Ctrl-C is the way to
+// end it); say, when not nil, tells what is being stopped.
+func (s *Session) CloseOnSignal(say func() string, code int) {
 	sig := make(chan os.Signal, 1)
 	signal.Notify(sig, os.Interrupt, syscall.SIGTERM)
 	go func() {
@@ -81,7 +82,7 @@ func (s *Session) CloseOnSignal(say func() string) {
 			fmt.Fprintf(os.Stderr, "\n%s: %v: %s\n", s.name, got, say())
 		}
 		s.Close()
-		os.Exit(130)
+		os.Exit(code)
 	}()
 }
 
