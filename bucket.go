@@ -154,6 +154,7 @@ type decision struct {
 	now      int64 // the store's clock, µs
 	delay    int64 // µs to hold an admitted request: the latest reserved slot
 	verdicts []verdict
+	call     callStats // the store call that made it, for its trace (tracing.go)
 }
 
 // start is the TAT from which a request is judged: a TAT in the past means a

@@ -132,6 +132,20 @@ func (b *budgetBook) find(name string) (definition, bool) {
 	return definition{}, false
 }
 
+// policies returns the policies of the config loaded last, one per name
+// (a name is one policy).
+func (b *budgetBook) policies() []*Policy {
+	var ps []*Policy
+	for _, h := range b.handlers() {
+		for _, p := range h.Policies {
+			if !slices.ContainsFunc(ps, func(q *Policy) bool { return q.Name == p.Name }) {
+				ps = append(ps, p)
+			}
+		}
+	}
+	return ps
+}
+
 // handlers returns the handlers of the config loaded last.
 func (b *budgetBook) handlers() []*Handler {
 	b.mu.Lock()

@@ -137,6 +137,13 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return err
 			}
 		case "key_secret":
+			if !d.NextArg() {
+				// {$VAR} is replaced before the Caddyfile is read: unset, it
+				// leaves nothing.
+				return d.Errf("key_secret: a value is required: a secret, or {env.RATE_LIMIT_SECRET}, read from the environment when the config loads " +
+					"(a {$VAR} whose variable is unset when the Caddyfile is adapted leaves nothing here: export it first)")
+			}
+			d.Prev()
 			if err := top.oneArg(d, &h.KeySecret); err != nil {
 				return err
 			}
@@ -208,7 +215,7 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			}
 			ignored = append(ignored, ig)
 		default:
-			return d.Errf("unrecognized subdirective %q", sub)
+			return unknownSubdirective(d, nil, blockOfHandler, sub)
 		}
 	}
 	if err := h.checkOwn(); err != nil {
@@ -300,7 +307,7 @@ func (c *RedisConfig) unmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return err
 			}
 		default:
-			return s.errf(d, "unrecognized subdirective %q", sub)
+			return unknownSubdirective(d, s, blockOfRedis, sub)
 		}
 	}
 	if err := c.validate(); err != nil {
@@ -434,7 +441,7 @@ func unmarshalPolicy(d *caddyfile.Dispenser) (*Policy, error) {
 				return nil, err
 			}
 		default:
-			return nil, s.errf(d, "unrecognized subdirective %q", sub)
+			return nil, unknownSubdirective(d, s, blockOfPolicy, sub)
 		}
 	}
 	if err := p.check(); err != nil {

@@ -448,6 +448,16 @@ func TestJSONConfigErrors(t *testing.T) {
 			want:    []string{`policy "monthly"`, "durable:", "from 1 to 1000"},
 		},
 		{
+			name:    "rate in words",
+			handler: `{"policies":[{"name":"api","key":"{client_ip}","rate":"100/minute"}]}`,
+			want:    []string{`policy "api"`, `rate: "100/minute"`, "did you mean 100/1m?"},
+		},
+		{
+			name:    "key_secret from an unset variable",
+			handler: `{"key_secret":"{env.RATE_LIMIT_TEST_UNSET_SECRET}","policies":[{"name":"api","key":"{client_ip}","rate":"10/1s"}]}`,
+			want:    []string{"key_secret:", "environment variable RATE_LIMIT_TEST_UNSET_SECRET is not set", "export RATE_LIMIT_TEST_UNSET_SECRET="},
+		},
+		{
 			name:    "durable without redis",
 			handler: `{"policies":[{"name":"monthly","key":"{client_ip}","quota":"5/month","durable":{"replicas":1}}]}`,
 			want:    []string{`policy "monthly"`, "durable:", "needs a redis block"},

@@ -96,6 +96,7 @@ func (s *redisStore) decideAcrossSlots(ctx context.Context, reqs []bucketRequest
 		d.admitted = d.admitted && parts[g].admitted
 		d.now = max(d.now, parts[g].now)
 		d.delay = max(d.delay, parts[g].delay)
+		d.call = d.call.merge(parts[g].call)
 		for k, i := range idx {
 			d.verdicts[i] = parts[g].verdicts[k]
 		}

@@ -80,6 +80,9 @@ reads the config given with --config (and --adapter) instead.
 			)
 			addOverrideCommands(cmd) // command_override.go
 			addFleetCommands(cmd)    // command_fleet.go
+			for _, sub := range cmd.Commands() {
+				numbersAsArgs(sub) // command_cli.go
+			}
 		},
 	})
 }
@@ -88,9 +91,8 @@ reads the config given with --config (and --adapter) instead.
 func rateLimitCommand(action string) func(*cobra.Command, []string) error {
 	return func(cmd *cobra.Command, args []string) error {
 		cmd.SilenceUsage = true
-		asJSON, _ := cmd.Flags().GetBool("json")
 		plan, _ := cmd.Flags().GetString("plan")
-		adminAddr, err := adminAddress(cmd)
+		target, err := adminTargetOf(cmd) // command_cli.go
 		if err != nil {
 			return err
 		}
@@ -122,6 +124,9 @@ func rateLimitCommand(action string) func(*cobra.Command, []string) error {
 					q.Set("plan", plan)
 				}
 			} else if len(args) > 1 {
+				if n, err := strconv.Atoi(args[1]); err != nil || n < 1 {
+					return fmt.Errorf("n: %q is not a positive integer", args[1])
+				}
 				q.Set("n", args[1])
 			}
 			uri = "/rate_limit/" + action + "?" + q.Encode()
@@ -137,27 +142,12 @@ func rateLimitCommand(action string) func(*cobra.Command, []string) error {
 			raw, _ := json.Marshal(req)
 			body = bytes.NewReader(raw)
 		}
-		raw, err := callAdmin(adminAddr, method, uri, body, asJSON)
-		if err != nil || asJSON {
+		raw, err := target.call(os.Stdout, method, uri, body)
+		if err != nil || target.asJSON {
 			return err
 		}
 		return printAnswer(os.Stdout, action, raw)
 	}
-}
-
-// adminAddress finds the admin API as caddy reload does: --address, or
-// the admin listener of the config given with --config (and --adapter),
-// or Caddy's default.
-func adminAddress(cmd *cobra.Command) (string, error) {
-	flags := cmd.Flags()
-	address, _ := flags.GetString("address")
-	configFile, _ := flags.GetString("config")
-	adapter, _ := flags.GetString("adapter")
-	adminAddr, err := caddycmd.DetermineAdminAPIAddress(address, nil, configFile, adapter)
-	if err != nil {
-		return "", fmt.Errorf("finding the admin API: %v", err)
-	}
-	return adminAddr, nil
 }
 
 // printAnswer writes an admin API answer for a person.

@@ -41,13 +41,12 @@ nothing.`,
 
 func fleetCommand(cmd *cobra.Command, _ []string) error {
 	cmd.SilenceUsage = true
-	asJSON, _ := cmd.Flags().GetBool("json")
-	adminAddr, err := adminAddress(cmd)
+	target, err := adminTargetOf(cmd) // command_cli.go
 	if err != nil {
 		return err
 	}
-	raw, err := callAdmin(adminAddr, http.MethodGet, "/rate_limit/fleet", nil, asJSON)
-	if err != nil || asJSON {
+	raw, err := target.call(os.Stdout, http.MethodGet, "/rate_limit/fleet", nil)
+	if err != nil || target.asJSON {
 		return err
 	}
 	return printFleet(os.Stdout, raw)

@@ -182,7 +182,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	if h.KeySecret != "" && secret == "" {
 		// An unset {env.X} must not silently drop to unkeyed SHA-256, whose
 		// hashes of IPv4 addresses anyone can reverse.
-		return fmt.Errorf("key_secret: %q resolves to the empty string", h.KeySecret)
+		return emptySecretError(h.KeySecret)
 	}
 	h.hasher = newKeyHasher(secret)
 	for _, p := range h.Policies {

@@ -262,6 +262,9 @@ func parseRate(s string) (events int64, period time.Duration, err error) {
 	}
 	period, err = caddy.ParseDuration(d)
 	if err != nil {
+		if hint := rateHint(n, d); hint != "" {
+			return 0, 0, fmt.Errorf("%q: bad duration %q: %s", s, d, hint)
+		}
 		return 0, 0, fmt.Errorf("%q: bad duration: %v", s, err)
 	}
 	if period <= 0 {

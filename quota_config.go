@@ -39,6 +39,9 @@ func parseQuota(s string) (n int64, unit periodUnit, err error) {
 		return 0, 0, fmt.Errorf("%q: N must be an integer from 1 to %d", s, int64(maxJSONInteger))
 	}
 	if unit, err = parsePeriodUnit(name); err != nil {
+		if hint := periodHint(num, name); hint != "" {
+			return 0, 0, fmt.Errorf("%q: %v; %s", s, err, hint)
+		}
 		return 0, 0, fmt.Errorf("%q: %v", s, err)
 	}
 	return n, unit, nil
@@ -113,7 +116,7 @@ func (p *Policy) checkQuota() error {
 	}
 	p.events, p.period, p.waitUS = 0, 0, 0
 	p.limit = limit{burst: n, slack: p.debt}
-	p.quota = &quotaSpec{periods: newCalendar(unit, loc), unit: unit, loc: loc, durable: d, name: p.Name}
+	p.quota = &quotaSpec{periods: newCalendar(unit, loc), unit: unit, loc: loc, durable: d, name: p.Name, used: quotaUsed.WithLabelValues(p.Name)}
 	p.keyTmpl, p.costTmpl = newTemplate(p.Key), newTemplate(string(p.Cost))
 	return p.checkPlans()
 }

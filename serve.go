@@ -35,14 +35,11 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 		return next.ServeHTTP(w, r)
 	}
 	if len(res.adaptive) > 0 {
-		// Shed policies' adaptive limits decide first, on this instance
-		// alone: a request they shed costs no store call.
 		defer res.finishAdaptive() // before recycle
-		if p := res.admitAdaptive(); p != nil {
-			return h.shed(w, r, rs, p)
-		}
 	}
-	h.reserve(r, res)
+	if p := h.decide(r, res); p != nil { // admit, traced (tracing.go)
+		return h.shed(w, r, rs, p)
+	}
 	if res.clientGone {
 		return nil // nobody to answer
 	}
@@ -55,6 +52,19 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	}
 	res.passAdaptive()
 	return h.serveWatched(w, r, next, rs, res)
+}
+
+// admit decides the request: shed policies' adaptive limits first, on
+// this instance alone (a request they shed costs no store call: their
+// policy is returned), then its one decision (reserve).
+func (h *Handler) admit(r *http.Request, res *reservation) *Policy {
+	if len(res.adaptive) > 0 {
+		if p := res.admitAdaptive(); p != nil {
+			return p
+		}
+	}
+	h.reserve(r, res)
+	return nil
 }
 
 // reservations are reused from request to request: a reservation and its

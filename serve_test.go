@@ -77,12 +77,17 @@ func serve(handlers []*Handler, srv *caddyhttp.Server, header ...string) exchang
 
 // serveWith is serve with the upstream given.
 func serveWith(handlers []*Handler, srv *caddyhttp.Server, upstream func(http.ResponseWriter, *http.Request) error, header ...string) exchange {
-	r := httptest.NewRequest("GET", "/", nil)
+	return serveIn(context.Background(), handlers, srv, upstream, header...)
+}
+
+// serveIn is serveWith in the request context ctx (a traced request's).
+func serveIn(ctx context.Context, handlers []*Handler, srv *caddyhttp.Server, upstream func(http.ResponseWriter, *http.Request) error, header ...string) exchange {
+	r := httptest.NewRequestWithContext(ctx, "GET", "/", nil)
 	for i := 0; i+1 < len(header); i += 2 {
 		r.Header.Set(header[i], header[i+1])
 	}
 	repl := caddy.NewReplacer()
-	ctx := context.WithValue(r.Context(), caddy.ReplacerCtxKey, repl)
+	ctx = context.WithValue(r.Context(), caddy.ReplacerCtxKey, repl)
 	ctx = context.WithValue(ctx, caddyhttp.VarsCtxKey, map[string]any{})
 	if srv != nil {
 		ctx = context.WithValue(ctx, caddyhttp.ServerCtxKey, srv)

@@ -466,13 +466,8 @@ type shedLimitCollector struct{ desc *prometheus.Desc }
 func (c shedLimitCollector) Describe(ch chan<- *prometheus.Desc) { ch <- c.desc }
 
 func (c shedLimitCollector) Collect(ch chan<- prometheus.Metric) {
-	var seen []string
-	for _, h := range budgets.handlers() {
-		for _, p := range h.Policies {
-			if p.shed == nil || p.shed.limiter == nil || slices.Contains(seen, p.Name) {
-				continue
-			}
-			seen = append(seen, p.Name)
+	for _, p := range budgets.policies() {
+		if p.shed != nil && p.shed.limiter != nil {
 			ch <- prometheus.MustNewConstMetric(c.desc, prometheus.GaugeValue, float64(p.shed.limiter.limit()), p.Name)
 		}
 	}

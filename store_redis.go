@@ -63,6 +63,7 @@ func (s *redisStore) decide(ctx context.Context, reqs []bucketRequest) (decision
 		d, answer, gate := s.conn.denials.answer(reqs)
 		switch answer {
 		case denied:
+			d.call.cached = true
 			return d, nil
 		case uncertain:
 			// One flight at a time for this bucket: once the one in the air
@@ -196,6 +197,7 @@ func (c *redisConn) eval(batch []*pending) callResult {
 	end := time.Now()
 	for _, p := range batch {
 		p.sent, p.received = sent, received
+		p.d.call = callStats{calls: 1, requests: len(batch), redisUS: received - sent}
 		if err != nil {
 			p.err = err
 		}
