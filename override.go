@@ -184,15 +184,14 @@ func decidedUnder(res []int64, at []int, reqs []bucketRequest) []bucketRequest {
 }
 
 // debtRule is the policy's rule for the debt of an override's limit (see
-// limitFor): what settle may owe, fixed (settle's max) or twice the burst.
+// limitFor): the tokens its settle may owe (debt.go), kept under an
+// override as under the policy's own limit. (The release before sent -2,
+// twice the override's burst, for its default; the script still reads it.)
 func (p *Policy) debtRule() int64 {
-	switch {
-	case p.Settle == nil:
+	if p.Settle == nil {
 		return 0
-	case p.Settle.Max > 0:
-		return p.Settle.Max
 	}
-	return -2
+	return p.debt
 }
 
 // markOverridable sets the overridable bit of the policy's bucket request

@@ -195,7 +195,8 @@ type Policy struct {
 	waiting    prometheus.Gauge
 	top        *topDenied // the identities it denied most, this instance
 	// settleMax caps the usage one response settles (Settle.Max, or its
-	// default); debt is the most tokens the bucket may owe beyond empty.
+	// default); debt is the most tokens the bucket may owe beyond empty
+	// (Settle.Debt, or its default: see debt.go).
 	settleMax   int64
 	debt        int64
 	chargesLost [numLostReasons]prometheus.Counter
@@ -364,11 +365,12 @@ func (p *Policy) check() error {
 			return fieldErr("wait", "wait: a charge_if policy gives back what a response does not owe, so it has no slot to reserve")
 		}
 	case p.Settle != nil:
-		var err error
-		if p.settleMax, err = p.Settle.check(burst); err != nil {
+		if err := p.Settle.check(); err != nil {
 			return err
 		}
-		p.debt = p.settleMax // usage above the reservation is debt, up to a response's cap
+		if p.settleMax, p.debt, err = p.Settle.settleLimits(burst, interval, (maxBucketSpan-burst*interval-p.waitUS)/interval); err != nil {
+			return err
+		}
 	}
 	if p.debt > (maxBucketSpan-burst*interval-p.waitUS)/interval {
 		return fieldErr("burst", "burst: %d tokens and a debt of %d take too long to refill at %s", burst, p.debt, p.Rate)
@@ -380,6 +382,9 @@ func (p *Policy) check() error {
 	p.maxCost = p.MaxCost
 	if p.maxCost == 0 {
 		p.maxCost = burst
+	}
+	if p.maxCost > burst {
+		return maxAboveCapacity(p.maxCost, "burst", burst)
 	}
 	cost := string(p.Cost)
 	if cost == "" {
