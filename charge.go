@@ -461,13 +461,14 @@ func (h *Handler) charge(ctx context.Context, aw *afterResponse, rs *requestStat
 			}
 			if a.settled {
 				delta = a.usage - rq.cost
+				rq.remember(a.usage) // learned_usage.go
 			} else {
 				// No usage: the charge is what the response delivered implies,
 				// never less than the reservation.
 				a.lost = aw.lostReason(p, gone)
 				delta = max(0, min(aw.estimate(p, rs), p.settleMax)-rq.cost)
 			}
-			if delta == 0 {
+			if delta == 0 && rq.record == 0 {
 				continue
 			}
 		}

@@ -154,10 +154,14 @@ const (
 // replyWidthOf is the numbers of a bucket's reply (see replyWidth), an
 // overridable bucket's limit included.
 func replyWidthOf(rq bucketRequest) int {
+	n := bucketReplyWidth(rq)
 	if rq.overridable {
-		return bucketReplyWidth(rq) + overrideReply
+		n += overrideReply
 	}
-	return bucketReplyWidth(rq)
+	if rq.learns {
+		n++ // what its key learned (learned_usage.go)
+	}
+	return n
 }
 
 // decidedUnder is reqs with the limits their buckets were decided under,

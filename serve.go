@@ -148,7 +148,7 @@ func (h *Handler) match(r *http.Request, repl *caddy.Replacer, rs *requestState,
 		}
 		res.policies = append(res.policies, p)
 		res.identities = append(res.identities, identity)
-		rq := bucketRequest{key: key, op: p.admissionOp(), limit: p.limit, cost: p.cost(r, repl), shadow: p.shadow, refundable: p.refundable()}
+		rq := bucketRequest{key: key, op: p.admissionOp(), limit: p.limit, cost: p.cost(r, repl), shadow: p.shadow, refundable: p.refundable(), learns: p.learns()}
 		rq.quota = p.quota // nil unless a quota
 		if rq.op == opAcquire {
 			rq.lease, rq.events, rq.leasesExpired = leaseIDs(), h.events, p.leasesExpired
@@ -196,6 +196,7 @@ func (h *Handler) reserve(r *http.Request, res *reservation) {
 		return
 	}
 	res.d, res.shown, res.shownReqs, res.decidedBy = d, res.policies, res.reqs, h.store
+	reserved(res.reqs, d) // what each learning bucket reserved
 	notePeriods(res.reqs, d)
 	admitted := outcomeAllowed
 	if waited {
@@ -243,6 +244,7 @@ func (h *Handler) withoutStore(r *http.Request, res *reservation) {
 	res.d, res.shown, res.shownReqs, res.outcome = decision{admitted: true}, nil, nil, outcomeFailOpen
 	if len(local) > 0 {
 		res.d, _ = localFallback.decide(r.Context(), local)
+		reserved(local, res.d)
 		notePeriods(local, res.d)
 		res.shown, res.shownReqs, res.identities, res.decidedBy = localPolicies, local, localIdentities, localFallback
 		count(localPolicies, res.d, outcomeLocalAllowed, outcomeLocalDenied)
