@@ -532,15 +532,14 @@ func (w *afterResponse) lostReason(p *Policy, gone bool) int {
 	return lostNoUsage
 }
 
-// estimate is what a response without usage is charged at least: its
-// answer's text as delivered, at bytesPerToken bytes a token, and the
-// prompt's estimate when `cost openai` read one, weighed as the usage.
-// Only body settles estimate; 0 for the others.
+// estimate is what a response without usage is charged at least (see
+// cutEstimate). Only body settles estimate, and only a body that could be
+// read (one that could not keeps its reservation); 0 for the others.
 func (w *afterResponse) estimate(p *Policy, rs *requestState) int64 {
-	if w.body == nil || !p.Settle.fromBody() {
+	if w.body == nil || !p.Settle.fromBody() || w.body.unreadable() != nil {
 		return 0
 	}
-	return p.Settle.w.weigh(rs.body.promptTokens, tokensOf(w.body.scan.found.text))
+	return cutEstimate(p.Settle, rs.body, &w.body.scan.found)
 }
 
 // lostLogInterval is how often, at most, a policy logs the settles it lost

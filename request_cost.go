@@ -28,6 +28,10 @@ type requestBody struct {
 	// definitions) at bytesPerToken a token. For a body longer than the
 	// prefix, its Content-Length at the same ratio.
 	promptTokens int64
+	// promptBytes are those bytes (for a body longer than the prefix, its
+	// Content-Length), which a stream cut before its usage is charged at
+	// one token each (cut_estimate.go).
+	promptBytes int64
 	// hides: the body carries input it does not show (a stored
 	// conversation, an image, a file, a provider-side tool: see
 	// jsonScan.hiddenValue and hiddenType), or is longer than the prefix
@@ -82,9 +86,10 @@ func scanRequest(body []byte, truncated bool, contentLength int64) requestBody {
 	if !truncated && (j.depth != 0 || j.inString) {
 		rb.ok = false // not a whole JSON document
 	}
-	rb.promptTokens = tokensOf(f.strings)
+	rb.promptTokens, rb.promptBytes = tokensOf(f.strings), f.strings
 	rb.hides = f.hides || truncated
 	if truncated {
+		rb.promptBytes = max(contentLength, int64(len(body)))
 		if contentLength < 0 {
 			rb.ok = false // how much prompt follows is not known
 		}
