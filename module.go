@@ -41,6 +41,7 @@ func init() {
 // `{http.rate_limit.remaining}` | that policy's whole tokens left (empty when nothing was decided)
 // `{http.rate_limit.retry_after}` | the Retry-After sent, in seconds (0 when none)
 // `{http.rate_limit.bearer}` | the token of an `Authorization: Bearer` header, to key on: the scheme in any case, the spaces around it dropped; empty without one
+// `{http.rate_limit.credential}` | the request's credential, to key on: the token of `Authorization: Bearer`, or `x-api-key`, `api-key` or `x-goog-api-key`, as the LLM SDKs send it; empty without one, or with two different ones
 type Handler struct {
 	// Shares the buckets through Redis with every Caddy instance that points
 	// at the same Redis (and key prefix). Without it, buckets live in this

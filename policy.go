@@ -209,6 +209,9 @@ type Policy struct {
 
 	// addrMask is what the key keeps of a client address.
 	addrMask addrMask
+	// emptyKey counts the requests whose key resolved empty (credential.go);
+	// nil for a fixed key.
+	emptyKey *emptyKeyWatch
 	// keys are the storage keys of recent identities (see storageKey).
 	keys *keyCache
 
@@ -476,6 +479,8 @@ func (p *Policy) provision(ctx caddy.Context, h *Handler) error {
 	p.addrMask = maskOf(p.IPv4Prefix, p.IPv6Prefix, h.IPv4Prefix, h.IPv6Prefix)
 	if p.keyTmpl.constant() { // e.g. `key global`: one bucket, one storage key
 		p.fixedKey = p.storageKey(h.hasher, p.keyTmpl.text)
+	} else {
+		p.emptyKey = newEmptyKeyWatch(p.Name)
 	}
 	if p.Concurrent > 0 {
 		p.policyHdr = slotsMember(nil, p.Name, p.Concurrent)
