@@ -67,6 +67,7 @@ const mholtOrderWarning = "rate_limit: a zone is mholt/caddy-ratelimit's syntax,
 //	    on_error   fail_open|fail_closed|local
 //	    jitter     <percent>
 //	    headers    draft|off
+//	    error_format problem|openai|anthropic
 //	    shadow
 //	    instances  <n>
 //	    ipv6_prefix <bits>
@@ -79,6 +80,7 @@ const mholtOrderWarning = "rate_limit: a zone is mholt/caddy-ratelimit's syntax,
 //	        burst    <n>
 //	        cost     <n | {placeholder} | openai> [max <n>]
 //	        on_error fail_open|fail_closed|local
+//	        error_format problem|openai|anthropic
 //	        shadow
 //	        wait     <duration> [<max_held>]
 //	        charge_if { <response matchers> }
@@ -155,6 +157,10 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			h.Jitter = &j
 		case "headers":
 			if err := top.oneArg(d, &h.Headers); err != nil {
+				return err
+			}
+		case "error_format":
+			if err := top.oneArg(d, &h.ErrorFormat); err != nil {
 				return err
 			}
 		case "shadow":
@@ -353,6 +359,10 @@ func unmarshalPolicy(d *caddyfile.Dispenser) (*Policy, error) {
 			}
 		case "on_error":
 			if err := s.oneArg(d, &p.OnError); err != nil {
+				return nil, err
+			}
+		case "error_format":
+			if err := s.oneArg(d, &p.ErrorFormat); err != nil {
 				return nil, err
 			}
 		case "shadow":

@@ -123,6 +123,9 @@ func (s *Settle) check() (err error) {
 	if s.Max < 0 || s.Max > maxJSONInteger {
 		return fieldErr("settle", "settle: max %d must be from 1 to %d", s.Max, int64(maxJSONInteger))
 	}
+	if s.Debt < 0 || s.Debt > maxJSONInteger {
+		return fieldErr("settle", "settle: debt %d must be from 1 to %d", s.Debt, int64(maxJSONInteger))
+	}
 	s.w, err = s.Weights.check(s.From)
 	return err
 }

@@ -73,6 +73,15 @@ type Handler struct {
 	// is sent on denials either way. Default `draft`.
 	Headers string `json:"headers,omitempty"`
 
+	// The body of a 429: `problem` (an RFC 9457 problem, the default),
+	// `openai` or `anthropic` (the provider's own rate-limit error, which
+	// its SDKs surface to the application as such: OpenAI's
+	// `{"error": {"type", "code": "rate_limit_exceeded", "message"}}`,
+	// Anthropic's `{"type": "error", "error": {"type": "rate_limit_error",
+	// "message"}}`), for the routes of an LLM API. The RateLimit fields and
+	// Retry-After are sent whatever the format. A policy can override it.
+	ErrorFormat string `json:"error_format,omitempty"`
+
 	// Evaluates and reports every policy without rejecting any request or
 	// adding response fields: a dry run for rolling out limits.
 	Shadow bool `json:"shadow,omitempty"`
@@ -266,6 +275,9 @@ func (h *Handler) checkOwn() error {
 	}
 	if h.Headers != "" && h.Headers != "draft" && h.Headers != "off" {
 		return fieldErr("headers", "headers: %q is not draft or off", h.Headers)
+	}
+	if err := checkErrorFormat(h.ErrorFormat); err != nil {
+		return err
 	}
 	if err := checkPrefix("ipv6_prefix", h.IPv6Prefix, 128); err != nil {
 		return err

@@ -88,6 +88,11 @@ type Policy struct {
 	// Evaluates and reports this policy without ever rejecting for it.
 	Shadow bool `json:"shadow,omitempty"`
 
+	// The body of a 429 this policy denies: `problem`, `openai` or
+	// `anthropic` (see the handler's error_format). Default: the
+	// handler's.
+	ErrorFormat string `json:"error_format,omitempty"`
+
 	// Delays instead of rejecting: a request that cannot pass now but could
 	// within this duration reserves its slot (atomically, across all
 	// instances) and is held until then, as NGINX `limit_req` without
@@ -322,6 +327,9 @@ func (p *Policy) check() error {
 		return err
 	}
 	if err := checkPrefix("ipv4_prefix", p.IPv4Prefix, 32); err != nil {
+		return err
+	}
+	if err := checkErrorFormat(p.ErrorFormat); err != nil {
 		return err
 	}
 	p.quota = nil

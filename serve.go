@@ -4,7 +4,6 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
-	"strconv"
 	"sync"
 	"time"
 
@@ -348,7 +347,7 @@ func (h *Handler) deny(w http.ResponseWriter, r *http.Request, rs *requestState,
 	if res.failClosed != nil {
 		ra := retryAfter(time.Second.Microseconds(), h.jitter)
 		rs.decided, rs.decision, rs.policy, rs.remaining, rs.retryAfter = true, outcomeFailClosed, res.failClosed.Name, -1, ra
-		w.Header().Set("Retry-After", strconv.FormatInt(ra, 10))
+		setRetryFields(w.Header(), ra, true)
 		if handlesErrors(r, http.StatusServiceUnavailable) {
 			return caddyhttp.Error(http.StatusServiceUnavailable, errStoreUnavailable)
 		}
@@ -397,8 +396,8 @@ func (h *Handler) deny(w http.ResponseWriter, r *http.Request, rs *requestState,
 		} else {
 			ra = res.paced(r, key, wait, stride, h.jitter)
 		}
-		w.Header().Set("Retry-After", strconv.FormatInt(ra, 10))
 	}
+	setRetryFields(w.Header(), ra, res.retryable(wait, ra)) // denial_shape.go
 	h.report(w, rs, res, ra)
 	if ce := h.logger.Check(zap.DebugLevel, "rate limit exceeded"); ce != nil {
 		ce.Write(zap.Strings("policies", violated), zap.Int64("retry_after", ra))
@@ -406,10 +405,7 @@ func (h *Handler) deny(w http.ResponseWriter, r *http.Request, rs *requestState,
 	if handlesErrors(r, http.StatusTooManyRequests) {
 		return caddyhttp.Error(http.StatusTooManyRequests, errRateLimited)
 	}
-	if len(violated) == 1 {
-		return writeProblemBody(w, http.StatusTooManyRequests, denier.deniedBody)
-	}
-	return writeProblem(w, quotaExceeded(violated))
+	return h.writeDenial(w, res, violated, denier, ra) // denial_shape.go
 }
 
 // paced is the Retry-After of a denial on the bucket under key, from its
