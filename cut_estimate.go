@@ -26,7 +26,7 @@ const denseBytesPerToken = 1
 func cutEstimate(s *Settle, body requestBody, found *scanFound) int64 {
 	out := found.text / denseBytesPerToken
 	if body.ok {
-		out = max(out, body.maxTokens)
+		out = body.maxTokens
 	}
 	if s.From == settleAnthropic {
 		if in, ok := found.first(slotUsageInput, slotMsgInput); ok {

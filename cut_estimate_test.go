@@ -11,8 +11,9 @@ import (
 
 // TestCutEstimate: a response without usage is estimated at one token per
 // byte of the prompt, or, for an Anthropic stream past its message_start,
-// the input it reported; and the answer at the ceiling the request set (at
-// least the text delivered, at a token a byte); weighed as the usage.
+// the input it reported; and the answer at the ceiling the request set
+// (which the provider enforces), or without one the text delivered at a
+// token a byte; weighed as the usage.
 func TestCutEstimate(t *testing.T) {
 	dense := requestBody{ok: true, maxTokens: 10, promptBytes: 40000, promptTokens: 10000}
 	anthropic := &Settle{From: settleAnthropic}
@@ -33,12 +34,12 @@ func TestCutEstimate(t *testing.T) {
 		found *scanFound
 		want  int64
 	}{
-		{"openai, a dense prompt: its bytes, and max_tokens", openai, dense, &cut.found, 40000 + 40},
+		{"openai, a dense prompt: its bytes, and max_tokens", openai, dense, &cut.found, 40000 + 10},
 		{"no ceiling: the text", openai, requestBody{promptBytes: 100}, &cut.found, 100 + 40},
 		{"a ceiling above the text", openai, requestBody{ok: true, maxTokens: 1000, promptBytes: 100}, &cut.found, 100 + 1000},
-		{"anthropic past message_start: its input, cache reads at their weight", anthropic, dense, &started.found, 40000 + 400},
+		{"anthropic past message_start: its input, cache reads at their weight", anthropic, dense, &started.found, 40000 + 10},
 		{"anthropic weighed", weighed, requestBody{ok: true, maxTokens: 1000, promptBytes: 5}, &started.found, 40000 + 1002 + 5*1000},
-		{"anthropic before message_start: the prompt's bytes", anthropic, dense, &cut.found, 40000 + 40},
+		{"anthropic before message_start: the prompt's bytes", anthropic, dense, &cut.found, 40000 + 10},
 	} {
 		if got := cutEstimate(tc.s, tc.body, tc.found); got != tc.want {
 			t.Errorf("%s: %d, want %d", tc.name, got, tc.want)
