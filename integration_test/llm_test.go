@@ -560,9 +560,10 @@ func cutStream(t *testing.T, url, key, body, coding string, cut int, header ...s
 }
 
 // TestLLMCutStream: a stream cut after half its text is charged at least
-// what it delivered (the text at 4 bytes a token), however small its
-// reservation: cut by the client or by the upstream, plain or gzip; each
-// counted in charges_lost_total by its reason.
+// what it delivered (the text at a token a byte, the most a byte-level
+// tokenizer makes), however small its reservation: cut by the client or by
+// the upstream, plain or gzip; each counted in charges_lost_total by its
+// reason.
 func TestLLMCutStream(t *testing.T) {
 	srv := testredis.Start(t)
 	up := startLLMUpstream(t)
@@ -595,7 +596,7 @@ func TestLLMCutStream(t *testing.T) {
 				resp.Body.Close()
 			}
 		}
-		estimate := int64(half / 4)
+		estimate := int64(half)
 		got := 100000 - settledTokens(t, in, "llm_tokens", key, 100000-estimate)
 		lost := lostCount(t, in, "llm_tokens", tc.reason) - before
 		t.Logf("%s after %d of %d bytes of text: reserved 1, charged %d (the estimate %d); lost{reason=%s} +%v", tc.name, half, words*5, got, estimate, tc.reason, lost)
@@ -633,7 +634,7 @@ func lostCount(t *testing.T, in *instance, policy, reason string) float64 {
 // (125 tokens each) gets 16; a client reserving 2 and cutting every
 // stream after half its text, which got 1,000 when a cut stream kept only
 // its reservation, now gets no more text for its budget than the honest
-// one: each cut stream is charged the half it read.
+// one: each cut stream is charged the half it read, at a token a byte.
 func TestLLMCheapEscape(t *testing.T) {
 	srv := testredis.Start(t)
 	up := startLLMUpstream(t)
@@ -662,7 +663,7 @@ func TestLLMCheapEscape(t *testing.T) {
 			}
 			cutter++
 			cutterText += read
-			charged += max(2, int64(read+3)/4)
+			charged += max(2, int64(read))
 			// The next request is decided once this one's charge is made.
 			if got := 2000 - settledTokens(t, in, "llm_tokens", key, 2000-charged); got != charged {
 				t.Fatalf("%s: after %d cut streams of %d bytes of text, %d charged, want %d", coding, cutter, read, got, charged)
