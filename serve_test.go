@@ -77,6 +77,11 @@ func serveWith(handlers []*Handler, srv *caddyhttp.Server, upstream func(http.Re
 	for i := 0; i+1 < len(header); i += 2 {
 		r.Header.Set(header[i], header[i+1])
 	}
+	return serveOn(handlers, srv, upstream, r)
+}
+
+// serveOn is serveWith for the request r.
+func serveOn(handlers []*Handler, srv *caddyhttp.Server, upstream func(http.ResponseWriter, *http.Request) error, r *http.Request) exchange {
 	repl := caddy.NewReplacer()
 	ctx := context.WithValue(r.Context(), caddy.ReplacerCtxKey, repl)
 	ctx = context.WithValue(ctx, caddyhttp.VarsCtxKey, map[string]any{})
