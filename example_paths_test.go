@@ -111,4 +111,3 @@ func TestLLMExamplePaths(t *testing.T) {
 		}
 	}
 }
-
