@@ -131,9 +131,7 @@ func withLearned(reqs []bucketRequest, learned []int64) []bucketRequest {
 		if c == rq.cost {
 			continue
 		}
-		if &out[0] == &reqs[0] {
-			out = append([]bucketRequest(nil), reqs...)
-		}
+		out = ownCopy(out, reqs)
 		out[i].cost = c
 	}
 	return out

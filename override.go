@@ -179,10 +179,18 @@ func decidedUnder(res []int64, at []int, reqs []bucketRequest) []bucketRequest {
 		if l == rq.limit {
 			continue
 		}
-		if &out[0] == &reqs[0] {
-			out = append([]bucketRequest(nil), reqs...)
-		}
+		out = ownCopy(out, reqs)
 		out[i].limit = l
+	}
+	return out
+}
+
+// ownCopy is out, or a copy of reqs when out is still reqs: the requests
+// a store decides under changed limits or costs, without writing over the
+// caller's.
+func ownCopy(out, reqs []bucketRequest) []bucketRequest {
+	if &out[0] == &reqs[0] {
+		return append([]bucketRequest(nil), reqs...)
 	}
 	return out
 }

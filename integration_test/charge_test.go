@@ -38,14 +38,7 @@ type usageUpstream struct {
 func startUsageUpstream(t *testing.T) *usageUpstream {
 	t.Helper()
 	u := &usageUpstream{}
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	u.addr = l.Addr().String()
-	srv := &http.Server{Handler: http.HandlerFunc(u.serve)}
-	go func() { _ = srv.Serve(l) }()
-	t.Cleanup(func() { srv.Close() })
+	u.addr = serveLoopback(t, http.HandlerFunc(u.serve))
 	return u
 }
 

@@ -57,14 +57,7 @@ type llmUpstream struct {
 func startLLMUpstream(t *testing.T) *llmUpstream {
 	t.Helper()
 	u := &llmUpstream{calls: map[string]*llmCall{}}
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	u.addr = l.Addr().String()
-	srv := &http.Server{Handler: http.HandlerFunc(u.serve)}
-	go func() { _ = srv.Serve(l) }()
-	t.Cleanup(func() { srv.Close() })
+	u.addr = serveLoopback(t, http.HandlerFunc(u.serve))
 	return u
 }
 

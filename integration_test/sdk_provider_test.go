@@ -66,15 +66,22 @@ func (c providerCall) total() int64 { return c.input + c.cacheWrite + c.output }
 func startProvider(t *testing.T) *sdkProvider {
 	t.Helper()
 	p := &sdkProvider{stored: map[string]int64{}, cached: map[[32]byte]bool{}}
+	p.addr = serveLoopback(t, http.HandlerFunc(p.serve))
+	return p
+}
+
+// serveLoopback serves h on a free loopback port until the test ends, and
+// returns its address.
+func serveLoopback(t *testing.T, h http.Handler) string {
+	t.Helper()
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
-	p.addr = l.Addr().String()
-	srv := &http.Server{Handler: http.HandlerFunc(p.serve)}
+	srv := &http.Server{Handler: h}
 	go func() { _ = srv.Serve(l) }()
 	t.Cleanup(func() { srv.Close() })
-	return p
+	return l.Addr().String()
 }
 
 // reported is what the provider answered since call from (its index).
