@@ -196,12 +196,15 @@ func ownCopy(out, reqs []bucketRequest) []bucketRequest {
 }
 
 // debtRule is the policy's rule for the debt of an override's limit (see
-// limitFor): the tokens its settle may owe (debt.go), kept under an
-// override as under the policy's own limit. (The release before sent -2,
-// twice the override's burst, for its default; the script still reads it.)
+// limitFor): a rate policy's settle may owe the tokens it owes under its
+// own limit (debt.go); a quota's, twice the override's N by default (-2),
+// or its own `debt`.
 func (p *Policy) debtRule() int64 {
-	if p.Settle == nil {
+	switch {
+	case p.Settle == nil:
 		return 0
+	case p.quota != nil && p.Settle.Debt == 0:
+		return -2
 	}
 	return p.debt
 }
