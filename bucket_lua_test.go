@@ -452,22 +452,24 @@ func TestRedisStoreReloadsFlushedScript(t *testing.T) {
 // global policy) through the Redis store, with many concurrent callers, and
 // Redis's own time per decision: one call per decision (as in Cluster mode)
 // and coalesced (a single Redis or Sentinel), where the call reads and
-// writes the hot key once for all its requests.
+// writes the hot key once for all its requests; and a settle policy's
+// bucket, which reads what its key learned (learned_usage.go) too.
 func BenchmarkRedisHotKey(b *testing.B) {
 	srv := testredis.Start(b)
 	client := redis.NewClient(&redis.Options{Addr: srv.Addr})
 	defer client.Close()
-	for _, coalesce := range []bool{false, true} {
-		b.Run(fmt.Sprintf("coalesced=%v", coalesce), func(b *testing.B) {
+	for _, run := range []struct{ coalesce, learns bool }{{false, false}, {true, false}, {false, true}, {true, true}} {
+		coalesce := run.coalesce
+		b.Run(fmt.Sprintf("coalesced=%v/learns=%v", coalesce, run.learns), func(b *testing.B) {
 			noCoalescing = !coalesce
 			defer func() { noCoalescing = false }()
-			conn, err := newRedisConn(RedisConfig{Addresses: []string{srv.Addr}, PoolSize: 64}.resolved(), zap.NewNop())
+			conn, err := newRedisConn(RedisConfig{Addresses: []string{srv.Addr}, PoolSize: 64, Timeout: testTimeout}.resolved(), zap.NewNop())
 			if err != nil {
 				b.Fatal(err)
 			}
 			defer conn.Destruct()
 			rs := &redisStore{conn: conn}
-			reqs := []bucketRequest{{key: "rl:global:{hot}", limit: limit{interval: 1, burst: 1_000_000}, op: opTake, cost: 1}}
+			reqs := []bucketRequest{{key: "rl:global:{hot}", limit: limit{interval: 1, burst: 1_000_000}, op: opTake, cost: 1, learns: run.learns}}
 			client.ConfigResetStat(context.Background())
 			b.SetParallelism(16)
 			b.ResetTimer()
