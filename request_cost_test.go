@@ -206,6 +206,7 @@ func TestScanRequestHidden(t *testing.T) {
 		{"encrypted reasoning", `{"model":"o4-mini","input":[{"type":"reasoning","id":"rs_1","encrypted_content":"gAAAA"}],"max_output_tokens":50}`, true},
 		{"anthropic image", `{"model":"claude-sonnet-4-5","max_tokens":100,"messages":[{"role":"user","content":[{"type":"image","source":{"type":"url","url":"https://x.example/a.jpg"}},{"type":"text","text":"Describe"}]}]}`, true},
 		{"anthropic document", `{"model":"claude-sonnet-4-5","max_tokens":100,"messages":[{"role":"user","content":[{"type":"document","source":{"type":"file","file_id":"file_011"}}]}]}`, true},
+		{"anthropic web search results sent back", `{"model":"claude-sonnet-4-5","max_tokens":100,"messages":[{"role":"assistant","content":[{"type":"web_search_tool_result","tool_use_id":"srvtoolu_1","content":[{"type":"web_search_result","url":"https://x.example","encrypted_content":"EqgfCioIARgB"}]}]}]}`, true},
 		{"anthropic redacted thinking", `{"model":"claude-sonnet-4-5","max_tokens":100,"messages":[{"role":"assistant","content":[{"type":"redacted_thinking","data":"EmwKAhgBEgy"}]}]}`, true},
 		{"openai web search tool", `{"model":"gpt-4.1","tools":[{"type":"web_search_preview"}],"input":"News?","max_output_tokens":100}`, true},
 		{"openai file search tool", `{"model":"gpt-4.1","tools":[{"type":"file_search","vector_store_ids":["vs_1"]}],"input":"?","max_output_tokens":100}`, true},

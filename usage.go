@@ -371,11 +371,11 @@ func (j *jsonScan) feed(b []byte, f *scanFound, text int) {
 // hiddenTypes are the `type`s of the parts of a request that the provider
 // bills as input the body does not show: an image or a file behind a URL
 // or an id, audio, an item or reasoning stored by the provider, a stored
-// conversation's compaction.
+// conversation's compaction, a server tool's encrypted results sent back.
 var hiddenTypes = map[string]bool{
 	"image_url": true, "input_image": true, "image": true, "document": true, "input_file": true, "file": true,
 	"input_audio": true, "container_upload": true, "item_reference": true, "reasoning": true, "redacted_thinking": true,
-	"compaction": true,
+	"compaction": true, "web_search_tool_result": true, "web_fetch_tool_result": true,
 }
 
 // hiddenValue reports whether the value starting now (with c: a string's
