@@ -285,8 +285,7 @@ end
 -- that used no more than its own reservation), in the key beside the
 -- bucket's, read once per call. A value that is not one reads as none. The
 -- release before this one never reads it.
-local LEARNED, LEARNED_TTL = 8, 86400000 -- learnRecords, learnTTL (ms)
-local function learned_of(learned, key)
+local function learned_of(learned, key, most)
   local l = learned[key]
   if l then return l end
   l = {records = {}, held = false, dirty = false}
@@ -299,7 +298,7 @@ local function learned_of(learned, key)
           l.records = {}
           break
         end
-        if #l.records < LEARNED then l.records[#l.records + 1] = tonumber(n) end
+        if #l.records < most then l.records[#l.records + 1] = tonumber(n) end
       end
     end
   end
@@ -342,6 +341,7 @@ local now = tonumber(clock[1]) * 1000000 + tonumber(clock[2])
 local set_get = redis.REDIS_VERSION_NUM ~= nil
 
 local TAKE, CHECK, ADJUST, RESET = 1, 2, 3, 5
+local LEARNED, LEARNED_TTL = 8, 86400000 -- learnRecords, learnTTL (ms)
 local ACQUIRE, RELEASE, RENEW, FREE, RESTORE = 6, 7, 8, 10, 11
 local QUOTA = 12 -- the first quota code
 local WRONGTYPE, CORRUPT, CLOCK = -1, -2, -3
@@ -409,7 +409,7 @@ while arg <= n_args do
     end
     if learn then
       if not lws then lws, lvals, learned = {}, {}, {} end
-      lws[i], lvals[i] = arg + width, learned_max(learned_of(learned, key).records)
+      lws[i], lvals[i] = arg + width, learned_max(learned_of(learned, key, LEARNED).records)
       width = width + 1
     elseif lws then
       lws[i] = nil
