@@ -1,7 +1,7 @@
 # The commands of the README: `make run`, `make demo`, `make test`, `make bench` and `make build`.
 GO ?= go
 
-.PHONY: run build xcaddy test demo fleet bench redis-server prometheus wrk check
+.PHONY: run build xcaddy test demo fleet bench redis-server prometheus node wrk check
 
 # Build Caddy with the module and serve Caddyfile.example on
 # http://localhost:8080 (in-process buckets: no Redis needed).
@@ -29,13 +29,15 @@ xcaddy:
 
 # Every test: formatting, vet, the package under the race detector, and the
 # integration tests that run the built Caddy against real redis-server
-# processes (started by the tests on free loopback ports). One package at a
+# processes (started by the tests on free loopback ports) and drive it with
+# the official LLM SDKs under Node (integration_test/sdk: the tests run its
+# npm ci, from package-lock.json, once). One package at a
 # time (-p 1): the integration tests load the machine on purpose, and must
 # not also compete with the unit tests for its two cores. The integration
 # package takes some 5 to 7 minutes on 2 cores, and more on a busy machine:
 # -timeout 25m rather than go test's 10m, so that a slow machine is not
 # mistaken for a hung test.
-test: redis-server prometheus check
+test: redis-server prometheus node check
 	$(GO) test -race -count=1 -p 1 -timeout 25m ./...
 
 # Four Caddy instances on one budget, with in-process buckets (about 4x over)
@@ -86,6 +88,16 @@ prometheus:
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; \
 	}
 	@prometheus --version 2>&1 | head -1
+
+# The SDK tests run the official LLM SDKs under Node; install it from
+# Debian's packages when it is missing (root only), as redis-server.
+node:
+	@command -v node >/dev/null 2>&1 && command -v npm >/dev/null 2>&1 || { \
+		if [ "$$(id -u)" != 0 ]; then echo "node is missing: install it (e.g. apt-get install nodejs npm) or run make test as root"; exit 1; fi; \
+		echo "installing nodejs and npm from Debian's packages"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends nodejs npm >/dev/null; \
+	}
+	@node --version
 
 wrk:
 	@command -v wrk >/dev/null 2>&1 || { \

@@ -278,6 +278,26 @@ func TestJSONConfigErrors(t *testing.T) {
 		want    []string // substrings of the error
 	}{
 		{
+			name:    "max_cost above the burst",
+			handler: `{"policies":[{"name":"llm","key":"{http.rate_limit.credential}","rate":"500/1m","cost":"openai","max_cost":8000,"settle":{"from":"openai"}}]}`,
+			want:    []string{`policy "llm"`, "cost: max 8000 is more than the burst 500"},
+		},
+		{
+			name:    "error_format unknown",
+			handler: `{"error_format":"gemini","policies":[{"name":"api","key":"{client_ip}","rate":"1/1s"}]}`,
+			want:    []string{`error_format: "gemini"`},
+		},
+		{
+			name:    "settle debt negative",
+			handler: `{"policies":[{"name":"api","key":"k","rate":"1/1s","settle":{"from":"openai","debt":-1}}]}`,
+			want:    []string{`policy "api"`, "settle: debt -1"},
+		},
+		{
+			name:    "cache_write for openai",
+			handler: `{"policies":[{"name":"api","key":"k","rate":"1/1s","settle":{"from":"openai","weights":{"input":1,"output":1,"cache_write":1}}}]}`,
+			want:    []string{`policy "api"`, "cache_write is for anthropic"},
+		},
+		{
 			name:    "rate zero",
 			handler: `{"policies":[{"name":"api","key":"{client_ip}","rate":"0/1s"}]}`,
 			want:    []string{`policy "api"`, `rate: "0/1s"`, "positive integer"},

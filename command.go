@@ -50,7 +50,9 @@ admin API of a running Caddy:
   caddy rate-limit overrides <policy>                    every override: hash, limit, expiry, note
 
 Inspect, reset and grant read the bucket under the policy's own limit, or
-under a plan's with --plan <name> (docs/plans-and-overrides.md).
+under a plan's with --plan <name> (docs/plans-and-overrides.md); with
+--empty-key and no identity, the bucket every request whose key resolved
+empty shares (caddy_rate_limit_empty_keys_total counts them).
 
 The identity is the raw value the policy's key resolves to (an API key, a
 user id, an IP address); it is hashed as the handler hashes it. With Redis,
@@ -66,13 +68,14 @@ reads the config given with --config (and --adapter) instead.
 			cmd.PersistentFlags().StringP("adapter", "a", "", "Name of config adapter to apply")
 			cmd.PersistentFlags().Bool("json", false, "Print the admin API's JSON answer")
 			cmd.PersistentFlags().String("plan", "", "inspect, reset, grant: the plan whose limit to read the bucket under")
+			cmd.PersistentFlags().Bool("empty-key", false, "inspect, reset, grant: the bucket of the requests whose key resolved empty (give no identity)")
 			cmd.AddCommand(
 				&cobra.Command{Use: "inspect <policy> <identity>", Short: "Shows a bucket: tokens, burst, rate, time to full",
 					Args: cobra.RangeArgs(1, 2), RunE: rateLimitCommand("inspect")},
 				&cobra.Command{Use: "reset <policy> <identity>", Short: "Makes a bucket full, on every instance at once",
 					Args: cobra.RangeArgs(1, 2), RunE: rateLimitCommand("reset")},
 				&cobra.Command{Use: "grant <policy> <identity> <tokens>", Short: "Gives tokens back to a bucket",
-					Args: cobra.ExactArgs(3), RunE: rateLimitCommand("grant")},
+					Args: cobra.RangeArgs(2, 3), RunE: rateLimitCommand("grant")},
 				&cobra.Command{Use: "top <policy> [n]", Short: "Lists the identities this instance denied most in the last 5 minutes",
 					Args: cobra.RangeArgs(1, 2), RunE: rateLimitCommand("top")},
 				&cobra.Command{Use: "format [v1|v2]", Short: "Shows or sets the format the fleet stores buckets in (see docs/redis.md, Upgrading)",
@@ -92,13 +95,20 @@ func rateLimitCommand(action string) func(*cobra.Command, []string) error {
 	return func(cmd *cobra.Command, args []string) error {
 		cmd.SilenceUsage = true
 		plan, _ := cmd.Flags().GetString("plan")
+		emptyKey, _ := cmd.Flags().GetBool("empty-key")
 		target, err := adminTargetOf(cmd) // command_cli.go
 		if err != nil {
 			return err
 		}
-		req := adminRequest{Plan: plan}
+		req := adminRequest{Plan: plan, EmptyKey: emptyKey}
 		if len(args) > 0 && action != "format" {
 			req.Policy = args[0]
+		}
+		if action == "grant" && emptyKey {
+			args = append([]string{args[0], ""}, args[1:]...) // grant <policy> <tokens>
+		}
+		if len(args) != 3 && action == "grant" {
+			return fmt.Errorf("grant: expected <policy> <identity> <tokens>, or <policy> <tokens> with --empty-key")
 		}
 		if len(args) > 1 && action != "top" {
 			req.Identity = args[1]
@@ -122,6 +132,9 @@ func rateLimitCommand(action string) func(*cobra.Command, []string) error {
 				q.Set("identity", req.Identity)
 				if plan != "" {
 					q.Set("plan", plan)
+				}
+				if emptyKey {
+					q.Set("empty_key", "true")
 				}
 			} else if len(args) > 1 {
 				if n, err := strconv.Atoi(args[1]); err != nil || n < 1 {
@@ -229,6 +242,9 @@ func printAnswer(w io.Writer, action string, raw []byte) error {
 		fmt.Fprintf(tw, "key\t%s\n", st.Key)
 		fmt.Fprintf(tw, "store\t%s\n", st.Store)
 		fmt.Fprintf(tw, "tokens\t%d of %d; %s\n", st.Tokens, st.Burst, full)
+		if st.Learned != nil && *st.Learned > 0 {
+			fmt.Fprintf(tw, "learned\t%d: its recent requests used up to this beyond their reservations; each now reserves at least this (at most the burst)\n", *st.Learned)
+		}
 		printPlanAndOverride(tw, st) // command_override.go
 		if err := tw.Flush(); err != nil {
 			return err

@@ -41,6 +41,7 @@ func init() {
 // `{http.rate_limit.remaining}` | that policy's whole tokens left (empty when nothing was decided)
 // `{http.rate_limit.retry_after}` | the Retry-After sent, in seconds (0 when none)
 // `{http.rate_limit.bearer}` | the token of an `Authorization: Bearer` header, to key on: the scheme in any case, the spaces around it dropped; empty without one
+// `{http.rate_limit.credential}` | the request's credential, to key on: the token of `Authorization: Bearer`, or `x-api-key`, `api-key` or `x-goog-api-key`, as the LLM SDKs send it; empty without one, or with two different ones
 type Handler struct {
 	// Shares the buckets through Redis with every Caddy instance that points
 	// at the same Redis (and key prefix). Without it, buckets live in this
@@ -71,6 +72,15 @@ type Handler struct {
 	// RateLimit, draft-ietf-httpapi-ratelimit-headers) or `off`. Retry-After
 	// is sent on denials either way. Default `draft`.
 	Headers string `json:"headers,omitempty"`
+
+	// The body of a 429: `problem` (an RFC 9457 problem, the default),
+	// `openai` or `anthropic` (the provider's own rate-limit error, which
+	// its SDKs surface to the application as such: OpenAI's
+	// `{"error": {"type", "code": "rate_limit_exceeded", "message"}}`,
+	// Anthropic's `{"type": "error", "error": {"type": "rate_limit_error",
+	// "message"}}`), for the routes of an LLM API. The RateLimit fields and
+	// Retry-After are sent whatever the format. A policy can override it.
+	ErrorFormat string `json:"error_format,omitempty"`
 
 	// Evaluates and reports every policy without rejecting any request or
 	// adding response fields: a dry run for rolling out limits.
@@ -292,6 +302,9 @@ func (h *Handler) checkOwn() error {
 	}
 	if h.Headers != "" && h.Headers != "draft" && h.Headers != "off" {
 		return fieldErr("headers", "headers: %q is not draft or off", h.Headers)
+	}
+	if err := checkErrorFormat(h.ErrorFormat); err != nil {
+		return err
 	}
 	if err := checkPrefix("ipv6_prefix", h.IPv6Prefix, 128); err != nil {
 		return err

@@ -4,7 +4,6 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
-	"strconv"
 	"sync"
 	"time"
 
@@ -155,10 +154,11 @@ func (h *Handler) match(r *http.Request, repl *caddy.Replacer, rs *requestState,
 		if key == "" {
 			identity = p.key(r, repl)
 			key = p.storageKey(h.hasher, identity)
+			p.emptyKey.note(p, identity, h.logger) // credential.go
 		}
 		res.policies = append(res.policies, p)
 		res.identities = append(res.identities, identity)
-		rq := bucketRequest{key: key, op: p.admissionOp(), limit: p.limit, cost: p.cost(r, repl), shadow: p.shadow, refundable: p.refundable()}
+		rq := bucketRequest{key: key, op: p.admissionOp(), limit: p.limit, cost: p.cost(r, repl), shadow: p.shadow, refundable: p.refundable(), learns: p.learns()}
 		rq.quota = p.quota // nil unless a quota
 		if rq.op == opAcquire {
 			rq.lease, rq.events, rq.leasesExpired = leaseIDs(), h.events, p.leasesExpired
@@ -206,6 +206,7 @@ func (h *Handler) reserve(r *http.Request, res *reservation) {
 		return
 	}
 	res.d, res.shown, res.shownReqs, res.decidedBy = d, res.policies, res.reqs, h.store
+	reserved(res.reqs, d) // what each learning bucket reserved
 	notePeriods(res.reqs, d)
 	admitted := outcomeAllowed
 	if waited {
@@ -253,6 +254,7 @@ func (h *Handler) withoutStore(r *http.Request, res *reservation) {
 	res.d, res.shown, res.shownReqs, res.outcome = decision{admitted: true}, nil, nil, outcomeFailOpen
 	if len(local) > 0 {
 		res.d, _ = localFallback.decide(r.Context(), local)
+		reserved(local, res.d)
 		notePeriods(local, res.d)
 		res.shown, res.shownReqs, res.identities, res.decidedBy = localPolicies, local, localIdentities, localFallback
 		count(localPolicies, res.d, outcomeLocalAllowed, outcomeLocalDenied)
@@ -355,7 +357,7 @@ func (h *Handler) deny(w http.ResponseWriter, r *http.Request, rs *requestState,
 	if res.failClosed != nil {
 		ra := retryAfter(time.Second.Microseconds(), h.jitter)
 		rs.decided, rs.decision, rs.policy, rs.remaining, rs.retryAfter = true, outcomeFailClosed, res.failClosed.Name, -1, ra
-		w.Header().Set("Retry-After", strconv.FormatInt(ra, 10))
+		setRetryFields(w.Header(), ra, true)
 		if handlesErrors(r, http.StatusServiceUnavailable) {
 			return caddyhttp.Error(http.StatusServiceUnavailable, errStoreUnavailable)
 		}
@@ -404,8 +406,8 @@ func (h *Handler) deny(w http.ResponseWriter, r *http.Request, rs *requestState,
 		} else {
 			ra = res.paced(r, key, wait, stride, h.jitter)
 		}
-		w.Header().Set("Retry-After", strconv.FormatInt(ra, 10))
 	}
+	setRetryFields(w.Header(), ra, res.retryable(wait, ra)) // denial_shape.go
 	h.report(w, rs, res, ra)
 	if ce := h.logger.Check(zap.DebugLevel, "rate limit exceeded"); ce != nil {
 		ce.Write(zap.Strings("policies", violated), zap.Int64("retry_after", ra))
@@ -413,10 +415,7 @@ func (h *Handler) deny(w http.ResponseWriter, r *http.Request, rs *requestState,
 	if handlesErrors(r, http.StatusTooManyRequests) {
 		return caddyhttp.Error(http.StatusTooManyRequests, errRateLimited)
 	}
-	if len(violated) == 1 {
-		return writeProblemBody(w, http.StatusTooManyRequests, denier.deniedBody)
-	}
-	return writeProblem(w, quotaExceeded(violated))
+	return h.writeDenial(w, res, violated, denier, ra) // denial_shape.go
 }
 
 // paced is the Retry-After of a denial on the bucket under key, from its

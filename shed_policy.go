@@ -8,7 +8,6 @@ import (
 	"io"
 	"net/http"
 	"slices"
-	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -422,7 +421,7 @@ func (h *Handler) denyShed(w http.ResponseWriter, r *http.Request, rs *requestSt
 // tell: a second, spread by jitter); a site with handle_errors gets it as
 // an error, as a fail_closed 503.
 func writeShed(w http.ResponseWriter, r *http.Request, ra int64) error {
-	w.Header().Set("Retry-After", strconv.FormatInt(ra, 10))
+	setRetryFields(w.Header(), ra, true)
 	if handlesErrors(r, http.StatusServiceUnavailable) {
 		return caddyhttp.Error(http.StatusServiceUnavailable, errShed)
 	}
