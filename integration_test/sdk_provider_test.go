@@ -203,7 +203,8 @@ func (p *sdkProvider) serve(w http.ResponseWriter, r *http.Request) {
 	c.input = all + pp.hidden
 	p.mu.Lock()
 	p.n++
-	id := "resp_" + strconv.Itoa(p.n)
+	n := p.n
+	id := "resp_" + strconv.Itoa(n)
 	if strings.HasPrefix(path, "/v1/messages") && pp.breakAfter > 0 {
 		key := sha256.Sum256([]byte(strings.Join(pp.texts[:pp.breakAfter], "\x00")))
 		if p.cached[key] {
@@ -252,14 +253,14 @@ func (p *sdkProvider) serve(w http.ResponseWriter, r *http.Request) {
 			codings = append(codings, strings.TrimSpace(coding))
 		}
 	}
-	coding := codings[p.n%len(codings)]
+	coding := codings[n%len(codings)]
 	c.contentEncoding = coding
 	ct := "application/json"
 	if stream {
 		ct = "text/event-stream"
 	}
 	w.Header().Set("Content-Type", ct)
-	w.Header().Set("X-Request-Id", "req_"+strconv.Itoa(p.n))
+	w.Header().Set("X-Request-Id", "req_"+strconv.Itoa(n))
 	o := newWire(w, coding, io.Discard, !stream)
 	defer func() { p.record(c) }()
 	deltas := func(format string) bool {

@@ -209,8 +209,13 @@ func TestSDKHiddenInput(t *testing.T) {
 	cut := continued("cut")
 	cut.Params["stream"], cut.AbortAfterText, cut.Headers["X-Cut"] = true, 360, "360"
 	run := runSDK(t, sdkPlan{SDK: "openai", BaseURL: in.URL + "/v1", MaxRetries: intp(0), Calls: []*sdkCall{cut}}, 30*time.Second)
-	time.Sleep(200 * time.Millisecond) // the charge of the cut, if any, lands
-	charged := burst - bucketTokens(t, in, "llm_tokens", "sk-tenant")
+	// The client cut the stream: its charge is made once Caddy notices
+	// (bounded: 2 s).
+	left := bucketTokens(t, in, "llm_tokens", "sk-tenant")
+	for deadline := time.Now().Add(2 * time.Second); left > 100 && time.Now().Before(deadline); left = bucketTokens(t, in, "llm_tokens", "sk-tenant") {
+		time.Sleep(20 * time.Millisecond)
+	}
+	charged := burst - left
 	t.Logf("the conversation (100,100 tokens if read) cut after %s of its 400 bytes of text: reserved %d, charged %d (less the refill since)", cut.doneText(), reservedBy(run.calls["cut"], "llm_tokens", burst), charged)
 	if charged < burst-100 { // 27.8 tokens a second come back meanwhile
 		t.Errorf("the cut conversation: charged %d, want what its key learned, the burst (%d)", charged, burst)
