@@ -202,13 +202,12 @@ func (adminAPI) bucket(ctx context.Context, action string, def definition, req a
 		req.Identity = p.identityOf(req.Identity) // a client address names its network's bucket, as in the handler
 		key = p.storageKey(h.hasher, req.Identity)
 	}
-	if p.Shed != nil {
+	switch p.kind {
+	case kindShed:
 		return adminAPI{}.shed(ctx, action, def, req, key)
-	}
-	if p.Concurrent > 0 {
+	case kindConcurrent:
 		return adminAPI{}.slots(ctx, action, def, req, key)
-	}
-	if p.quota != nil {
+	case kindQuota:
 		return adminAPI{}.quota(ctx, action, def, req, key)
 	}
 	// A grant reads the bucket and gives the tokens back in one decision:
@@ -234,7 +233,7 @@ func (adminAPI) bucket(ctx context.Context, action string, def definition, req a
 	}
 	v := d.verdicts[len(reqs)-1]
 	st := &bucketState{
-		Policy: p.Name, Kind: p.kind(), Rate: p.Rate, Burst: v.limit.burst, Identity: req.Identity, Key: key, Store: h.storeName(),
+		Policy: p.Name, Kind: p.kindName(), Rate: p.Rate, Burst: v.limit.burst, Identity: req.Identity, Key: key, Store: h.storeName(),
 		Tokens: v.remaining, NextToken: seconds(v.untilFits), Full: seconds(v.limit.untilFull(v.remaining, v.untilFits)),
 		Plan: p.planLabel(),
 	}
@@ -271,7 +270,7 @@ func (adminAPI) bucket(ctx context.Context, action string, def definition, req a
 func (adminAPI) slots(ctx context.Context, action string, def definition, req adminRequest, key string) (*bucketState, error) {
 	p, h := def.policy, def.handler
 	rq := bucketRequest{key: key, limit: p.limit, op: opCount, leasesExpired: p.leasesExpired}
-	if p.Shed == nil { // a shed policy's capacity is the service's: no override
+	if p.kind != kindShed { // a shed policy's capacity is the service's: no override
 		p.markOverridable(&rq, true) // shows the override in force
 	}
 	switch action {
@@ -290,7 +289,7 @@ func (adminAPI) slots(ctx context.Context, action string, def definition, req ad
 	}
 	v := d.verdicts[0]
 	inUse := v.limit.burst - v.remaining // burst: the slots (concurrent, shed { concurrent })
-	st := &bucketState{Policy: p.Name, Kind: p.kind(), Slots: v.limit.burst, Identity: req.Identity, Key: key, Store: h.storeName(),
+	st := &bucketState{Policy: p.Name, Kind: p.kindName(), Slots: v.limit.burst, Identity: req.Identity, Key: key, Store: h.storeName(),
 		Tokens: v.remaining, InUse: &inUse, Plan: p.planLabel()}
 	showOverride(ctx, h, key, v, st)
 	if action == "reset" {

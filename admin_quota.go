@@ -44,7 +44,7 @@ func (adminAPI) quota(ctx context.Context, action string, def definition, req ad
 	used := n - v.remaining
 	text := v.period.text(p.quota.loc)
 	st := &bucketState{
-		Policy: p.Name, Kind: p.kind(), Identity: req.Identity, Key: key, Store: h.storeName(),
+		Policy: p.Name, Kind: p.kindName(), Identity: req.Identity, Key: key, Store: h.storeName(),
 		Tokens: v.remaining, Quota: n, Unit: p.quota.unit.String(), Used: &used, Period: &text,
 		Plan: p.planLabel(),
 	}

@@ -56,7 +56,7 @@ func (h *Handler) writeDenial(w http.ResponseWriter, res *reservation, violated 
 	format, tokens := "", false
 	for i, v := range res.d.verdicts {
 		p := res.shown[i]
-		if v.allowed || p.shadow || p.Shed != nil {
+		if v.allowed || p.shadow || p.kind == kindShed {
 			continue
 		}
 		tokens = tokens || p.Settle != nil || p.costFromBody

@@ -108,7 +108,7 @@ func decodeLearned(v string) learnedUsage {
 // policy that settles. (A quota's count is charged in full within its
 // period, and starts again from 0.)
 func (p *Policy) learns() bool {
-	return p.Settle != nil && p.quota == nil && p.Concurrent == 0 && p.Shed == nil
+	return p.kind == kindRate && p.Settle != nil
 }
 
 // learnedCost is the cost a take of rq is decided with when its key has

@@ -495,7 +495,7 @@ func (res *reservation) slotReleases(shed bool) (rels []bucketRequest, policies 
 	kept := res.leases[:0]
 	var freed []lease
 	for _, l := range res.leases {
-		if l.policy.Shed != nil && !shed {
+		if l.policy.kind == kindShed && !shed {
 			kept = append(kept, l)
 			continue
 		}
@@ -539,7 +539,7 @@ func unmirrorSlots(leases []lease) {
 // release the client must find done when its response ends (finish.go).
 func (res *reservation) holdsClientSlots() bool {
 	for _, l := range res.leases {
-		if l.policy.Shed == nil {
+		if l.policy.kind != kindShed {
 			return true
 		}
 	}

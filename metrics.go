@@ -118,7 +118,7 @@ func (c slotsCollector) Describe(ch chan<- *prometheus.Desc) { ch <- c.desc }
 func (c slotsCollector) Collect(ch chan<- prometheus.Metric) {
 	for _, p := range budgets.policies() {
 		n := p.Concurrent
-		if p.Shed != nil {
+		if p.kind == kindShed {
 			n = p.Shed.Concurrent
 		}
 		if n > 0 {

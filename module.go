@@ -205,10 +205,10 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 
 	var all []byte
 	for _, p := range h.Policies {
-		if p.Shed != nil {
+		if p.kind == kindShed {
 			continue // not in the fields (writeFields)
 		}
-		if p.shadow || p.quota != nil || p.Plan != nil { // a quota's member changes with its period, a plan's is the plan's
+		if p.shadow || p.kind == kindQuota || p.Plan != nil { // a quota's member changes with its period, a plan's is the plan's
 			all = nil
 			break
 		}

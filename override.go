@@ -203,7 +203,7 @@ func (p *Policy) debtRule() int64 {
 	switch {
 	case p.Settle == nil:
 		return 0
-	case p.quota != nil && p.Settle.Debt == 0:
+	case p.kind == kindQuota && p.Settle.Debt == 0:
 		return -2
 	}
 	return p.debt
@@ -270,7 +270,7 @@ func (res *reservation) appendPolicyMember(b []byte, i int, p *Policy) []byte {
 	if l == p.limit {
 		return append(b, p.policyHdr...)
 	}
-	if p.Concurrent > 0 {
+	if p.kind == kindConcurrent {
 		return slotsMember(b, p.Name, l.burst)
 	}
 	_, w := fieldQuota(p.events, p.period)

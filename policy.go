@@ -177,6 +177,7 @@ type Policy struct {
 	Plan *Plan `json:"plan,omitempty"`
 
 	// Provisioned state.
+	kind              policyKind // from the fields given (check)
 	matchers          caddyhttp.MatcherSet
 	events            int64
 	period            time.Duration
@@ -336,13 +337,13 @@ func (p *Policy) check() error {
 		return err
 	}
 	p.quota = nil
-	if p.Shed != nil || p.Priority != nil {
+	p.kind = kindOf(p)
+	switch p.kind {
+	case kindShed:
 		return p.checkShed()
-	}
-	if p.Quota != "" || p.Timezone != "" || p.Durable != nil {
+	case kindQuota:
 		return p.checkQuota()
-	}
-	if p.Concurrent != 0 || p.Lease != 0 {
+	case kindConcurrent:
 		if err := p.checkConcurrent(); err != nil {
 			return err
 		}
@@ -493,9 +494,9 @@ func (p *Policy) provision(ctx caddy.Context, h *Handler) error {
 	} else {
 		p.emptyKey = newEmptyKeyWatch(p.Name)
 	}
-	if p.Concurrent > 0 {
+	if p.kind == kindConcurrent {
 		p.policyHdr = slotsMember(nil, p.Name, p.Concurrent)
-	} else if p.quota != nil {
+	} else if p.kind == kindQuota {
 		p.policyHdr = nil // a member per period: quotaSpec.policyMember
 	} else {
 		q, w := fieldQuota(p.events, p.period)
@@ -534,7 +535,7 @@ func (p *Policy) provision(ctx caddy.Context, h *Handler) error {
 			}
 		}
 	}
-	if p.Shed != nil {
+	if p.kind == kindShed {
 		p.provisionShed(ctx, h)
 	}
 	return nil
@@ -544,7 +545,7 @@ func (p *Policy) provision(ctx caddy.Context, h *Handler) error {
 // take a slot, or take the cost (which charge_if and settle may give back
 // after the response).
 func (p *Policy) admissionOp() bucketOp {
-	if p.Concurrent > 0 || p.Shed != nil { // a shed policy's buckets are slots (shed { concurrent })
+	if p.kind.slots() { // shed { concurrent } too
 		return opAcquire
 	}
 	return opTake

@@ -69,7 +69,7 @@ func (p *Policy) probeRequest(h *Handler) bucketRequest {
 		key = p.newStorageKey(h.hasher, probeIdentity)
 	}
 	rq := bucketRequest{key: key, limit: p.limit, op: opInspect, quota: p.quota}
-	if p.Concurrent > 0 || p.Shed != nil {
+	if p.kind.slots() {
 		rq.op, rq.leasesExpired = opCount, p.leasesExpired
 	}
 	return rq

@@ -144,7 +144,7 @@ func (h *Handler) match(r *http.Request, repl *caddy.Replacer, rs *requestState,
 		if !ok || rs.wasDecided(p.Name) {
 			continue
 		}
-		if p.Shed != nil {
+		if p.kind == kindShed {
 			if p = res.matchShed(p, r, repl, rs); p == nil {
 				continue // decided on this instance alone (shed { latency })
 			}
@@ -333,7 +333,7 @@ func count(policies []*Policy, d decision, allowed, denied outcome) {
 		switch {
 		case !v.allowed && policies[i].shadow:
 			policies[i].decisions[outcomeShadowDenied].Inc()
-		case !v.allowed && policies[i].Shed != nil:
+		case !v.allowed && policies[i].kind == kindShed:
 			policies[i].decisions[outcomeShed].Inc()
 		case !v.allowed:
 			policies[i].decisions[denied].Inc()
@@ -375,7 +375,7 @@ func (h *Handler) deny(w http.ResponseWriter, r *http.Request, rs *requestState,
 	var denier *Policy  // the last policy that denied
 	for i, v := range res.d.verdicts {
 		p := res.shown[i]
-		if v.allowed || p.shadow || p.Shed != nil { // a shed policy protects the service: it is no caller's budget
+		if v.allowed || p.shadow || p.kind == kindShed { // a shed policy protects the service: it is no caller's budget
 			continue
 		}
 		denier = p
@@ -480,7 +480,7 @@ func (h *Handler) setPlaceholders(rs *requestState, res *reservation, retryAfter
 	// enforced, so a dry run still says which policy would deny.
 	tightest := -1
 	for i, v := range d.verdicts {
-		if v.allowed && res.shown[i].Shed != nil {
+		if v.allowed && res.shown[i].kind == kindShed {
 			continue // the service's capacity, not a budget left to the caller
 		}
 		e := !res.shown[i].shadow
@@ -512,7 +512,7 @@ func (h *Handler) writeFields(hdr http.Header, rs *requestState, res *reservatio
 	}
 	for i, v := range d.verdicts {
 		p := res.shown[i]
-		if p.shadow || p.Shed != nil { // see docs/load-shedding.md: no caller's budget
+		if p.shadow || p.kind == kindShed { // see docs/load-shedding.md: no caller's budget
 			continue
 		}
 		if len(lim) > 0 {
@@ -533,7 +533,7 @@ func (h *Handler) writeFields(hdr http.Header, rs *requestState, res *reservatio
 		if res.shownReqs[i].quota != nil {
 			until = v.untilFits // a quota's t is its boundary's, charged or not
 		}
-		if p.Concurrent > 0 {
+		if p.kind == kindConcurrent {
 			until = neverFits // free slots have no window
 		}
 		lim = limitMember(lim, p.Name, remaining, until)

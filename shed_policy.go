@@ -372,7 +372,7 @@ func (res *reservation) shedOnly() bool {
 		if v.allowed || p.shadow {
 			continue
 		}
-		if p.Shed == nil {
+		if p.kind != kindShed {
 			return false
 		}
 		shed = true
@@ -495,7 +495,7 @@ func (a adminAPI) shed(ctx context.Context, action string, def definition, req a
 	if action == "grant" {
 		return nil, apiError(http.StatusBadRequest, "policy %q sheds load: it has capacity, not tokens, to grant", p.Name)
 	}
-	st := &bucketState{Policy: p.Name, Kind: p.kind(), Identity: req.Identity, Key: key, Store: h.storeName()}
+	st := &bucketState{Policy: p.Name, Kind: p.kindName(), Identity: req.Identity, Key: key, Store: h.storeName()}
 	if p.Shed.Concurrent > 0 {
 		var err error
 		if st, err = a.slots(ctx, action, def, req, key); err != nil {
