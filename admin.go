@@ -269,7 +269,7 @@ func (adminAPI) bucket(ctx context.Context, action string, def definition, req a
 // slots inspects or frees a concurrency policy's slots.
 func (adminAPI) slots(ctx context.Context, action string, def definition, req adminRequest, key string) (*bucketState, error) {
 	p, h := def.policy, def.handler
-	rq := bucketRequest{key: key, limit: p.limit, op: opCount, leasesExpired: p.leasesExpired}
+	rq := bucketRequest{key: key, limit: p.limit, op: opCount, leasesExpired: p.slots.expired}
 	if p.kind != kindShed { // a shed policy's capacity is the service's: no override
 		p.markOverridable(&rq, true) // shows the override in force
 	}

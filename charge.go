@@ -422,7 +422,7 @@ func (res *reservation) responseKnown(status int, hdr http.Header) {
 		case p.ChargeIf != nil:
 			a.charge = p.ChargeIf.Match(status, hdr)
 		case p.Settle.From == settleHeader:
-			a.usage, a.settled = parseUsage(hdr.Get(p.Settle.Field), p.settleMax)
+			a.usage, a.settled = parseUsage(hdr.Get(p.Settle.Field), p.after.maxUsage)
 		}
 	}
 }
@@ -490,10 +490,10 @@ func (h *Handler) charges(ctx context.Context, aw *afterResponse, rs *requestSta
 				if v == "" {
 					v = aw.Header().Get(p.Settle.Field)
 				}
-				a.usage, a.settled = parseUsage(v, p.settleMax)
+				a.usage, a.settled = parseUsage(v, p.after.maxUsage)
 			case settleOpenAI, settleAnthropic:
 				if u, ok := aw.body.scan.found.usage(p.Settle.provider(), p.Settle.w); ok {
-					a.usage, a.settled = min(u, p.settleMax), true
+					a.usage, a.settled = min(u, p.after.maxUsage), true
 				}
 			}
 			if a.settled {
@@ -503,7 +503,7 @@ func (h *Handler) charges(ctx context.Context, aw *afterResponse, rs *requestSta
 				// No usage: the charge is what the response delivered implies,
 				// never less than the reservation.
 				a.lost = aw.lostReason(p, gone)
-				delta = max(0, min(aw.estimate(p, rs), p.settleMax)-rq.cost)
+				delta = max(0, min(aw.estimate(p, rs), p.after.maxUsage)-rq.cost)
 			}
 			if delta == 0 && rq.record == 0 {
 				continue
@@ -595,11 +595,11 @@ func (l *lostLog) due(now time.Time) (int64, bool) {
 // operator can fix (a body that cannot be read, an upstream that reports
 // no usage) at most once per lostLogInterval per policy and reason.
 func (h *Handler) chargeLost(p *Policy, reason int, w *afterResponse) {
-	p.chargesLost[reason].Inc()
+	p.after.lost[reason].Inc()
 	if reason != lostUnreadable && reason != lostNoUsage || p.Settle == nil {
 		return
 	}
-	n, due := p.lostLogs[reason].due(time.Now())
+	n, due := p.after.logs[reason].due(time.Now())
 	if !due {
 		return
 	}

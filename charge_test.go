@@ -168,7 +168,7 @@ func TestServeHTTPCutStream(t *testing.T) {
 				panic(http.ErrAbortHandler)
 			}
 		}
-		lostBefore := counterValue(h.Policies[0].chargesLost[tc.reason])
+		lostBefore := counterValue(h.Policies[0].after.lost[tc.reason])
 		x := serveLLMCancel(t, h, up, &cancel, "Authorization", "Bearer sk-cut", "X-Max-Tokens", tc.reserve)
 		if tc.cut != (x.panicked == http.ErrAbortHandler) {
 			t.Fatalf("%s: panicked %v: the handler must let reverse_proxy's abort go on", tc.name, x.panicked)
@@ -176,7 +176,7 @@ func TestServeHTTPCutStream(t *testing.T) {
 		if x.remaining != 10000-tc.charged {
 			t.Errorf("%s: %d left, want %d (charged %d)", tc.name, x.remaining, 10000-tc.charged, tc.charged)
 		}
-		if got := counterValue(h.Policies[0].chargesLost[tc.reason]) - lostBefore; got != 1 {
+		if got := counterValue(h.Policies[0].after.lost[tc.reason]) - lostBefore; got != 1 {
 			t.Errorf("%s: %v counted lost as %s, want 1", tc.name, got, lostReasonNames[tc.reason])
 		}
 		t.Logf("%s: reserved %s, charged %d", tc.name, tc.reserve, tc.charged)
@@ -238,7 +238,7 @@ func TestLostLogged(t *testing.T) {
 			t.Fatalf("%d, body changed %v", x.status, !bytes.Equal(x.body, corrupt))
 		}
 	}
-	if got := counterValue(h.Policies[0].chargesLost[lostUnreadable]); got != 20 {
+	if got := counterValue(h.Policies[0].after.lost[lostUnreadable]); got != 20 {
 		t.Errorf("%v counted unreadable, want 20", got)
 	}
 	if logs.Len() != 1 || !strings.Contains(logs.All()[0].Message, "could not be read") {

@@ -78,11 +78,11 @@ func TestServeHTTPCompressionBomb(t *testing.T) {
 	_ = zw.Close()
 	h := testHandler(t, &Handler{Jitter: jitterOff(), Policies: []*Policy{{Name: "llm_tokens", Key: "{http.rate_limit.bearer}", Rate: "100000/24h",
 		Cost: "openai", MaxCost: 1000, Settle: &Settle{From: settleOpenAI}}}}, newMemoryStore((&clock{t: 1000 * sec}).now))
-	lost := counterValue(h.Policies[0].chargesLost[lostUnreadable])
+	lost := counterValue(h.Policies[0].after.lost[lostUnreadable])
 	x := serveLLM(t, h, `{"model":"m","messages":[{"role":"user","content":"bomb"}],"max_tokens":990}`,
 		answering(bomb.Bytes(), "Content-Type", "application/json", "Content-Encoding", "zstd"), "Authorization", "Bearer sk-bomb")
 	reserved := int64(990 + tokensOf(int64(len("m")+len("user")+len("bomb"))))
-	if charged := 100000 - x.remaining; charged != reserved || counterValue(h.Policies[0].chargesLost[lostUnreadable])-lost != 1 {
-		t.Fatalf("a compression bomb: charged %d, want its reservation %d; counted unreadable %v", charged, reserved, counterValue(h.Policies[0].chargesLost[lostUnreadable])-lost)
+	if charged := 100000 - x.remaining; charged != reserved || counterValue(h.Policies[0].after.lost[lostUnreadable])-lost != 1 {
+		t.Fatalf("a compression bomb: charged %d, want its reservation %d; counted unreadable %v", charged, reserved, counterValue(h.Policies[0].after.lost[lostUnreadable])-lost)
 	}
 }

@@ -59,7 +59,7 @@ func (h *Handler) writeDenial(w http.ResponseWriter, res *reservation, violated 
 		if v.allowed || p.shadow || p.kind == kindShed {
 			continue
 		}
-		tokens = tokens || p.Settle != nil || p.costFromBody
+		tokens = tokens || p.Settle != nil || p.costs.fromBody
 		if format == "" {
 			format = p.ErrorFormat
 		}

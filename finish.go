@@ -39,7 +39,7 @@ func (h *Handler) finish(aw *afterResponse, rs *requestState, res *reservation, 
 	_, err = res.decidedBy.decideAwaited(reqs)
 	if err != nil {
 		for _, p := range charged {
-			p.chargesLost[lostStoreUnreachable].Inc()
+			p.after.lost[lostStoreUnreachable].Inc()
 		}
 		res.retryReleases(rels, relPolicies)
 		return

@@ -282,7 +282,7 @@ func (c *redisConn) renewNow(due []*heldLease, reqs []bucketRequest, retries []*
 		if results[len(due)+k].err == nil {
 			delete(b.pending, r.rq.lease)
 		} else if r.policy != nil {
-			r.policy.releaseRetries.Inc()
+			r.policy.slots.retries.Inc()
 		}
 	}
 	// The leases the store lost are put back now, not a tick later: until
@@ -386,7 +386,7 @@ func (h *Handler) waitForSlot(r *http.Request, res *reservation, d decision) (de
 	var held []*Policy
 	defer func() {
 		for _, p := range held {
-			p.waiting.Dec()
+			p.held.gauge.Dec()
 			p.release()
 		}
 	}()
@@ -396,7 +396,7 @@ func (h *Handler) waitForSlot(r *http.Request, res *reservation, d decision) (de
 				return d, nil
 			}
 			held = append(held, p)
-			p.waiting.Inc()
+			p.held.gauge.Inc()
 		}
 	}
 	w := slotQueues.join(key)
@@ -438,7 +438,7 @@ func (res *reservation) takeSlots() {
 			continue // a shadow policy's slot, not taken
 		}
 		res.leases = append(res.leases, lease{policy: p, rq: rq})
-		p.inFlight.Inc()
+		p.slots.inFlight.Inc()
 	}
 	if len(res.leases) == 0 {
 		return
@@ -499,7 +499,7 @@ func (res *reservation) slotReleases(shed bool) (rels []bucketRequest, policies 
 			kept = append(kept, l)
 			continue
 		}
-		l.policy.inFlight.Dec()
+		l.policy.slots.inFlight.Dec()
 		freed = append(freed, l)
 	}
 	res.leases = kept

@@ -206,7 +206,7 @@ func (p *Policy) debtRule() int64 {
 	case p.kind == kindQuota && p.Settle.Debt == 0:
 		return -2
 	}
-	return p.debt
+	return p.after.debt
 }
 
 // markOverridable sets the overridable bit of the policy's bucket request
@@ -216,7 +216,7 @@ func (p *Policy) markOverridable(rq *bucketRequest, always bool) {
 	if !always && (p.overrides == nil || !p.overrides.may(rq.key)) {
 		return
 	}
-	rq.overridable, rq.overrideWait, rq.overrideDebt = true, p.waitUS, p.debtRule()
+	rq.overridable, rq.overrideWait, rq.overrideDebt = true, p.held.wait, p.debtRule()
 }
 
 // applyOverride is rq as decided under the override o in force (see
@@ -273,6 +273,6 @@ func (res *reservation) appendPolicyMember(b []byte, i int, p *Policy) []byte {
 	if p.kind == kindConcurrent {
 		return slotsMember(b, p.Name, l.burst)
 	}
-	_, w := fieldQuota(p.events, p.period)
+	_, w := fieldQuota(p.rate.n, p.rate.per)
 	return policyMember(b, p.Name, min(w*1_000_000/l.interval, maxSFInteger), w)
 }

@@ -200,7 +200,7 @@ func (p *Policy) provisionPlans() error {
 		} else if q.kind == kindQuota {
 			q.policyHdr = nil // a member per period: quotaSpec.policyMember
 		} else {
-			qq, w := fieldQuota(q.events, q.period)
+			qq, w := fieldQuota(q.rate.n, q.rate.per)
 			q.policyHdr = policyMember(nil, q.Name, qq, w)
 		}
 		q.decisions = policyCounters(q.Name, "", name)

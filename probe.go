@@ -70,7 +70,7 @@ func (p *Policy) probeRequest(h *Handler) bucketRequest {
 	}
 	rq := bucketRequest{key: key, limit: p.limit, op: opInspect, quota: p.quota}
 	if p.kind.slots() {
-		rq.op, rq.leasesExpired = opCount, p.leasesExpired
+		rq.op, rq.leasesExpired = opCount, p.slots.expired
 	}
 	return rq
 }

@@ -219,9 +219,9 @@ func TestQuotaPlanCheck(t *testing.T) {
 		"pro": {100, 200, 7}, "dear": {40, 80, 30}, // settle's room: twice the plan's N
 	} {
 		q, err := p.planPolicy(name, p.Plan.Plans[name])
-		if err != nil || q.limit != (limit{burst: want.n, slack: want.slack}) || q.maxCost != want.maxCost || q.quota == nil ||
+		if err != nil || q.limit != (limit{burst: want.n, slack: want.slack}) || q.costs.max != want.maxCost || q.quota == nil ||
 			q.quota.unit != periodMonth || q.quota.loc.String() != "Europe/Berlin" || q.planLabel() != name {
-			t.Errorf("plan %s: %+v max %d quota %+v (%v), want %+v, monthly in Europe/Berlin", name, q.limit, q.maxCost, q.quota, err, want)
+			t.Errorf("plan %s: %+v max %d quota %+v (%v), want %+v, monthly in Europe/Berlin", name, q.limit, q.costs.max, q.quota, err, want)
 		}
 	}
 }

@@ -161,7 +161,7 @@ func (h *Handler) match(r *http.Request, repl *caddy.Replacer, rs *requestState,
 		rq := bucketRequest{key: key, op: p.admissionOp(), limit: p.limit, cost: p.cost(r, repl), shadow: p.shadow, refundable: p.refundable(), learns: p.learns()}
 		rq.quota = p.quota // nil unless a quota
 		if rq.op == opAcquire {
-			rq.lease, rq.events, rq.leasesExpired = leaseIDs(), h.events, p.leasesExpired
+			rq.lease, rq.events, rq.leasesExpired = leaseIDs(), h.events, p.slots.expired
 		}
 		p.markOverridable(&rq, false)
 		res.reqs = append(res.reqs, rq)
@@ -185,7 +185,7 @@ func (h *Handler) reserve(r *http.Request, res *reservation) {
 	}
 	for i, p := range res.policies {
 		if p.Concurrent == 0 && p.hold() {
-			res.reqs[i].wait = p.waitUS
+			res.reqs[i].wait = p.held.wait
 			res.places = append(res.places, p)
 		}
 	}
@@ -294,7 +294,7 @@ func (res *reservation) holdUntilDue(r *http.Request) bool {
 		for i, q := range res.policies {
 			if q == p && res.d.verdicts[i].delay > 0 {
 				res.holding = append(res.holding, p)
-				p.waiting.Inc()
+				p.held.gauge.Inc()
 			}
 		}
 	}
@@ -315,7 +315,7 @@ func (res *reservation) holdUntilDue(r *http.Request) bool {
 // concurrency slots. It is safe to call more than once.
 func (res *reservation) release() {
 	for _, p := range res.holding {
-		p.waiting.Dec()
+		p.held.gauge.Dec()
 	}
 	for _, p := range res.places {
 		p.release()

@@ -490,7 +490,7 @@ func TestServeHTTPSettle(t *testing.T) {
 		Cost: "{http.request.header.X-Max-Tokens}", MaxCost: 500, Settle: &Settle{From: settleHeader, Field: "X-Usage-Tokens", Max: 600}}}}, newMemoryStore(c.now))
 	lost := func() float64 {
 		var m dto.Metric
-		_ = h.Policies[0].chargesLost[lostNoUsage].Write(&m)
+		_ = h.Policies[0].after.lost[lostNoUsage].Write(&m)
 		return m.GetCounter().GetValue()
 	}
 	step := func(reserve, usage string, wantField, wantAfter int64) {

@@ -181,8 +181,8 @@ func (p *Policy) checkShed() error {
 	}
 	p.classes = classes
 	p.limit = limit{interval: int64(lease / time.Microsecond), burst: s.Concurrent}
-	p.fixedCost, p.maxCost, p.waitUS, p.debt, p.settleMax = 1, 1, 0, 0, 0
-	p.keyTmpl, p.costTmpl = newTemplate(p.Key), newTemplate("")
+	p.costs.fixed, p.costs.max, p.held.wait, p.after.debt, p.after.maxUsage = 1, 1, 0, 0, 0
+	p.keyTmpl, p.costs.tmpl = newTemplate(p.Key), newTemplate("")
 	return nil
 }
 
