@@ -95,10 +95,10 @@ type bucketRequest struct {
 	// overridable: the store may hold an operator's override of this
 	// bucket's limit, which the store reads in the same decision.
 	overridable bool
-	// refundable: the bucket may be given tokens back after the response
+	// givesBack: the bucket may be given tokens back after the response
 	// (settle), so what a decision said of it is not a lower bound on its
 	// state: the deny cache leaves it alone.
-	refundable bool
+	givesBack bool
 	// wait: µs ahead an opTake may reserve a slot (policy `wait`, while the
 	// policy has room to hold the request); 0: now or never.
 	wait int64

@@ -24,7 +24,7 @@ import (
 // given back, or charged as debt. The charge or settle of a request is one
 // script call once its handler chain returns (or panics, as reverse_proxy
 // does when a stream is cut), on the store that admitted it
-// (reservation.decidedBy).
+// (admission.decidedBy).
 
 // Settle takes a policy's true cost from the response.
 type Settle struct {
@@ -170,7 +170,7 @@ func (sw *SettleWeights) check(from string) (weights, error) {
 // Bytes are forwarded as they come, flushes included.
 type afterResponse struct {
 	caddyhttp.ResponseWriterWrapper
-	res         *reservation
+	res         *admission
 	h           *Handler
 	rs          *requestState
 	wroteHeader bool
@@ -319,7 +319,7 @@ func (b *bodyWatch) unreadable() error {
 
 // afterCharge is what one policy charges after the response.
 type afterCharge struct {
-	i       int   // the policy's index in the reservation
+	i       int   // the policy's index in the admission
 	charge  bool  // charge_if matched: charge the cost
 	usage   int64 // settle: the usage reported, capped; -1 none
 	settled bool  // the usage is known
@@ -331,7 +331,7 @@ type afterCharge struct {
 // when the chain panics, as reverse_proxy does (http.ErrAbortHandler) when
 // the client or the upstream cut a stream, so that a cut stream is
 // charged.
-func (h *Handler) serveWatched(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, rs *requestState, res *reservation) error {
+func (h *Handler) serveWatched(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, rs *requestState, res *admission) error {
 	aw := h.watchResponse(w, r, rs, res)
 	if aw == nil {
 		return next.ServeHTTP(w, r)
@@ -357,7 +357,7 @@ var errAborted = errors.New("the handler chain aborted")
 // watchResponse wraps w when the admitted request leaves work for after
 // its response: a policy charged after it (charge_if, settle), or a
 // concurrency slot to free (see finish.go); nil when there is none.
-func (h *Handler) watchResponse(w http.ResponseWriter, r *http.Request, rs *requestState, res *reservation) *afterResponse {
+func (h *Handler) watchResponse(w http.ResponseWriter, r *http.Request, rs *requestState, res *admission) *afterResponse {
 	res.after = res.afterbuf[:0]
 	var body *bodyWatch
 	afterBody, fromTrailer := false, false
@@ -414,7 +414,7 @@ func acceptsTrailers(r *http.Request) bool {
 }
 
 // responseKnown records what the status and headers of the response say.
-func (res *reservation) responseKnown(status int, hdr http.Header) {
+func (res *admission) responseKnown(status int, hdr http.Header) {
 	for k := range res.after {
 		a := &res.after[k]
 		p := res.shown[a.i]
@@ -444,7 +444,7 @@ func parseUsage(v string, max int64) (int64, bool) {
 // reservation (estimate). What was not charged as measured (no usage, a
 // body that cannot be read, the client gone) is counted as lost here; a
 // charge the store does not take, by the caller.
-func (h *Handler) charges(ctx context.Context, aw *afterResponse, rs *requestState, res *reservation, err error) (reqs []bucketRequest, policies []*Policy) {
+func (h *Handler) charges(ctx context.Context, aw *afterResponse, rs *requestState, res *admission, err error) (reqs []bucketRequest, policies []*Policy) {
 	if !aw.wroteHeader {
 		// No response was written: a Caddy error's status stands for it, or,
 		// when the client went away first, no response at all: a charge_if
@@ -623,7 +623,7 @@ func (h *Handler) chargeLost(p *Policy, reason int, w *afterResponse) {
 // predicted is what a charged-after policy's bucket holds once this
 // response's own charge is made, as far as it is known when the headers
 // are written: its whole tokens, and the µs until the next (0 when full).
-func (res *reservation) predicted(i int) (remaining, untilNext int64) {
+func (res *admission) predicted(i int) (remaining, untilNext int64) {
 	v := res.d.verdicts[i]
 	for _, a := range res.after {
 		if a.i != i {

@@ -41,9 +41,9 @@ func slotOf(key string) int {
 	return int(crc) % clusterSlots
 }
 
-// slotGroups splits a request's buckets by slot, as indexes into reqs, in
+// hashSlotGroups splits a request's buckets by slot, as indexes into reqs, in
 // the order the slots first appear.
-func slotGroups(reqs []bucketRequest) [][]int {
+func hashSlotGroups(reqs []bucketRequest) [][]int {
 	var groups [][]int
 	var slots []int
 	for i, rq := range reqs {

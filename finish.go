@@ -23,7 +23,7 @@ import (
 // release of its concurrency slots, in one store call. err is what the
 // handler chain returned, when it has. It runs once per response, when
 // the client is about to see its end.
-func (h *Handler) finish(aw *afterResponse, rs *requestState, res *reservation, err error) {
+func (h *Handler) finish(aw *afterResponse, rs *requestState, res *admission, err error) {
 	if aw.finished {
 		return
 	}

@@ -145,7 +145,7 @@ func (c *redisConn) releasing(leases []lease) (rels []bucketRequest, policies []
 // (those of other instances hear of it from Redis). A release that fails
 // is kept, to send again.
 func (c *redisConn) sendReleases(s store, rels []bucketRequest, policies []*Policy) {
-	s.decideLater(rels, func(_ decision, err error) {
+	s.decideAfter(rels, func(_ decision, err error) {
 		if err != nil {
 			c.retryReleases(rels, policies)
 			return
@@ -247,7 +247,7 @@ func (c *redisConn) renewNow(due []*heldLease, reqs []bucketRequest, retries []*
 		groups[0] = append(groups[0], i)
 	}
 	if c.cluster {
-		groups = slotGroups(reqs)
+		groups = hashSlotGroups(reqs)
 	}
 	for _, g := range groups {
 		batch := make([]*pending, len(g))
@@ -299,7 +299,7 @@ func (c *redisConn) renewNow(due []*heldLease, reqs []bucketRequest, retries []*
 	}
 	b.mu.Unlock()
 	for _, p := range results {
-		p.release()
+		p.recycle()
 	}
 	if len(rels) > 0 {
 		c.retryReleases(rels, relPolicies)
@@ -366,7 +366,7 @@ func (q *waitQueues) wake(key string) {
 // soon as one is freed, in arrival order among this instance's waiters),
 // the wait runs out, or the client goes away. It returns the last
 // decision.
-func (h *Handler) waitForSlot(r *http.Request, res *reservation, d decision) (decision, error) {
+func (h *Handler) waitForSlot(r *http.Request, res *admission, d decision) (decision, error) {
 	var key string
 	var wait time.Duration
 	for i, v := range d.verdicts {
@@ -387,12 +387,12 @@ func (h *Handler) waitForSlot(r *http.Request, res *reservation, d decision) (de
 	defer func() {
 		for _, p := range held {
 			p.held.gauge.Dec()
-			p.release()
+			p.giveHeldPlace()
 		}
 	}()
 	for i, p := range res.policies {
 		if !d.verdicts[i].allowed && !p.shadow {
-			if !p.hold() {
+			if !p.takeHeldPlace() {
 				return d, nil
 			}
 			held = append(held, p)
@@ -427,7 +427,7 @@ func (h *Handler) waitForSlot(r *http.Request, res *reservation, d decision) (de
 
 // takeSlots records the slots an admitted request holds in the store that
 // decided it: renewed while it runs, freed by release.
-func (res *reservation) takeSlots() {
+func (res *admission) takeSlots() {
 	res.leases = res.leasebuf[:0]
 	for i, p := range res.shown {
 		rq := res.shownReqs[i]
@@ -453,7 +453,7 @@ func (res *reservation) takeSlots() {
 // on_error is local, in the local fallback's slots as well: when Redis
 // goes away, the requests it admitted are still running, and the fallback
 // admits only what fits beside them (its max(1, N / instances) counts them).
-func (res *reservation) mirrorSlots() {
+func (res *admission) mirrorSlots() {
 	var reqs []bucketRequest
 	for i := range res.leases {
 		l := &res.leases[i]
@@ -473,7 +473,7 @@ func (res *reservation) mirrorSlots() {
 // riding with the next call; a release that cannot reach Redis is sent
 // again until it does, or its lease has run out), and wakes the requests
 // this instance has waiting for them once they are free.
-func (res *reservation) freeSlots() {
+func (res *admission) freeSlots() {
 	rels, policies := res.slotReleases(true)
 	if len(rels) == 0 {
 		return
@@ -491,7 +491,7 @@ func (res *reservation) freeSlots() {
 // slotReleases takes the request's slots (with shed, a shed policy's too)
 // off its hands: the requests that free them in the store that decided it,
 // for the caller to send.
-func (res *reservation) slotReleases(shed bool) (rels []bucketRequest, policies []*Policy) {
+func (res *admission) slotReleases(shed bool) (rels []bucketRequest, policies []*Policy) {
 	kept := res.leases[:0]
 	var freed []lease
 	for _, l := range res.leases {
@@ -537,7 +537,7 @@ func unmirrorSlots(leases []lease) {
 // holdsClientSlots reports whether the request holds a concurrency slot of
 // a caller's budget (a `concurrent` policy's, not a shed policy's), whose
 // release the client must find done when its response ends (finish.go).
-func (res *reservation) holdsClientSlots() bool {
+func (res *admission) holdsClientSlots() bool {
 	for _, l := range res.leases {
 		if l.policy.kind != kindShed {
 			return true
@@ -548,7 +548,7 @@ func (res *reservation) holdsClientSlots() bool {
 
 // retryReleases keeps releases the store did not take, to send again
 // (Redis; in process, a release never fails).
-func (res *reservation) retryReleases(rels []bucketRequest, policies []*Policy) {
+func (res *admission) retryReleases(rels []bucketRequest, policies []*Policy) {
 	if rs, ok := res.decidedBy.(*redisStore); ok && len(rels) > 0 {
 		rs.conn.retryReleases(rels, policies)
 	}

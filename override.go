@@ -233,7 +233,7 @@ func (rq bucketRequest) applyOverride(o override) bucketRequest {
 // decidedLimit is the limit the request's bucket i was decided under: an
 // override's when one was in force, or the policy's (its plan's), as
 // configured (a `local` bucket holds a share of it).
-func (res *reservation) decidedLimit(i int, p *Policy) limit {
+func (res *admission) decidedLimit(i int, p *Policy) limit {
 	if v := res.d.verdicts[i]; v.limit != res.shownReqs[i].limit && v.limit != (limit{}) {
 		return v.limit
 	}
@@ -243,7 +243,7 @@ func (res *reservation) decidedLimit(i int, p *Policy) limit {
 // decidedQuota is the N the request's quota bucket i was decided under: an
 // override's when one was in force, or the one sent (its plan's, or a
 // `local` share of it).
-func (res *reservation) decidedQuota(i int) int64 {
+func (res *admission) decidedQuota(i int) int64 {
 	if v := res.d.verdicts[i]; v.limit != res.shownReqs[i].limit && v.limit != (limit{}) {
 		return v.limit.burst
 	}
@@ -252,7 +252,7 @@ func (res *reservation) decidedQuota(i int) int64 {
 
 // overridden reports whether a bucket of the decision was decided under an
 // override, whose RateLimit-Policy member is not the policy's.
-func (res *reservation) overridden() bool {
+func (res *admission) overridden() bool {
 	for i, v := range res.d.verdicts {
 		if i < len(res.shownReqs) && v.limit != res.shownReqs[i].limit && v.limit != (limit{}) {
 			return true
@@ -265,7 +265,7 @@ func (res *reservation) overridden() bool {
 // bucket i: the policy's (its plan's), or, under an override, the
 // override's limit per the policy's window (a concurrency policy's: its
 // slots).
-func (res *reservation) appendPolicyMember(b []byte, i int, p *Policy) []byte {
+func (res *admission) appendPolicyMember(b []byte, i int, p *Policy) []byte {
 	l := res.decidedLimit(i, p)
 	if l == p.limit {
 		return append(b, p.policyHdr...)

@@ -578,10 +578,10 @@ func (p *Policy) admissionOp() bucketOp {
 	return opTake
 }
 
-// refundable reports whether the policy's buckets may be given tokens back
+// givesBack reports whether the policy's buckets may be given tokens back
 // after the response (charge_if, settle): what a decision said of them is
 // then no lower bound on their state, and the deny cache leaves them alone.
-func (p *Policy) refundable() bool { return p.ChargeIf != nil || p.Settle != nil }
+func (p *Policy) givesBack() bool { return p.ChargeIf != nil || p.Settle != nil }
 
 // cost resolves what this request costs under the policy.
 func (p *Policy) cost(r *http.Request, repl *caddy.Replacer) int64 {
@@ -621,9 +621,9 @@ func (p *Policy) matches(r *http.Request) (bool, error) {
 	return p.matchers.MatchWithError(r)
 }
 
-// hold takes one of the policy's places for a held request: false when all
+// takeHeldPlace takes one of the policy's places for a held request: false when all
 // MaxHeld are taken, or when the policy never waits.
-func (p *Policy) hold() bool {
+func (p *Policy) takeHeldPlace() bool {
 	if p.Wait == 0 || p.shadow {
 		return false
 	}
@@ -634,5 +634,5 @@ func (p *Policy) hold() bool {
 	return true
 }
 
-// release gives back a place taken by hold.
-func (p *Policy) release() { p.held.n.Add(-1) }
+// giveHeldPlace gives back a place taken by hold.
+func (p *Policy) giveHeldPlace() { p.held.n.Add(-1) }

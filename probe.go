@@ -79,7 +79,7 @@ func (p *Policy) probeRequest(h *Handler) bucketRequest {
 // coalescer, and reports nothing: the probe says what it found.
 func (c *redisConn) decideDirect(ctx context.Context, reqs []bucketRequest) error {
 	p := newPending(reqs, nil)
-	defer p.release()
+	defer p.recycle()
 	args := encodeCall(p.one[:], int(c.format.Load()))
 	cmd := redis.NewIntSliceCmd(ctx, args...)
 	_ = c.client.Process(ctx, cmd)

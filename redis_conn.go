@@ -60,9 +60,9 @@ type redisConn struct {
 	// overrides say which buckets may have overrides in this Redis
 	// (override_store.go).
 	overrides overrideFlags
-	// laterApart counts the work after responses on its way in calls of
+	// afterApart counts the work after responses on its way in calls of
 	// its own: in cluster mode, which has no coalescer to ride.
-	laterApart callCount
+	afterApart callCount
 	// db is the database its buckets are in; fleet its part in the fleet
 	// (fleet.go).
 	db    int
@@ -77,17 +77,17 @@ type redisConn struct {
 // callTimeout: else a stopped instance's last slots stay taken until their
 // leases run out, and its last settles are lost.
 func (c *redisConn) Destruct() error {
-	c.finishLaterWork(time.Now().Add(c.callTimeout))
+	c.finishAfterWork(time.Now().Add(c.callTimeout))
 	c.events.close()
 	close(c.closed)
 	c.leaveFleet(time.Now().Add(c.callTimeout))
 	return c.client.Close()
 }
 
-// finishLaterWork sends what requests left to do after their responses,
+// finishAfterWork sends what requests left to do after their responses,
 // and the releases the store has not confirmed once more, and waits for
 // them until deadline.
-func (c *redisConn) finishLaterWork(deadline time.Time) {
+func (c *redisConn) finishAfterWork(deadline time.Time) {
 	if rels, policies := c.leases.unconfirmed(); len(rels) > 0 {
 		c.sendReleases(&redisStore{conn: c}, rels, policies)
 	}
@@ -95,7 +95,7 @@ func (c *redisConn) finishLaterWork(deadline time.Time) {
 	if c.coalescer != nil {
 		done = c.coalescer.drained()
 	} else {
-		done = c.laterApart.drained()
+		done = c.afterApart.drained()
 	}
 	wait := time.Until(deadline)
 	timer := time.NewTimer(wait)

@@ -25,7 +25,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	defer h.storeUse.leave() // last: after the releases and charges
 	repl := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
 	rs := requestStateOf(r, repl)
-	res := reservations.Get().(*reservation)
+	res := admissions.Get().(*admission)
 	defer res.recycle()
 	if err := h.match(r, repl, rs, res); err != nil {
 		return err
@@ -56,7 +56,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 // admit decides the request: shed policies' adaptive limits first, on
 // this instance alone (a request they shed costs no store call: their
 // policy is returned), then its one decision (reserve).
-func (h *Handler) admit(r *http.Request, res *reservation) *Policy {
+func (h *Handler) admit(r *http.Request, res *admission) *Policy {
 	if len(res.adaptive) > 0 {
 		if p := res.admitAdaptive(); p != nil {
 			return p
@@ -66,24 +66,25 @@ func (h *Handler) admit(r *http.Request, res *reservation) *Policy {
 	return nil
 }
 
-// reservations are reused from request to request: a reservation and its
+// admissions are reused from request to request: an admission and its
 // inline buffers are a few KB, and nothing holds on to one once its request
 // returns (what outlives it, the placeholders and response fields, are
 // strings of their own).
-var reservations = sync.Pool{New: func() any { return new(reservation) }}
+var admissions = sync.Pool{New: func() any { return new(admission) }}
 
-// recycle releases what the request holds and returns the reservation to
+// recycle gives back what the request holds and returns the admission to
 // the pool.
-func (res *reservation) recycle() {
-	res.release()
-	*res = reservation{}
-	reservations.Put(res)
+func (res *admission) recycle() {
+	res.giveBack()
+	*res = admission{}
+	admissions.Put(res)
 }
 
-// reservation is one request's decision and what the request holds until
-// it returns: its places among the requests each `wait` policy may hold
-// and its concurrency leases, all released in one place (release).
-type reservation struct {
+// admission is one request's decision and what the request holds until
+// it returns: its held places (among the MaxHeld requests each `wait`
+// policy may hold) and its concurrency slots, all given back in one place
+// (giveBack).
+type admission struct {
 	policies []*Policy
 	reqs     []bucketRequest
 	d        decision
@@ -103,8 +104,8 @@ type reservation struct {
 	failClosed *Policy
 	// clientGone: the client went away while its decision queued.
 	clientGone bool
-	places     []*Policy // `wait` places taken
-	holding    []*Policy // of those, the policies holding the request now
+	heldPlaces []*Policy // `wait` policies whose held places it took
+	heldNow    []*Policy // of those, the ones holding the request now
 	// after are the policies charged after the response (charge_if,
 	// settle).
 	after []afterCharge
@@ -116,11 +117,11 @@ type reservation struct {
 	// leases are the concurrency slots the request holds, in decidedBy.
 	leases []lease
 
-	pbuf, placebuf, holdbuf [4]*Policy
-	rbuf                    [4]bucketRequest
-	ibuf                    [4]string
-	afterbuf                [4]afterCharge
-	leasebuf                [4]lease
+	pbuf, heldPlacesBuf, heldNowBuf [4]*Policy
+	rbuf                            [4]bucketRequest
+	ibuf                            [4]string
+	afterbuf                        [4]afterCharge
+	leasebuf                        [4]lease
 
 	// adaptive are the request's places under shed policies' adaptive
 	// limits (shed_policy.go); passed: the request was passed on.
@@ -130,11 +131,11 @@ type reservation struct {
 }
 
 // admitted reports whether the request goes on.
-func (res *reservation) admitted() bool { return res.failClosed == nil && res.d.admitted }
+func (res *admission) admitted() bool { return res.failClosed == nil && res.d.admitted }
 
 // match finds the policies the request matches (skipping those a rate_limit
 // handler it passed through already decided) and their bucket requests.
-func (h *Handler) match(r *http.Request, repl *caddy.Replacer, rs *requestState, res *reservation) error {
+func (h *Handler) match(r *http.Request, repl *caddy.Replacer, rs *requestState, res *admission) error {
 	res.policies, res.reqs, res.identities = res.pbuf[:0], res.rbuf[:0], res.ibuf[:0]
 	for _, p := range h.Policies {
 		ok, err := p.matches(r)
@@ -158,7 +159,7 @@ func (h *Handler) match(r *http.Request, repl *caddy.Replacer, rs *requestState,
 		}
 		res.policies = append(res.policies, p)
 		res.identities = append(res.identities, identity)
-		rq := bucketRequest{key: key, op: p.admissionOp(), limit: p.limit, cost: p.cost(r, repl), shadow: p.shadow, refundable: p.refundable(), learns: p.learns()}
+		rq := bucketRequest{key: key, op: p.admissionOp(), limit: p.limit, cost: p.cost(r, repl), shadow: p.shadow, givesBack: p.givesBack(), learns: p.learns()}
 		rq.quota = p.quota // nil unless a quota
 		if rq.op == opAcquire {
 			rq.lease, rq.events, rq.leasesExpired = leaseIDs(), h.events, p.slots.expired
@@ -175,18 +176,18 @@ func (h *Handler) match(r *http.Request, repl *caddy.Replacer, rs *requestState,
 // reserve makes the request's one decision, taking the `wait` places it
 // may hold, or, when the store cannot decide, applies each policy's
 // on_error.
-func (h *Handler) reserve(r *http.Request, res *reservation) {
+func (h *Handler) reserve(r *http.Request, res *admission) {
 	// A policy with `wait` may reserve a future slot only while it has room
 	// to hold the request until then.
-	res.places = res.placebuf[:0]
+	res.heldPlaces = res.heldPlacesBuf[:0]
 	if len(res.reqs) == 0 { // only shed policies' adaptive limits, which admitted it
 		res.d, res.outcome = decision{admitted: true}, outcomeAllowed
 		return
 	}
 	for i, p := range res.policies {
-		if p.Concurrent == 0 && p.hold() {
+		if p.Concurrent == 0 && p.takeHeldPlace() {
 			res.reqs[i].wait = p.held.wait
-			res.places = append(res.places, p)
+			res.heldPlaces = append(res.heldPlaces, p)
 		}
 	}
 	d, err := h.store.decide(r.Context(), res.reqs)
@@ -201,7 +202,7 @@ func (h *Handler) reserve(r *http.Request, res *reservation) {
 		return
 	}
 	if err != nil {
-		res.release() // a request decided without the store is never held
+		res.giveBack() // a request decided without the store is never held
 		h.withoutStore(r, res)
 		return
 	}
@@ -235,7 +236,7 @@ func (h *Handler) reserve(r *http.Request, res *reservation) {
 // withoutStore applies each policy's on_error when the store could not
 // decide: one fail_closed policy answers 503 for the request; local
 // policies are decided by in-process buckets; fail_open policies admit.
-func (h *Handler) withoutStore(r *http.Request, res *reservation) {
+func (h *Handler) withoutStore(r *http.Request, res *admission) {
 	var local []bucketRequest
 	var localPolicies []*Policy
 	var localIdentities []string
@@ -288,12 +289,12 @@ func (h *Handler) localRequest(rq bucketRequest) bucketRequest {
 
 // holdUntilDue holds an admitted request until the time its `wait`
 // reserved. It returns false when the client went away first.
-func (res *reservation) holdUntilDue(r *http.Request) bool {
-	res.holding = res.holdbuf[:0]
-	for _, p := range res.places {
+func (res *admission) holdUntilDue(r *http.Request) bool {
+	res.heldNow = res.heldNowBuf[:0]
+	for _, p := range res.heldPlaces {
 		for i, q := range res.policies {
 			if q == p && res.d.verdicts[i].delay > 0 {
-				res.holding = append(res.holding, p)
+				res.heldNow = append(res.heldNow, p)
 				p.held.gauge.Inc()
 			}
 		}
@@ -311,16 +312,16 @@ func (res *reservation) holdUntilDue(r *http.Request) bool {
 	}
 }
 
-// release gives back what the request holds: its `wait` places and its
+// giveBack gives back what the request holds: its `wait` places and its
 // concurrency slots. It is safe to call more than once.
-func (res *reservation) release() {
-	for _, p := range res.holding {
+func (res *admission) giveBack() {
+	for _, p := range res.heldNow {
 		p.held.gauge.Dec()
 	}
-	for _, p := range res.places {
-		p.release()
+	for _, p := range res.heldPlaces {
+		p.giveHeldPlace()
 	}
-	res.holding, res.places = nil, nil
+	res.heldNow, res.heldPlaces = nil, nil
 	res.freeSlots()
 }
 
@@ -353,7 +354,7 @@ var errRateLimited = errors.New("rate limit exceeded")
 // for the request gets the denial as a Caddy error instead, with the
 // Retry-After and RateLimit fields and the placeholders set, to render its
 // own page.
-func (h *Handler) deny(w http.ResponseWriter, r *http.Request, rs *requestState, res *reservation) error {
+func (h *Handler) deny(w http.ResponseWriter, r *http.Request, rs *requestState, res *admission) error {
 	if res.failClosed != nil {
 		ra := retryAfter(time.Second.Microseconds(), h.jitter)
 		rs.decided, rs.decision, rs.policy, rs.remaining, rs.retryAfter = true, outcomeFailClosed, res.failClosed.Name, -1, ra
@@ -422,7 +423,7 @@ func (h *Handler) deny(w http.ResponseWriter, r *http.Request, rs *requestState,
 // calendar (see pacing.go), once the response has been held the fraction
 // of a second that puts the client's return on its turn. The waits the
 // RateLimit field reports are shorter by that hold.
-func (res *reservation) paced(r *http.Request, key string, wait, stride int64, jitter float64) int64 {
+func (res *admission) paced(r *http.Request, key string, wait, stride int64, jitter float64) int64 {
 	ra, hold := pacing.pace(r.RemoteAddr, key, wait, stride, jitter)
 	if hold > 0 {
 		pacing.holdDenial(r, hold)
@@ -463,7 +464,7 @@ func handlesErrors(r *http.Request, status int) bool {
 // is set (possibly empty), so access logs never show a raw placeholder. A
 // request that passed through rate_limit handlers before keeps their
 // fields: this one's members are added.
-func (h *Handler) report(w http.ResponseWriter, rs *requestState, res *reservation, retryAfter int64) {
+func (h *Handler) report(w http.ResponseWriter, rs *requestState, res *admission, retryAfter int64) {
 	res.outerPolicyField, res.outerLimitField = rs.policyField, rs.limitField
 	if enforced := h.setPlaceholders(rs, res, retryAfter); enforced && h.headers {
 		h.writeFields(w.Header(), rs, res, false)
@@ -473,7 +474,7 @@ func (h *Handler) report(w http.ResponseWriter, rs *requestState, res *reservati
 
 // setPlaceholders sets the placeholders from the decision, and reports
 // whether an enforced (not shadow) policy took part in it.
-func (h *Handler) setPlaceholders(rs *requestState, res *reservation, retryAfter int64) (enforced bool) {
+func (h *Handler) setPlaceholders(rs *requestState, res *admission, retryAfter int64) (enforced bool) {
 	d := res.d
 	rs.decided, rs.decision, rs.retryAfter, rs.policy, rs.remaining, rs.key = true, res.outcome, retryAfter, "", -1, ""
 	// The tightest enforced policy; among shadow ones only when no policy is
@@ -501,7 +502,7 @@ func (h *Handler) setPlaceholders(rs *requestState, res *reservation, retryAfter
 // With charged, a policy charged after the response reports what its
 // bucket holds once this response's own charge is made, as far as it is
 // known when the headers are written.
-func (h *Handler) writeFields(hdr http.Header, rs *requestState, res *reservation, charged bool) {
+func (h *Handler) writeFields(hdr http.Header, rs *requestState, res *admission, charged bool) {
 	d := res.d
 	// Most requests match every policy: their RateLimit-Policy is fixed.
 	var pbuf, lbuf [256]byte

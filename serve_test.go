@@ -27,7 +27,7 @@ func (failingStore) decide(context.Context, []bucketRequest) (decision, error) {
 	return decision{}, errors.New("connection refused")
 }
 
-func (f failingStore) decideLater(reqs []bucketRequest, then func(decision, error)) {
+func (f failingStore) decideAfter(reqs []bucketRequest, then func(decision, error)) {
 	then(f.decide(context.Background(), reqs))
 }
 

@@ -105,7 +105,7 @@ type shedState struct {
 	// byClass is the policy as each class's requests see it: its slots
 	// (shed { concurrent }: classSlots of N for the class's share) and its
 	// decisions_total children, labelled with the class. A request's
-	// reservation holds its class's policy in place of the policy.
+	// admission holds its class's policy in place of the policy.
 	byClass []*Policy
 }
 
@@ -291,7 +291,7 @@ func (p *Policy) shedShape() string {
 // matchShed records a matched shed policy's part in the request: its place
 // under the adaptive limit, taken by admitAdaptive, and the class's policy
 // to decide with the store (shed { concurrent }), or nil without one.
-func (res *reservation) matchShed(p *Policy, r *http.Request, repl *caddy.Replacer, rs *requestState) *Policy {
+func (res *admission) matchShed(p *Policy, r *http.Request, repl *caddy.Replacer, rs *requestState) *Policy {
 	class := p.shed.classOf(p, r, repl)
 	cp := p.shed.byClass[class]
 	if p.shed.limiter != nil {
@@ -311,7 +311,7 @@ func (res *reservation) matchShed(p *Policy, r *http.Request, repl *caddy.Replac
 // before anything else is decided. It returns the policy that sheds the
 // request, nil when all admit it (a shadow policy that would shed it is
 // counted so, and lets it through without a place).
-func (res *reservation) admitAdaptive() *Policy {
+func (res *admission) admitAdaptive() *Policy {
 	for i := range res.adaptive {
 		a := &res.adaptive[i]
 		tk, ok := a.policy.shed.limiter.admit(a.class)
@@ -330,7 +330,7 @@ func (res *reservation) admitAdaptive() *Policy {
 
 // passAdaptive is called as the admitted request is passed on: its
 // latency is measured from now.
-func (res *reservation) passAdaptive() {
+func (res *admission) passAdaptive() {
 	res.passed = true
 	for i := range res.adaptive {
 		a := &res.adaptive[i]
@@ -347,7 +347,7 @@ func (res *reservation) passAdaptive() {
 // finishAdaptive gives back the request's places once its handler chain
 // returned: measured if the request was passed on, unmeasured if it was
 // not (another policy denied it, its client went away before).
-func (res *reservation) finishAdaptive() {
+func (res *admission) finishAdaptive() {
 	for i := range res.adaptive {
 		a := &res.adaptive[i]
 		if !a.held {
@@ -365,7 +365,7 @@ func (res *reservation) finishAdaptive() {
 // shedOnly reports whether every enforced policy that denied the request
 // is a shed policy: the service is at capacity, and the caller broke no
 // policy of its own (which, if it did, answers 429).
-func (res *reservation) shedOnly() bool {
+func (res *admission) shedOnly() bool {
 	shed := false
 	for i, v := range res.d.verdicts {
 		p := res.shown[i]
@@ -409,7 +409,7 @@ func (h *Handler) shed(w http.ResponseWriter, r *http.Request, rs *requestState,
 // denyShed answers a request that only shed policies' slots denied (shed
 // { concurrent }): 503, with the RateLimit fields of its other policies,
 // none of which charged it.
-func (h *Handler) denyShed(w http.ResponseWriter, r *http.Request, rs *requestState, res *reservation) error {
+func (h *Handler) denyShed(w http.ResponseWriter, r *http.Request, rs *requestState, res *admission) error {
 	res.outcome = outcomeShed
 	ra := retryAfter(slotWait, h.jitter)
 	h.report(w, rs, res, ra)

@@ -15,10 +15,10 @@ type store interface {
 	// A store that cannot decide returns an error, and the request's
 	// policies follow their on_error.
 	decide(ctx context.Context, reqs []bucketRequest) (decision, error)
-	// decideLater decides reqs when it suits the store, and then calls then:
+	// decideAfter decides reqs when it suits the store, and then calls then:
 	// work after a response (a settle, a charge, a release), which nobody
 	// waits for. It must not keep reqs' memory past the call.
-	decideLater(reqs []bucketRequest, then func(decision, error))
+	decideAfter(reqs []bucketRequest, then func(decision, error))
 	// decideAwaited decides reqs, work after a response that the response
 	// waits for (finish.go), when it suits the store without delaying it:
 	// riding with a call already due, never making one more.

@@ -83,22 +83,22 @@ func (s *redisStore) decide(ctx context.Context, reqs []bucketRequest) (decision
 		return decision{}, errCircuitOpen
 	}
 	if s.conn.cluster {
-		if groups := slotGroups(reqs); len(groups) > 1 {
+		if groups := hashSlotGroups(reqs); len(groups) > 1 {
 			return s.decideAcrossSlots(ctx, reqs, groups)
 		}
 	}
 	return s.decideInOneCall(ctx, reqs)
 }
 
-// decideLater sends reqs with the next script call of this instance, or
+// decideAfter sends reqs with the next script call of this instance, or
 // by itself at once when none is in flight: work after a response rides
 // with the decisions instead of making a call of its own, and no response
 // waits for it.
-func (s *redisStore) decideLater(reqs []bucketRequest, then func(decision, error)) {
+func (s *redisStore) decideAfter(reqs []bucketRequest, then func(decision, error)) {
 	if s.conn.coalescer == nil { // Cluster: a call per slot group, apart
-		s.conn.laterApart.add(1)
+		s.conn.afterApart.add(1)
 		go func() {
-			defer s.conn.laterApart.add(-1)
+			defer s.conn.afterApart.add(-1)
 			then(s.decide(context.Background(), reqs))
 		}()
 		return
@@ -110,7 +110,7 @@ func (s *redisStore) decideLater(reqs []bucketRequest, then func(decision, error
 	}
 	p := newPending(reqs, nil)
 	p.then = func(p *pending) { then(p.d, p.err) }
-	s.conn.coalescer.submitLater(p)
+	s.conn.coalescer.submitAfter(p)
 }
 
 // decideAwaited decides work after a response that the response waits for
@@ -151,7 +151,7 @@ func (s *redisStore) decideInOneCall(ctx context.Context, reqs []bucketRequest) 
 	if err == nil && s.conn.denials != nil {
 		s.conn.denials.learn(reqs, d, p.tats, p.sent, p.received)
 	}
-	p.release()
+	p.recycle()
 	return d, err
 }
 
