@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/breaker"
 	"github.com/redis/go-redis/v9"
 	"go.uber.org/zap"
 )
@@ -346,7 +347,7 @@ func apiError(status int, format string, args ...any) error {
 // changed that this instance knows of.
 func storeAPIError(err error) error {
 	msg := "the rate-limit store could not act (%v); nothing was changed"
-	if errors.Is(err, context.DeadlineExceeded) || resultOf(err) == callFailed {
+	if errors.Is(err, context.DeadlineExceeded) || resultOf(err) == breaker.Failed {
 		msg = "the rate-limit store did not answer (%v): the change may not have been made; retry when it answers"
 	}
 	return apiError(http.StatusServiceUnavailable, msg, err)
