@@ -13,6 +13,7 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/ratelimit-caddy/caddy-ratelimit/internal/breaker"
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/calendar"
 	"github.com/redis/go-redis/v9"
 	"go.uber.org/zap"
 )
@@ -105,10 +106,10 @@ type bucketState struct {
 	// A quota's N and calendar unit, the units used in the current period
 	// (Tokens: those left), and the period's start and end, in UTC and in
 	// the policy's zone.
-	Quota  int64       `json:"quota,omitempty"`
-	Unit   string      `json:"unit,omitempty"`
-	Used   *int64      `json:"used,omitempty"`
-	Period *periodText `json:"period,omitempty"`
+	Quota  int64                `json:"quota,omitempty"`
+	Unit   string               `json:"unit,omitempty"`
+	Used   *int64               `json:"used,omitempty"`
+	Period *calendar.PeriodText `json:"period,omitempty"`
 	// Plan is the plan the bucket was read under ("default": the policy's
 	// own limit), for a policy with plans; Override the operator's override
 	// of the identity's limit, when one is in force: Rate, Burst and Slots

@@ -9,6 +9,7 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/calendar"
 	"go.uber.org/zap"
 )
 
@@ -371,8 +372,8 @@ func (h *Handler) deny(w http.ResponseWriter, r *http.Request, rs *requestState,
 	var violated []string
 	var wait, stride int64
 	var key string
-	var boundary period // the period of the quota whose wait is the longest
-	var denier *Policy  // the last policy that denied
+	var boundary calendar.Period // the period of the quota whose wait is the longest
+	var denier *Policy           // the last policy that denied
 	for i, v := range res.d.verdicts {
 		p := res.shown[i]
 		if v.allowed || p.shadow || p.Shed != nil { // a shed policy protects the service: it is no caller's budget
@@ -391,7 +392,7 @@ func (h *Handler) deny(w http.ResponseWriter, r *http.Request, rs *requestState,
 			if res.shownReqs[i].op.slots() {
 				key = "" // slots come free when requests end: nothing to pace
 			}
-			boundary = period{}
+			boundary = calendar.Period{}
 			if res.shownReqs[i].quota != nil {
 				boundary = v.period // a quota comes back whole at its boundary
 			}
@@ -399,7 +400,7 @@ func (h *Handler) deny(w http.ResponseWriter, r *http.Request, rs *requestState,
 	}
 	var ra int64
 	if wait != neverFits { // a request that can never fit gets no Retry-After
-		if boundary.end != 0 {
+		if boundary.End != 0 {
 			ra = boundaryRetryAfter(wait, boundarySpread(boundary, h.jitter))
 		} else if key == "" {
 			ra = retryAfter(wait, h.jitter)

@@ -443,8 +443,8 @@ func decodeRequest(now int64, res []int64, reqs []bucketRequest) (decision, []in
 		if rq.op == opRenew { // allowed says the lease was still held
 			d.verdicts[i].allowed = res[at[i]] == 1
 		}
-		if rq.quota != nil && res[at[i]+2] != d.verdicts[i].period.start {
-			return decision{}, nil, fmt.Errorf("%w: Lua and Go disagree on the period of quota bucket %d (%d, %d)", errScriptReply, i, res[at[i]+2], d.verdicts[i].period.start)
+		if rq.quota != nil && res[at[i]+2] != d.verdicts[i].period.Start {
+			return decision{}, nil, fmt.Errorf("%w: Lua and Go disagree on the period of quota bucket %d (%d, %d)", errScriptReply, i, res[at[i]+2], d.verdicts[i].period.Start)
 		}
 	}
 	// Redis's own verdict is the one that was charged; the Go algorithm is the
