@@ -13,6 +13,7 @@ import (
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/prometheus/client_golang/prometheus"
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/llm"
 )
 
 // Policy is one named budget: the requests that match it are counted, per
@@ -562,7 +563,7 @@ func (p *Policy) cost(r *http.Request, repl *caddy.Replacer) int64 {
 	}
 	if p.costFromBody {
 		rs, _ := caddyhttp.GetVar(r.Context(), stateVar).(*requestState)
-		return requestBodyOf(r, rs).reservation(p.usageWeights(), p.maxCost)
+		return requestBodyOf(r, rs).Reservation(p.usageWeights(), p.maxCost)
 	}
 	v, err := strconv.ParseInt(p.costTmpl.resolve(r, repl, p.addrMask), 10, 64)
 	if err != nil || v < 1 || v > p.maxCost {
@@ -573,11 +574,11 @@ func (p *Policy) cost(r *http.Request, repl *caddy.Replacer) int64 {
 
 // usageWeights are the weights of the policy's settle, which its
 // reservation from the body is weighed with too.
-func (p *Policy) usageWeights() weights {
+func (p *Policy) usageWeights() llm.Weights {
 	if p.Settle != nil && p.Settle.Weights != nil {
 		return p.Settle.w
 	}
-	return unitWeights
+	return llm.UnitWeights
 }
 
 // key resolves the policy's key template for this request, its client
