@@ -14,6 +14,7 @@ import (
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/ratelimit-caddy/caddy-ratelimit/internal/llm"
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/shed"
 )
 
 // Policy is one named budget: the requests that match it are counted, per
@@ -245,7 +246,7 @@ type Policy struct {
 	Priority *Priority `json:"priority,omitempty"`
 
 	// A shed policy's classes (check) and its provisioned state.
-	classes *shedClasses
+	classes *shed.Classes
 	shed    *shedState
 }
 
