@@ -14,6 +14,7 @@ import (
 	"github.com/caddyserver/caddy/v2"
 	"github.com/ratelimit-caddy/caddy-ratelimit/internal/breaker"
 	"github.com/ratelimit-caddy/caddy-ratelimit/internal/calendar"
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/topk"
 	"github.com/redis/go-redis/v9"
 	"go.uber.org/zap"
 )
@@ -310,9 +311,9 @@ const staleAfter = 5
 
 // topAnswer is what top answers.
 type topAnswer struct {
-	Policy     string     `json:"policy"`
-	Window     float64    `json:"window_seconds"`
-	Identities []topEntry `json:"identities"`
+	Policy     string       `json:"policy"`
+	Window     float64      `json:"window_seconds"`
+	Identities []topk.Entry `json:"identities"`
 	// Truncated: the identities are not all those denied in the window
 	// (more than n were, or the sketch forgot some).
 	Truncated bool `json:"truncated"`
@@ -323,8 +324,8 @@ func (adminAPI) top(def definition, req adminRequest) topAnswer {
 	if n == 0 {
 		n = 10
 	}
-	ids, truncated := def.policy.top.top(n)
-	return topAnswer{Policy: def.policy.Name, Window: topWindow.Seconds(), Identities: ids, Truncated: truncated}
+	ids, truncated := def.policy.top.Top(n)
+	return topAnswer{Policy: def.policy.Name, Window: topk.Window.Seconds(), Identities: ids, Truncated: truncated}
 }
 
 // untilFull is the µs until a bucket that holds remaining tokens, the next

@@ -15,6 +15,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/ratelimit-caddy/caddy-ratelimit/internal/llm"
 	"github.com/ratelimit-caddy/caddy-ratelimit/internal/shed"
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/topk"
 )
 
 // Policy is one named budget: the requests that match it are counted, per
@@ -200,7 +201,7 @@ type Policy struct {
 	waitUS     int64         // Wait in µs
 	held       *atomic.Int64 // requests held by Wait right now
 	waiting    prometheus.Gauge
-	top        *topDenied // the identities it denied most, this instance
+	top        *topk.Sketch // the identities it denied most, this instance
 	// settleMax caps the usage one response settles (Settle.Max, or its
 	// default); debt is the most tokens the bucket may owe beyond empty
 	// (Settle.Debt, or its default: see debt.go).

@@ -382,7 +382,7 @@ func (h *Handler) deny(w http.ResponseWriter, r *http.Request, rs *requestState,
 		denier = p
 		violated = append(violated, p.Name)
 		k := res.shownReqs[i].key
-		p.top.record(topIDs.of(k), k, res.identities[i])
+		p.top.Record(topIDs.of(k), k, res.identities[i])
 		switch {
 		case v.untilFits == neverFits || wait == neverFits:
 			wait = neverFits
