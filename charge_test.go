@@ -14,6 +14,7 @@ import (
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/klauspost/compress/zstd"
 	dto "github.com/prometheus/client_model/go"
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/clientaddr"
 	"github.com/ratelimit-caddy/caddy-ratelimit/internal/llm"
 	"github.com/ratelimit-caddy/caddy-ratelimit/internal/llm/llmtest"
 	"go.uber.org/zap"
@@ -290,10 +291,10 @@ func TestBearerKey(t *testing.T) {
 	r = r.WithContext(ctx)
 	requestStateOf(r, repl)
 	tm := newTemplate("{http.rate_limit.bearer}")
-	if got, want := tm.resolve(r, repl, addrMask{}), repl.ReplaceAll("{http.rate_limit.bearer}", ""); !tm.bearer || got != "tok" || want != "tok" {
+	if got, want := tm.resolve(r, repl, clientaddr.Mask{}), repl.ReplaceAll("{http.rate_limit.bearer}", ""); !tm.bearer || got != "tok" || want != "tok" {
 		t.Errorf("resolved %q (fast path %v), the replacer %q", got, tm.bearer, want)
 	}
-	if got := newTemplate("{http.rate_limit.bearer}:x").resolve(r, repl, addrMask{}); got != "tok:x" {
+	if got := newTemplate("{http.rate_limit.bearer}:x").resolve(r, repl, clientaddr.Mask{}); got != "tok:x" {
 		t.Errorf("in a longer template: %q", got)
 	}
 }

@@ -13,6 +13,7 @@ import (
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/prometheus/client_golang/prometheus"
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/clientaddr"
 	"github.com/ratelimit-caddy/caddy-ratelimit/internal/llm"
 	"github.com/ratelimit-caddy/caddy-ratelimit/internal/shed"
 	"github.com/ratelimit-caddy/caddy-ratelimit/internal/topk"
@@ -216,7 +217,7 @@ type Policy struct {
 	releaseRetries prometheus.Counter
 
 	// addrMask is what the key keeps of a client address.
-	addrMask addrMask
+	addrMask clientaddr.Mask
 	// emptyKey counts the requests whose key resolved empty (credential.go);
 	// nil for a fixed key.
 	emptyKey *emptyKeyWatch
@@ -490,7 +491,7 @@ func (p *Policy) provision(ctx caddy.Context, h *Handler) error {
 	p.shadow = p.Shadow || h.Shadow
 	p.keyPrefix = h.keyPrefix + p.Name + ":"
 	p.keys = &keyCache{ids: newBucketIDs()}
-	p.addrMask = maskOf(p.IPv4Prefix, p.IPv6Prefix, h.IPv4Prefix, h.IPv6Prefix)
+	p.addrMask = clientaddr.MaskOf(p.IPv4Prefix, p.IPv6Prefix, h.IPv4Prefix, h.IPv6Prefix)
 	if p.keyTmpl.constant() { // e.g. `key global`: one bucket, one storage key
 		p.fixedKey = p.storageKey(h.hasher, p.keyTmpl.text)
 	} else {
