@@ -263,7 +263,7 @@ func (adminAPI) bucket(ctx context.Context, action string, def definition, req a
 			h.logger.Warn("announcing a rate-limit change", zap.String("policy", p.Name), zap.String("key", key), zap.Error(err))
 		}
 	} else {
-		pacing.forget(key)
+		pacing.Forget(key)
 	}
 	st.Announced = &announced
 	h.logger.Info("rate limit bucket "+action, zap.String("policy", p.Name), zap.String("key", key), zap.Int64("tokens", v.remaining), zap.Int64("granted", granted))

@@ -360,7 +360,7 @@ func (c *redisConn) receive(event, key string) {
 	if c.denials != nil {
 		c.denials.forget(key)
 	}
-	pacing.forget(key)
+	pacing.Forget(key)
 	e := &c.events
 	e.mu.Lock()
 	for _, w := range e.mine[key] {

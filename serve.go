@@ -420,13 +420,13 @@ func (h *Handler) deny(w http.ResponseWriter, r *http.Request, rs *requestState,
 }
 
 // paced is the Retry-After of a denial on the bucket under key, from its
-// calendar (see pacing.go), once the response has been held the fraction
+// calendar (see internal/pace), once the response has been held the fraction
 // of a second that puts the client's return on its turn. The waits the
 // RateLimit field reports are shorter by that hold.
 func (res *reservation) paced(r *http.Request, key string, wait, stride int64, jitter float64) int64 {
-	ra, hold := pacing.pace(r.RemoteAddr, key, wait, stride, jitter)
+	ra, hold := pacing.Pace(r.RemoteAddr, key, wait, stride, jitter)
 	if hold > 0 {
-		pacing.holdDenial(r, hold)
+		pacing.HoldDenial(r, hold)
 		for i := range res.d.verdicts {
 			if v := &res.d.verdicts[i]; !v.allowed && v.untilFits != neverFits {
 				v.untilFits = max(0, v.untilFits-hold.Microseconds())
