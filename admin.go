@@ -12,6 +12,9 @@ import (
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/breaker"
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/calendar"
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/topk"
 	"github.com/redis/go-redis/v9"
 	"go.uber.org/zap"
 )
@@ -104,10 +107,10 @@ type bucketState struct {
 	// A quota's N and calendar unit, the units used in the current period
 	// (Tokens: those left), and the period's start and end, in UTC and in
 	// the policy's zone.
-	Quota  int64       `json:"quota,omitempty"`
-	Unit   string      `json:"unit,omitempty"`
-	Used   *int64      `json:"used,omitempty"`
-	Period *periodText `json:"period,omitempty"`
+	Quota  int64                `json:"quota,omitempty"`
+	Unit   string               `json:"unit,omitempty"`
+	Used   *int64               `json:"used,omitempty"`
+	Period *calendar.PeriodText `json:"period,omitempty"`
 	// Plan is the plan the bucket was read under ("default": the policy's
 	// own limit), for a policy with plans; Override the operator's override
 	// of the identity's limit, when one is in force: Rate, Burst and Slots
@@ -259,7 +262,7 @@ func (adminAPI) bucket(ctx context.Context, action string, def definition, req a
 			h.logger.Warn("announcing a rate-limit change", zap.String("policy", p.Name), zap.String("key", key), zap.Error(err))
 		}
 	} else {
-		pacing.forget(key)
+		pacing.Forget(key)
 	}
 	st.Announced = &announced
 	h.logger.Info("rate limit bucket "+action, zap.String("policy", p.Name), zap.String("key", key), zap.Int64("tokens", v.remaining), zap.Int64("granted", granted))
@@ -307,9 +310,9 @@ const staleAfter = 5
 
 // topAnswer is what top answers.
 type topAnswer struct {
-	Policy     string     `json:"policy"`
-	Window     float64    `json:"window_seconds"`
-	Identities []topEntry `json:"identities"`
+	Policy     string       `json:"policy"`
+	Window     float64      `json:"window_seconds"`
+	Identities []topk.Entry `json:"identities"`
 	// Truncated: the identities are not all those denied in the window
 	// (more than n were, or the sketch forgot some).
 	Truncated bool `json:"truncated"`
@@ -320,8 +323,8 @@ func (adminAPI) top(def definition, req adminRequest) topAnswer {
 	if n == 0 {
 		n = 10
 	}
-	ids, truncated := def.policy.top.top(n)
-	return topAnswer{Policy: def.policy.Name, Window: topWindow.Seconds(), Identities: ids, Truncated: truncated}
+	ids, truncated := def.policy.top.Top(n)
+	return topAnswer{Policy: def.policy.Name, Window: topk.Window.Seconds(), Identities: ids, Truncated: truncated}
 }
 
 // untilFull is the µs until a bucket that holds remaining tokens, the next
@@ -345,7 +348,7 @@ func apiError(status int, format string, args ...any) error {
 // changed that this instance knows of.
 func storeAPIError(err error) error {
 	msg := "the rate-limit store could not act (%v); nothing was changed"
-	if errors.Is(err, context.DeadlineExceeded) || resultOf(err) == callFailed {
+	if errors.Is(err, context.DeadlineExceeded) || resultOf(err) == breaker.Failed {
 		msg = "the rate-limit store did not answer (%v): the change may not have been made; retry when it answers"
 	}
 	return apiError(http.StatusServiceUnavailable, msg, err)

@@ -221,7 +221,7 @@ func (adminAPI) listOverrides(r *http.Request) (*overridesAnswer, error) {
 func announceOverride(ctx context.Context, h *Handler, key string) bool {
 	rs, ok := h.store.(*redisStore)
 	if !ok {
-		pacing.forget(key)
+		pacing.Forget(key)
 		return true
 	}
 	if err := rs.conn.announceOverride(ctx, h.keyPrefix, key); err != nil {

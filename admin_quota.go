@@ -7,6 +7,7 @@ import (
 	"net/http"
 	"text/tabwriter"
 
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/calendar"
 	"go.uber.org/zap"
 )
 
@@ -42,7 +43,7 @@ func (adminAPI) quota(ctx context.Context, action string, def definition, req ad
 	v := d.verdicts[len(reqs)-1]
 	n := v.limit.burst // the plan's N, or an override's
 	used := n - v.remaining
-	text := v.period.text(p.quota.loc)
+	text := v.period.Text(p.quota.loc)
 	st := &bucketState{
 		Policy: p.Name, Kind: p.kindName(), Identity: req.Identity, Key: key, Store: h.storeName(),
 		Tokens: v.remaining, Quota: n, Unit: p.quota.unit.String(), Used: &used, Period: &text,
@@ -76,7 +77,7 @@ func printQuota(w io.Writer, action string, st bucketState) error {
 	if st.Used != nil {
 		used = *st.Used
 	}
-	var p periodText
+	var p calendar.PeriodText
 	if st.Period != nil {
 		p = *st.Period
 	}

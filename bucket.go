@@ -1,6 +1,10 @@
 package ratelimit
 
-import "math"
+import (
+	"math"
+
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/calendar"
+)
 
 // The token bucket, stored GCRA-style as one number per bucket: the
 // theoretical arrival time (TAT), in integer microseconds. A bucket of
@@ -113,7 +117,7 @@ type bucketRequest struct {
 	quota *quotaSpec
 	// period: for a quota bucket's opAdjust, the period the charge belongs
 	// to (the one its admission was counted in); zero: the current one.
-	period period
+	period calendar.Period
 	// overrideWait and overrideDebt are the policy's rule for the slack of
 	// an override's limit (override.limitFor), sent with an overridable
 	// bucket.
@@ -148,7 +152,7 @@ type verdict struct {
 	expired int64
 	// period: a quota bucket's period, on the store's clock (untilFits is
 	// the µs to its end).
-	period period
+	period calendar.Period
 	// limit is the limit the bucket was decided under: the request's, or
 	// an operator's override of it (see override.go).
 	limit limit

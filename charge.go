@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/llm"
 	"go.uber.org/zap"
 )
 
@@ -66,7 +67,7 @@ type Settle struct {
 	// do not count). Without weights, `openai` settles `total_tokens`.
 	Weights *SettleWeights `json:"weights,omitempty"`
 
-	w weights // provisioned: Weights with their defaults
+	w llm.Weights // provisioned: Weights with their defaults
 }
 
 // SettleWeights are the prices of input (prompt) and output (completion)
@@ -96,11 +97,14 @@ const maxWeight = 1000
 func (s *Settle) fromBody() bool { return s.From == settleOpenAI || s.From == settleAnthropic }
 
 // provider is whose usage format the body has.
-func (s *Settle) provider() int {
-	if s.From == settleAnthropic {
-		return providerAnthropic
+func (s *Settle) provider() llm.Provider { return providerOf(s.From) }
+
+// providerOf is the provider of a settle from `from`.
+func providerOf(from string) llm.Provider {
+	if from == settleAnthropic {
+		return llm.Anthropic
 	}
-	return providerOpenAI
+	return llm.OpenAI
 }
 
 // check checks the settle options; settleLimits gives their caps.
@@ -132,15 +136,15 @@ func (s *Settle) check() (err error) {
 
 // check checks the weights of a settle from `from`, and returns them in
 // millionths with their defaults (see Settle.Weights).
-func (sw *SettleWeights) check(from string) (weights, error) {
+func (sw *SettleWeights) check(from string) (llm.Weights, error) {
 	if sw == nil {
-		return defaultWeights(from, weights{weightUnit, weightUnit, -1, -1}), nil
+		return llm.Weights{Input: llm.WeightUnit, Output: llm.WeightUnit, CacheWrite: -1, CacheRead: -1}.Defaults(providerOf(from)), nil
 	}
 	if sw.Input == nil || sw.Output == nil {
-		return weights{}, fieldErr("settle", "settle: weights: input and output are both required, as in weights input 1 output 4")
+		return llm.Weights{}, fieldErr("settle", "settle: weights: input and output are both required, as in weights input 1 output 4")
 	}
 	if sw.CacheWrite != nil && from == settleOpenAI {
-		return weights{}, fieldErr("settle", "settle: weights: cache_write is for anthropic: OpenAI reports the prompt tokens read from its cache (cache_read), no writes")
+		return llm.Weights{}, fieldErr("settle", "settle: weights: cache_write is for anthropic: OpenAI reports the prompt tokens read from its cache (cache_read), no writes")
 	}
 	var w [4]int64
 	for i, p := range [4]*float64{sw.Input, sw.Output, sw.CacheWrite, sw.CacheRead} {
@@ -150,18 +154,18 @@ func (sw *SettleWeights) check(from string) (weights, error) {
 		}
 		v, name := *p, [4]string{"input", "output", "cache_write", "cache_read"}[i]
 		if !(v >= 0 && v <= maxWeight) {
-			return weights{}, fieldErr("settle", "settle: weights: %s %s must be from 0 to %d", name, strconv.FormatFloat(v, 'f', -1, 64), maxWeight)
+			return llm.Weights{}, fieldErr("settle", "settle: weights: %s %s must be from 0 to %d", name, strconv.FormatFloat(v, 'f', -1, 64), maxWeight)
 		}
-		m := math.Round(v * weightUnit)
-		if math.Abs(v*weightUnit-m) > 1e-3 {
-			return weights{}, fieldErr("settle", "settle: weights: %s %s has more than 6 decimal places", name, strconv.FormatFloat(v, 'f', -1, 64))
+		m := math.Round(v * llm.WeightUnit)
+		if math.Abs(v*llm.WeightUnit-m) > 1e-3 {
+			return llm.Weights{}, fieldErr("settle", "settle: weights: %s %s has more than 6 decimal places", name, strconv.FormatFloat(v, 'f', -1, 64))
 		}
 		w[i] = int64(m)
 	}
 	if w[0] == 0 && w[1] == 0 {
-		return weights{}, fieldErr("settle", "settle: weights: input and output are both 0: every response would settle at 0")
+		return llm.Weights{}, fieldErr("settle", "settle: weights: input and output are both 0: every response would settle at 0")
 	}
-	return defaultWeights(from, weights{input: w[0], output: w[1], cacheWrite: w[2], cacheRead: w[3]}), nil
+	return llm.Weights{Input: w[0], Output: w[1], CacheWrite: w[2], CacheRead: w[3]}.Defaults(providerOf(from)), nil
 }
 
 // afterResponse watches a response for what the policies charged after it
@@ -175,7 +179,7 @@ type afterResponse struct {
 	rs          *requestState
 	wroteHeader bool
 	status      int
-	body        *bodyWatch // settle openai, anthropic
+	body        *llm.Response // settle openai, anthropic
 	// wantTrailers: the client takes trailers, and a settle is known only
 	// after the body; trailers: the response declared the RateLimit
 	// trailer, sent with the settled state.
@@ -206,7 +210,7 @@ func (w *afterResponse) WriteHeader(status int) {
 			w.h.writeFields(hdr, w.rs, w.res, true)
 		}
 		if w.body != nil {
-			w.body.start(hdr)
+			w.body.Start(hdr)
 		}
 		if w.trailers = w.wantTrailers && w.res.fieldsSent && hasBody(status); w.trailers {
 			// Declared, RateLimit is sent again after the body, from what
@@ -268,55 +272,6 @@ func (w *afterResponse) ReadFrom(r io.Reader) (int64, error) {
 // writerOnly hides a writer's other methods from io.Copy.
 type writerOnly struct{ io.Writer }
 
-// bodyWatch reads the usage of a response body as it is written:
-// decompressing a copy when it is compressed.
-type bodyWatch struct {
-	scan   usageScanner
-	coding contentCoding
-	dec    *bodyDecoder
-}
-
-// start reads how the body comes, from the response's headers.
-func (b *bodyWatch) start(hdr http.Header) {
-	b.scan.sse = isEventStream(hdr.Get("Content-Type"))
-	b.coding = parseCoding(hdr.Get("Content-Encoding"))
-	if b.coding != codingIdentity && b.coding != codingUnknown {
-		b.dec = newBodyDecoder(b.coding, &b.scan)
-	}
-}
-
-func isEventStream(contentType string) bool {
-	const sse = "text/event-stream"
-	return len(contentType) >= len(sse) && strings.EqualFold(contentType[:len(sse)], sse)
-}
-
-func (b *bodyWatch) Write(p []byte) {
-	switch {
-	case b.dec != nil:
-		b.dec.Write(p)
-	case b.coding == codingIdentity:
-		b.scan.Write(p)
-	}
-}
-
-// finish ends the body: a decoder decodes what came, and stops.
-func (b *bodyWatch) finish() {
-	if b.dec != nil {
-		b.dec.Close()
-	}
-}
-
-// unreadable is why the body could not be read, or nil.
-func (b *bodyWatch) unreadable() error {
-	switch {
-	case b.coding == codingUnknown:
-		return errors.New("its Content-Encoding is not one read (gzip, deflate, br, zstd)")
-	case b.dec != nil && b.dec.err != nil:
-		return b.dec.err
-	}
-	return nil
-}
-
 // afterCharge is what one policy charges after the response.
 type afterCharge struct {
 	i       int   // the policy's index in the admission
@@ -342,7 +297,7 @@ func (h *Handler) serveWatched(w http.ResponseWriter, r *http.Request, next cadd
 			h.finish(aw, rs, res, errAborted)
 		}
 		if aw.body != nil {
-			aw.body.finish()
+			aw.body.Finish()
 		}
 	}()
 	err := next.ServeHTTP(aw, r)
@@ -359,7 +314,7 @@ var errAborted = errors.New("the handler chain aborted")
 // concurrency slot to free (see finish.go); nil when there is none.
 func (h *Handler) watchResponse(w http.ResponseWriter, r *http.Request, rs *requestState, res *admission) *afterResponse {
 	res.after = res.afterbuf[:0]
-	var body *bodyWatch
+	var body *llm.Response
 	afterBody, fromTrailer := false, false
 	for i, p := range res.shown {
 		if !res.d.verdicts[i].allowed || p.ChargeIf == nil && p.Settle == nil {
@@ -372,7 +327,7 @@ func (h *Handler) watchResponse(w http.ResponseWriter, r *http.Request, rs *requ
 		afterBody = afterBody || p.Settle.From != settleHeader
 		fromTrailer = fromTrailer || p.Settle.From == settleTrailer
 		if p.Settle.fromBody() && body == nil {
-			body = new(bodyWatch)
+			body = new(llm.Response)
 		}
 	}
 	if len(res.after) == 0 && !res.holdsClientSlots() {
@@ -381,7 +336,7 @@ func (h *Handler) watchResponse(w http.ResponseWriter, r *http.Request, rs *requ
 	if body != nil {
 		// The upstream may answer only in a coding whose usage is read.
 		if vs := r.Header.Values("Accept-Encoding"); len(vs) > 0 {
-			switch filtered, changed := readableAcceptEncoding(strings.Join(vs, ",")); {
+			switch filtered, changed := llm.ReadableAcceptEncoding(strings.Join(vs, ",")); {
 			case changed && filtered == "":
 				r.Header.Del("Accept-Encoding") // identity only
 			case changed:
@@ -469,7 +424,7 @@ func (h *Handler) charges(ctx context.Context, aw *afterResponse, rs *requestSta
 		}
 	}
 	if aw.body != nil {
-		aw.body.finish()
+		aw.body.Finish()
 	}
 	gone := ctx.Err() != nil
 	var charged []int // indexes in res.after
@@ -492,7 +447,7 @@ func (h *Handler) charges(ctx context.Context, aw *afterResponse, rs *requestSta
 				}
 				a.usage, a.settled = parseUsage(v, p.after.maxUsage)
 			case settleOpenAI, settleAnthropic:
-				if u, ok := aw.body.scan.found.usage(p.Settle.provider(), p.Settle.w); ok {
+				if u, ok := aw.body.Usage(p.Settle.provider(), p.Settle.w); ok {
 					a.usage, a.settled = min(u, p.after.maxUsage), true
 				}
 			}
@@ -552,7 +507,7 @@ var lostReasonNames = [numLostReasons]string{"no_usage", "unreadable", "client_g
 // lostReason is why a settle found no usage.
 func (w *afterResponse) lostReason(p *Policy, gone bool) int {
 	switch {
-	case p.Settle.fromBody() && w.body.unreadable() != nil:
+	case p.Settle.fromBody() && w.body.Unreadable() != nil:
 		return lostUnreadable
 	case gone:
 		return lostClientGone
@@ -564,10 +519,10 @@ func (w *afterResponse) lostReason(p *Policy, gone bool) int {
 // cutEstimate). Only body settles estimate, and only a body that could be
 // read (one that could not keeps its reservation); 0 for the others.
 func (w *afterResponse) estimate(p *Policy, rs *requestState) int64 {
-	if w.body == nil || !p.Settle.fromBody() || w.body.unreadable() != nil {
+	if w.body == nil || !p.Settle.fromBody() || w.body.Unreadable() != nil {
 		return 0
 	}
-	return cutEstimate(p.Settle, rs.body, &w.body.scan.found)
+	return w.body.CutEstimate(p.Settle.provider(), p.Settle.w, rs.body)
 }
 
 // lostLogInterval is how often, at most, a policy logs the settles it lost
@@ -607,7 +562,7 @@ func (h *Handler) chargeLost(p *Policy, reason int, w *afterResponse) {
 		zap.Int64("responses_since_last_line", n), zap.Duration("one_line_per", lostLogInterval)}
 	if reason == lostUnreadable {
 		h.logger.Warn("settle: the response body could not be read for its usage: the reservation stands", append(fields,
-			zap.String("content_encoding", w.body.coding.String()), zap.NamedError("why", w.body.unreadable()))...)
+			zap.String("content_encoding", w.body.Coding()), zap.NamedError("why", w.body.Unreadable()))...)
 		return
 	}
 	hint := "the upstream sent no usage: the reservation stands (at least the estimate of what was delivered)"

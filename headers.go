@@ -185,7 +185,7 @@ func reducedCapacity() problem {
 // period ends waitUS from now: whole seconds, never before the boundary,
 // spread upward by up to spreadUS (see boundarySpread). A quota comes back
 // whole at its boundary rather than at a rate, so there are no turns to
-// pace clients to (pacing.go): spreading them from the boundary is what
+// pace clients to (internal/pace): spreading them from the boundary is what
 // keeps them from returning together.
 func boundaryRetryAfter(waitUS, spreadUS int64) int64 {
 	at := waitUS

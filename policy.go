@@ -13,6 +13,10 @@ import (
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/prometheus/client_golang/prometheus"
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/clientaddr"
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/llm"
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/shed"
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/topk"
 )
 
 // Policy is one named budget: the requests that match it are counted, per
@@ -201,9 +205,9 @@ type Policy struct {
 	// the hot path.
 	deniedBody []byte
 	decisions  [numOutcomes]prometheus.Counter
-	top        *topDenied // the identities it denied most, this instance
+	top        *topk.Sketch // the identities it denied most, this instance
 	// addrMask is what the key keeps of a client address.
-	addrMask addrMask
+	addrMask clientaddr.Mask
 	// emptyKey counts the requests whose key resolved empty (credential.go);
 	// nil for a fixed key.
 	emptyKey *emptyKeyWatch
@@ -229,7 +233,7 @@ type Policy struct {
 	quota       *quotaSpec
 	durableLine *sourceLine
 	// A shed policy: its classes (check) and its provisioned state.
-	classes *shedClasses
+	classes *shed.Classes
 	shed    *shedState
 }
 
@@ -515,7 +519,7 @@ func (p *Policy) provision(ctx caddy.Context, h *Handler) error {
 	p.shadow = p.Shadow || h.Shadow
 	p.keyPrefix = h.keyPrefix + p.Name + ":"
 	p.keys = &keyCache{ids: newBucketIDs()}
-	p.addrMask = maskOf(p.IPv4Prefix, p.IPv6Prefix, h.IPv4Prefix, h.IPv6Prefix)
+	p.addrMask = clientaddr.MaskOf(p.IPv4Prefix, p.IPv6Prefix, h.IPv4Prefix, h.IPv6Prefix)
 	if p.keyTmpl.constant() { // e.g. `key global`: one bucket, one storage key
 		p.fixedKey = p.storageKey(h.hasher, p.keyTmpl.text)
 	} else {
@@ -590,7 +594,7 @@ func (p *Policy) cost(r *http.Request, repl *caddy.Replacer) int64 {
 	}
 	if p.costs.fromBody {
 		rs, _ := caddyhttp.GetVar(r.Context(), stateVar).(*requestState)
-		return requestBodyOf(r, rs).reservation(p.usageWeights(), p.costs.max)
+		return requestBodyOf(r, rs).Reservation(p.usageWeights(), p.costs.max)
 	}
 	v, err := strconv.ParseInt(p.costs.tmpl.resolve(r, repl, p.addrMask), 10, 64)
 	if err != nil || v < 1 || v > p.costs.max {
@@ -601,11 +605,11 @@ func (p *Policy) cost(r *http.Request, repl *caddy.Replacer) int64 {
 
 // usageWeights are the weights of the policy's settle, which its
 // reservation from the body is weighed with too.
-func (p *Policy) usageWeights() weights {
+func (p *Policy) usageWeights() llm.Weights {
 	if p.Settle != nil && p.Settle.Weights != nil {
 		return p.Settle.w
 	}
-	return unitWeights
+	return llm.UnitWeights
 }
 
 // key resolves the policy's key template for this request, its client

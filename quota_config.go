@@ -7,6 +7,7 @@ import (
 	"strings"
 
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/calendar"
 )
 
 // The configuration of quota policies: `quota N/<period>`, `timezone`,
@@ -29,7 +30,7 @@ type Durable struct {
 const maxReplicas = 1000
 
 // parseQuota parses `N/<period>`.
-func parseQuota(s string) (n int64, unit periodUnit, err error) {
+func parseQuota(s string) (n int64, unit calendar.Unit, err error) {
 	num, name, ok := strings.Cut(s, "/")
 	if !ok {
 		return 0, 0, fmt.Errorf("%q is not N/<minute|hour|day|week|month|year>, e.g. 1000000/month", s)
@@ -38,7 +39,7 @@ func parseQuota(s string) (n int64, unit periodUnit, err error) {
 	if err != nil || n < 1 || n > maxJSONInteger || strings.HasPrefix(num, "+") {
 		return 0, 0, fmt.Errorf("%q: N must be an integer from 1 to %d", s, int64(maxJSONInteger))
 	}
-	if unit, err = parsePeriodUnit(name); err != nil {
+	if unit, err = calendar.ParseUnit(name); err != nil {
 		if hint := periodHint(num, name); hint != "" {
 			return 0, 0, fmt.Errorf("%q: %v; %s", s, err, hint)
 		}
@@ -69,7 +70,7 @@ func (p *Policy) checkQuota() error {
 	if err != nil {
 		return fieldErr("quota", "quota: %v", err)
 	}
-	loc, err := parseTimezone(p.Timezone)
+	loc, err := calendar.ParseZone(p.Timezone)
 	if err != nil {
 		return fieldErr("timezone", "timezone: %v", err)
 	}
@@ -122,7 +123,7 @@ func (p *Policy) checkQuota() error {
 	}
 	p.rate.n, p.rate.per, p.held.wait = 0, 0, 0
 	p.limit = limit{burst: n, slack: p.after.debt}
-	p.quota = &quotaSpec{periods: newCalendar(unit, loc), unit: unit, loc: loc, durable: d, name: p.Name, used: quotaUsed.WithLabelValues(p.Name)}
+	p.quota = &quotaSpec{periods: calendar.New(unit, loc), unit: unit, loc: loc, durable: d, name: p.Name, used: quotaUsed.WithLabelValues(p.Name)}
 	p.keyTmpl, p.costs.tmpl = newTemplate(p.Key), newTemplate(string(p.Cost))
 	return p.checkPlans()
 }

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/breaker"
 	"github.com/redis/go-redis/v9"
 	"go.uber.org/zap"
 )
@@ -33,7 +34,7 @@ type redisConn struct {
 	// coalescer merges concurrent requests into one script call (see
 	// coalesce.go); nil in cluster mode, where a call reaches one slot only.
 	coalescer *coalescer
-	breaker   *breaker
+	breaker   *breaker.Breaker
 	// denials is shared by every config on this Redis: what one learned of
 	// a bucket holds for all. Nil in cluster mode, whose cross-slot refunds
 	// move TATs back.
@@ -157,13 +158,13 @@ func newRedisConn(c RedisConfig, logger *zap.Logger) (*redisConn, error) {
 	}
 	conn.format.Store(formatV1)
 	conn.fleet.nudge = make(chan struct{}, 1)
-	conn.breaker = newBreaker(func(from, to breakerState) {
+	conn.breaker = breaker.New(func(from, to breaker.State) {
 		switch {
-		case to == breakerOpen && from == breakerClosed:
+		case to == breaker.Open && from == breaker.Closed:
 			circuitOpen.Inc()
-			logger.Warn("Redis unavailable: calls failed for "+breakerSpan.String()+"; requests follow on_error until a probe succeeds",
-				zap.String("redis", conn.name), zap.Duration("probe_every", breakerCooldown))
-		case to == breakerClosed:
+			logger.Warn("Redis unavailable: calls failed for "+breaker.Span.String()+"; requests follow on_error until a probe succeeds",
+				zap.String("redis", conn.name), zap.Duration("probe_every", breaker.Cooldown))
+		case to == breaker.Closed:
 			circuitOpen.Dec()
 			logger.Info("Redis available again: circuit closed", zap.String("redis", conn.name))
 		default:
@@ -359,7 +360,7 @@ func (c *redisConn) receive(event, key string) {
 	if c.denials != nil {
 		c.denials.forget(key)
 	}
-	pacing.forget(key)
+	pacing.Forget(key)
 	e := &c.events
 	e.mu.Lock()
 	for _, w := range e.mine[key] {

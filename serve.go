@@ -9,6 +9,7 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/calendar"
 	"go.uber.org/zap"
 )
 
@@ -372,8 +373,8 @@ func (h *Handler) deny(w http.ResponseWriter, r *http.Request, rs *requestState,
 	var violated []string
 	var wait, stride int64
 	var key string
-	var boundary period // the period of the quota whose wait is the longest
-	var denier *Policy  // the last policy that denied
+	var boundary calendar.Period // the period of the quota whose wait is the longest
+	var denier *Policy           // the last policy that denied
 	for i, v := range res.d.verdicts {
 		p := res.shown[i]
 		if v.allowed || p.shadow || p.kind == kindShed { // a shed policy protects the service: it is no caller's budget
@@ -382,7 +383,7 @@ func (h *Handler) deny(w http.ResponseWriter, r *http.Request, rs *requestState,
 		denier = p
 		violated = append(violated, p.Name)
 		k := res.shownReqs[i].key
-		p.top.record(topIDs.of(k), k, res.identities[i])
+		p.top.Record(topIDs.of(k), k, res.identities[i])
 		switch {
 		case v.untilFits == neverFits || wait == neverFits:
 			wait = neverFits
@@ -392,7 +393,7 @@ func (h *Handler) deny(w http.ResponseWriter, r *http.Request, rs *requestState,
 			if res.shownReqs[i].op.slots() {
 				key = "" // slots come free when requests end: nothing to pace
 			}
-			boundary = period{}
+			boundary = calendar.Period{}
 			if res.shownReqs[i].quota != nil {
 				boundary = v.period // a quota comes back whole at its boundary
 			}
@@ -400,7 +401,7 @@ func (h *Handler) deny(w http.ResponseWriter, r *http.Request, rs *requestState,
 	}
 	var ra int64
 	if wait != neverFits { // a request that can never fit gets no Retry-After
-		if boundary.end != 0 {
+		if boundary.End != 0 {
 			ra = boundaryRetryAfter(wait, boundarySpread(boundary, h.jitter))
 		} else if key == "" {
 			ra = retryAfter(wait, h.jitter)
@@ -420,13 +421,13 @@ func (h *Handler) deny(w http.ResponseWriter, r *http.Request, rs *requestState,
 }
 
 // paced is the Retry-After of a denial on the bucket under key, from its
-// calendar (see pacing.go), once the response has been held the fraction
+// calendar (see internal/pace), once the response has been held the fraction
 // of a second that puts the client's return on its turn. The waits the
 // RateLimit field reports are shorter by that hold.
 func (res *admission) paced(r *http.Request, key string, wait, stride int64, jitter float64) int64 {
-	ra, hold := pacing.pace(r.RemoteAddr, key, wait, stride, jitter)
+	ra, hold := pacing.Pace(r.RemoteAddr, key, wait, stride, jitter)
 	if hold > 0 {
-		pacing.holdDenial(r, hold)
+		pacing.HoldDenial(r, hold)
 		for i := range res.d.verdicts {
 			if v := &res.d.verdicts[i]; !v.allowed && v.untilFits != neverFits {
 				v.untilFits = max(0, v.untilFits-hold.Microseconds())

@@ -16,6 +16,7 @@ import (
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/prometheus/client_golang/prometheus"
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/shed"
 )
 
 // Load shedding. A shed policy protects the service, not a caller's
@@ -29,13 +30,13 @@ import (
 //     instances together. They are concurrency slots (lease.go), one set
 //     for all classes, taken in the request's one atomic decision: a
 //     request of a class is admitted only while fewer than its class's
-//     slots (classSlots of N for its share) are in use, so a burst of the
+//     slots (shed.ClassLimit of N for its share) are in use, so a burst of the
 //     lowest class never takes the slots a higher class needs. In Redis
 //     they are the sorted set of leases a `concurrent` policy keeps, under
 //     the policy's own key: no new kind of value. The previous release
 //     (v0.2) never reads it: its configs cannot hold a shed policy.
 //   - shed { latency D }: adaptive, on each instance alone, by the
-//     controller of shed.go: checked before the store is asked (a request
+//     controller of internal/shed: checked before the store is asked (a request
 //     it sheds costs no Redis call), its slot given back unmeasured when
 //     another policy denies the request, measured when the handler chain
 //     returns.
@@ -92,7 +93,7 @@ type PriorityClass struct {
 }
 
 // Bounds of shed { latency }: the controller's windows are 2 × latency,
-// clamped to 10ms..1s (shed.go).
+// clamped to 10ms..1s (internal/shed).
 const (
 	minShedLatency = time.Millisecond
 	maxShedLatency = time.Hour
@@ -100,10 +101,10 @@ const (
 
 // shedState is a shed policy's provisioned state.
 type shedState struct {
-	from    template     // the priority value (Priority.From)
-	limiter *shedLimiter // shed { latency }; nil without
+	from    template      // the priority value (Priority.From)
+	limiter *shed.Limiter // shed { latency }; nil without
 	// byClass is the policy as each class's requests see it: its slots
-	// (shed { concurrent }: classSlots of N for the class's share) and its
+	// (shed { concurrent }: shed.ClassLimit of N for the class's share) and its
 	// decisions_total children, labelled with the class. A request's
 	// admission holds its class's policy in place of the policy.
 	byClass []*Policy
@@ -113,7 +114,7 @@ type shedState struct {
 type shedAdmission struct {
 	policy *Policy // the class's (shedState.byClass)
 	class  int
-	ticket shedTicket
+	ticket shed.Ticket
 	held   bool // ticket is the request's slot
 }
 
@@ -166,10 +167,10 @@ func (p *Policy) checkShed() error {
 	if err != nil {
 		return err
 	}
-	for i := 1; s.Concurrent > 0 && i < len(classes.names); i++ {
-		if classSlots(s.Concurrent, classes.shares[i], false, 1) == 0 {
+	for i := 1; s.Concurrent > 0 && i < len(classes.Names()); i++ {
+		if shed.ClassLimit(s.Concurrent, classes.Shares()[i], false, 1) == 0 {
 			return fieldErr("priority", "priority: class %q: %s of concurrent %d is less than one slot: its requests would always be shed",
-				classes.names[i], shareString(classes.shares[i]), s.Concurrent)
+				classes.Name(i), shed.FormatShare(classes.Shares()[i]), s.Concurrent)
 		}
 	}
 	lease := time.Duration(p.Lease)
@@ -188,9 +189,9 @@ func (p *Policy) checkShed() error {
 
 // check checks the priority classes and returns them; a policy without
 // priority has one class, which may use all the capacity.
-func (pr *Priority) check() (*shedClasses, error) {
+func (pr *Priority) check() (*shed.Classes, error) {
 	if pr == nil {
-		return newShedClasses([]string{""}, []int64{shareWhole})
+		return shed.NewClasses([]string{""}, []int64{shed.Whole})
 	}
 	if err := pr.checkFrom(); err != nil {
 		return nil, err
@@ -203,17 +204,17 @@ func (pr *Priority) check() (*shedClasses, error) {
 		if !policyName.MatchString(c.Name) {
 			return nil, fieldErr("priority", "priority: class %q: a class name is 1 to 64 letters, digits, '_', '-' or '.'", c.Name)
 		}
-		bp, err := parseShare(c.Share)
+		bp, err := shed.ParseShare(c.Share)
 		if err != nil {
 			return nil, fieldErr("priority", "priority: class %q: %v", c.Name, err)
 		}
-		if i == 0 && bp != shareWhole {
+		if i == 0 && bp != shed.Whole {
 			return nil, fieldErr("priority", "priority: class %q: the first class is the highest, which may use all the capacity: its share is 100%% (got %s)",
 				c.Name, c.Share)
 		}
 		names[i], shares[i] = c.Name, bp
 	}
-	classes, err := newShedClasses(names, shares)
+	classes, err := shed.NewClasses(names, shares)
 	if err != nil {
 		return nil, fieldErr("priority", "%v", err)
 	}
@@ -245,14 +246,14 @@ func (p *Policy) provisionShed(ctx caddy.Context, h *Handler) {
 		st.from = newTemplate(p.Priority.From)
 	}
 	if p.Shed.Latency > 0 {
-		st.limiter = shedLimiterOf(p.Name, time.Duration(p.Shed.Latency), p.classes.shares)
+		st.limiter = shedLimiterOf(p.Name, time.Duration(p.Shed.Latency), p.classes.Shares())
 	}
 	p.shed = st
-	st.byClass = make([]*Policy, len(p.classes.names))
+	st.byClass = make([]*Policy, len(p.classes.Names()))
 	for i := range st.byClass {
 		cp := *p
-		cp.decisions = policyCounters(p.Name, p.classes.name(i), "")
-		cp.limit.burst = classSlots(p.limit.burst, p.classes.shares[i], i == 0, 1)
+		cp.decisions = policyCounters(p.Name, p.classes.Name(i), "")
+		cp.limit.burst = shed.ClassLimit(p.limit.burst, p.classes.Shares()[i], i == 0, 1)
 		st.byClass[i] = &cp
 	}
 	if err := registerShedMetrics(ctx); err != nil {
@@ -266,7 +267,7 @@ func (st *shedState) classOf(p *Policy, r *http.Request, repl *caddy.Replacer) i
 	if p.Priority == nil {
 		return 0
 	}
-	return p.classes.of(st.from.resolve(r, repl, p.addrMask))
+	return p.classes.Of(st.from.resolve(r, repl, p.addrMask))
 }
 
 // shedShape is what two definitions of one shed policy must share.
@@ -279,9 +280,9 @@ func (p *Policy) shedShape() string {
 		parts = append(parts, "latency "+time.Duration(p.Shed.Latency).String())
 	}
 	if p.Priority != nil {
-		classes := make([]string, len(p.classes.names))
-		for i, name := range p.classes.names {
-			classes[i] = name + " " + shareString(p.classes.shares[i])
+		classes := make([]string, len(p.classes.Names()))
+		for i, name := range p.classes.Names() {
+			classes[i] = name + " " + shed.FormatShare(p.classes.Shares()[i])
 		}
 		parts = append(parts, "priority "+p.Priority.From+" { "+strings.Join(classes, ", ")+" }")
 	}
@@ -314,7 +315,7 @@ func (res *admission) matchShed(p *Policy, r *http.Request, repl *caddy.Replacer
 func (res *admission) admitAdaptive() *Policy {
 	for i := range res.adaptive {
 		a := &res.adaptive[i]
-		tk, ok := a.policy.shed.limiter.admit(a.class)
+		tk, ok := a.policy.shed.limiter.Admit(a.class)
 		switch {
 		case ok:
 			a.ticket, a.held = tk, true
@@ -337,7 +338,7 @@ func (res *admission) passAdaptive() {
 		if !a.held {
 			continue
 		}
-		a.ticket.passed()
+		a.ticket.Passed()
 		if a.policy.Shed.Concurrent == 0 { // otherwise counted with its slots (count)
 			a.policy.decisions[outcomeAllowed].Inc()
 		}
@@ -355,9 +356,9 @@ func (res *admission) finishAdaptive() {
 		}
 		a.held = false
 		if res.passed {
-			a.ticket.done()
+			a.ticket.Done()
 		} else {
-			a.ticket.cancel()
+			a.ticket.Cancel()
 		}
 	}
 }
@@ -436,19 +437,19 @@ func writeShed(w http.ResponseWriter, r *http.Request, ra int64) error {
 // policy names in configs.
 var shedLimiters = struct {
 	mu sync.Mutex
-	m  map[string]*shedLimiter
-}{m: map[string]*shedLimiter{}}
+	m  map[string]*shed.Limiter
+}{m: map[string]*shed.Limiter{}}
 
-func shedLimiterOf(name string, target time.Duration, shares []int64) *shedLimiter {
+func shedLimiterOf(name string, target time.Duration, shares []int64) *shed.Limiter {
 	shedLimiters.mu.Lock()
 	defer shedLimiters.mu.Unlock()
 	old := shedLimiters.m[name]
-	if old != nil && old.target == target && slices.Equal(old.shares, shares) {
+	if old != nil && old.Target() == target && slices.Equal(old.Shares(), shares) {
 		return old
 	}
-	l := newShedLimiter(target, shares, time.Now)
+	l := shed.NewLimiter(target, shares, time.Now)
 	if old != nil {
-		l.resume(old.limit())
+		l.Resume(old.Limit())
 	}
 	shedLimiters.m[name] = l
 	return l
@@ -467,7 +468,7 @@ func (c shedLimitCollector) Describe(ch chan<- *prometheus.Desc) { ch <- c.desc 
 func (c shedLimitCollector) Collect(ch chan<- prometheus.Metric) {
 	for _, p := range budgets.policies() {
 		if p.shed != nil && p.shed.limiter != nil {
-			ch <- prometheus.MustNewConstMetric(c.desc, prometheus.GaugeValue, float64(p.shed.limiter.limit()), p.Name)
+			ch <- prometheus.MustNewConstMetric(c.desc, prometheus.GaugeValue, float64(p.shed.limiter.Limit()), p.Name)
 		}
 	}
 }
@@ -503,7 +504,7 @@ func (a adminAPI) shed(ctx context.Context, action string, def definition, req a
 		}
 	}
 	if p.shed != nil && p.shed.limiter != nil {
-		limit, in := p.shed.limiter.limit(), p.shed.limiter.inFlight()
+		limit, in := p.shed.limiter.Limit(), p.shed.limiter.InFlight()
 		st.ShedLimit, st.ShedInFlight = &limit, &in
 	}
 	return st, nil

@@ -9,6 +9,7 @@ import (
 	"math"
 	"time"
 
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/breaker"
 	"github.com/redis/go-redis/v9"
 )
 
@@ -78,7 +79,7 @@ func (s *redisStore) decide(ctx context.Context, reqs []bucketRequest) (decision
 			}
 		}
 	}
-	if s.conn.breaker.skipping() {
+	if s.conn.breaker.Skipping() {
 		circuitOpenErrors.Inc()
 		return decision{}, errCircuitOpen
 	}
@@ -103,7 +104,7 @@ func (s *redisStore) decideAfter(reqs []bucketRequest, then func(decision, error
 		}()
 		return
 	}
-	if s.conn.breaker.skipping() {
+	if s.conn.breaker.Skipping() {
 		circuitOpenErrors.Inc()
 		then(decision{}, errCircuitOpen)
 		return
@@ -120,7 +121,7 @@ func (s *redisStore) decideAwaited(reqs []bucketRequest) (decision, error) {
 	if s.conn.coalescer == nil { // Cluster: a call per slot group
 		return s.decide(context.Background(), reqs)
 	}
-	if s.conn.breaker.skipping() {
+	if s.conn.breaker.Skipping() {
 		circuitOpenErrors.Inc()
 		return decision{}, errCircuitOpen
 	}
@@ -158,7 +159,7 @@ func (s *redisStore) decideInOneCall(ctx context.Context, reqs []bucketRequest) 
 // call makes one script call for a batch, past the circuit breaker, and
 // tells the breaker how it went.
 func (c *redisConn) call(batch []*pending) {
-	gen, ok := c.breaker.allow()
+	gen, ok := c.breaker.Allow()
 	if !ok {
 		for _, p := range batch {
 			p.err = errCircuitOpen
@@ -166,14 +167,14 @@ func (c *redisConn) call(batch []*pending) {
 		circuitOpenErrors.Add(float64(len(batch)))
 		return
 	}
-	result := callFailed // unless the call returns: a panic is a failure
-	defer func() { c.breaker.done(gen, result) }()
+	result := breaker.Failed // unless the call returns: a panic is a failure
+	defer func() { c.breaker.Done(gen, result) }()
 	result = c.eval(batch)
 }
 
 // eval decides the requests of a batch, in order, in one call of
 // lua/decide.lua.
-func (c *redisConn) eval(batch []*pending) callResult {
+func (c *redisConn) eval(batch []*pending) breaker.Result {
 	if want := batchConfirmation(batch); want.wanted() {
 		return c.evalDurable(batch, want) // with its WAIT or WAITAOF
 	}
@@ -209,7 +210,7 @@ func (c *redisConn) eval(batch []*pending) callResult {
 		}
 	}
 	if err == nil {
-		return callAnswered
+		return breaker.Answered
 	}
 	kind := errorKind(err)
 	storeErrors.WithLabelValues(kind).Inc()
@@ -242,15 +243,15 @@ func (c *redisConn) reportBadBucket(err error) {
 
 // resultOf is what a call's error says about Redis: a reply, even an error
 // reply, is an answer; a timeout or a broken connection is a failure.
-func resultOf(err error) callResult {
+func resultOf(err error) breaker.Result {
 	var redisErr redis.Error
 	switch {
 	case err == nil, errors.Is(err, errScriptReply), errors.As(err, &redisErr):
-		return callAnswered
+		return breaker.Answered
 	case errors.Is(err, context.Canceled), errors.Is(err, errClientGone):
-		return callIgnored
+		return breaker.Ignored
 	}
-	return callFailed
+	return breaker.Failed
 }
 
 // encodeCall is the EVALSHA of lua/decide.lua for the requests of a batch,
@@ -442,8 +443,8 @@ func decodeRequest(now int64, res []int64, reqs []bucketRequest) (decision, []in
 		if rq.op == opRenew { // allowed says the lease was still held
 			d.verdicts[i].allowed = res[at[i]] == 1
 		}
-		if rq.quota != nil && res[at[i]+2] != d.verdicts[i].period.start {
-			return decision{}, nil, fmt.Errorf("%w: Lua and Go disagree on the period of quota bucket %d (%d, %d)", errScriptReply, i, res[at[i]+2], d.verdicts[i].period.start)
+		if rq.quota != nil && res[at[i]+2] != d.verdicts[i].period.Start {
+			return decision{}, nil, fmt.Errorf("%w: Lua and Go disagree on the period of quota bucket %d (%d, %d)", errScriptReply, i, res[at[i]+2], d.verdicts[i].period.Start)
 		}
 	}
 	// Redis's own verdict is the one that was charged; the Go algorithm is the
