@@ -175,8 +175,8 @@ func (sw *SettleWeights) check(from string) (llm.Weights, error) {
 type afterResponse struct {
 	caddyhttp.ResponseWriterWrapper
 	res         *admission
-	h           *Handler
 	rs          *requestState
+	logger      *zap.Logger // for charges lost
 	wroteHeader bool
 	status      int
 	body        *llm.Response // settle openai, anthropic
@@ -207,7 +207,7 @@ func (w *afterResponse) WriteHeader(status int) {
 		// The RateLimit fields with this response's own charge, as far as
 		// it is known now.
 		if w.res.fieldsSent {
-			w.h.writeFields(hdr, w.rs, w.res, true)
+			w.res.writeFields(hdr, w.rs, true)
 		}
 		if w.body != nil {
 			w.body.Start(hdr)
@@ -223,7 +223,7 @@ func (w *afterResponse) WriteHeader(status int) {
 		w.length = w.declaredLength(status, hdr)
 		if w.length == 0 {
 			// Its headers are the whole response.
-			w.h.finish(w, w.rs, w.res, nil)
+			w.finish(nil)
 		}
 	}
 	w.ResponseWriter.WriteHeader(status)
@@ -244,7 +244,7 @@ func (w *afterResponse) Write(b []byte) (int, error) {
 		if w.body != nil {
 			w.body.Write(b)
 		}
-		w.h.finish(w, w.rs, w.res, nil)
+		w.finish(nil)
 		n, err := w.ResponseWriter.Write(b)
 		w.written += int64(n)
 		return n, err
@@ -294,7 +294,7 @@ func (h *Handler) serveWatched(w http.ResponseWriter, r *http.Request, next cadd
 	returned := false
 	defer func() {
 		if !returned { // panicking: charge, and let the panic go on
-			h.finish(aw, rs, res, errAborted)
+			aw.finish(errAborted)
 		}
 		if aw.body != nil {
 			aw.body.Finish()
@@ -302,7 +302,7 @@ func (h *Handler) serveWatched(w http.ResponseWriter, r *http.Request, next cadd
 	}()
 	err := next.ServeHTTP(aw, r)
 	returned = true
-	h.finish(aw, rs, res, err)
+	aw.finish(err)
 	return err
 }
 
@@ -344,7 +344,7 @@ func (h *Handler) watchResponse(w http.ResponseWriter, r *http.Request, rs *requ
 			}
 		}
 	}
-	aw := &afterResponse{ResponseWriterWrapper: caddyhttp.ResponseWriterWrapper{ResponseWriter: w}, res: res, h: h, rs: rs, body: body,
+	aw := &afterResponse{ResponseWriterWrapper: caddyhttp.ResponseWriterWrapper{ResponseWriter: w}, res: res, rs: rs, logger: h.logger, body: body,
 		wantTrailers: afterBody && acceptsTrailers(r), http1: r.ProtoMajor == 1,
 		ctx: r.Context(), head: r.Method == http.MethodHead, length: -1}
 	aw.endAtReturn = fromTrailer // the usage comes after the body
@@ -399,7 +399,8 @@ func parseUsage(v string, max int64) (int64, bool) {
 // reservation (estimate). What was not charged as measured (no usage, a
 // body that cannot be read, the client gone) is counted as lost here; a
 // charge the store does not take, by the caller.
-func (h *Handler) charges(ctx context.Context, aw *afterResponse, rs *requestState, res *admission, err error) (reqs []bucketRequest, policies []*Policy) {
+func (aw *afterResponse) charges(err error) (reqs []bucketRequest, policies []*Policy) {
+	ctx, rs, res := aw.ctx, aw.rs, aw.res
 	if !aw.wroteHeader {
 		// No response was written: a Caddy error's status stands for it, or,
 		// when the client went away first, no response at all: a charge_if
@@ -420,7 +421,7 @@ func (h *Handler) charges(ctx context.Context, aw *afterResponse, rs *requestSta
 			}
 		}
 		if res.fieldsSent {
-			h.writeFields(aw.Header(), rs, res, true) // Caddy writes the error's response with them
+			res.writeFields(aw.Header(), rs, true) // Caddy writes the error's response with them
 		}
 	}
 	if aw.body != nil {
@@ -478,16 +479,16 @@ func (h *Handler) charges(ctx context.Context, aw *afterResponse, rs *requestSta
 			res.d.verdicts[i].remaining, res.d.verdicts[i].untilFits = res.decidedLimit(i, p).adjusted(res.d.verdicts[i], reqs[j].delta)
 			policies = append(policies, p)
 		}
-		h.setPlaceholders(rs, res, rs.retryAfter)
+		res.setPlaceholders(rs, rs.retryAfter)
 	}
 	for k := range res.after {
 		if a := &res.after[k]; a.lost >= 0 {
-			h.chargeLost(res.shown[a.i], a.lost, aw)
+			aw.chargeLost(res.shown[a.i], a.lost)
 		}
 	}
 	if aw.trailers {
 		// The declared RateLimit trailer: the state once settled.
-		h.writeFields(aw.Header(), rs, res, false)
+		res.writeFields(aw.Header(), rs, false)
 	}
 	return reqs, policies
 }
@@ -549,7 +550,7 @@ func (l *lostLog) due(now time.Time) (int64, bool) {
 // chargeLost counts a charge not made as measured, and logs the ones an
 // operator can fix (a body that cannot be read, an upstream that reports
 // no usage) at most once per lostLogInterval per policy and reason.
-func (h *Handler) chargeLost(p *Policy, reason int, w *afterResponse) {
+func (w *afterResponse) chargeLost(p *Policy, reason int) {
 	p.after.lost[reason].Inc()
 	if reason != lostUnreadable && reason != lostNoUsage || p.Settle == nil {
 		return
@@ -561,7 +562,7 @@ func (h *Handler) chargeLost(p *Policy, reason int, w *afterResponse) {
 	fields := []zap.Field{zap.String("policy", p.Name), zap.String("settle", p.Settle.describe()), zap.Int("status", w.status),
 		zap.Int64("responses_since_last_line", n), zap.Duration("one_line_per", lostLogInterval)}
 	if reason == lostUnreadable {
-		h.logger.Warn("settle: the response body could not be read for its usage: the reservation stands", append(fields,
+		w.logger.Warn("settle: the response body could not be read for its usage: the reservation stands", append(fields,
 			zap.String("content_encoding", w.body.Coding()), zap.NamedError("why", w.body.Unreadable()))...)
 		return
 	}
@@ -572,7 +573,7 @@ func (h *Handler) chargeLost(p *Policy, reason int, w *afterResponse) {
 	case settleHeader, settleTrailer:
 		hint += "; the response had no " + p.Settle.Field + " holding a non-negative integer"
 	}
-	h.logger.Warn("settle: "+hint, fields...)
+	w.logger.Warn("settle: "+hint, fields...)
 }
 
 // predicted is what a charged-after policy's bucket holds once this

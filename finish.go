@@ -23,12 +23,13 @@ import (
 // release of its concurrency slots, in one store call. err is what the
 // handler chain returned, when it has. It runs once per response, when
 // the client is about to see its end.
-func (h *Handler) finish(aw *afterResponse, rs *requestState, res *admission, err error) {
+func (aw *afterResponse) finish(err error) {
 	if aw.finished {
 		return
 	}
 	aw.finished = true
-	reqs, charged := h.charges(aw.ctx, aw, rs, res, err)
+	res := aw.res
+	reqs, charged := aw.charges(err)
 	n := len(reqs)
 	rels, relPolicies := res.slotReleases(false)
 	reqs = append(reqs, rels...)

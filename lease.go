@@ -4,7 +4,6 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
-	"net/http"
 	"slices"
 	"strconv"
 	"sync"
@@ -358,70 +357,6 @@ func (q *waitQueues) wake(key string) {
 		case ws[0] <- struct{}{}:
 		default:
 		}
-	}
-}
-
-// waitForSlot holds a request denied only for want of concurrency slots,
-// on policies that `wait`, until its decision admits it (taking the slot as
-// soon as one is freed, in arrival order among this instance's waiters),
-// the wait runs out, or the client goes away. It returns the last
-// decision.
-func (h *Handler) waitForSlot(r *http.Request, res *admission, d decision) (decision, error) {
-	var key string
-	var wait time.Duration
-	for i, v := range d.verdicts {
-		p := res.policies[i]
-		if v.allowed || p.shadow {
-			continue
-		}
-		if res.reqs[i].op != opAcquire || p.Wait == 0 {
-			return d, nil // denied by more than a full set of slots
-		}
-		if key == "" {
-			key = res.reqs[i].key
-		}
-		wait = max(wait, time.Duration(p.Wait))
-	}
-	// A place among the requests each policy holds at once, for the wait.
-	var held []*Policy
-	defer func() {
-		for _, p := range held {
-			p.held.gauge.Dec()
-			p.giveHeldPlace()
-		}
-	}()
-	for i, p := range res.policies {
-		if !d.verdicts[i].allowed && !p.shadow {
-			if !p.takeHeldPlace() {
-				return d, nil
-			}
-			held = append(held, p)
-			p.held.gauge.Inc()
-		}
-	}
-	w := slotQueues.join(key)
-	defer slotQueues.leave(key, w)
-	deadline := time.NewTimer(wait)
-	defer deadline.Stop()
-	poll := time.NewTicker(slotPoll)
-	defer poll.Stop()
-	for {
-		select {
-		case <-w:
-		case <-poll.C:
-		case <-deadline.C:
-			return d, nil
-		case <-r.Context().Done():
-			return d, nil
-		}
-		if !slotQueues.first(key, w) {
-			continue
-		}
-		next, err := h.store.decide(r.Context(), res.reqs)
-		if err != nil || next.admitted {
-			return next, err
-		}
-		d = next
 	}
 }
 

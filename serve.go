@@ -54,14 +54,13 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	return h.serveWatched(w, r, next, rs, res)
 }
 
-// admit decides the request: shed policies' adaptive limits first, on
-// this instance alone (a request they shed costs no store call: their
-// policy is returned), then its one decision (reserve).
+// admit decides the request in two steps: the shed step, shed policies'
+// adaptive limits on this instance alone (a request they shed costs no
+// store call: their policy is returned), then its one decision by the
+// store (reserve).
 func (h *Handler) admit(r *http.Request, res *admission) *Policy {
-	if len(res.adaptive) > 0 {
-		if p := res.admitAdaptive(); p != nil {
-			return p
-		}
+	if p := res.admitAdaptive(); p != nil {
+		return p
 	}
 	h.reserve(r, res)
 	return nil
@@ -114,6 +113,9 @@ type admission struct {
 	// whether this one added its own (which a response may update).
 	outerPolicyField, outerLimitField string
 	fieldsSent                        bool
+	// allPolicyField is the handler's RateLimit-Policy when the request
+	// matched every policy (report): the same for most requests.
+	allPolicyField string
 
 	// leases are the concurrency slots the request holds, in decidedBy.
 	leases []lease
@@ -137,7 +139,7 @@ func (res *admission) admitted() bool { return res.failClosed == nil && res.d.ad
 // match finds the policies the request matches (skipping those a rate_limit
 // handler it passed through already decided) and their bucket requests.
 func (h *Handler) match(r *http.Request, repl *caddy.Replacer, rs *requestState, res *admission) error {
-	res.policies, res.reqs, res.identities = res.pbuf[:0], res.rbuf[:0], res.ibuf[:0]
+	res.policies, res.reqs, res.identities, res.adaptive = res.pbuf[:0], res.rbuf[:0], res.ibuf[:0], res.adaptivebuf[:0]
 	for _, p := range h.Policies {
 		ok, err := p.matches(r)
 		if err != nil {
@@ -147,8 +149,15 @@ func (h *Handler) match(r *http.Request, repl *caddy.Replacer, rs *requestState,
 			continue
 		}
 		if p.kind == kindShed {
-			if p = res.matchShed(p, r, repl, rs); p == nil {
-				continue // decided on this instance alone (shed { latency })
+			class := p.shed.classOf(p, r, repl)
+			p = p.shed.byClass[class] // the policy as the request's priority class limits it
+			if p.shed.limiter != nil {
+				// A place under the adaptive limit, which the shed step takes
+				// (admitAdaptive) before the store decides.
+				res.adaptive = append(res.adaptive, shedAdmission{policy: p, class: class})
+			}
+			if p.Shed.Concurrent == 0 {
+				continue // nothing for the store to decide
 			}
 		}
 		p = p.planned(r, repl) // the policy as the request's plan limits it
@@ -170,6 +179,11 @@ func (h *Handler) match(r *http.Request, repl *caddy.Replacer, rs *requestState,
 	}
 	for _, p := range res.policies {
 		rs.policies = append(rs.policies, p.Name)
+	}
+	for _, a := range res.adaptive {
+		if a.policy.Shed.Concurrent == 0 { // not among res.policies
+			rs.policies = append(rs.policies, a.policy.Name)
+		}
 	}
 	return nil
 }
@@ -231,6 +245,70 @@ func (h *Handler) reserve(r *http.Request, res *admission) {
 				h.logger.Debug("shadow policy would deny", zap.String("policy", res.policies[i].Name))
 			}
 		}
+	}
+}
+
+// waitForSlot holds a request denied only for want of concurrency slots,
+// on policies that `wait`, until its decision admits it (taking the slot as
+// soon as one is freed, in arrival order among this instance's waiters),
+// the wait runs out, or the client goes away. It returns the last
+// decision.
+func (h *Handler) waitForSlot(r *http.Request, res *admission, d decision) (decision, error) {
+	var key string
+	var wait time.Duration
+	for i, v := range d.verdicts {
+		p := res.policies[i]
+		if v.allowed || p.shadow {
+			continue
+		}
+		if res.reqs[i].op != opAcquire || p.Wait == 0 {
+			return d, nil // denied by more than a full set of slots
+		}
+		if key == "" {
+			key = res.reqs[i].key
+		}
+		wait = max(wait, time.Duration(p.Wait))
+	}
+	// A place among the requests each policy holds at once, for the wait.
+	var held []*Policy
+	defer func() {
+		for _, p := range held {
+			p.held.gauge.Dec()
+			p.giveHeldPlace()
+		}
+	}()
+	for i, p := range res.policies {
+		if !d.verdicts[i].allowed && !p.shadow {
+			if !p.takeHeldPlace() {
+				return d, nil
+			}
+			held = append(held, p)
+			p.held.gauge.Inc()
+		}
+	}
+	w := slotQueues.join(key)
+	defer slotQueues.leave(key, w)
+	deadline := time.NewTimer(wait)
+	defer deadline.Stop()
+	poll := time.NewTicker(slotPoll)
+	defer poll.Stop()
+	for {
+		select {
+		case <-w:
+		case <-poll.C:
+		case <-deadline.C:
+			return d, nil
+		case <-r.Context().Done():
+			return d, nil
+		}
+		if !slotQueues.first(key, w) {
+			continue
+		}
+		next, err := h.store.decide(r.Context(), res.reqs)
+		if err != nil || next.admitted {
+			return next, err
+		}
+		d = next
 	}
 }
 
@@ -358,7 +436,7 @@ var errRateLimited = errors.New("rate limit exceeded")
 func (h *Handler) deny(w http.ResponseWriter, r *http.Request, rs *requestState, res *admission) error {
 	if res.failClosed != nil {
 		ra := retryAfter(time.Second.Microseconds(), h.jitter)
-		rs.decided, rs.decision, rs.policy, rs.remaining, rs.retryAfter = true, outcomeFailClosed, res.failClosed.Name, -1, ra
+		rs.decidedAs(outcomeFailClosed, res.failClosed.Name, rs.key, -1, ra)
 		setRetryFields(w.Header(), ra, true)
 		if handlesErrors(r, http.StatusServiceUnavailable) {
 			return caddyhttp.Error(http.StatusServiceUnavailable, errStoreUnavailable)
@@ -459,122 +537,4 @@ func handlesErrors(r *http.Request, status int) bool {
 		}
 	}
 	return false
-}
-
-// report sets the placeholders and the RateLimit fields. Every placeholder
-// is set (possibly empty), so access logs never show a raw placeholder. A
-// request that passed through rate_limit handlers before keeps their
-// fields: this one's members are added.
-func (h *Handler) report(w http.ResponseWriter, rs *requestState, res *admission, retryAfter int64) {
-	res.outerPolicyField, res.outerLimitField = rs.policyField, rs.limitField
-	if enforced := h.setPlaceholders(rs, res, retryAfter); enforced && h.headers {
-		h.writeFields(w.Header(), rs, res, false)
-		res.fieldsSent = true
-	}
-}
-
-// setPlaceholders sets the placeholders from the decision, and reports
-// whether an enforced (not shadow) policy took part in it.
-func (h *Handler) setPlaceholders(rs *requestState, res *admission, retryAfter int64) (enforced bool) {
-	d := res.d
-	rs.decided, rs.decision, rs.retryAfter, rs.policy, rs.remaining, rs.key = true, res.outcome, retryAfter, "", -1, ""
-	// The tightest enforced policy; among shadow ones only when no policy is
-	// enforced, so a dry run still says which policy would deny.
-	tightest := -1
-	for i, v := range d.verdicts {
-		if v.allowed && res.shown[i].kind == kindShed {
-			continue // the service's capacity, not a budget left to the caller
-		}
-		e := !res.shown[i].shadow
-		if tightest < 0 || e && !enforced || e == enforced && tighter(v, d.verdicts[tightest]) {
-			tightest, enforced = i, e
-		}
-	}
-	if tightest < 0 { // fail_open: nothing was decided
-		return false
-	}
-	rs.policy, rs.remaining = res.shown[tightest].Name, max(0, d.verdicts[tightest].remaining)
-	rs.key = res.shownReqs[tightest].key
-	return enforced
-}
-
-// writeFields sets RateLimit-Policy and RateLimit: the members of the
-// handlers the request passed before, then this one's enforced policies.
-// With charged, a policy charged after the response reports what its
-// bucket holds once this response's own charge is made, as far as it is
-// known when the headers are written.
-func (h *Handler) writeFields(hdr http.Header, rs *requestState, res *admission, charged bool) {
-	d := res.d
-	// Most requests match every policy: their RateLimit-Policy is fixed.
-	var pbuf, lbuf [256]byte
-	pol, lim := pbuf[:0], lbuf[:0]
-	all := len(d.verdicts) == len(h.Policies) && h.allPolicyHdr != "" && res.outerPolicyField == "" && !res.overridden()
-	if res.outerPolicyField != "" {
-		pol, lim = append(pol, res.outerPolicyField...), append(lim, res.outerLimitField...)
-	}
-	for i, v := range d.verdicts {
-		p := res.shown[i]
-		if p.shadow || p.kind == kindShed { // see docs/load-shedding.md: no caller's budget
-			continue
-		}
-		if len(lim) > 0 {
-			pol = append(pol, ", "...)
-			lim = append(lim, ", "...)
-		}
-		if !all {
-			if q := res.shownReqs[i].quota; q != nil {
-				pol = append(pol, q.policyMember(res.decidedQuota(i), v.period)...)
-			} else {
-				pol = res.appendPolicyMember(pol, i, p)
-			}
-		}
-		remaining, until := v.remaining, v.untilFits
-		if charged {
-			remaining, until = res.predicted(i)
-		}
-		if res.shownReqs[i].quota != nil {
-			until = v.untilFits // a quota's t is its boundary's, charged or not
-		}
-		if p.kind == kindConcurrent {
-			until = neverFits // free slots have no window
-		}
-		lim = limitMember(lim, p.Name, remaining, until)
-	}
-	if len(lim) == 0 {
-		return // only shed policies: no fields
-	}
-	// Both fields in one string, and both values in one array: one
-	// allocation for what the response keeps.
-	var both string
-	var policyField string
-	if all {
-		policyField, both = h.allPolicyHdr, string(lim)
-	} else {
-		both = string(append(pol, lim...))
-		policyField = both[:len(pol)]
-	}
-	rs.policyField, rs.limitField = policyField, both[len(both)-len(lim):]
-	// The first fields of a request live in its requestState, which
-	// outlives the response as they must; later ones (a response updating
-	// them) get their own, so that no header set before changes under it.
-	values := &rs.fieldValues
-	if rs.fieldsSet {
-		values = new([2]string)
-	}
-	rs.fieldsSet = true
-	values[0], values[1] = policyField, rs.limitField
-	hdr["Ratelimit-Policy"] = values[0:1:1]
-	hdr["Ratelimit"] = values[1:2:2]
-}
-
-// tighter orders verdicts for {http.rate_limit.policy}: a denial before an
-// admission, then the longer wait, then the fewer tokens left.
-func tighter(a, b verdict) bool {
-	if a.allowed != b.allowed {
-		return !a.allowed
-	}
-	if !a.allowed {
-		return a.untilFits == neverFits || (b.untilFits != neverFits && a.untilFits > b.untilFits)
-	}
-	return a.remaining < b.remaining
 }

@@ -289,25 +289,6 @@ func (p *Policy) shedShape() string {
 	return strings.Join(parts, ", ")
 }
 
-// matchShed records a matched shed policy's part in the request: its place
-// under the adaptive limit, taken by admitAdaptive, and the class's policy
-// to decide with the store (shed { concurrent }), or nil without one.
-func (res *admission) matchShed(p *Policy, r *http.Request, repl *caddy.Replacer, rs *requestState) *Policy {
-	class := p.shed.classOf(p, r, repl)
-	cp := p.shed.byClass[class]
-	if p.shed.limiter != nil {
-		if res.adaptive == nil {
-			res.adaptive = res.adaptivebuf[:0]
-		}
-		res.adaptive = append(res.adaptive, shedAdmission{policy: cp, class: class})
-	}
-	if p.Shed.Concurrent == 0 {
-		rs.policies = append(rs.policies, p.Name) // decided here: once per request
-		return nil
-	}
-	return cp
-}
-
 // admitAdaptive takes the request's places under the adaptive limits,
 // before anything else is decided. It returns the policy that sheds the
 // request, nil when all admit it (a shadow policy that would shed it is
@@ -403,7 +384,7 @@ var shedBody, _ = json.Marshal(overloaded())
 // before anything else was decided: no store call, no RateLimit fields.
 func (h *Handler) shed(w http.ResponseWriter, r *http.Request, rs *requestState, p *Policy) error {
 	ra := retryAfter(slotWait, h.jitter)
-	rs.decided, rs.decision, rs.policy, rs.remaining, rs.retryAfter, rs.key = true, outcomeShed, p.Name, -1, ra, p.fixedKey
+	rs.decidedAs(outcomeShed, p.Name, p.fixedKey, -1, ra)
 	return writeShed(w, r, ra)
 }
 
