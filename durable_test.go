@@ -229,7 +229,7 @@ func TestDurableQuotaCluster(t *testing.T) {
 	for _, id := range []string{"a", "b", "c", "d", "e", "f"} { // several slots, so several masters
 		d, err = rs.decide(ctx, []bucketRequest{durableTake("rl:d:{"+id+"}", 100, durability{replicas: 1})})
 		if err != nil || !d.admitted {
-			t.Fatalf("durable replicas 1 in a cluster, key {%s} (slot %d): %+v %v", id, slotOf("{"+id+"}"), d, err)
+			t.Fatalf("durable replicas 1 in a cluster, key {%s} (slot %d): %+v %v", id, hashSlotOf("{"+id+"}"), d, err)
 		}
 	}
 	if _, err := rs.decide(ctx, []bucketRequest{durableTake("rl:d:{a}", 100, durability{replicas: 2})}); errorKind(err) != "not_durable" {

@@ -24,12 +24,12 @@ const (
 // per w seconds. w must be a whole, non-zero number of seconds, so a
 // sub-second or fractional period becomes the quota of the next whole
 // number of seconds, rounded down (10/100ms is q=100;w=1).
-func fieldQuota(events int64, period time.Duration) (q, w int64) {
-	w = int64(period / time.Second)
-	if period%time.Second != 0 {
-		w++ // (period + time.Second - 1) could overflow
+func fieldQuota(n int64, per time.Duration) (q, w int64) {
+	w = int64(per / time.Second)
+	if per%time.Second != 0 {
+		w++ // (per + time.Second - 1) could overflow
 	}
-	q = int64(float64(events) * float64(w) * float64(time.Second) / float64(period))
+	q = int64(float64(n) * float64(w) * float64(time.Second) / float64(per))
 	return min(q, maxSFInteger), min(w, maxSFInteger)
 }
 

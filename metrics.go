@@ -39,7 +39,7 @@ var (
 	}, []string{"policy"})
 	waiting = prometheus.NewGaugeVec(prometheus.GaugeOpts{
 		Namespace: "caddy", Subsystem: "rate_limit", Name: "waiting",
-		Help: "Requests held by a policy's wait setting right now: for their reserved slot (rate), or for a free one (concurrent).",
+		Help: "Requests held by a policy's wait setting right now: for their reserved turn (rate), or for a free one (concurrent).",
 	}, []string{"policy"})
 	storeDuration = prometheus.NewHistogram(prometheus.HistogramOpts{
 		Namespace: "caddy", Subsystem: "rate_limit", Name: "store_duration_seconds",

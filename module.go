@@ -1,7 +1,3 @@
-// Package ratelimit is a Caddy HTTP handler that enforces rate limits shared
-// by every Caddy instance of a deployment: token buckets kept in Redis and
-// decided by one atomic Lua script, so that four instances allowing
-// "100 per minute" allow 100 per minute together, not 400.
 package ratelimit
 
 import (

@@ -292,29 +292,29 @@ const (
 func validOnError(s string) bool { return s == failOpen || s == failClosed || s == failLocal }
 
 // parseRate parses `N/duration`.
-func parseRate(s string) (events int64, period time.Duration, err error) {
-	n, d, ok := strings.Cut(s, "/")
+func parseRate(s string) (n int64, per time.Duration, err error) {
+	text, d, ok := strings.Cut(s, "/")
 	if !ok {
 		return 0, 0, fmt.Errorf("%q is not N/duration, e.g. 100/1m", s)
 	}
-	events, err = strconv.ParseInt(n, 10, 64)
-	if err != nil || events < 1 || strings.HasPrefix(n, "+") {
+	n, err = strconv.ParseInt(text, 10, 64)
+	if err != nil || n < 1 || strings.HasPrefix(text, "+") {
 		return 0, 0, fmt.Errorf("%q: N must be a positive integer", s)
 	}
-	period, err = caddy.ParseDuration(d)
+	per, err = caddy.ParseDuration(d)
 	if err != nil {
-		if hint := rateHint(n, d); hint != "" {
+		if hint := rateHint(text, d); hint != "" {
 			return 0, 0, fmt.Errorf("%q: bad duration %q: %s", s, d, hint)
 		}
 		return 0, 0, fmt.Errorf("%q: bad duration: %v", s, err)
 	}
-	if period <= 0 {
+	if per <= 0 {
 		return 0, 0, fmt.Errorf("%q: duration must be positive", s)
 	}
-	if period/time.Duration(events) < time.Microsecond {
+	if per/time.Duration(n) < time.Microsecond {
 		return 0, 0, fmt.Errorf("%q: at most one token per microsecond", s)
 	}
-	return events, period, nil
+	return n, per, nil
 }
 
 // parseCost parses a fixed cost; fixed is false for a placeholder.
@@ -408,7 +408,7 @@ func (p *Policy) check() error {
 		return fieldErr("settle", "charge_if and settle exclude each other: charge_if charges the cost of matching responses, settle the usage of every response")
 	case p.ChargeIf != nil:
 		if p.Wait != 0 {
-			return fieldErr("wait", "wait: a charge_if policy gives back what a response does not owe, so it has no slot to reserve")
+			return fieldErr("wait", "wait: a charge_if policy gives back what a response does not owe, so it has no turn to reserve")
 		}
 	case p.Settle != nil:
 		if err := p.Settle.check(); err != nil {

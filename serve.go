@@ -16,10 +16,10 @@ import (
 // The request path: which policies a request matches, their one decision
 // (or, when the store cannot decide, their on_error), the 429 or 503 of a
 // denial, the RateLimit fields and placeholders, and holding a request for
-// the slot it reserved.
+// the turn it reserved.
 
 // ServeHTTP decides the request against every policy that matches it, in
-// one atomic decision, then passes it on (after its reserved slot, with
+// one atomic decision, then passes it on (after its reserved turn, with
 // `wait`) or answers it.
 func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
 	h.storeUse.enter()
@@ -192,7 +192,7 @@ func (h *Handler) match(r *http.Request, repl *caddy.Replacer, rs *requestState,
 // may hold, or, when the store cannot decide, applies each policy's
 // on_error.
 func (h *Handler) reserve(r *http.Request, res *admission) {
-	// A policy with `wait` may reserve a future slot only while it has room
+	// A policy with `wait` may reserve a future turn only while it has room
 	// to hold the request until then.
 	res.heldPlaces = res.heldPlacesBuf[:0]
 	if len(res.reqs) == 0 { // only shed policies' adaptive limits, which admitted it

@@ -239,7 +239,7 @@ func TestServeHTTP(t *testing.T) {
 			},
 		},
 		{
-			name: "wait: held until the reserved slot, then passed on",
+			name: "wait: held until the reserved turn, then passed on",
 			h: &Handler{Jitter: jitterOff(), Policies: []*Policy{
 				{Name: "vendor", Key: "global", Rate: "10/1s", Burst: 1, Wait: caddy.Duration(time.Second)},
 			}},

@@ -85,7 +85,7 @@ func (s *redisStore) decide(ctx context.Context, reqs []bucketRequest) (decision
 	}
 	if s.conn.cluster {
 		if groups := hashSlotGroups(reqs); len(groups) > 1 {
-			return s.decideAcrossSlots(ctx, reqs, groups)
+			return s.decideAcrossHashSlots(ctx, reqs, groups)
 		}
 	}
 	return s.decideInOneCall(ctx, reqs)

@@ -22,7 +22,7 @@
 --          interval  µs per token under the current config (slots: the
 --                    lease)
 --          burst     capacity in tokens (slots: how many)
---          slack     µs a TAT may run beyond a full refill (reserved slots,
+--          slack     µs a TAT may run beyond a full refill (reserved turns,
 --                    debt)
 --          amount    take, check: the cost; adjust: the delta, tokens charged (> 0)
 --                    or given back (< 0); slots: the lease's member (a
