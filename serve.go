@@ -200,7 +200,7 @@ func (h *Handler) reserve(r *http.Request, res *admission) {
 		return
 	}
 	for i, p := range res.policies {
-		if p.Concurrent == 0 && p.takeHeldPlace() {
+		if p.kind != kindConcurrent && p.takeHeldPlace() {
 			res.reqs[i].wait = p.held.wait
 			res.heldPlaces = append(res.heldPlaces, p)
 		}
