@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/ratelimit-caddy/caddy-ratelimit/internal/breaker"
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/fleet"
 	"github.com/redis/go-redis/v9"
 )
 
@@ -155,6 +156,84 @@ func (s *redisStore) decideInOneCall(ctx context.Context, reqs []bucketRequest) 
 	p.recycle()
 	return d, err
 }
+
+// What only Redis can do (store.go): its capabilities, each the
+// connection's.
+
+func (s *redisStore) renewLeases(leases []lease) { s.conn.hold(leases) }
+
+func (s *redisStore) releasing(leases []lease) ([]bucketRequest, []*Policy) {
+	return s.conn.releasing(leases)
+}
+
+func (s *redisStore) sendReleases(rels []bucketRequest, policies []*Policy) {
+	s.conn.sendReleases(s, rels, policies)
+}
+
+func (s *redisStore) retryReleases(rels []bucketRequest, policies []*Policy) {
+	s.conn.retryReleases(rels, policies)
+}
+
+func (s *redisStore) announce(ctx context.Context, prefix, key string) error {
+	return s.conn.announce(ctx, prefix, key)
+}
+
+func (s *redisStore) announceOverride(ctx context.Context, prefix, key string) error {
+	return s.conn.announceOverride(ctx, prefix, key)
+}
+
+func (s *redisStore) join(h *Handler) { s.conn.join(h) }
+
+func (s *redisStore) part(h *Handler) { s.conn.part(h) }
+
+func (s *redisStore) fleetRecord(hs []*Handler) fleet.Record { return s.conn.fleetRecord(hs) }
+
+func (s *redisStore) readFleets(ctx context.Context) (fleetStore, error) {
+	return s.conn.readFleets(ctx)
+}
+
+func (s *redisStore) liveRecords(ctx context.Context) (int, []fleet.Record, error) {
+	return s.conn.liveRecords(ctx)
+}
+
+func (s *redisStore) fleetView() *fleetView { return &s.conn.fleet }
+
+func (s *redisStore) probe(defs []definition) []probeResult { return s.conn.probe(defs) }
+
+func (s *redisStore) setFormat(ctx context.Context, prefix, marker string) error {
+	if err := s.conn.setFormat(ctx, prefix, marker); err != nil {
+		return err
+	}
+	s.conn.readFormat()
+	return nil
+}
+
+func (s *redisStore) formatOf(ctx context.Context, prefix string) (marker, writes string, err error) {
+	marker, err = s.conn.client.Get(ctx, formatMarker(prefix)).Result()
+	if err != nil && !errors.Is(err, redis.Nil) {
+		return "", "", err
+	}
+	if marker != markerV2 {
+		marker = markerV1
+	}
+	return marker, formatName(int(s.conn.format.Load())), nil
+}
+
+func (s *redisStore) overridesKept() overrideStore { return s.conn }
+
+func (s *redisStore) overrideFilter(prefix string) overrideFilter {
+	return s.conn.overrideSet(prefix)
+}
+
+// The capabilities it has.
+var (
+	_ leaseStore     = (*redisStore)(nil)
+	_ announcer      = (*redisStore)(nil)
+	_ fleetMember    = (*redisStore)(nil)
+	_ prober         = (*redisStore)(nil)
+	_ formatStore    = (*redisStore)(nil)
+	_ overrideKeeper = (*redisStore)(nil)
+)
 
 // call makes one script call for a batch, past the circuit breaker, and
 // tells the breaker how it went.
