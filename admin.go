@@ -15,7 +15,6 @@ import (
 	"github.com/ratelimit-caddy/caddy-ratelimit/internal/breaker"
 	"github.com/ratelimit-caddy/caddy-ratelimit/internal/calendar"
 	"github.com/ratelimit-caddy/caddy-ratelimit/internal/topk"
-	"github.com/redis/go-redis/v9"
 	"go.uber.org/zap"
 )
 
@@ -256,8 +255,8 @@ func (adminAPI) bucket(ctx context.Context, action string, def definition, req a
 	// The change is made; every instance forgets what it remembered of the
 	// bucket.
 	announced := true
-	if rs, ok := h.store.(*redisStore); ok {
-		if err := rs.conn.announce(ctx, h.keyPrefix, key); err != nil {
+	if a, ok := h.store.(announcer); ok {
+		if err := a.announce(ctx, h.keyPrefix, key); err != nil {
 			announced = false
 			h.logger.Warn("announcing a rate-limit change", zap.String("policy", p.Name), zap.String("key", key), zap.Error(err))
 		}
@@ -396,27 +395,23 @@ func (adminAPI) format(w http.ResponseWriter, r *http.Request) error {
 	var answer formatAnswer
 	seen := map[string]bool{}
 	for _, h := range budgets.handlers() {
-		rs, ok := h.store.(*redisStore)
+		fs, ok := h.store.(formatStore)
 		if !ok || seen[h.storeName()] {
 			continue
 		}
 		seen[h.storeName()] = true
 		ctx := r.Context()
 		if set != "" {
-			if err := rs.conn.setFormat(ctx, h.keyPrefix, set); err != nil {
+			if err := fs.setFormat(ctx, h.keyPrefix, set); err != nil {
 				return storeAPIError(err)
 			}
-			rs.conn.readFormat()
 			h.logger.Info("rate limit storage format set", zap.String("store", h.storeName()), zap.String("format", set))
 		}
-		marker, err := rs.conn.client.Get(ctx, formatMarker(h.keyPrefix)).Result()
-		if err != nil && !errors.Is(err, redis.Nil) {
+		marker, writes, err := fs.formatOf(ctx, h.keyPrefix)
+		if err != nil {
 			return storeAPIError(err)
 		}
-		if marker != markerV2 {
-			marker = markerV1
-		}
-		answer.Stores = append(answer.Stores, storeFormat{Store: h.storeName(), Marker: marker, Writes: formatName(int(rs.conn.format.Load()))})
+		answer.Stores = append(answer.Stores, storeFormat{Store: h.storeName(), Marker: marker, Writes: writes})
 	}
 	if len(answer.Stores) == 0 {
 		return apiError(http.StatusNotFound, "the loaded config has no rate_limit handler with a redis block")

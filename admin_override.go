@@ -219,12 +219,12 @@ func (adminAPI) listOverrides(r *http.Request) (*overridesAnswer, error) {
 // key was set or deleted: each reads the bucket's override from its next
 // request, forgets what it remembered of the bucket, and confirms it.
 func announceOverride(ctx context.Context, h *Handler, key string) bool {
-	rs, ok := h.store.(*redisStore)
+	a, ok := h.store.(announcer)
 	if !ok {
 		pacing.Forget(key)
 		return true
 	}
-	if err := rs.conn.announceOverride(ctx, h.keyPrefix, key); err != nil {
+	if err := a.announceOverride(ctx, h.keyPrefix, key); err != nil {
 		h.logger.Warn("announcing a rate-limit override", zap.String("key", key), zap.Error(err))
 		return false
 	}

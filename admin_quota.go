@@ -59,8 +59,8 @@ func (adminAPI) quota(ctx context.Context, action string, def definition, req ad
 		st.Granted = &granted
 	}
 	announced := true
-	if rs, ok := h.store.(*redisStore); ok {
-		if err := rs.conn.announce(ctx, h.keyPrefix, key); err != nil {
+	if a, ok := h.store.(announcer); ok {
+		if err := a.announce(ctx, h.keyPrefix, key); err != nil {
 			announced = false
 			h.logger.Warn("announcing a rate-limit change", zap.String("policy", p.Name), zap.String("key", key), zap.Error(err))
 		}

@@ -26,9 +26,6 @@ import (
 // written. The release before this one never reads it. In process, the
 // store keeps the same records (memoryShard.learned), bounded.
 
-// learnsOp flags a bucket that learns in a script call's op (lua/decide.lua).
-const learnsOp = 128
-
 // learnRecords is how many settles a key remembers.
 const learnRecords = 8
 

@@ -378,8 +378,8 @@ func (res *admission) takeSlots() {
 	if len(res.leases) == 0 {
 		return
 	}
-	if rs, ok := res.decidedBy.(*redisStore); ok {
-		rs.conn.hold(res.leases)
+	if ls, ok := res.decidedBy.(leaseStore); ok {
+		ls.renewLeases(res.leases)
 		res.mirrorSlots()
 	}
 }
@@ -413,8 +413,8 @@ func (res *admission) freeSlots() {
 	if len(rels) == 0 {
 		return
 	}
-	if rs, ok := res.decidedBy.(*redisStore); ok {
-		rs.conn.sendReleases(rs, rels, policies)
+	if ls, ok := res.decidedBy.(leaseStore); ok {
+		ls.sendReleases(rels, policies)
 		return
 	}
 	_, _ = res.decidedBy.decide(context.Background(), rels)
@@ -442,8 +442,8 @@ func (res *admission) slotReleases(shed bool) (rels []bucketRequest, policies []
 	if len(freed) == 0 {
 		return nil, nil
 	}
-	if rs, ok := res.decidedBy.(*redisStore); ok {
-		return rs.conn.releasing(freed)
+	if ls, ok := res.decidedBy.(leaseStore); ok {
+		return ls.releasing(freed)
 	}
 	for _, l := range freed {
 		rq := l.rq
@@ -484,7 +484,7 @@ func (res *admission) holdsClientSlots() bool {
 // retryReleases keeps releases the store did not take, to send again
 // (Redis; in process, a release never fails).
 func (res *admission) retryReleases(rels []bucketRequest, policies []*Policy) {
-	if rs, ok := res.decidedBy.(*redisStore); ok && len(rels) > 0 {
-		rs.conn.retryReleases(rels, policies)
+	if ls, ok := res.decidedBy.(leaseStore); ok && len(rels) > 0 {
+		ls.retryReleases(rels, policies)
 	}
 }

@@ -235,8 +235,8 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 			return err
 		}
 	}
-	if rs, ok := store.(*redisStore); ok {
-		rs.conn.join(h) // announced to the fleet once the config runs (fleet.go)
+	if fm, ok := store.(fleetMember); ok {
+		fm.join(h) // announced to the fleet once the config runs (fleet.go)
 	}
 	return nil
 }
@@ -317,8 +317,8 @@ const maxJitter = 10.0
 // Cleanup releases this config's reference to its Redis client; the client
 // is closed when no loaded config uses it any more.
 func (h *Handler) Cleanup() error {
-	if rs, ok := h.store.(*redisStore); ok {
-		rs.conn.part(h)
+	if fm, ok := h.store.(fleetMember); ok {
+		fm.part(h)
 	}
 	if h.config != nil {
 		budgets.remove(h.config, h)

@@ -142,49 +142,6 @@ func (o override) quotaLimitFor(sent limit, debt int64) limit {
 	return limit{burst: o.burst, slack: min(units, maxJSONInteger-o.burst)}
 }
 
-// Widths of an overridable bucket in a script call: the ARGV it takes
-// after those of its code (the policy's wait and debt rule), and the
-// numbers its reply has after those of its op (the interval, burst and
-// slack it was decided under).
-const (
-	overrideArgs  = 2
-	overrideReply = 3
-)
-
-// replyWidthOf is the numbers of a bucket's reply (see replyWidth), an
-// overridable bucket's limit included.
-func replyWidthOf(rq bucketRequest) int {
-	n := bucketReplyWidth(rq)
-	if rq.overridable {
-		n += overrideReply
-	}
-	if rq.learns {
-		n++ // what its key learned (learned_usage.go)
-	}
-	return n
-}
-
-// decidedUnder is reqs with the limits their buckets were decided under,
-// which the reply res carries for overridable buckets after the numbers of
-// their op (at[i] is where bucket i's begin): reqs itself when no override
-// was in force.
-func decidedUnder(res []int64, at []int, reqs []bucketRequest) []bucketRequest {
-	out := reqs
-	for i, rq := range reqs {
-		if !rq.overridable {
-			continue
-		}
-		o := at[i] + bucketReplyWidth(rq)
-		l := limit{interval: res[o], burst: res[o+1], slack: res[o+2]}
-		if l == rq.limit {
-			continue
-		}
-		out = ownCopy(out, reqs)
-		out[i].limit = l
-	}
-	return out
-}
-
 // ownCopy is out, or a copy of reqs when out is still reqs: the requests
 // a store decides under changed limits or costs, without writing over the
 // caller's.

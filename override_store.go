@@ -134,13 +134,8 @@ type overrideStore interface {
 // overridesIn is the override store of a handler's store (nil for one that
 // keeps none: the `local` fallback, a test's).
 func overridesIn(s store) overrideStore {
-	switch s := s.(type) {
-	case *redisStore:
-		return s.conn
-	case *memoryStore:
-		if s.overrides != nil {
-			return s.overrides
-		}
+	if k, ok := s.(overrideKeeper); ok {
+		return k.overridesKept()
 	}
 	return nil
 }
@@ -160,13 +155,8 @@ func (noOverrides) may(string) bool { return false }
 // overrideFilterOf is the store's filter of the overrides of the policy
 // whose keys start with prefix.
 func overrideFilterOf(s store, prefix string) overrideFilter {
-	switch s := s.(type) {
-	case *redisStore:
-		return s.conn.overrideSet(prefix)
-	case *memoryStore:
-		if s.overrides != nil {
-			return flagFilter{s.overrides.flag(prefix)}
-		}
+	if k, ok := s.(overrideKeeper); ok {
+		return k.overrideFilter(prefix)
 	}
 	return noOverrides{}
 }

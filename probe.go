@@ -250,11 +250,11 @@ func storeDefinitions(hs []*Handler) []definition {
 // with require_redis, a Redis that cannot decide for them fails the
 // config.
 func (h *Handler) requireRedis() error {
-	rs, ok := h.store.(*redisStore)
+	pr, ok := h.store.(prober)
 	if !ok {
 		return nil
 	}
-	failures := failuresOf(rs.conn.probe(storeDefinitions([]*Handler{h})))
+	failures := failuresOf(pr.probe(storeDefinitions([]*Handler{h})))
 	if len(failures) == 0 {
 		return nil
 	}

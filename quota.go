@@ -137,35 +137,6 @@ func quotaAdmits(used int64, rq bucketRequest) bool {
 	return quotaFits(rq.limit.burst, used, rq.cost)
 }
 
-// bucketReplyWidth is the numbers per bucket in the script's reply: a
-// quota's are allowed, the units used before the request (in the period
-// Redis picked) and that period's start, which Go checks against its own
-// pick.
-func bucketReplyWidth(rq bucketRequest) int {
-	if rq.quota != nil {
-		return 3
-	}
-	return replyWidth(rq.op)
-}
-
-// quotaCode is the script's code of a quota bucket's op: 12 (take) to 16
-// (reset), in the order of the rate verbs.
-func quotaCode(op bucketOp) int64 { return int64(op) - int64(opTake) + 12 }
-
-// quotaNumbers are the numbers of a quota bucket after its op: the quota,
-// the slack, the amount (cost, or adjust's delta), the period a charge
-// belongs to (0 0: the current one), and the four bounds around the Go
-// clock now.
-func quotaNumbers(nums callNumbers, rq bucketRequest, now time.Time) callNumbers {
-	amount := rq.cost
-	if rq.op == opAdjust {
-		amount = rq.delta
-	}
-	b := rq.quota.periods.Bounds(now)
-	nums = nums.add(rq.limit.burst).add(rq.limit.slack).add(amount).add(rq.period.Start).add(rq.period.End)
-	return nums.add(b[0]).add(b[1]).add(b[2]).add(b[3])
-}
-
 // notePeriods records, in each quota bucket request, the period its
 // decision counted it in: a charge after the response (settle, charge_if)
 // belongs to that period, and is dropped if it is over by then.
