@@ -58,7 +58,7 @@ type leaseStore interface {
 // change to a bucket (a reset, a grant, an override set or deleted) is
 // announced to every instance, which forgets what it remembered of the
 // bucket. In process, the change is this instance's own. Implemented by
-// redisStore (redis_conn.go, override_store.go).
+// redisStore (announce.go, override_redis.go).
 type announcer interface {
 	// announce tells every instance the bucket under key changed, and
 	// returns once the announcement went round (or after a second).
