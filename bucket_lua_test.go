@@ -3,11 +3,8 @@ package ratelimit
 import (
 	"context"
 	"fmt"
-	"regexp"
 	"slices"
-	"strconv"
 	"strings"
-	"sync/atomic"
 	"testing"
 	"time"
 
@@ -150,92 +147,6 @@ func TestRedisStoreReloadsFlushedScript(t *testing.T) {
 		if d, err := rs.decide(ctx, r); err != nil || !d.admitted {
 			t.Fatalf("decision %d after SCRIPT FLUSH: %+v %v", i, d, err)
 		}
-	}
-}
-
-// BenchmarkRedisHotKey measures decisions per second on one bucket (a
-// global policy) through the Redis store, with many concurrent callers, and
-// Redis's own time per decision: one call per decision (as in Cluster mode)
-// and coalesced (a single Redis or Sentinel), where the call reads and
-// writes the hot key once for all its requests; and a settle policy's
-// bucket, which reads what its key learned (learned_usage.go) too.
-func BenchmarkRedisHotKey(b *testing.B) {
-	srv := testredis.Start(b)
-	client := redis.NewClient(&redis.Options{Addr: srv.Addr})
-	defer client.Close()
-	for _, run := range []struct{ coalesce, learns bool }{{false, false}, {true, false}, {false, true}, {true, true}} {
-		coalesce := run.coalesce
-		b.Run(fmt.Sprintf("coalesced=%v/learns=%v", coalesce, run.learns), func(b *testing.B) {
-			noCoalescing = !coalesce
-			defer func() { noCoalescing = false }()
-			conn, err := newRedisConn(RedisConfig{Addresses: []string{srv.Addr}, PoolSize: 64, Timeout: testTimeout}.resolved(), zap.NewNop())
-			if err != nil {
-				b.Fatal(err)
-			}
-			defer conn.Destruct()
-			rs := &redisStore{conn: conn}
-			reqs := []bucketRequest{{key: "rl:global:{hot}", limit: limit{interval: 1, burst: 1_000_000}, op: opTake, cost: 1, learns: run.learns}}
-			client.ConfigResetStat(context.Background())
-			b.SetParallelism(16)
-			b.ResetTimer()
-			b.RunParallel(func(pb *testing.PB) {
-				for pb.Next() {
-					if _, err := rs.decide(context.Background(), reqs); err != nil {
-						b.Error(err)
-						return
-					}
-				}
-			})
-			b.StopTimer()
-			b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "decisions/s")
-			// Redis's own time: what caps one slot, whatever the client.
-			info, _ := client.Info(context.Background(), "commandstats").Result()
-			if m := regexp.MustCompile(`cmdstat_evalsha:calls=\d+,usec=(\d+)`).FindStringSubmatch(info); m != nil {
-				usec, _ := strconv.ParseFloat(m[1], 64)
-				b.ReportMetric(usec/float64(b.N), "redis-µs/decision")
-			}
-		})
-	}
-}
-
-// BenchmarkRedisDecide measures one decision through the Redis store with
-// many concurrent callers and 10,000 identities, with concurrent decisions
-// coalesced into one script call and with one call per decision;
-// allocations per decision included.
-func BenchmarkRedisDecide(b *testing.B) {
-	srv := testredis.Start(b)
-	for _, coalesce := range []bool{false, true} {
-		b.Run(fmt.Sprintf("coalesced=%v", coalesce), func(b *testing.B) {
-			noCoalescing = !coalesce
-			defer func() { noCoalescing = false }()
-			conn, err := newRedisConn(RedisConfig{Addresses: []string{srv.Addr}, Timeout: testTimeout}.resolved(), zap.NewNop())
-			if err != nil {
-				b.Fatal(err)
-			}
-			defer conn.Destruct()
-			rs := &redisStore{conn: conn}
-			p := &Policy{keyPrefix: "rl:bench:"}
-			kh := newKeyHasher("secret")
-			keys := make([]string, 10_000)
-			for i := range keys {
-				keys[i] = p.storageKey(kh, strconv.Itoa(i))
-			}
-			var n atomic.Int64
-			b.SetParallelism(32)
-			b.ReportAllocs()
-			b.ResetTimer()
-			b.RunParallel(func(pb *testing.PB) {
-				for pb.Next() {
-					i := n.Add(1)
-					reqs := []bucketRequest{{key: keys[i%int64(len(keys))], limit: limit{interval: 1000, burst: 1_000_000}, op: opTake, cost: 1}}
-					if _, err := rs.decide(context.Background(), reqs); err != nil {
-						b.Error(err)
-						return
-					}
-				}
-			})
-			b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "decisions/s")
-		})
 	}
 }
 
