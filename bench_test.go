@@ -42,12 +42,7 @@ func BenchmarkPath(b *testing.B) {
 	}
 	defer conn.Destruct()
 	rs := &redisStore{conn: conn}
-	p := &Policy{keyPrefix: "rl:bench:"}
-	kh := newKeyHasher("secret")
-	keys := make([]string, 10_000)
-	for i := range keys {
-		keys[i] = p.storageKey(kh, strconv.Itoa(i))
-	}
+	keys := benchKeys(10_000)
 	wide := limit{interval: 10, burst: 1_000_000}
 	run := func(b *testing.B, one func(key string) error) {
 		var n atomic.Int64
@@ -169,12 +164,7 @@ func BenchmarkRedisDecide(b *testing.B) {
 			}
 			defer conn.Destruct()
 			rs := &redisStore{conn: conn}
-			p := &Policy{keyPrefix: "rl:bench:"}
-			kh := newKeyHasher("secret")
-			keys := make([]string, 10_000)
-			for i := range keys {
-				keys[i] = p.storageKey(kh, strconv.Itoa(i))
-			}
+			keys := benchKeys(10_000)
 			var n atomic.Int64
 			b.SetParallelism(32)
 			b.ReportAllocs()
@@ -358,11 +348,7 @@ func BenchmarkLaterRides(b *testing.B) {
 		call(batch)
 	}
 	rs := &redisStore{conn: conn}
-	p, kh := &Policy{keyPrefix: "rl:bench:"}, newKeyHasher("secret")
-	keys := make([]string, 10_000)
-	for i := range keys {
-		keys[i] = p.storageKey(kh, strconv.Itoa(i))
-	}
+	keys := benchKeys(10_000)
 	wide := limit{interval: 10, burst: 1_000_000}
 	slots := limit{interval: 30_000_000, burst: 100}
 	paths := []struct {
@@ -419,4 +405,15 @@ func BenchmarkLaterRides(b *testing.B) {
 			b.ReportMetric(float64(laterOnly.Load())/float64(max(calls.Load(), 1)), "later-only")
 		})
 	}
+}
+
+// benchKeys are the storage keys of n identities of a policy, as the
+// handler makes them.
+func benchKeys(n int) []string {
+	p, kh := &Policy{keyPrefix: "rl:bench:"}, newKeyHasher("secret")
+	keys := make([]string, n)
+	for i := range keys {
+		keys[i] = p.storageKey(kh, strconv.Itoa(i))
+	}
+	return keys
 }

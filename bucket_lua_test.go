@@ -8,23 +8,7 @@ import (
 	"testing"
 
 	"github.com/redis/go-redis/v9"
-	"go.uber.org/zap"
-
-	"github.com/ratelimit-caddy/caddy-ratelimit/internal/testredis"
 )
-
-func newTestRedis(t *testing.T) (*testredis.Server, *redis.Client, *redisStore) {
-	t.Helper()
-	srv := testredis.Start(t)
-	client := redis.NewClient(&redis.Options{Addr: srv.Addr})
-	t.Cleanup(func() { client.Close() })
-	conn, err := newRedisConn(RedisConfig{Addresses: []string{srv.Addr}, Timeout: testTimeout}.resolved(), zap.NewNop())
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { conn.Destruct() })
-	return srv, client, &redisStore{conn: conn}
-}
 
 // evalDecide runs lua/decide.lua for requests in one call, with EVAL (as
 // after NOSCRIPT).

@@ -5,13 +5,6 @@ import (
 	"testing"
 )
 
-const sec = int64(1_000_000) // µs
-
-// clock is an injected µs clock for the in-process store.
-type clock struct{ t int64 }
-
-func (c *clock) now() int64 { return c.t }
-
 func req(key string, interval, burst, cost int64) bucketRequest {
 	return bucketRequest{key: key, limit: limit{interval: interval, burst: burst}, op: opTake, cost: cost}
 }

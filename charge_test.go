@@ -13,7 +13,6 @@ import (
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/klauspost/compress/zstd"
-	dto "github.com/prometheus/client_model/go"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zaptest/observer"
 
@@ -221,12 +220,6 @@ func serveLLMCancel(t *testing.T, h *Handler, upstream func(http.ResponseWriter,
 	v, _ := repl.GetString("http.rate_limit.remaining")
 	x.remaining, _ = strconv.ParseInt(v, 10, 64)
 	return x
-}
-
-func counterValue(c interface{ Write(*dto.Metric) error }) float64 {
-	var m dto.Metric
-	_ = c.Write(&m)
-	return m.GetCounter().GetValue()
 }
 
 // TestLostLogged: a body that cannot be read is counted each time and

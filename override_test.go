@@ -2,16 +2,12 @@ package ratelimit
 
 import (
 	"context"
-	"errors"
 	"fmt"
-	"net/http/httptest"
 	"regexp"
 	"strconv"
-	"strings"
 	"testing"
 	"time"
 
-	"github.com/caddyserver/caddy/v2"
 	"github.com/redis/go-redis/v9"
 
 	"github.com/ratelimit-caddy/caddy-ratelimit/internal/calendar"
@@ -80,22 +76,6 @@ func TestOverrideLimitFor(t *testing.T) {
 			t.Errorf("%s: %+v, want %+v", tc.name, got, tc.want)
 		}
 	}
-}
-
-// adminDo calls the admin API in process, as Caddy's admin server would,
-// and returns the status and the body (an error's message).
-func adminDo(t *testing.T, method, target, body string) (int, string) {
-	t.Helper()
-	r := httptest.NewRequest(method, target, strings.NewReader(body))
-	w := httptest.NewRecorder()
-	if err := (adminAPI{}).serve(w, r); err != nil {
-		var ae caddy.APIError
-		if !errors.As(err, &ae) {
-			t.Fatalf("%s %s: %v", method, target, err)
-		}
-		return ae.HTTPStatus, ae.Err.Error()
-	}
-	return w.Code, w.Body.String()
 }
 
 // TestLuaOverrideValues: for each stored value, beside a rate bucket,

@@ -9,16 +9,7 @@ import (
 
 	"github.com/ratelimit-caddy/caddy-ratelimit/internal/calendar"
 	"github.com/ratelimit-caddy/caddy-ratelimit/internal/calendar/calendartest"
-
-	dto "github.com/prometheus/client_model/go"
 )
-
-// decisionsOf reads a decisions_total child.
-func decisionsOf(policy, outcome, plan string) float64 {
-	var m dto.Metric
-	_ = decisionsTotal.WithLabelValues(policy, outcome, "", plan).Write(&m)
-	return m.GetCounter().GetValue()
-}
 
 // tenantPolicy is a policy of 6/1h per tenant whose pro plan is 60/1h burst
 // 20: the default plan's token is 600 s, pro's 60 s.
@@ -78,7 +69,7 @@ func TestServeHTTPPlans(t *testing.T) {
 		outcome, plan string
 		want          float64
 	}{{"allowed", "default", 4}, {"denied", "default", 2}, {"allowed", "pro", 16}, {"denied", "pro", 1}, {"allowed", "", 0}} {
-		if got := decisionsOf("plans_switch", m.outcome, m.plan); got != m.want {
+		if got := decisionsOf("plans_switch", m.outcome, "", m.plan); got != m.want {
 			t.Errorf("decisions_total{policy=plans_switch, outcome=%s, plan=%q} = %v, want %v", m.outcome, m.plan, got, m.want)
 		}
 	}
@@ -248,7 +239,7 @@ func TestServeHTTPQuotaPlans(t *testing.T) {
 		Name: "qplans_switch", Key: "{http.request.header.X-Tenant}", Quota: "5/month",
 		Plan: &Plan{From: "{http.request.header.X-Plan}", Plans: map[string]*PlanLimit{"pro": {Quota: "12"}, "max": {Quota: "1000/month"}}},
 	}}}, newMemoryStore(c.now))
-	counted := func(outcome, plan string) float64 { return decisionsOf("qplans_switch", outcome, plan) }
+	counted := func(outcome, plan string) float64 { return decisionsOf("qplans_switch", outcome, "", plan) }
 	before := map[[2]string]float64{}
 	for _, o := range []string{"allowed", "denied"} {
 		for _, p := range []string{"default", "pro", "max", ""} {

@@ -13,7 +13,6 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
-	dto "github.com/prometheus/client_model/go"
 
 	"github.com/ratelimit-caddy/caddy-ratelimit/internal/shed"
 )
@@ -29,17 +28,6 @@ import (
 func designClasses() *Priority {
 	return &Priority{From: "{http.request.header.X-Priority}", Classes: []PriorityClass{
 		{Name: "critical", Share: "100%"}, {Name: "default", Share: "80%"}, {Name: "batch", Share: "50%"}}}
-}
-
-// shedDecisions reads caddy_rate_limit_decisions_total{policy, outcome,
-// class}.
-func shedDecisions(t *testing.T, policy, outcome, class string) float64 {
-	t.Helper()
-	var m dto.Metric
-	if err := decisionsTotal.WithLabelValues(policy, outcome, class, "").Write(&m); err != nil {
-		t.Fatal(err)
-	}
-	return m.GetCounter().GetValue()
 }
 
 // held is n requests through the handlers held in the upstream until
@@ -158,12 +146,12 @@ func TestServeHTTPShedAdaptive(t *testing.T) {
 		t.Fatalf("the shed policy is in RateLimit-Policy: %q", x.header.Get("RateLimit-Policy"))
 	}
 	for class, want := range map[string][2]float64{"batch": {10, 5}, "default": {6, 1}, "critical": {5, 1}} {
-		if a, s := shedDecisions(t, name, "allowed", class), shedDecisions(t, name, "shed", class); a != want[0] || s != want[1] {
+		if a, s := decisionsOf(name, "allowed", class, ""), decisionsOf(name, "shed", class, ""); a != want[0] || s != want[1] {
 			t.Errorf("class %s: %v allowed, %v shed; want %v and %v", class, a, s, want[0], want[1])
 		}
 	}
 	for _, v := range []string{"", "urgent", "CRITICAL"} {
-		if n := shedDecisions(t, name, "shed", v); n != 0 {
+		if n := decisionsOf(name, "shed", v, ""); n != 0 {
 			t.Errorf("a class label %q that is no class name: %v", v, n)
 		}
 	}
@@ -232,7 +220,7 @@ func TestServeHTTPShedTickets(t *testing.T) {
 		t.Fatalf("shadow at the limit: %d", x.status)
 	}
 	hd.end(t)
-	if n := shedDecisions(t, shadowName, "shadow_denied", ""); n != 1 {
+	if n := decisionsOf(shadowName, "shadow_denied", "", ""); n != 1 {
 		t.Fatalf("shadow_denied %v, want 1", n)
 	}
 }
@@ -282,7 +270,7 @@ func TestServeHTTPShedSlots(t *testing.T) {
 		t.Fatalf("after all ended: %d %v", x.status, x.vars)
 	}
 	for class, want := range map[string][2]float64{"batch": {6, 3}, "default": {3, 1}, "critical": {3, 2}} {
-		if a, s := shedDecisions(t, name, "allowed", class), shedDecisions(t, name, "shed", class); a != want[0] || s != want[1] {
+		if a, s := decisionsOf(name, "allowed", class, ""), decisionsOf(name, "shed", class, ""); a != want[0] || s != want[1] {
 			t.Errorf("class %s: %v allowed, %v shed; want %v and %v", class, a, s, want[0], want[1])
 		}
 	}
