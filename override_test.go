@@ -2,20 +2,13 @@ package ratelimit
 
 import (
 	"context"
-	"encoding/json"
-	"errors"
 	"fmt"
-	"math/rand/v2"
-	"net/http/httptest"
 	"regexp"
 	"strconv"
-	"strings"
 	"testing"
 	"time"
 
-	"github.com/caddyserver/caddy/v2"
 	"github.com/redis/go-redis/v9"
-	"go.uber.org/zap"
 
 	"github.com/ratelimit-caddy/caddy-ratelimit/internal/calendar"
 	"github.com/ratelimit-caddy/caddy-ratelimit/internal/testredis"
@@ -82,329 +75,6 @@ func TestOverrideLimitFor(t *testing.T) {
 		if got := tc.o.limitFor(tc.sent, tc.slots, tc.waitUS, tc.debt); got != tc.want {
 			t.Errorf("%s: %+v, want %+v", tc.name, got, tc.want)
 		}
-	}
-}
-
-// TestLuaMatchesGoOverrides drives random requests through lua/decide.lua,
-// every bucket overridable, while overrides are set, changed and deleted
-// beside the buckets between calls (valid ones of either kind, and values
-// that are not overrides, which the script ignores as decodeOverride does),
-// and through the Go algorithm under the same overrides (limitFor), and
-// requires the same decisions, the same limits in the reply, the same
-// verdicts and stored state.
-func TestLuaMatchesGoOverrides(t *testing.T) {
-	_, client, _ := newTestRedis(t)
-	ctx := context.Background()
-	rng := rand.New(rand.NewPCG(3, 4))
-	limits := []limit{
-		{interval: 1000, burst: 5},
-		{interval: 20_000, burst: 3, slack: 60_000},        // wait 60ms
-		{interval: 333_333, burst: 10, slack: 6_666_660},   // settle: twice the burst of debt
-		{interval: 600_000, burst: 100, slack: 1_000_000},  // wait 1s
-		{interval: 86_400_000_000, burst: 1, slack: 0},     // 1/1d
-		{interval: 100_000, burst: 20, slack: 100_000 * 7}, // settle max 7
-	}
-	rules := [][2]int64{{0, 0}, {60_000, 0}, {0, -2}, {1_000_000, 0}, {0, 0}, {0, 7}}
-	values := []string{
-		"o1 r 500 8", "o1 r 2000 2", "o1 r 100000 50", "o1 r 1000000 1", "o1 r 10 1000",
-		"o1 c 0 4",                                                                    // another kind: ignored
-		"o1 r 0 5", "garbage", "o1 r 12345678901234567 1", "o1 c 12345678901234567 4", // not overrides: ignored
-	}
-	keyOf := func(li, id int) string { return fmt.Sprintf("rl:p%d:{id%d}", li, id) }
-	model := map[string]storedBucket{}
-	overrides := map[string]override{} // the valid ones in force
-	ops := []bucketOp{opTake, opTake, opTake, opCheck, opAdjust, opInspect}
-	var requests, under, ignored int
-	for step := range 2000 {
-		if rng.IntN(4) == 0 { // an operator changes an override
-			li, id := rng.IntN(len(limits)), rng.IntN(3)
-			okey := overrideKey(keyOf(li, id))
-			switch n := rng.IntN(len(values) + 2); {
-			case n >= len(values):
-				client.Del(ctx, okey)
-				delete(overrides, keyOf(li, id))
-			default:
-				client.Set(ctx, okey, values[n], 0)
-				if o, ok := decodeOverride(values[n]); ok {
-					overrides[keyOf(li, id)] = o
-				} else {
-					delete(overrides, keyOf(li, id))
-				}
-			}
-		}
-		batch := make([][]bucketRequest, 1+rng.IntN(3))
-		for r := range batch {
-			op := ops[rng.IntN(len(ops))]
-			n := 1 + rng.IntN(2)
-			if !op.admits() {
-				n = 1
-			}
-			used := map[string]bool{}
-			for len(batch[r]) < n {
-				li, id := rng.IntN(len(limits)), rng.IntN(3)
-				if used[keyOf(li, id)] {
-					continue
-				}
-				used[keyOf(li, id)] = true
-				rq := bucketRequest{key: keyOf(li, id), limit: limits[li], op: op, cost: 1 + rng.Int64N(3),
-					overridable: true, overrideWait: rules[li][0], overrideDebt: rules[li][1]}
-				if op == opAdjust {
-					rq.cost, rq.delta = 0, rng.Int64N(9)-4
-				}
-				if op == opTake && rng.IntN(2) == 0 {
-					rq.wait = rules[li][0]
-				}
-				batch[r] = append(batch[r], rq)
-			}
-		}
-		res, err := evalDecide(ctx, client, batch...)
-		if err != nil {
-			t.Fatalf("step %d: %v", step, err)
-		}
-		now, off := res[0], 1
-		for r, reqs := range batch {
-			out := res[off : off+replyLen(reqs)]
-			off += len(out)
-			eff := append([]bucketRequest(nil), reqs...) // as decided: under the overrides
-
-			tats := make([]int64, len(reqs))
-			for i, rq := range reqs {
-				if o, ok := overrides[rq.key]; ok {
-					eff[i] = rq.applyOverride(o)
-				}
-				b := model[rq.key]
-				tats[i] = eff[i].limit.rebase(b.tat, b.interval, now)
-			}
-			want, next := decideBuckets(tats, now, eff)
-			got, _, err := decodeRequest(now, out, reqs)
-			if err != nil {
-				t.Fatalf("step %d, request %d: %v", step, r, err)
-			}
-			for i, rq := range reqs {
-				if got.verdicts[i] != want.verdicts[i] {
-					t.Fatalf("step %d, request %d: bucket %s (override %+v): Lua verdict %+v, Go %+v", step, r, rq.key, overrides[rq.key], got.verdicts[i], want.verdicts[i])
-				}
-				if applied(eff, want, i) {
-					if next[i] <= now {
-						delete(model, rq.key)
-					} else {
-						model[rq.key] = storedBucket{next[i], eff[i].limit.interval}
-					}
-				}
-			}
-			requests += len(reqs)
-		}
-		for _, reqs := range batch {
-			for _, rq := range reqs {
-				if _, ok := overrides[rq.key]; ok {
-					under++
-				} else if v, err := client.Get(ctx, overrideKey(rq.key)).Result(); err == nil && v != "" {
-					ignored++
-				}
-				v, err := client.Get(ctx, rq.key).Result()
-				if err == redis.Nil {
-					continue
-				} else if err != nil {
-					t.Fatal(err)
-				}
-				stored, want := parseStored(t, v, formatV1), model[rq.key]
-				if start(stored.tat, now) != start(want.tat, now) || stored.tat > now && stored.interval != want.interval {
-					t.Fatalf("step %d: bucket %s: Redis stored %+v, Go %+v", step, rq.key, stored, want)
-				}
-			}
-		}
-		if rng.IntN(50) == 0 {
-			time.Sleep(time.Duration(rng.IntN(20)) * time.Millisecond)
-		}
-	}
-	if under < 500 || ignored < 100 {
-		t.Fatalf("too little exercised: %d buckets decided under an override, %d beside a value ignored", under, ignored)
-	}
-	t.Logf("%d bucket operations: %d under an override, %d beside a value that is not one (ignored); identical in Lua and Go", requests, under, ignored)
-}
-
-// adminDo calls the admin API in process, as Caddy's admin server would,
-// and returns the status and the body (an error's message).
-func adminDo(t *testing.T, method, target, body string) (int, string) {
-	t.Helper()
-	r := httptest.NewRequest(method, target, strings.NewReader(body))
-	w := httptest.NewRecorder()
-	if err := (adminAPI{}).serve(w, r); err != nil {
-		var ae caddy.APIError
-		if !errors.As(err, &ae) {
-			t.Fatalf("%s %s: %v", method, target, err)
-		}
-		return ae.HTTPStatus, ae.Err.Error()
-	}
-	return w.Code, w.Body.String()
-}
-
-// TestServeHTTPOverride, in process (no redis block): an override set
-// through the admin API applies to the identity's next request, its bucket
-// kept; inspect and the list show it; bad input changes nothing; `for`
-// expires by itself; delete brings the policy's limit back.
-func TestServeHTTPOverride(t *testing.T) {
-	fake := time.Now()
-	processOverrides.mu.Lock()
-	processOverrides.now = func() time.Time { return fake }
-	processOverrides.mu.Unlock()
-	defer func() {
-		processOverrides.mu.Lock()
-		processOverrides.now = time.Now
-		processOverrides.mu.Unlock()
-	}()
-	h := testHandler(t, &Handler{Jitter: jitterOff(), Policies: []*Policy{{Name: "ovr_unit", Key: "{http.request.header.X-User}", Rate: "5/1h"}}}, nil)
-	get := func() exchange { return serve([]*Handler{h}, nil, "X-User", "acme") }
-	q := func(x exchange) int64 { return fields(t, x.header, "RateLimit-Policy")["ovr_unit"]["q"] }
-	r := func(x exchange) int64 { return fields(t, x.header, "RateLimit")["ovr_unit"]["r"] }
-	for range 5 {
-		get()
-	}
-	if x := get(); x.status != 429 {
-		t.Fatalf("6th of 5: %d", x.status)
-	}
-	if h.Policies[0].overrides.may(h.Policies[0].storageKey(h.hasher, "acme")) {
-		t.Fatal("the policy's overrides flag is on before any override")
-	}
-
-	list := func() []overrideEntry {
-		t.Helper()
-		status, body := adminDo(t, "GET", "/rate_limit/overrides?policy=ovr_unit", "")
-		var a overridesAnswer
-		if err := json.Unmarshal([]byte(body), &a); status != 200 || err != nil {
-			t.Fatalf("overrides: %d %s", status, body)
-		}
-		return a.Overrides
-	}
-	// Bad input: 400, and nothing changes.
-	for _, tc := range []struct{ body, says string }{
-		{`{"policy":"nope","identity":"acme","rate":"100/1h"}`, `policy "nope": no such policy`},
-		{`{"identity":"acme","rate":"100/1h"}`, "policy: required"},
-		{`{"policy":"ovr_unit","rate":"100/1h"}`, "identity: required"},
-		{`{"policy":"ovr_unit","identity":"acme"}`, "a limit is required"},
-		{`{"policy":"ovr_unit","identity":"acme","concurrent":5}`, "is a rate limit: its overrides take rate"},
-		{`{"policy":"ovr_unit","identity":"acme","rate":"0/1h"}`, "rate: \"0/1h\": N must be a positive integer"},
-		{`{"policy":"ovr_unit","identity":"acme","rate":"100/1h","burst":-1}`, "burst: -1"},
-		{`{"policy":"ovr_unit","identity":"acme","rate":"1/1s","burst":9007199254740991}`, "take too long to refill"},
-		{`{"policy":"ovr_unit","identity":"acme","rate":"100/1h","for":"soon"}`, "for: "},
-		{`{"policy":"ovr_unit","identity":"acme","rate":"100/1h","for":"500ms"}`, "for: 500ms must be from 1s"},
-		{`{"policy":"ovr_unit","identity":"acme","rate":"100/1h","for":"400d"}`, "for: 9600h0m0s must be from 1s to 8784h0m0s"},
-		{`{"policy":"ovr_unit","identity":"acme","rate":"100/1h","note":"` + strings.Repeat("n", 201) + `"}`, "note: 201 bytes, at most 200"},
-		{`{"policy":"ovr_unit","identity":"acme","rate":"100/1h","note":"line\nbreak"}`, "note: one line"},
-		{`{"policy":"ovr_unit","identity":"acme","limit":"rate 100/1h"}`, `unknown field "limit"`},
-		{`not json`, "the body is not"},
-	} {
-		if status, body := adminDo(t, "POST", "/rate_limit/override", tc.body); status != 400 || !strings.Contains(body, tc.says) {
-			t.Errorf("POST %s: %d %q, want 400 saying %q", tc.body, status, body, tc.says)
-		}
-	}
-	if n := len(list()); n != 0 || h.Policies[0].overrides.may(h.Policies[0].storageKey(h.hasher, "acme")) {
-		t.Fatalf("after refused overrides: %d listed, flag %v", n, h.Policies[0].overrides.may(h.Policies[0].storageKey(h.hasher, "acme")))
-	}
-	if x := get(); x.status != 429 {
-		t.Fatalf("after refused overrides: %d, want still denied", x.status)
-	}
-
-	// An override: the bucket's 5 owed tokens are kept (5 of 20), and the
-	// field shows the override's limit per the policy's window.
-	status, body := adminDo(t, "POST", "/rate_limit/override", `{"policy":"ovr_unit","identity":"acme","rate":"100/1h","burst":20,"note":"contract 1"}`)
-	if status != 200 {
-		t.Fatalf("setting an override: %d %s", status, body)
-	}
-	if x := get(); x.status != 200 || q(x) != 100 || r(x) != 14 {
-		t.Fatalf("under the override: %d q=%d r=%d, want 200 q=100 r=14", x.status, q(x), r(x))
-	}
-	if x := serve([]*Handler{h}, nil, "X-User", "bob"); q(x) != 5 {
-		t.Fatalf("another identity: q=%d, want the policy's 5", q(x))
-	}
-	if l := list(); len(l) != 1 || l[0].Note != "contract 1" || l[0].describe() != "rate 100/1h burst 20" || l[0].Key != h.Policies[0].storageKey(h.hasher, "acme") {
-		t.Fatalf("list: %+v", l)
-	}
-	status, body = adminDo(t, "GET", "/rate_limit/inspect?policy=ovr_unit&identity=acme", "")
-	var st bucketState
-	if err := json.Unmarshal([]byte(body), &st); status != 200 || err != nil || st.Override == nil || st.Burst != 20 || st.Rate != "100/1h" || st.Tokens != 14 {
-		t.Fatalf("inspect: %d %s", status, body)
-	}
-
-	// Delete: the policy's limit again, the 6 override tokens owed capped
-	// at its 5: denied.
-	if status, body := adminDo(t, "DELETE", "/rate_limit/override", `{"policy":"ovr_unit","identity":"acme"}`); status != 200 {
-		t.Fatalf("delete: %d %s", status, body)
-	}
-	if x := get(); x.status != 429 || q(x) != 5 {
-		t.Fatalf("after the delete: %d q=%d, want 429 q=5", x.status, q(x))
-	}
-	if status, body := adminDo(t, "DELETE", "/rate_limit/override", `{"policy":"ovr_unit","identity":"acme"}`); status != 404 || !strings.Contains(body, "no override in force") {
-		t.Fatalf("deleting again: %d %s, want 404", status, body)
-	}
-
-	// for 2s: in force until then, gone after, by itself.
-	if status, body := adminDo(t, "POST", "/rate_limit/override", `{"policy":"ovr_unit","identity":"acme","rate":"1000/1h","for":"2s"}`); status != 200 {
-		t.Fatalf("setting an override for 2s: %d %s", status, body)
-	}
-	fake = fake.Add(1999 * time.Millisecond)
-	if x := get(); x.status != 200 || q(x) != 1000 {
-		t.Fatalf("1.999 s into an override for 2s: %d q=%d", x.status, q(x))
-	}
-	fake = fake.Add(time.Millisecond)
-	if x := get(); q(x) != 5 || len(list()) != 0 || h.Policies[0].overrides.may(h.Policies[0].storageKey(h.hasher, "acme")) {
-		t.Fatalf("2 s into an override for 2s: q=%d, %d listed, flag %v; want it gone", q(x), len(list()), h.Policies[0].overrides.may(h.Policies[0].storageKey(h.hasher, "acme")))
-	}
-}
-
-// TestOverrideAnnouncement: the announcement of an override returns once
-// every subscriber of the events channel confirmed it, so the other
-// instance reads the bucket's override from the moment it returns (not
-// merely soon after), and only that bucket's; a subscriber that never
-// confirms makes it return errUnconfirmed after a second.
-func TestOverrideAnnouncement(t *testing.T) {
-	srv, client, a := newTestRedis(t)
-	conn := func() *redisConn {
-		c, err := newRedisConn(RedisConfig{Addresses: []string{srv.Addr}, Timeout: testTimeout}.resolved(), zap.NewNop())
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { c.Destruct() })
-		return c
-	}
-	b := conn()
-	a.conn.watch("rl:")
-	b.watch("rl:")
-	set := b.overrideSet("rl:p:")
-	ctx := context.Background()
-	deadline := time.Now().Add(5 * time.Second)
-	for (client.PubSubNumSub(ctx, "rl:events").Val()["rl:events"] < 2 || set.may("rl:p:{h}")) && time.Now().Before(deadline) {
-		time.Sleep(5 * time.Millisecond) // both subscribed; b read that p has no overrides
-	}
-	if set.may("rl:p:{h}") {
-		t.Fatal("a bucket of a policy without overrides may have one")
-	}
-	// Stored first, as the admin API does: the announcement makes b read it
-	// at once, and the read of the index b makes on the event (which, with
-	// nothing stored, would empty b's set again) keeps it.
-	if _, err := a.conn.setOverride(ctx, "rl:p:{h}", override{kind: overrideRate, interval: 3, burst: 300}, overrideEntry{}, 0); err != nil {
-		t.Fatalf("storing the override: %v", err)
-	}
-	start := time.Now()
-	if err := a.conn.announceOverride(ctx, "rl:", "rl:p:{h}"); err != nil {
-		t.Fatalf("announcing: %v", err)
-	}
-	took := time.Since(start)
-	if !set.may("rl:p:{h}") || set.may("rl:p:{other}") {
-		t.Fatalf("when the announcement returns, the other instance's set says %v for the bucket, %v for another: want true, false", set.may("rl:p:{h}"), set.may("rl:p:{other}"))
-	}
-	t.Logf("announced and confirmed by 2 subscribers in %v", took)
-
-	// A subscriber that never confirms (as an instance of the release
-	// before this one): unconfirmed, after a second.
-	deaf := client.Subscribe(ctx, "rl:events")
-	defer deaf.Close()
-	if _, err := deaf.Receive(ctx); err != nil {
-		t.Fatal(err)
-	}
-	start = time.Now()
-	if err := a.conn.announceOverride(ctx, "rl:", "rl:p:{h}"); !errors.Is(err, errUnconfirmed) || time.Since(start) < time.Second {
-		t.Fatalf("with a subscriber that does not confirm: %v after %v, want errUnconfirmed after 1s", err, time.Since(start))
 	}
 }
 
@@ -541,5 +211,28 @@ func BenchmarkRedisOverrides(b *testing.B) {
 		}
 		us, _ := strconv.ParseFloat(m[1], 64)
 		b.ReportMetric(us/float64(8*b.N), fmt.Sprintf("redis-µs/decision-%d-of-%d-overridden", vr.overridden, vr.identities))
+	}
+}
+
+// TestServeHTTPQuotaOverrideSettle: a quota's override applies to what a
+// settle charges after the response, and to what the fields and the
+// placeholders predict of it: reserved 5 of an override's 100, settled at
+// 2, 98 left (the policy's own N is 10).
+func TestServeHTTPQuotaOverrideSettle(t *testing.T) {
+	h := testHandler(t, &Handler{Jitter: jitterOff(), Policies: []*Policy{
+		{Name: "qovr_settle", Key: "{http.request.header.X-User}", Quota: "10/year", Cost: "5", Settle: &Settle{From: settleHeader, Field: "X-Used"}},
+	}}, nil)
+	dana := "dana-" + time.Now().Format("150405.000000")
+	if status, body := adminDo(t, "POST", "/rate_limit/override", `{"policy":"qovr_settle","identity":"`+dana+`","quota":"100"}`); status != 200 {
+		t.Fatalf("setting the override: %d %s", status, body)
+	}
+	defer adminDo(t, "DELETE", "/rate_limit/override", `{"policy":"qovr_settle","identity":"`+dana+`"}`)
+	x := serveWith([]*Handler{h}, nil, upstreamAnswering(200, "X-Used", "2"), "X-User", dana)
+	pol, lim := fields(t, x.header, "RateLimit-Policy")["qovr_settle"], fields(t, x.header, "RateLimit")["qovr_settle"]
+	if x.status != 200 || pol["q"] != 100 || lim["r"] != 98 || x.vars["remaining"] != "98" {
+		t.Fatalf("settled at 2 under quota 100: %d q=%d r=%d remaining %q, want 200 q=100 r=98 remaining 98", x.status, pol["q"], lim["r"], x.vars["remaining"])
+	}
+	if x := serve([]*Handler{h}, nil, "X-User", dana); fields(t, x.header, "RateLimit")["qovr_settle"]["r"] != 93 {
+		t.Fatalf("the next reservation: %v, want r=93 (98 - 5: the settle was made under the override)", fields(t, x.header, "RateLimit")["qovr_settle"])
 	}
 }

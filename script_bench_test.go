@@ -9,11 +9,9 @@ import (
 	"strconv"
 	"strings"
 	"testing"
-	"time"
 
 	"github.com/redis/go-redis/v9"
 
-	"github.com/ratelimit-caddy/caddy-ratelimit/internal/calendar"
 	"github.com/ratelimit-caddy/caddy-ratelimit/internal/testredis"
 )
 
@@ -119,81 +117,4 @@ func schedMicros(b *testing.B, pid int) int64 {
 		b.Fatal(err)
 	}
 	return ns / 1000
-}
-
-// BenchmarkBytesPerIdentity: what one identity costs Redis, per policy
-// kind, and for how long: used_memory (INFO memory) before and after
-// 20,000 identities each make one admitted request, divided by 20,000
-// (the key, its value, its expiry and the keyspace's share). A rate
-// bucket lives until it is full again (burst × interval at most); a
-// concurrency slot's key while a lease is held and a lease after; a quota's
-// count until its period ends: a month for /month, whatever the identity.
-//
-//	go test -run '^$' -bench BenchmarkBytesPerIdentity -benchtime 1x .
-func BenchmarkBytesPerIdentity(b *testing.B) {
-	ctx := context.Background()
-	srv := testredis.Start(b)
-	client := redis.NewClient(&redis.Options{Addr: srv.Addr})
-	b.Cleanup(func() { client.Close() })
-	month := &quotaSpec{periods: calendar.New(calendar.Month, time.UTC), name: "monthly"}
-	kinds := []struct {
-		name   string
-		format int
-		req    func(key string) bucketRequest
-	}{
-		{"rate_v1", formatV1, func(key string) bucketRequest {
-			return bucketRequest{key: key, limit: limit{interval: 600_000, burst: 100}, op: opTake, cost: 1}
-		}},
-		{"rate_v2", formatV2, func(key string) bucketRequest {
-			return bucketRequest{key: key, limit: limit{interval: 600_000, burst: 100}, op: opTake, cost: 1}
-		}},
-		{"concurrent", formatV2, func(key string) bucketRequest {
-			return bucketRequest{key: key, limit: limit{interval: 30_000_000, burst: 3}, op: opAcquire, lease: leaseIDs(), events: "rl:events"}
-		}},
-		{"quota_month", formatV2, func(key string) bucketRequest {
-			return quotaRequest(key, 1_000_000, month, opTake, 1)
-		}},
-	}
-	const identities = 20_000
-	kh := newKeyHasher("secret")
-	for _, k := range kinds {
-		b.Run(k.name, func(b *testing.B) {
-			for range b.N {
-				if err := client.FlushAll(ctx).Err(); err != nil {
-					b.Fatal(err)
-				}
-				before := usedMemory(b, client)
-				p := &Policy{Name: k.name, keyPrefix: "rl:"}
-				for i := 0; i < identities; i += 100 {
-					var reqs [][]bucketRequest
-					for j := i; j < i+100; j++ {
-						reqs = append(reqs, []bucketRequest{k.req(p.storageKey(kh, "identity-"+strconv.Itoa(j)))})
-					}
-					if _, err := evalScriptFormat(ctx, client, decideLua, k.format, reqs...); err != nil {
-						b.Fatal(err)
-					}
-				}
-				if n := client.DBSize(ctx).Val(); n != identities {
-					b.Fatalf("%d keys for %d identities", n, identities)
-				}
-				b.ReportMetric(float64(usedMemory(b, client)-before)/identities, "bytes/identity")
-			}
-		})
-	}
-}
-
-// usedMemory is Redis's used_memory, in bytes.
-func usedMemory(b *testing.B, client *redis.Client) int64 {
-	info, err := client.Info(context.Background(), "memory").Result()
-	if err != nil {
-		b.Fatal(err)
-	}
-	for line := range strings.SplitSeq(info, "\r\n") {
-		if v, ok := strings.CutPrefix(line, "used_memory:"); ok {
-			n, _ := strconv.ParseInt(v, 10, 64)
-			return n
-		}
-	}
-	b.Fatal("no used_memory in INFO memory")
-	return 0
 }
