@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"slices"
 	"sort"
 	"strings"
 	"sync/atomic"
@@ -1241,6 +1242,182 @@ func TestLuaShedClasses(t *testing.T) {
 	}{{"batch", false}, {"default", false}, {"critical", true}} {
 		if _, ok := acquire(step.class); ok != step.want {
 			t.Fatalf("after a release, %s: admitted %v, want %v", step.class, ok, step.want)
+		}
+	}
+}
+
+// TestLuaBadKeys: a bucket key holding a hash (WRONGTYPE) or a string that
+// is not a bucket fails only the requests that touch it; the other requests
+// of the same call are decided and charged as usual, and the bad keys are
+// left as they are. A key holding a concurrency policy's slots (a sorted
+// set, from a config that gave the name to another kind of policy) is
+// replaced.
+func TestLuaBadKeys(t *testing.T) {
+	_, client, _ := newTestRedis(t)
+	ctx := context.Background()
+	// Buckets that live long enough to be read back on a loaded machine.
+	l := limit{interval: 1_000_000, burst: 5}
+	client.HSet(ctx, "rl:p:{hash}", "debug", "1")
+	client.Set(ctx, "rl:p:{garbage}", "not a bucket", 0)
+	client.ZAdd(ctx, "rl:p:{slots}", redis.Z{Score: 1, Member: "lease"})
+	take := func(key string) []bucketRequest {
+		return []bucketRequest{{key: key, limit: l, op: opTake, cost: 1}}
+	}
+	res, err := evalDecide(ctx, client, take("rl:p:{a}"), take("rl:p:{hash}"), append(take("rl:p:{b}"), take("rl:p:{garbage}")...), take("rl:p:{slots}"), take("rl:p:{b}"))
+	if err != nil {
+		t.Fatalf("a call with bad keys failed as a whole: %v", err)
+	}
+	// Each request: status, then 2 numbers per bucket.
+	statuses := []int64{res[1], res[4], res[7], res[12], res[15]}
+	want := []int64{scriptAdmitted, scriptWrongType, scriptCorrupt, scriptAdmitted, scriptAdmitted}
+	if fmt.Sprint(statuses) != fmt.Sprint(want) {
+		t.Fatalf("statuses %v, want %v (reply %v)", statuses, want, res)
+	}
+	if res[10] != scriptCorrupt || res[8] != 1 {
+		t.Fatalf("the bad bucket of a two-bucket request: reply %v", res[7:11])
+	}
+	// {b} was charged once: by the last request, not by the one whose other
+	// bucket was bad.
+	if v := client.Get(ctx, "rl:p:{b}").Val(); v == "" {
+		t.Fatal("{b} not charged")
+	} else if b := parseStored(t, v, formatV1); b.tat-res[0] != l.interval {
+		t.Fatalf("{b} charged %d µs, want one token (%d)", b.tat-res[0], l.interval)
+	}
+	if typ := client.Type(ctx, "rl:p:{hash}").Val(); typ != "hash" {
+		t.Fatalf("the hash was replaced by a %s", typ)
+	}
+	if v := client.Get(ctx, "rl:p:{garbage}").Val(); v != "not a bucket" {
+		t.Fatalf("the bad string became %q", v)
+	}
+	if typ := client.Type(ctx, "rl:p:{slots}").Val(); typ != "string" {
+		t.Fatalf("the old slots are a %s, want replaced by a bucket", typ)
+	}
+	p := &pending{reqs: take("rl:p:{hash}")}
+	if err := decodeReply([]int64{res[0], res[4], res[5], res[6]}, []*pending{p}); err != nil || p.err == nil || errorKind(p.err) != "wrongtype" || !strings.Contains(p.err.Error(), "rl:p:{hash}") {
+		t.Fatalf("a WRONGTYPE request: call error %v, request error %v (kind %s)", err, p.err, errorKind(p.err))
+	}
+}
+
+// TestLuaLargeCall: one call of 64 requests of five buckets each (1,984
+// numbers, which the script unpacks 1,000 at a time) decides each request
+// in order, as the calls of one request would, and names each lease by its
+// own string.
+func TestLuaLargeCall(t *testing.T) {
+	_, client, rs := newTestRedis(t)
+	ctx := context.Background()
+	rate := limit{interval: 1_000_000_000, burst: 3}
+	var batch []*pending
+	for r := range 64 {
+		var reqs []bucketRequest
+		for j := range 4 { // request r's keys are those of r+16, r+32 and r+48
+			reqs = append(reqs, bucketRequest{key: fmt.Sprintf("rl:big:{%d}:%d", r%16, j), limit: rate, op: opTake, cost: 1})
+		}
+		reqs = append(reqs, bucketRequest{key: "rl:big-slots", limit: limit{interval: 60_000_000, burst: 100}, op: opAcquire, cost: 1,
+			lease: fmt.Sprintf("lease-%d", r), events: "rl:events"})
+		batch = append(batch, &pending{reqs: reqs})
+	}
+	rs.conn.call(batch)
+	var want []string
+	for r, p := range batch {
+		if p.err != nil {
+			t.Fatalf("request %d: %v", r, p.err)
+		}
+		// Each key's 3 tokens go to the first three requests that take it.
+		if p.d.admitted != (r < 48) || p.d.verdicts[0].allowed != (r < 48) || !p.d.verdicts[4].allowed {
+			t.Fatalf("request %d: %+v, want admitted iff it is among the first 48", r, p.d)
+		}
+		if r < 48 {
+			want = append(want, fmt.Sprintf("lease-%d", r))
+		}
+	}
+	held, err := client.ZRange(ctx, "rl:big-slots", 0, -1).Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	slices.Sort(held)
+	slices.Sort(want)
+	if !slices.Equal(held, want) {
+		t.Fatalf("leases held %v, want those of the 48 admitted requests %v", held, want)
+	}
+}
+
+// TestLuaOverrideValues: for each stored value, beside a rate bucket,
+// beside a concurrency policy's slots and beside a quota's count (under
+// each debt rule: none, settle max 7, settle's twice the N), the script
+// decides under the limit decodeOverride and limitFor (quotaLimitFor) give
+// (the sent one for a value that is not an override, or one of another
+// kind).
+func TestLuaOverrideValues(t *testing.T) {
+	_, client, _ := newTestRedis(t)
+	ctx := context.Background()
+	rate := limit{interval: 1_000_000, burst: 5, slack: 2_000_000}
+	slots := limit{interval: 30_000_000, burst: 1}
+	quota := limit{burst: 5, slack: 10} // settle, twice the quota of debt
+	year := &quotaSpec{periods: calendar.New(calendar.Year, time.UTC), unit: calendar.Year, loc: time.UTC, name: "q"}
+	for i, v := range []string{
+		"o1 r 12000 500", "o1 c 0 10", "o1 c 7 3", "o1 r 0 5", "o1 c 0 0", "o1 r 12345678901234567 1", "o1 c 12345678901234567 4",
+		"o1 c 0 12345678901234567", "o1 r 2 2251799813685248", "o1 r 1 2251799813685248", "o1 x 1 1", " o1 r 1 1", "o1 r 1 1 ", "",
+		"o1 q 0 5000", "o1 q 3 7", "o1 q 0 1", "o1 q 0 0", "o1 q 0 4503599627370496", "o1 q 0 9007199254740991",
+		"o1 q 0 9007199254740992", "o1 q 0 9007199254740993", "o1 c 0 9007199254740993", "o1 q 0 12345678901234567", "o1 q 0 -5",
+	} {
+		for _, rq := range []bucketRequest{
+			{key: fmt.Sprintf("rl:r:{v%d}", i), limit: rate, op: opTake, cost: 1, overridable: true, overrideWait: 2_000_000},
+			{key: fmt.Sprintf("rl:s:{v%d}", i), limit: slots, op: opAcquire, cost: 1, lease: "l", events: "rl:events", overridable: true},
+			{key: fmt.Sprintf("rl:q:{v%d}", i), limit: quota, op: opTake, cost: 1, quota: year, overridable: true, overrideDebt: -2},
+			{key: fmt.Sprintf("rl:qm:{v%d}", i), limit: limit{burst: 5, slack: 7}, op: opCheck, cost: 1, quota: year, overridable: true, overrideDebt: 7},
+			{key: fmt.Sprintf("rl:q0:{v%d}", i), limit: limit{burst: 5}, op: opInspect, quota: year, overridable: true},
+		} {
+			client.Set(ctx, overrideKey(rq.key), v, 0)
+			res, err := evalDecide(ctx, client, []bucketRequest{rq})
+			if err != nil {
+				t.Fatalf("%q: %v", v, err)
+			}
+			o := 1 + 1 + bucketReplyWidth(rq) // now, status, the op's numbers
+			got := limit{interval: res[o], burst: res[o+1], slack: res[o+2]}
+			want := rq.limit
+			if ov, ok := decodeOverride(v); ok {
+				want = rq.applyOverride(ov).limit
+			}
+			if got != want {
+				t.Errorf("%q beside %s: Lua decided under %+v, Go %+v", v, rq.key, got, want)
+			}
+		}
+	}
+}
+
+// TestLuaOverrideAfterSlots: an overridable bucket after a concurrency
+// slot in one call (a request of a `concurrent` and a rate policy, or an
+// inspect that rode with a slot's release) reads its override. The
+// script made its table of overrides with the first overridable bucket's
+// other tables, which a slot makes too: the call failed as a whole
+// ("attempt to index local 'overrides'"), found beside two CPU hogs by
+// TestConcurrentWithRate.
+func TestLuaOverrideAfterSlots(t *testing.T) {
+	_, client, _ := newTestRedis(t)
+	ctx := context.Background()
+	rate := limit{interval: 1_000_000, burst: 5, slack: 2_000_000}
+	year := &quotaSpec{periods: calendar.New(calendar.Year, time.UTC), unit: calendar.Year, loc: time.UTC, name: "q"}
+	slot := bucketRequest{key: "rl:s:{after}", limit: limit{interval: 30_000_000, burst: 1}, op: opAcquire, cost: 1, lease: "l", events: "rl:events"}
+	for _, rq := range []bucketRequest{
+		{key: "rl:r:{after}", limit: rate, op: opTake, cost: 1, overridable: true, overrideWait: 2_000_000},
+		{key: "rl:r:{after}", limit: rate, op: opInspect, overridable: true},
+		{key: "rl:q:{after}", limit: limit{burst: 5}, op: opTake, cost: 1, quota: year, overridable: true},
+	} {
+		client.Set(ctx, overrideKey(rq.key), "o1 r 12000 500", 0)
+		if rq.quota != nil {
+			client.Set(ctx, overrideKey(rq.key), "o1 q 0 5000", 0)
+		}
+		client.Del(ctx, slot.key)
+		res, err := evalDecide(ctx, client, []bucketRequest{slot, rq})
+		if err != nil {
+			t.Fatalf("a slot, then %s (op %d): %v", rq.key, rq.op, err)
+		}
+		o := 1 + 1 + bucketReplyWidth(slot) + bucketReplyWidth(rq) // now, status, the slot's numbers, this op's
+		got := limit{interval: res[o], burst: res[o+1], slack: res[o+2]}
+		v, _ := client.Get(ctx, overrideKey(rq.key)).Result()
+		ov, _ := decodeOverride(v)
+		if want := rq.applyOverride(ov).limit; got != want {
+			t.Errorf("a slot, then %s (op %d): decided under %+v, want the override's %+v", rq.key, rq.op, got, want)
 		}
 	}
 }
