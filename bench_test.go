@@ -38,12 +38,7 @@ import (
 //
 // Redis's own cost is in make bench's tables; this is the instance's.
 func BenchmarkPath(b *testing.B) {
-	srv := testredis.Start(b)
-	conn, err := newRedisConn(RedisConfig{Addresses: []string{srv.Addr}, Timeout: testTimeout}.resolved(), zap.NewNop())
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer conn.Destruct()
+	conn := benchConn(b)
 	rs := &redisStore{conn: conn}
 	keys := benchKeys(10_000)
 	wide := limit{interval: 10, burst: 1_000_000}
@@ -329,24 +324,19 @@ func BenchmarkHandler(b *testing.B) {
 // Redis store's coalescer, 32 callers over 10,000 identities, each pausing
 // 200 µs between its response and its next request as a client's round
 // trip makes it (the work after a response is queued before the response
-// goes out). later-only is the share of calls that carried only work after
+// goes out). after-only is the share of calls that carried only work after
 // responses: such work should ride with decisions, so that every path
 // makes about as many calls per request as take.
 //
 //	go test -run '^$' -bench BenchmarkAfterRides -benchtime 2s .
 func BenchmarkAfterRides(b *testing.B) {
-	srv := testredis.Start(b)
-	conn, err := newRedisConn(RedisConfig{Addresses: []string{srv.Addr}, Timeout: testTimeout}.resolved(), zap.NewNop())
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer conn.Destruct()
-	var calls, laterOnly atomic.Int64
+	conn := benchConn(b)
+	var calls, afterOnly atomic.Int64
 	call := conn.coalescer.call
 	conn.coalescer.call = func(batch []*pending) {
 		calls.Add(1)
 		if leader(batch) == nil {
-			laterOnly.Add(1)
+			afterOnly.Add(1)
 		}
 		call(batch)
 	}
@@ -384,7 +374,7 @@ func BenchmarkAfterRides(b *testing.B) {
 	for _, path := range paths {
 		b.Run(path.name, func(b *testing.B) {
 			calls.Store(0)
-			laterOnly.Store(0)
+			afterOnly.Store(0)
 			var n atomic.Int64
 			var wg sync.WaitGroup
 			b.ResetTimer()
@@ -405,7 +395,7 @@ func BenchmarkAfterRides(b *testing.B) {
 			b.StopTimer()
 			time.Sleep(20 * time.Millisecond) // the last work after responses goes out
 			b.ReportMetric(float64(calls.Load())/float64(b.N), "calls/request")
-			b.ReportMetric(float64(laterOnly.Load())/float64(max(calls.Load(), 1)), "later-only")
+			b.ReportMetric(float64(afterOnly.Load())/float64(max(calls.Load(), 1)), "after-only")
 		})
 	}
 }
@@ -578,4 +568,16 @@ func schedMicros(b *testing.B, pid int) int64 {
 		b.Fatal(err)
 	}
 	return ns / 1000
+}
+
+// benchConn is a connection to a Redis of the benchmark's own, closed
+// when it ends.
+func benchConn(b *testing.B) *redisConn {
+	srv := testredis.Start(b)
+	conn, err := newRedisConn(RedisConfig{Addresses: []string{srv.Addr}, Timeout: testTimeout}.resolved(), zap.NewNop())
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { _ = conn.Destruct() })
+	return conn
 }
