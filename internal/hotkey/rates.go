@@ -1,0 +1,141 @@
+package hotkey
+
+import "sync"
+
+// Window is the µs over which an Estimator counts: a key becomes hot
+// within about a window of its rate passing the threshold.
+const Window = 100_000
+
+// Estimator estimates the rate of a stream of events (decisions on a key)
+// and of their amounts (the tokens they asked for): a sliding window made
+// of the current window's count and the last one's, weighed by how much
+// of the last one the sliding window still covers.
+type Estimator struct {
+	start        int64 // local µs: the current window's start
+	curN, prevN  int64
+	curA, prevA  int64
+	started, any bool
+}
+
+// roll moves the windows up to now.
+func (e *Estimator) roll(now int64) {
+	if !e.started {
+		e.start, e.started = now, true
+		return
+	}
+	gone := now - e.start
+	if gone < Window {
+		return
+	}
+	if gone < 2*Window {
+		e.prevN, e.prevA = e.curN, e.curA
+	} else {
+		e.prevN, e.prevA = 0, 0
+	}
+	e.curN, e.curA = 0, 0
+	e.start = now - gone%Window
+}
+
+// Add counts one event of the given amount at now.
+func (e *Estimator) Add(amount, now int64) {
+	e.roll(now)
+	e.curN++
+	e.curA += amount
+	e.any = true
+}
+
+// Rate is the events and the amount per second at now.
+func (e *Estimator) Rate(now int64) (events, amount float64) {
+	e.roll(now)
+	if !e.any {
+		return 0, 0
+	}
+	cover := 1 - float64(now-e.start)/Window // of the last window
+	events = (float64(e.prevN)*cover + float64(e.curN)) * 1e6 / Window
+	amount = (float64(e.prevA)*cover + float64(e.curA)) * 1e6 / Window
+	return events, amount
+}
+
+// idle reports whether the estimator counted at most one event over the
+// last two windows: its slot may go to another key.
+func (e *Estimator) idle(now int64) bool {
+	e.roll(now)
+	return e.prevN+e.curN <= 1
+}
+
+// Rates estimates the decision rate of each key an instance decides, in a
+// fixed table: memory is bounded whatever the number of keys. A key that
+// finds both its slots taken by keys busier than one event per two windows
+// is not tracked (its rate reads 0) until one of them quiets down: a key
+// can become hot only while fewer than the table's slots are busy.
+type Rates struct {
+	shards [rateShards]rateShard
+}
+
+const (
+	rateShards = 32
+	rateSlots  = 32 // per shard: 1,024 keys tracked at once
+)
+
+type rateShard struct {
+	mu    sync.Mutex
+	slots [rateSlots]rateSlot
+}
+
+type rateSlot struct {
+	id  uint64
+	est Estimator
+	// contended is the local µs until which the key counts as hot whatever
+	// its rate (see Contend).
+	contended int64
+}
+
+// slot returns the slot tracking id, taking a free one for it when there
+// is one; nil when neither of its two slots can be had. s.mu is held.
+func (s *rateShard) slot(id uint64, now int64) *rateSlot {
+	a, b := &s.slots[(id>>8)%rateSlots], &s.slots[(id>>16)%rateSlots]
+	switch {
+	case a.id == id && a.est.started:
+		return a
+	case b.id == id && b.est.started:
+		return b
+	case !a.est.started || a.est.idle(now) && a.contended <= now:
+		*a = rateSlot{id: id}
+		a.est.roll(now)
+		return a
+	case !b.est.started || b.est.idle(now) && b.contended <= now:
+		*b = rateSlot{id: id}
+		b.est.roll(now)
+		return b
+	}
+	return nil
+}
+
+// Observe counts a decision of the given amount on key id at now and
+// returns the key's rates (0 when it is not tracked) and whether it is
+// contended.
+func (r *Rates) Observe(id uint64, amount, now int64) (events, amounts float64, contended bool) {
+	s := &r.shards[id%rateShards]
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	sl := s.slot(id, now)
+	if sl == nil {
+		return 0, 0, false
+	}
+	sl.est.Add(amount, now)
+	events, amounts = sl.est.Rate(now)
+	return events, amounts, sl.contended > now
+}
+
+// Contend marks key id contended until the local µs until: another
+// instance holds blocks of its bucket ahead of the requests this one sends
+// it, which the bucket then denies; taking blocks too puts this instance's
+// requests in the same line.
+func (r *Rates) Contend(id uint64, until, now int64) {
+	s := &r.shards[id%rateShards]
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if sl := s.slot(id, now); sl != nil {
+		sl.contended = max(sl.contended, until)
+	}
+}

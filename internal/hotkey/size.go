@@ -1,0 +1,58 @@
+package hotkey
+
+// How an instance sizes what it takes of a hot key, from its own rate on
+// the key (the tokens its decisions ask for per second, admitted or not).
+const (
+	// BlockPeriod is what one block covers of the instance's own rate: at
+	// 5,000 tokens a second, 125 tokens, 40 store calls a second.
+	BlockPeriod = 25_000 // µs
+	// LeadPeriod is how far ahead of its rate the instance keeps tokens
+	// taken: the next block is fetched while a lead of about this much of
+	// the rate is still held, long before the round trip it takes.
+	LeadPeriod = 25_000 // µs
+	// BurstShare: a block is at most 1/BurstShare of the bucket's burst, so
+	// that one instance never takes the whole of a full bucket at once.
+	BurstShare = 4
+	// Horizon is how far beyond a full refill a block may reach: the
+	// furthest ahead of the store's clock a bucket's TAT goes because of
+	// blocks is tau + Horizon. A policy with hot keys lets its buckets owe
+	// that much more (its slack).
+	Horizon = 500_000 // µs
+	// MinBlock: a key whose block could not hold this many tokens (a small
+	// burst, or a slow rate) is decided call by call: blocks would save
+	// nothing.
+	MinBlock = 4
+	// MaxAge is the longest a block is spent from: older, its unspent tokens
+	// go back to the bucket. A change to the bucket (a reset, a grant, an
+	// override, a plan) therefore reaches the blocks taken before it within
+	// MaxAge, as it reaches what the deny cache remembers.
+	MaxAge = 1_000_000 // µs
+)
+
+// Size is the block an instance takes of a bucket of the given interval and
+// burst when its decisions ask for tokensPerSec, and the lead: the tokens
+// held below which it fetches the next block. block is 0 when the bucket is
+// too small or too slow for blocks (see MinBlock).
+//
+// Over the budget, the instances' blocks line up in the bucket's schedule
+// and each is served in turn: what an instance admits is in proportion to
+// what it holds on average, lead + block/2. Both follow its own rate, so
+// each admits in proportion to the requests it receives; when a block is
+// capped (at the burst's share), the lead makes up for it, so that the
+// average stays in proportion. The lead is at most half the horizon's
+// tokens, so that two instances at their most leave room for the others
+// (in proportion, then, up to 6.7 times the key's rate on one instance).
+func Size(tokensPerSec float64, interval, burst int64) (block, lead int64) {
+	if interval <= 0 || burst <= 0 {
+		return 0, 0
+	}
+	reach := Horizon / interval / 2 // the lead at most half the horizon, a block a quarter
+	cap := min(burst/BurstShare, reach/2)
+	if cap < MinBlock {
+		return 0, 0
+	}
+	block = min(max(1, int64(tokensPerSec*BlockPeriod/1e6+0.5)), cap)
+	average := tokensPerSec * (LeadPeriod + BlockPeriod/2) / 1e6
+	lead = min(max(0, int64(average-float64(block)/2+0.5)), reach)
+	return block, lead
+}

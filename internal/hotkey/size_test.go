@@ -1,0 +1,51 @@
+package hotkey
+
+import (
+	"math"
+	"testing"
+)
+
+func TestSize(t *testing.T) {
+	for _, tc := range []struct {
+		name            string
+		rate            float64 // tokens/s asked
+		interval, burst int64
+		block, lead     int64
+	}{
+		{"5,000/s of a 5,000/s burst 500 key", 5_000, 200, 500, 125, 125},
+		{"the block capped at a quarter of the burst; the lead makes up", 10_000, 200, 500, 125, 313},
+		{"a quiet instance", 1_000, 200, 500, 25, 25},
+		{"a trickle: one token, nothing ahead", 10, 200, 500, 1, 0},
+		{"burst 10: too small for blocks", 5_000, 200, 10, 0, 0},
+		{"20/s: too slow for blocks", 5_000, 50_000, 1_000, 0, 0},
+		{"the lead within half the horizon", 1e7, 1, 1_000_000, 125_000, 250_000},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			block, lead := Size(tc.rate, tc.interval, tc.burst)
+			if block != tc.block || lead != tc.lead {
+				t.Errorf("Size(%.0f, %d, %d) = %d, %d; want %d, %d", tc.rate, tc.interval, tc.burst, block, lead, tc.block, tc.lead)
+			}
+		})
+	}
+}
+
+// TestSizeInProportion: over the budget, what an instance admits follows
+// what it holds on average, lead + block/2; that average follows its rate
+// (within a token), capped block or not, so instances admit in proportion
+// to their requests: up to 6.7 times the key's rate on one instance (the
+// lead at half the horizon).
+func TestSizeInProportion(t *testing.T) {
+	const interval, burst = 200, 500
+	var per float64
+	for i, rate := range []float64{400, 1_000, 5_000, 10_000, 20_000, 30_000} {
+		block, lead := Size(rate, interval, burst)
+		avg := float64(lead) + float64(block)/2
+		if i == 0 {
+			per = avg / rate
+			continue
+		}
+		if math.Abs(avg-per*rate) > 1 {
+			t.Errorf("at %.0f/s: lead %d + block %d/2 = %.1f held on average, want %.1f", rate, lead, block, avg, per*rate)
+		}
+	}
+}
