@@ -71,7 +71,7 @@ func registerMetrics(ctx caddy.Context) error {
 	if reg == nil {
 		return nil
 	}
-	for _, c := range []prometheus.Collector{decisionsTotal, chargesLost, inFlight, leasesExpired, releaseRetries, waiting, storeDuration, storeErrors, circuitOpen, buckets} {
+	for _, c := range []prometheus.Collector{decisionsTotal, chargesLost, inFlight, leasesExpired, releaseRetries, waiting, storeDuration, storeErrors, circuitOpen, buckets, hotTokensHeld, hotBlocksTaken} {
 		if err := reg.Register(c); err != nil {
 			var are prometheus.AlreadyRegisteredError
 			if !errors.As(err, &are) {

@@ -241,6 +241,7 @@ func (h *Handler) Validate() error {
 		if p == nil {
 			return fmt.Errorf("policies[%d]: empty", i)
 		}
+		p.shared = h.Redis != nil // hot keys are the Redis store's (hotkeys.go)
 		if err := p.check(); err != nil {
 			return fmt.Errorf("policy %q: %w", p.Name, err)
 		}

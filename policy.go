@@ -164,6 +164,20 @@ type Policy struct {
 	// Needs a redis block. Default: not waited for.
 	Durable *Durable `json:"durable,omitempty"`
 
+	// Takes blocks of a busy key's tokens ahead of its requests: when this
+	// instance decides one key of the policy more often than this
+	// (`N/duration`, decisions a second on one key here), it takes a block
+	// of the key's tokens from the shared bucket in one decision (debited
+	// there first, on Redis time), decides the key's requests from it
+	// without a round trip, spending each token no earlier than the bucket
+	// would have let it go, and fetches the next block before it runs out:
+	// never more is admitted than the bucket hands out, across the fleet.
+	// Blocks follow the instance's own rate on the key; what it holds and
+	// has not spent goes back when the key cools, at reload, at shutdown,
+	// and after a second. `off` decides every request in Redis. Only for
+	// rate policies. Default `200/1s`. See docs/hot-keys.md.
+	HotKeys string `json:"hot_keys,omitempty"`
+
 	// Gives the policy a limit per plan: which plan a request is on, read
 	// from a placeholder, and each plan's limit. One bucket per key whatever
 	// the plan: a plan change is read against the bucket's state on the
@@ -191,6 +205,12 @@ type Policy struct {
 	deniedBody []byte
 	decisions  [numOutcomes]prometheus.Counter
 	waitUS     int64         // Wait in µs
+	// reach is how far, in µs beyond a full refill, the policy's buckets
+	// may be reserved: by `wait`, and by hot keys' blocks (hotkeys.go).
+	reach        int64
+	hotThreshold float64    // hot_keys, decisions/s; 0: off
+	shared       bool       // its handler's buckets are in Redis (where keys may be hot)
+	hot          *hotPolicy // nil: hot keys off
 	held       *atomic.Int64 // requests held by Wait right now
 	waiting    prometheus.Gauge
 	top        *topDenied // the identities it denied most, this instance
@@ -321,6 +341,21 @@ func (p *Policy) check() error {
 		return err
 	}
 	p.quota = nil
+	p.hotThreshold, p.reach = 0, 0
+	switch {
+	case p.Shed != nil || p.Priority != nil:
+		if err := p.noHotKeys("shed"); err != nil {
+			return err
+		}
+	case p.Quota != "" || p.Timezone != "" || p.Durable != nil:
+		if err := p.noHotKeys("quota"); err != nil {
+			return err
+		}
+	case p.Concurrent != 0 || p.Lease != 0:
+		if err := p.noHotKeys("concurrent"); err != nil {
+			return err
+		}
+	}
 	if p.Shed != nil || p.Priority != nil {
 		return p.checkShed()
 	}
@@ -355,6 +390,9 @@ func (p *Policy) check() error {
 		return err
 	}
 	p.waitUS = int64(time.Duration(p.Wait) / time.Microsecond)
+	if err := p.checkHotKeys(burst * interval); err != nil {
+		return err
+	}
 	p.debt, p.settleMax = 0, 0
 	switch {
 	case p.ChargeIf != nil && p.Settle != nil:
@@ -370,10 +408,10 @@ func (p *Policy) check() error {
 		}
 		p.debt = p.settleMax // usage above the reservation is debt, up to a response's cap
 	}
-	if p.debt > (maxBucketSpan-burst*interval-p.waitUS)/interval {
+	if p.debt > (maxBucketSpan-burst*interval-p.reach)/interval {
 		return fieldErr("burst", "burst: %d tokens and a debt of %d take too long to refill at %s", burst, p.debt, p.Rate)
 	}
-	p.limit = limit{interval: interval, burst: burst, slack: p.waitUS + p.debt*interval}
+	p.limit = limit{interval: interval, burst: burst, slack: p.reach + p.debt*interval}
 	if p.MaxCost < 0 || p.MaxCost > maxJSONInteger {
 		return fieldErr("max_cost", "max_cost: %d must be from 1 to %d", p.MaxCost, int64(maxJSONInteger))
 	}
@@ -495,6 +533,7 @@ func (p *Policy) provision(ctx caddy.Context, h *Handler) error {
 	p.releaseRetries = releaseRetries.WithLabelValues(p.Name)
 	p.held = new(atomic.Int64)
 	p.waiting = waiting.WithLabelValues(p.Name)
+	p.provisionHotKeys()
 	if p.MaxHeld == 0 {
 		p.MaxHeld = defaultMaxHeld
 	}

@@ -63,6 +63,8 @@ type redisConn struct {
 	// laterApart counts the work after responses on its way in calls of
 	// its own: in cluster mode, which has no coalescer to ride.
 	laterApart callCount
+	// hot decides hot keys from blocks of their tokens (hotkeys_store.go).
+	hot *hotKeys
 }
 
 // Destruct closes the connection once no handler uses it: Caddy stopped,
@@ -73,6 +75,7 @@ type redisConn struct {
 // callTimeout: else a stopped instance's last slots stay taken until their
 // leases run out, and its last settles are lost.
 func (c *redisConn) Destruct() error {
+	c.hot.close() // its blocks' unspent tokens go back with the work below
 	c.finishLaterWork(time.Now().Add(c.callTimeout))
 	c.events.close()
 	close(c.closed)
@@ -169,6 +172,7 @@ func newRedisConn(c RedisConfig, logger *zap.Logger) (*redisConn, error) {
 			conn.coalescer = &coalescer{call: conn.call, maxCalls: c.poolSize()}
 		}
 	}
+	conn.hot = newHotKeys(conn)
 	go conn.checkEviction()
 	go conn.followFormat()
 	return conn, nil
@@ -341,6 +345,7 @@ func (c *redisConn) receive(event, key string) {
 	if c.denials != nil {
 		c.denials.forget(key)
 	}
+	c.hot.forget(key) // its blocks go back: the bucket's new state reaches them
 	pacing.forget(key)
 	e := &c.events
 	e.mu.Lock()

@@ -148,7 +148,7 @@ func (h *Handler) match(r *http.Request, repl *caddy.Replacer, rs *requestState,
 		}
 		res.policies = append(res.policies, p)
 		res.identities = append(res.identities, identity)
-		rq := bucketRequest{key: key, op: p.admissionOp(), limit: p.limit, cost: p.cost(r, repl), shadow: p.shadow, refundable: p.refundable()}
+		rq := bucketRequest{key: key, op: p.admissionOp(), limit: p.limit, cost: p.cost(r, repl), shadow: p.shadow, refundable: p.refundable(), hot: p.hot}
 		rq.quota = p.quota // nil unless a quota
 		if rq.op == opAcquire {
 			rq.lease, rq.events, rq.leasesExpired = leaseIDs(), h.events, p.leasesExpired

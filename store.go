@@ -55,6 +55,9 @@ func openStore(cfg *RedisConfig, keyPrefix string, logger *zap.Logger) (s store,
 			return nil
 		}
 		released = true
+		// A reload: what hot keys hold goes back; the new config takes its
+		// own blocks, under its own limits.
+		rs.conn.hot.releaseAll()
 		_, err := redisConns.Delete(key)
 		return err
 	}, nil

@@ -59,6 +59,15 @@ type redisStore struct {
 }
 
 func (s *redisStore) decide(ctx context.Context, reqs []bucketRequest) (decision, error) {
+	if s.conn.hot.covers(reqs) { // hot keys' blocks first (hotkeys_store.go)
+		return s.conn.hot.decide(ctx, reqs)
+	}
+	return s.decideShared(ctx, reqs)
+}
+
+// decideShared decides reqs against the buckets in Redis: the deny cache,
+// the circuit breaker, then one script call (one per slot in a Cluster).
+func (s *redisStore) decideShared(ctx context.Context, reqs []bucketRequest) (decision, error) {
 	if s.conn.denials != nil {
 		d, answer, gate := s.conn.denials.answer(reqs)
 		switch answer {

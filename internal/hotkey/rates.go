@@ -112,19 +112,19 @@ func (s *rateShard) slot(id uint64, now int64) *rateSlot {
 }
 
 // Observe counts a decision of the given amount on key id at now and
-// returns the key's rates (0 when it is not tracked) and whether it is
-// contended.
-func (r *Rates) Observe(id uint64, amount, now int64) (events, amounts float64, contended bool) {
+// returns the key's estimator (a copy, to read its rates from) and whether
+// it is contended; tracked is false when the key has no slot (its rates
+// read 0).
+func (r *Rates) Observe(id uint64, amount, now int64) (est Estimator, contended, tracked bool) {
 	s := &r.shards[id%rateShards]
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	sl := s.slot(id, now)
 	if sl == nil {
-		return 0, 0, false
+		return Estimator{}, false, false
 	}
 	sl.est.Add(amount, now)
-	events, amounts = sl.est.Rate(now)
-	return events, amounts, sl.contended > now
+	return sl.est, sl.contended > now, true
 }
 
 // Contend marks key id contended until the local µs until: another

@@ -43,11 +43,8 @@ const (
 // tokens, so that two instances at their most leave room for the others
 // (in proportion, then, up to 6.7 times the key's rate on one instance).
 func Size(tokensPerSec float64, interval, burst int64) (block, lead int64) {
-	if interval <= 0 || burst <= 0 {
-		return 0, 0
-	}
-	reach := Horizon / interval / 2 // the lead at most half the horizon, a block a quarter
-	cap := min(burst/BurstShare, reach/2)
+	reach := Horizon / interval / 2 // the lead at most half the horizon
+	cap := Cap(interval, burst)
 	if cap < MinBlock {
 		return 0, 0
 	}
@@ -55,4 +52,14 @@ func Size(tokensPerSec float64, interval, burst int64) (block, lead int64) {
 	average := tokensPerSec * (LeadPeriod + BlockPeriod/2) / 1e6
 	lead = min(max(0, int64(average-float64(block)/2+0.5)), reach)
 	return block, lead
+}
+
+// Cap is the most one block of a bucket of the given interval and burst
+// holds: a BurstShare of its burst, and a quarter of the horizon's tokens
+// (0 for a bucket of no tokens).
+func Cap(interval, burst int64) int64 {
+	if interval <= 0 || burst <= 0 {
+		return 0
+	}
+	return min(burst/BurstShare, Horizon/interval/4)
 }

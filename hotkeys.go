@@ -1,0 +1,99 @@
+package ratelimit
+
+import (
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/hotkey"
+)
+
+// Hot keys, the policy's side: whether a rate policy's keys may be decided
+// from blocks of their tokens (hotkeys_store.go does it, in front of the
+// Redis store), from which decision rate on one key, and what a policy's
+// buckets may owe because of it. See docs/hot-keys.md.
+
+// defaultHotKeys is the decision rate on one key, on one instance, from
+// which it takes blocks: below it, a key's decisions are few enough that
+// coalesced calls carry them cheaply.
+const defaultHotKeys = "200/1s"
+
+// hotKeysOff turns hot keys off for a policy.
+const hotKeysOff = "off"
+
+// hotPolicy is a policy's use of hot keys: nil when off.
+type hotPolicy struct {
+	// threshold: decisions a second on one key, on this instance, from
+	// which the key is hot.
+	threshold float64
+	// held: tokens this instance holds in blocks of the policy's keys, not
+	// yet spent; blocks: blocks taken.
+	held   prometheus.Gauge
+	blocks prometheus.Counter
+}
+
+var (
+	hotTokensHeld = prometheus.NewGaugeVec(prometheus.GaugeOpts{
+		Namespace: "caddy", Subsystem: "rate_limit", Name: "hot_tokens_held",
+		Help: "Tokens this instance holds in blocks of its hot keys (taken from the shared buckets ahead of their requests, debited there first) and has not spent yet, by policy: the budget other instances cannot reach until it is spent or given back. See docs/hot-keys.md.",
+	}, []string{"policy"})
+	hotBlocksTaken = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Namespace: "caddy", Subsystem: "rate_limit", Name: "hot_blocks_total",
+		Help: "Blocks of hot keys' tokens this instance took from the shared buckets, by policy: one Redis script call's worth each.",
+	}, []string{"policy"})
+)
+
+// checkHotKeys checks a rate policy's hot_keys and lets its buckets owe
+// the blocks' reach: a block may reserve tokens up to hotkey.Horizon beyond
+// a full refill, and every decision reading the bucket must keep what it
+// owes (the slack, as for `wait`), or it would forgive tokens that blocks
+// hold. Called once the policy's waitUS is known, with its tau.
+func (p *Policy) checkHotKeys(tau int64) error {
+	p.hotThreshold, p.reach = 0, p.waitUS
+	switch p.HotKeys {
+	case hotKeysOff:
+		return nil
+	case "":
+		p.hotThreshold = hotThreshold(defaultHotKeys)
+	default:
+		events, period, err := parseRate(p.HotKeys)
+		if err != nil {
+			return fieldErr("hot_keys", "hot_keys: %v; or off", err)
+		}
+		p.hotThreshold = float64(events) / period.Seconds()
+	}
+	if !p.shared || tau > maxBucketSpan-p.waitUS-hotkey.Horizon {
+		// In process, every decision is local already; a bucket that takes
+		// decades to refill is never hot.
+		p.hotThreshold = 0
+		return nil
+	}
+	p.reach += hotkey.Horizon
+	return nil
+}
+
+// hotThreshold is the decisions a second of a valid hot_keys rate.
+func hotThreshold(rate string) float64 {
+	events, period, _ := parseRate(rate)
+	return float64(events) / period.Seconds()
+}
+
+// noHotKeys fails a policy of another kind than rate that sets hot_keys.
+func (p *Policy) noHotKeys(kind string) error {
+	if p.HotKeys != "" {
+		return fieldErr("hot_keys", "hot_keys: a %s policy has no tokens to take ahead: hot keys are for rate policies", kind)
+	}
+	return nil
+}
+
+// provisionHotKeys gives the policy its metrics' children.
+func (p *Policy) provisionHotKeys() {
+	p.hot = nil
+	if p.hotThreshold > 0 && p.quota == nil && p.Concurrent == 0 && p.Shed == nil {
+		p.hot = &hotPolicy{threshold: p.hotThreshold, held: hotTokensHeld.WithLabelValues(p.Name), blocks: hotBlocksTaken.WithLabelValues(p.Name)}
+	}
+}
+
+// hotSweep is how often an instance looks over its hot keys: blocks past
+// their age go back, keys that cooled give back what they hold.
+const hotSweep = 100 * time.Millisecond
