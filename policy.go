@@ -204,16 +204,16 @@ type Policy struct {
 	// the hot path.
 	deniedBody []byte
 	decisions  [numOutcomes]prometheus.Counter
-	waitUS     int64         // Wait in µs
+	waitUS     int64 // Wait in µs
 	// reach is how far, in µs beyond a full refill, the policy's buckets
 	// may be reserved: by `wait`, and by hot keys' blocks (hotkeys.go).
 	reach        int64
-	hotThreshold float64    // hot_keys, decisions/s; 0: off
-	shared       bool       // its handler's buckets are in Redis (where keys may be hot)
-	hot          *hotPolicy // nil: hot keys off
-	held       *atomic.Int64 // requests held by Wait right now
-	waiting    prometheus.Gauge
-	top        *topDenied // the identities it denied most, this instance
+	hotThreshold float64       // hot_keys, decisions/s; 0: off
+	shared       bool          // its handler's buckets are in Redis (where keys may be hot)
+	hot          *hotPolicy    // nil: hot keys off
+	held         *atomic.Int64 // requests held by Wait right now
+	waiting      prometheus.Gauge
+	top          *topDenied // the identities it denied most, this instance
 	// settleMax caps the usage one response settles (Settle.Max, or its
 	// default); debt is the most tokens the bucket may owe beyond empty.
 	settleMax   int64
