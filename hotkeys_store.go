@@ -136,6 +136,10 @@ type hotPart struct {
 	taken  hotkey.Taken
 	v      verdict
 	landed <-chan struct{}
+	// returned: its tokens went back (putBack).
+	returned bool
+	// redisNow: Redis's clock now, at least, as the key's last reply says.
+	redisNow int64
 }
 
 // decide decides reqs, some of whose buckets are hot keys: from their
@@ -253,9 +257,7 @@ func (h *hotKeys) localDecision(parts []hotPart, now int64, admitted bool) decis
 		}
 		d.verdicts[i] = v
 		d.delay = max(d.delay, v.delay)
-		if pt.e != nil {
-			d.now = max(d.now, pt.e.redisNow+(now-pt.e.received)) // at least
-		}
+		d.now = max(d.now, pt.redisNow)
 	}
 	return d
 }
@@ -312,7 +314,7 @@ func (h *hotKeys) try(rq *bucketRequest, now int64, pt *hotPart, mayWait bool) {
 	if returned := e.ledger.Expire(now, hotkey.MaxAge); returned > 0 {
 		h.giveBack(e, returned)
 	}
-	pt.e = e
+	pt.e, pt.redisNow = e, e.redisNow+(now-e.received)
 	ok, at, taken := e.ledger.Take(rq.cost, now, rq.wait)
 	switch {
 	case ok:
@@ -428,7 +430,7 @@ func (h *hotKeys) land(e *hotKey, rq bucketRequest, r blockReply) {
 func (h *hotKeys) putBack(parts []hotPart) {
 	for i := range parts {
 		pt := &parts[i]
-		if pt.answer != hotTook {
+		if pt.answer != hotTook || pt.returned {
 			continue
 		}
 		sh := &h.shards[pt.id%hotShards]
@@ -443,7 +445,7 @@ func (h *hotKeys) putBack(parts []hotPart) {
 			h.giveBackRequest(pt.e.rq, gone) // spent from the gauge already
 		}
 		sh.mu.Unlock()
-		pt.answer = hotCold
+		pt.returned = true
 	}
 }
 
