@@ -97,3 +97,10 @@ func (p *Policy) provisionHotKeys() {
 // hotSweep is how often an instance looks over its hot keys: blocks past
 // their age go back, keys that cooled give back what they hold.
 const hotSweep = 100 * time.Millisecond
+
+// heldHere is what inspect shows of a hot key's blocks on the instance
+// answering.
+type heldHere struct {
+	Blocks int   `json:"blocks"`
+	Tokens int64 `json:"tokens"`
+}
