@@ -50,7 +50,7 @@ const (
 	// hotShardMax bounds the hot keys of a shard: 1,024 per connection.
 	hotShardMax = 64
 	// hotIdle: a hot key without a decision for this long has cooled.
-	hotIdle = 250_000 // µs
+	hotIdle = 500_000 // µs
 	// hotContended is how long a key Redis denied for others' blocks stays
 	// hot on this instance whatever its rate.
 	hotContended = 1_000_000 // µs

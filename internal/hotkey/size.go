@@ -4,8 +4,8 @@ package hotkey
 // the key (the tokens its decisions ask for per second, admitted or not).
 const (
 	// BlockPeriod is what one block covers of the instance's own rate: at
-	// 5,000 tokens a second, 125 tokens, 40 store calls a second.
-	BlockPeriod = 25_000 // µs
+	// 2,500 tokens a second, 125 tokens, 20 store calls a second.
+	BlockPeriod = 50_000 // µs
 	// LeadPeriod is how far ahead of its rate the instance keeps tokens
 	// taken: the next block is fetched while a lead of about this much of
 	// the rate is still held, long before the round trip it takes.
@@ -41,7 +41,7 @@ const (
 // capped (at the burst's share), the lead makes up for it, so that the
 // average stays in proportion. The lead is at most half the horizon's
 // tokens, so that two instances at their most leave room for the others
-// (in proportion, then, up to 6.7 times the key's rate on one instance).
+// (in proportion, then, up to 5 times the key's rate on one instance).
 func Size(tokensPerSec float64, interval, burst int64) (block, lead int64) {
 	reach := Horizon / interval / 2 // the lead at most half the horizon
 	cap := Cap(interval, burst)

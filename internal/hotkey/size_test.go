@@ -12,9 +12,9 @@ func TestSize(t *testing.T) {
 		interval, burst int64
 		block, lead     int64
 	}{
-		{"5,000/s of a 5,000/s burst 500 key", 5_000, 200, 500, 125, 125},
-		{"the block capped at a quarter of the burst; the lead makes up", 10_000, 200, 500, 125, 313},
-		{"a quiet instance", 1_000, 200, 500, 25, 25},
+		{"2,000/s of a 5,000/s burst 500 key", 2_000, 200, 500, 100, 50},
+		{"the block capped at a quarter of the burst; the lead makes up", 10_000, 200, 500, 125, 438},
+		{"a quiet instance", 1_000, 200, 500, 50, 25},
 		{"a trickle: one token, nothing ahead", 10, 200, 500, 1, 0},
 		{"burst 10: too small for blocks", 5_000, 200, 10, 0, 0},
 		{"20/s: too slow for blocks", 5_000, 50_000, 1_000, 0, 0},
@@ -32,12 +32,12 @@ func TestSize(t *testing.T) {
 // TestSizeInProportion: over the budget, what an instance admits follows
 // what it holds on average, lead + block/2; that average follows its rate
 // (within a token), capped block or not, so instances admit in proportion
-// to their requests: up to 6.7 times the key's rate on one instance (the
+// to their requests: up to 5 times the key's rate on one instance (the
 // lead at half the horizon).
 func TestSizeInProportion(t *testing.T) {
 	const interval, burst = 200, 500
 	var per float64
-	for i, rate := range []float64{400, 1_000, 5_000, 10_000, 20_000, 30_000} {
+	for i, rate := range []float64{400, 1_000, 5_000, 10_000, 20_000, 25_000} {
 		block, lead := Size(rate, interval, burst)
 		avg := float64(lead) + float64(block)/2
 		if i == 0 {

@@ -1,0 +1,440 @@
+package integration_test
+
+import (
+	"fmt"
+	"io"
+	"math"
+	"net/http"
+	"os"
+	"regexp"
+	"sort"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/testredis"
+)
+
+// Hot keys (docs/hot-keys.md): one key that the whole fleet hits at once,
+// decided from blocks of its tokens that each instance takes from the
+// shared bucket. The fleet still admits at most burst + rate × elapsed at
+// every instant, with a script call per many admissions, each instance in
+// proportion to the requests it receives.
+
+// The issue's key: 5,000 a second, burst 500.
+const (
+	hotRate  = 5_000
+	hotBurst = 500
+)
+
+// hotPolicy is the one budget of the hot-key tests.
+func hotPolicy(extra ...any) map[string]any {
+	p := map[string]any{"name": "api_wide", "key": "{http.request.header.X-Api-Key}", "rate": "5000/1s", "burst": hotBurst}
+	for i := 0; i+1 < len(extra); i += 2 {
+		p[extra[i].(string)] = extra[i+1]
+	}
+	return p
+}
+
+// hotRun is what a load on one key saw, by instance.
+type hotRun struct {
+	elapsed  time.Duration
+	requests []int64 // by instance
+	admitted [][]time.Duration
+	// failed: responses that were neither 200 nor 429, and transport errors
+	failed int64
+	// sent: when each request was sent, since the load began.
+	sent []time.Duration
+	// peakHeld is the highest caddy_rate_limit_hot_tokens_held each
+	// instance showed while the load ran (scraped every 100 ms), and
+	// peakFleet the highest sum of the four at one scrape.
+	peakHeld  []float64
+	peakFleet float64
+}
+
+// hotLoad sends requests on one key from conns[i] connections to instance
+// i, each on its own keep-alive connection, as fast as they are answered,
+// for d.
+func hotLoad(t *testing.T, fleet []*instance, conns []int, d time.Duration, key string) *hotRun {
+	t.Helper()
+	run := &hotRun{requests: make([]int64, len(fleet)), admitted: make([][]time.Duration, len(fleet)), peakHeld: make([]float64, len(fleet))}
+	var mu sync.Mutex
+	var failed atomic.Int64
+	var wg sync.WaitGroup
+	start := time.Now() // the bucket is full: its budget counts from here
+	stop := start.Add(d)
+	for i, in := range fleet {
+		for range conns[i] {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				tr := &http.Transport{MaxIdleConnsPerHost: 1, DisableCompression: true}
+				defer tr.CloseIdleConnections()
+				client := &http.Client{Transport: tr, Timeout: 10 * time.Second}
+				var n int64
+				var admitted, sent []time.Duration
+				for time.Now().Before(stop) {
+					req, _ := http.NewRequest("GET", in.URL+"/", nil)
+					req.Header.Set("X-Api-Key", key)
+					sent = append(sent, time.Since(start))
+					resp, err := client.Do(req)
+					n++
+					if err != nil {
+						failed.Add(1)
+						continue
+					}
+					_, _ = io.Copy(io.Discard, resp.Body)
+					resp.Body.Close()
+					switch resp.StatusCode {
+					case 200:
+						admitted = append(admitted, time.Since(start)) // decided before now
+					case 429:
+					default:
+						failed.Add(1)
+					}
+				}
+				mu.Lock()
+				run.requests[i] += n
+				run.admitted[i] = append(run.admitted[i], admitted...)
+				run.sent = append(run.sent, sent...)
+				mu.Unlock()
+			}()
+		}
+	}
+	// The gauge of tokens held, scraped while the load runs.
+	done := make(chan struct{})
+	scraped := make(chan struct{})
+	go func() {
+		defer close(scraped)
+		ticker := time.NewTicker(100 * time.Millisecond)
+		defer ticker.Stop()
+		for {
+			select {
+			case <-done:
+				return
+			case <-ticker.C:
+			}
+			sum := 0.0
+			for i, in := range fleet {
+				held := heldGauge(in)
+				run.peakHeld[i] = math.Max(run.peakHeld[i], held)
+				sum += held
+			}
+			run.peakFleet = math.Max(run.peakFleet, sum)
+		}
+	}()
+	wg.Wait()
+	close(done)
+	<-scraped
+	run.elapsed = time.Since(start)
+	run.failed = failed.Load()
+	for i := range run.admitted {
+		sort.Slice(run.admitted[i], func(a, b int) bool { return run.admitted[i][a] < run.admitted[i][b] })
+	}
+	return run
+}
+
+var heldLine = regexp.MustCompile(`(?m)^caddy_rate_limit_hot_tokens_held\{policy="api_wide"\} (\S+)$`)
+
+// heldGauge is an instance's caddy_rate_limit_hot_tokens_held of the
+// policy (0 when it cannot be read).
+func heldGauge(in *instance) float64 {
+	resp, err := http.Get(in.Admin + "/metrics")
+	if err != nil {
+		return 0
+	}
+	defer resp.Body.Close()
+	raw, _ := io.ReadAll(resp.Body)
+	m := heldLine.FindSubmatch(raw)
+	if m == nil {
+		return 0
+	}
+	v, _ := strconv.ParseFloat(string(m[1]), 64)
+	return v
+}
+
+// all is every admission's time, in order.
+func (r *hotRun) all() []time.Duration {
+	var out []time.Duration
+	for _, a := range r.admitted {
+		out = append(out, a...)
+	}
+	sort.Slice(out, func(a, b int) bool { return out[a] < out[b] })
+	return out
+}
+
+// checkBudget fails when the admissions by any instant exceed burst + rate
+// × the time since the load began, and returns the admitted and the
+// budget at the last admission.
+func checkBudget(t *testing.T, r *hotRun) (admitted int, budget float64) {
+	t.Helper()
+	all := r.all()
+	for i, at := range all {
+		if b := hotBurst + hotRate*at.Seconds(); float64(i+1) > b {
+			t.Fatalf("%d admitted by %v since the load began: over the budget of %.1f", i+1, at, b)
+		}
+	}
+	if len(all) == 0 {
+		t.Fatal("nothing admitted")
+	}
+	return len(all), hotBurst + hotRate*all[len(all)-1].Seconds()
+}
+
+// shares is each instance's share of the admissions over its share of the
+// requests: 1 is exactly in proportion.
+func (r *hotRun) shares() []float64 {
+	var req, adm float64
+	for i := range r.requests {
+		req += float64(r.requests[i])
+		adm += float64(len(r.admitted[i]))
+	}
+	out := make([]float64, len(r.requests))
+	for i := range r.requests {
+		out[i] = (float64(len(r.admitted[i])) / adm) / (float64(r.requests[i]) / req)
+	}
+	return out
+}
+
+// waitReturned waits (at most 5 s) until no instance holds tokens of the
+// key: it cooled, and what was held went back.
+func waitReturned(t *testing.T, fleet []*instance) {
+	t.Helper()
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		sum := 0.0
+		for _, in := range fleet {
+			sum += heldGauge(in)
+		}
+		if sum == 0 {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("5 s after the load, the fleet still holds %.0f tokens of the cooled key", sum)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// TestHotKeyFleet is the issue's measure: four instances hammering one key
+// (5,000/s, burst 500) for 10 s with all the load this machine gives. At
+// every instant the fleet admits at most burst + rate × elapsed, and by the
+// end at least 0.95 of it (of what one exact bucket admits of the requests
+// sent, when a busy machine sends less than 1.5 times the budget); Redis runs
+// at most one script call per 50 admissions; each instance admits within
+// ±10% of its share of the requests; what the instances hold stays within
+// the bound docs/hot-keys.md states, and goes back once the key cools.
+func TestHotKeyFleet(t *testing.T) {
+	srv := testredis.Start(t)
+	var fleet []*instance
+	for range 4 {
+		fleet = append(fleet, startCaddy(t, decidedByRedis(srv.Addr, hotPolicy()), respond()))
+	}
+	if _, err := srv.Do("CONFIG", "RESETSTAT"); err != nil {
+		t.Fatal(err)
+	}
+	r := hotLoad(t, fleet, []int{8, 8, 8, 8}, 10*time.Second, "tenant-hot")
+	calls := scriptCallsOf(t, srv)
+	admitted, budget := checkBudget(t, r)
+	var sent int64
+	for _, n := range r.requests {
+		sent += n
+	}
+	shares := r.shares()
+	t.Logf("4 instances, %.1f s: %d requests (%.0f/s), admitted %d of a budget of %.1f (%.4f); %d script calls, %.4f per admission; "+
+		"requests by instance %v, admitted %v, share of admissions over share of requests %.3f; tokens held at most %v by instance, %.0f by the fleet; %d failed",
+		r.elapsed.Seconds(), sent, float64(sent)/r.elapsed.Seconds(), admitted, budget, float64(admitted)/budget, calls, float64(calls)/float64(admitted),
+		r.requests, counts(r.admitted), shares, r.peakHeld, r.peakFleet, r.failed)
+	var blocks []float64
+	for _, in := range fleet {
+		blocks = append(blocks, metricValue(t, in, "caddy_rate_limit_hot_blocks_total", map[string]string{"policy": "api_wide"}))
+	}
+	t.Logf("blocks taken by instance %v; by tenth of a second, admitted: %v; sent: %v", blocks, perTenth(r.all(), r.elapsed), perTenth(r.sent, r.elapsed))
+	if path := os.Getenv("HOTKEYS_SVG"); path != "" {
+		if err := writeHotChart(path, r, calls); err != nil {
+			t.Errorf("writing the chart: %v", err)
+		}
+	}
+	if r.failed != 0 {
+		t.Errorf("%d responses neither 200 nor 429 (every decision is Redis's or a block's)", r.failed)
+	}
+	// On a busy machine the client may not even send the budget: what one
+	// exact bucket would admit of the requests as they were sent is the
+	// measure then. When the load is the issue's (half as much again as the
+	// budget, or more), that is the budget, and so are the calls it allows.
+	ideal := idealAdmits(r.sent)
+	t.Logf("one exact bucket would have admitted %d of the %d requests as sent: admitted %.4f of that", ideal, len(r.sent), float64(admitted)/float64(ideal))
+	if share := float64(admitted) / float64(ideal); share < 0.95 {
+		t.Errorf("admitted %.4f of what one exact bucket admits of the same requests, want at least 0.95", share)
+	}
+	if float64(len(r.sent)) < 1.5*budget {
+		t.Logf("the machine sent %d requests, less than 1.5 times the budget of %.0f: the budget's share and calls per admission not checked (blocks follow each instance's rate)", len(r.sent), budget)
+	} else {
+		if share := float64(admitted) / budget; share < 0.95 {
+			t.Errorf("admitted %.4f of the budget, want at least 0.95", share)
+		}
+		if per := float64(calls) / float64(admitted); per > 0.02 {
+			t.Errorf("%.4f script calls per admission, want at most 0.02", per)
+		}
+	}
+	for i, s := range shares {
+		if math.Abs(s-1) > 0.1 {
+			t.Errorf("instance %d admitted %.3f of its share of the requests, want 1 ± 0.1", i, s)
+		}
+	}
+	// The bound of docs/hot-keys.md: an instance holds at most its lead
+	// (at most half the horizon, 1,250 tokens at 5,000/s) and one block (a
+	// quarter of the burst); the fleet no more than the bucket can owe.
+	for i, peak := range r.peakHeld {
+		if peak > hotRate*0.25+hotBurst/4 {
+			t.Errorf("instance %d held %.0f tokens at its peak, over the bound of %d", i, peak, hotRate/4+hotBurst/4)
+		}
+	}
+	if r.peakFleet > hotBurst+hotRate*0.5 {
+		t.Errorf("the fleet held %.0f tokens at its peak, over the bound of %d", r.peakFleet, hotBurst+hotRate/2)
+	}
+	waitReturned(t, fleet)
+}
+
+// counts is the admissions by instance.
+func counts(admitted [][]time.Duration) []int {
+	var out []int
+	for _, a := range admitted {
+		out = append(out, len(a))
+	}
+	return out
+}
+
+// scriptCallsOf is the script calls Redis ran since CONFIG RESETSTAT.
+func scriptCallsOf(t *testing.T, srv *testredis.Server) int {
+	t.Helper()
+	info, err := srv.Do("INFO", "commandstats")
+	if err != nil {
+		t.Fatal(err)
+	}
+	n := 0
+	for _, m := range regexp.MustCompile(`cmdstat_(?:evalsha|eval):calls=(\d+)`).FindAllStringSubmatch(info, -1) {
+		c, _ := strconv.Atoi(m[1])
+		n += c
+	}
+	return n
+}
+
+// TestHotKeyFairness: one instance receives ten times the others' requests
+// on a key over its budget; each still admits within ±10% of its share of
+// the requests: the busy instance's blocks are not budget the others can
+// never reach.
+func TestHotKeyFairness(t *testing.T) {
+	srv := testredis.Start(t)
+	var fleet []*instance
+	for range 4 {
+		fleet = append(fleet, startCaddy(t, decidedByRedis(srv.Addr, hotPolicy()), respond()))
+	}
+	r := hotLoad(t, fleet, []int{20, 2, 2, 2}, 8*time.Second, "tenant-skewed")
+	admitted, budget := checkBudget(t, r)
+	shares := r.shares()
+	t.Logf("requests by instance %v, admitted %v (%d of a budget of %.1f); share of admissions over share of requests %.3f",
+		r.requests, counts(r.admitted), admitted, budget, shares)
+	if busy, quiet := float64(r.requests[0]), float64(max(r.requests[1], r.requests[2], r.requests[3])); busy < 5*quiet {
+		t.Fatalf("the busy instance received %.0f requests, the quiet ones up to %.0f: not the skew this test needs (the machine?)", busy, quiet)
+	}
+	for i, s := range shares {
+		if math.Abs(s-1) > 0.1 {
+			t.Errorf("instance %d admitted %.3f of its share of the requests, want 1 ± 0.1", i, s)
+		}
+	}
+	if share := float64(admitted) / budget; share < 0.9 {
+		t.Errorf("admitted %.4f of the budget, want at least 0.9", share)
+	}
+}
+
+// writeHotChart draws, as an SVG, each instance's admissions and the
+// fleet's since the load began, against the budget burst + rate × t.
+func writeHotChart(path string, r *hotRun, calls int) error {
+	const (
+		width, height            = 820, 440
+		left, right, top, bottom = 80, 230, 60, 60
+		plotW, plotH             = width - left - right, height - top - bottom
+	)
+	secs := r.elapsed.Seconds()
+	yMax := math.Ceil((hotBurst+hotRate*secs)/5000) * 5000
+	x := func(s float64) float64 { return left + s/secs*plotW }
+	y := func(v float64) float64 { return top + plotH - v/yMax*plotH }
+	var b strings.Builder
+	fmt.Fprintf(&b, `<svg xmlns="http://www.w3.org/2000/svg" width="%d" height="%d" viewBox="0 0 %d %d" font-family="sans-serif" font-size="13">`+"\n", width, height, width, height)
+	fmt.Fprintf(&b, `<rect width="%d" height="%d" fill="white"/>`+"\n", width, height)
+	fmt.Fprintf(&b, `<text x="%d" y="22" font-size="16" font-weight="bold">Admitted on one hot key: 4 Caddy instances, 5,000/s burst 500</text>`+"\n", left)
+	all := r.all()
+	fmt.Fprintf(&b, `<text x="%d" y="40" fill="#555">Each instance decides from blocks of the key's tokens; %d admitted of a budget of %.0f, %d script calls.</text>`+"\n",
+		left, len(all), hotBurst+hotRate*all[len(all)-1].Seconds(), calls)
+	for v := 0.0; v <= yMax+1e-9; v += 5000 {
+		fmt.Fprintf(&b, `<line x1="%d" y1="%.1f" x2="%d" y2="%.1f" stroke="#e4e4e4"/>`+"\n", left, y(v), left+plotW, y(v))
+		fmt.Fprintf(&b, `<text x="%d" y="%.1f" text-anchor="end">%.0f</text>`+"\n", left-8, y(v)+4, v)
+	}
+	for s := 0; float64(s) <= secs; s++ {
+		fmt.Fprintf(&b, `<line x1="%.1f" y1="%d" x2="%.1f" y2="%d" stroke="#e4e4e4"/>`+"\n", x(float64(s)), top, x(float64(s)), top+plotH)
+		fmt.Fprintf(&b, `<text x="%.1f" y="%d" text-anchor="middle">%d</text>`+"\n", x(float64(s)), top+plotH+18, s)
+	}
+	fmt.Fprintf(&b, `<line x1="%d" y1="%d" x2="%d" y2="%d" stroke="black"/>`+"\n", left, top+plotH, left+plotW, top+plotH)
+	fmt.Fprintf(&b, `<line x1="%d" y1="%d" x2="%d" y2="%d" stroke="black"/>`+"\n", left, top, left, top+plotH)
+	fmt.Fprintf(&b, `<text x="%d" y="%d" text-anchor="middle">seconds since the load began</text>`+"\n", left+plotW/2, height-16)
+	fmt.Fprintf(&b, `<text transform="translate(20 %d) rotate(-90)" text-anchor="middle">requests admitted so far</text>`+"\n", top+plotH/2)
+	// A cumulative line, sampled every 50 ms.
+	line := func(times []time.Duration) string {
+		var p []string
+		k := 0
+		for s := 0.0; s <= secs; s += 0.05 {
+			for k < len(times) && times[k].Seconds() <= s {
+				k++
+			}
+			p = append(p, fmt.Sprintf("%.1f,%.1f", x(s), y(float64(k))))
+		}
+		return strings.Join(p, " ")
+	}
+	type series struct{ label, color, dash, points string }
+	colors := []string{"#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd"}
+	var lines []series
+	for i, a := range r.admitted {
+		lines = append(lines, series{fmt.Sprintf("instance %d: %d", i+1, len(a)), colors[i%len(colors)], "", line(a)})
+	}
+	lines = append(lines, series{fmt.Sprintf("the fleet: %d", len(all)), "#d62728", "", line(all)})
+	budget := fmt.Sprintf("%.1f,%.1f %.1f,%.1f", x(0), y(hotBurst), x(secs), y(hotBurst+hotRate*secs))
+	lines = append(lines, series{"budget: 500 + 5,000/s × t", "#222222", `stroke-dasharray="7 5"`, budget})
+	for i, l := range lines {
+		fmt.Fprintf(&b, `<polyline fill="none" stroke="%s" stroke-width="2" %s points="%s"/>`+"\n", l.color, l.dash, l.points)
+		ly := top + 20 + 26*i
+		fmt.Fprintf(&b, `<line x1="%d" y1="%d" x2="%d" y2="%d" stroke="%s" stroke-width="2" %s/>`+"\n", left+plotW+14, ly, left+plotW+40, ly, l.color, l.dash)
+		fmt.Fprintf(&b, `<text x="%d" y="%d">%s</text>`+"\n", left+plotW+46, ly+4, l.label)
+	}
+	b.WriteString("</svg>\n")
+	return os.WriteFile(path, []byte(b.String()), 0o644)
+}
+
+// perTenth is the admissions in each tenth of a second of the run.
+func perTenth(all []time.Duration, elapsed time.Duration) []int {
+	out := make([]int, int(elapsed/(100*time.Millisecond))+1)
+	for _, at := range all {
+		out[at/(100*time.Millisecond)]++
+	}
+	return out
+}
+
+// idealAdmits is how many of the requests, sent at the given times since
+// the load began, one exact bucket of the policy's would admit, deciding
+// each as it is sent.
+func idealAdmits(sent []time.Duration) int {
+	at := append([]time.Duration(nil), sent...)
+	sort.Slice(at, func(a, b int) bool { return at[a] < at[b] })
+	const interval, tau = 1_000_000 / hotRate, hotBurst * 1_000_000 / hotRate // µs
+	var tat int64
+	n := 0
+	for _, s := range at {
+		now := s.Microseconds()
+		if base := max(tat, now); base+interval-now <= tau {
+			tat, n = base+interval, n+1
+		}
+	}
+	return n
+}
