@@ -348,18 +348,18 @@ func (h *hotKeys) try(rq *bucketRequest, now int64, pt *hotPart, mayWait bool) {
 	}
 }
 
-// prefetch sends for the next block when what the key holds is below its
-// lead (or below need, the cost of a request waiting for it, which the
-// block then holds at least); e's shard is locked.
+// prefetch sends for the next block when the key's tokens in the bucket's
+// line are below its lead, or when what it holds is below need, the cost of
+// a request waiting for it (see hotkey.Next); e's shard is locked.
 func (h *hotKeys) prefetch(e *hotKey, now, need int64) {
 	if e.fetching || e.gone || e.block == 0 || now < e.retryAt || now < e.failedUntil || e.ledger.Blocks() == hotkey.MaxBlocks {
 		return
 	}
 	held := e.ledger.Held()
-	if need > 0 && held >= need || need == 0 && held >= e.lead {
+	size, fetch := hotkey.Next(held, e.ledger.Ready(now), e.lead, e.block, need)
+	if !fetch {
 		return
 	}
-	size := max(e.block, need)
 	e.fetching, e.landed = true, make(chan struct{})
 	rq := e.rq
 	rq.cost, rq.wait = size, hotkey.Horizon

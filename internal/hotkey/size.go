@@ -63,3 +63,22 @@ func Cap(interval, burst int64) int64 {
 	}
 	return min(burst/BurstShare, Horizon/interval/4)
 }
+
+// Next says whether an instance holding held unspent tokens of a key (ready
+// of them spendable now) sends for one more block, and of what size. It
+// does while its tokens still in the bucket's line (held − ready) are
+// fewer than its lead: the tokens it holds ready do not count, as what it
+// admits over the budget follows what it has in the line, which is what
+// keeps its share in proportion to its rate; but not while it holds lead
+// + 2 blocks or more, so that a lull does not pile tokens up. A request
+// that needs more than is held (need > held) sends for a block of at least
+// need at once.
+func Next(held, ready, lead, block, need int64) (size int64, fetch bool) {
+	if need > held {
+		return max(block, need), true
+	}
+	if block <= 0 || held-ready >= lead || held >= lead+2*block {
+		return 0, false
+	}
+	return block, true
+}

@@ -49,3 +49,28 @@ func TestSizeInProportion(t *testing.T) {
 		}
 	}
 }
+
+func TestNext(t *testing.T) {
+	for _, tc := range []struct {
+		name                           string
+		held, ready, lead, block, need int64
+		size                           int64
+		fetch                          bool
+	}{
+		{"enough in the line", 200, 0, 150, 100, 0, 0, false},
+		{"below the lead", 100, 0, 150, 100, 0, 100, true},
+		{"ready tokens do not count", 200, 100, 150, 100, 0, 100, true},
+		{"but a pile does", 360, 300, 150, 100, 0, 0, false},
+		{"no lead: only when needed", 0, 0, 0, 1, 0, 0, false},
+		{"a request needs more than held", 0, 0, 0, 1, 1, 1, true},
+		{"a costly request: a block its size", 3, 3, 10, 5, 8, 8, true},
+		{"held covers the request", 8, 8, 0, 5, 8, 0, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			size, fetch := Next(tc.held, tc.ready, tc.lead, tc.block, tc.need)
+			if size != tc.size || fetch != tc.fetch {
+				t.Errorf("Next(%d, %d, %d, %d, %d) = %d, %v; want %d, %v", tc.held, tc.ready, tc.lead, tc.block, tc.need, size, fetch, tc.size, tc.fetch)
+			}
+		})
+	}
+}
