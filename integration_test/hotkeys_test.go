@@ -6,6 +6,7 @@ import (
 	"math"
 	"net/http"
 	"os"
+	"path/filepath"
 	"regexp"
 	"sort"
 	"strconv"
@@ -15,6 +16,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/testcaddy"
 	"github.com/ratelimit-caddy/caddy-ratelimit/internal/testredis"
 )
 
@@ -79,7 +81,7 @@ func hotLoad(t *testing.T, fleet []*instance, conns, skew []int, d time.Duration
 				var n int64
 				var admitted, sent []time.Duration
 				for time.Now().Before(stop) {
-					if i > 0 && skew[i] > 0 {
+					if i > 0 && i < len(skew) && skew[i] > 0 {
 						for time.Now().Before(stop) && sentTo[0].Load() < int64(skew[i])*(sentTo[i].Load()+1) {
 							time.Sleep(200 * time.Microsecond)
 						}
@@ -446,4 +448,153 @@ func idealAdmits(sent []time.Duration) int {
 		}
 	}
 	return n
+}
+
+// admissionsUnder drives key on the fleet (4 connections per instance) for
+// d, calling change once, at changeAt, and returns when each admission's
+// response came, since the load began, and when change returned. plan, when
+// not nil, gives the X-Plan of a request sent at a time since the load
+// began.
+func admissionsUnder(t *testing.T, fleet []*instance, d, changeAt time.Duration, key string, plan func(time.Duration) string, change func()) (admitted []time.Duration, changed time.Duration) {
+	t.Helper()
+	var mu sync.Mutex
+	var wg sync.WaitGroup
+	start := time.Now()
+	for _, in := range fleet {
+		for range 4 {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				tr := &http.Transport{MaxIdleConnsPerHost: 1, DisableCompression: true}
+				defer tr.CloseIdleConnections()
+				client := &http.Client{Transport: tr, Timeout: 10 * time.Second}
+				for time.Since(start) < d {
+					req, _ := http.NewRequest("GET", in.URL+"/", nil)
+					req.Header.Set("X-Api-Key", key)
+					if plan != nil {
+						req.Header.Set("X-Plan", plan(time.Since(start)))
+					}
+					resp, err := client.Do(req)
+					if err != nil {
+						continue
+					}
+					_, _ = io.Copy(io.Discard, resp.Body)
+					resp.Body.Close()
+					if resp.StatusCode == 200 {
+						mu.Lock()
+						admitted = append(admitted, time.Since(start))
+						mu.Unlock()
+					}
+				}
+			}()
+		}
+	}
+	time.Sleep(changeAt)
+	change()
+	changed = time.Since(start)
+	wg.Wait()
+	sort.Slice(admitted, func(a, b int) bool { return admitted[a] < admitted[b] })
+	return admitted, changed
+}
+
+// TestHotKeyChangesReachBlocks: a plan change, an operator's override and
+// a reset reach the instances holding blocks of a hot key within the deny
+// cache's bound (1 s): from a second after the change, the key's
+// admissions follow the new limit (at most its burst plus its rate over
+// the time since), and inspect shows the blocks held meanwhile.
+func TestHotKeyChangesReachBlocks(t *testing.T) {
+	const lowRate, lowBurst = 500, 50 // the plan's and the override's limit
+	within := func(t *testing.T, admitted []time.Duration, from, to time.Duration) {
+		t.Helper()
+		n := 0
+		for _, at := range admitted {
+			if at >= from && at < to {
+				n++
+			}
+		}
+		bound := lowBurst + lowRate*(to-from).Seconds()
+		t.Logf("%d admitted from %v to %v: at most %.0f under the new limit", n, from.Round(time.Millisecond), to.Round(time.Millisecond), bound)
+		if float64(n) > bound {
+			t.Errorf("%d admitted from %v to %v, more than the new limit's %.0f: the change did not reach the blocks within 1 s", n, from, to, bound)
+		}
+	}
+	t.Run("plan", func(t *testing.T) {
+		srv := testredis.Start(t)
+		planned := hotPolicy("rate", "500/1s", "burst", lowBurst, "plan", map[string]any{"from": "{http.request.header.X-Plan}",
+			"plans": map[string]any{"pro": map[string]any{"rate": "5000/1s", "burst": hotBurst}}})
+		fleet := []*instance{startCaddy(t, decidedByRedis(srv.Addr, planned), respond()), startCaddy(t, decidedByRedis(srv.Addr, planned), respond())}
+		const switchAt = 2 * time.Second
+		admitted, _ := admissionsUnder(t, fleet, 5*time.Second, 0, "tenant-plan", func(since time.Duration) string {
+			if since < switchAt {
+				return "pro"
+			}
+			return "" // downgraded: the policy's own limit
+		}, func() {})
+		within(t, admitted, switchAt+time.Second, 5*time.Second)
+	})
+	t.Run("override", func(t *testing.T) {
+		srv := testredis.Start(t)
+		fleet := []*instance{startCaddy(t, decidedByRedis(srv.Addr, hotPolicy()), respond()), startCaddy(t, decidedByRedis(srv.Addr, hotPolicy()), respond())}
+		var held string
+		admitted, changed := admissionsUnder(t, fleet, 5*time.Second, 2*time.Second, "tenant-override", nil, func() {
+			_, held = adminCall(t, fleet[1], "GET", "/rate_limit/inspect?policy=api_wide&identity=tenant-override", "")
+			status, body := adminCall(t, fleet[0], "POST", "/rate_limit/override", `{"policy":"api_wide","identity":"tenant-override","rate":"500/1s","burst":50}`)
+			if status != 200 {
+				t.Errorf("override: %d %s", status, body)
+			}
+		})
+		if !strings.Contains(held, `"held_here":{"blocks":`) {
+			t.Errorf("inspect of the hot key on an instance holding blocks of it: %s, want held_here", held)
+		}
+		within(t, admitted, changed+time.Second, 5*time.Second)
+	})
+	t.Run("reset", func(t *testing.T) {
+		// A reset gives the bucket its burst back: from a second after it,
+		// the fleet admits at most that burst and the rate since. Blocks
+		// taken before it must not be spent on top.
+		srv := testredis.Start(t)
+		fleet := []*instance{startCaddy(t, decidedByRedis(srv.Addr, hotPolicy()), respond()), startCaddy(t, decidedByRedis(srv.Addr, hotPolicy()), respond())}
+		admitted, changed := admissionsUnder(t, fleet, 5*time.Second, 2*time.Second, "tenant-reset", nil, func() {
+			if status, body := adminCall(t, fleet[0], "POST", "/rate_limit/reset", `{"policy":"api_wide","identity":"tenant-reset"}`); status != 200 {
+				t.Errorf("reset: %d %s", status, body)
+			}
+		})
+		from := changed + time.Second
+		n := 0
+		for _, at := range admitted {
+			if at >= from {
+				n++
+			}
+		}
+		// What the bucket holds a second after the reset is at most its
+		// burst; the rate adds from then on.
+		if bound := hotBurst + hotRate*(5*time.Second-from).Seconds(); float64(n) > bound {
+			t.Errorf("%d admitted from %v, more than %.0f", n, from, bound)
+		}
+		t.Logf("%d admitted in the %v from a second after the reset", n, (5*time.Second - from).Round(time.Millisecond))
+	})
+}
+
+// TestHotKeyBesideV030: instances of this build holding blocks of a hot key
+// and one of v0.3.0 (which decides every request in Redis, and knows
+// nothing of blocks) on one budget: together they never admit more than
+// burst + rate × elapsed. The v0.3.0 instance reads the bucket the blocks
+// debited, and so denies what they hold.
+func TestHotKeyBesideV030(t *testing.T) {
+	bin := filepath.Join(filepath.Dir(caddyBin), "caddy-v0.3.0")
+	if err := testcaddy.BuildRelease(".", testcaddy.ReleaseV030, bin); err != nil {
+		t.Fatalf("building v0.3.0: %v", err)
+	}
+	srv := testredis.Start(t)
+	fleet := []*instance{startBinary(t, bin, decidedByRedis(srv.Addr, hotPolicy()), respond())}
+	for range 3 {
+		fleet = append(fleet, startCaddy(t, decidedByRedis(srv.Addr, hotPolicy()), respond()))
+	}
+	r := hotLoad(t, fleet, []int{8, 8, 8, 8}, nil, 8*time.Second, "tenant-mixed")
+	admitted, budget := checkBudget(t, r)
+	t.Logf("v0.3.0 and 3 of this build: requests %v, admitted %v: %d of a budget of %.1f (%.4f); one exact bucket would have admitted %d; %d failed",
+		r.requests, counts(r.admitted), admitted, budget, float64(admitted)/budget, idealAdmits(r.sent), r.failed)
+	if r.failed != 0 {
+		t.Errorf("%d responses neither 200 nor 429", r.failed)
+	}
 }
