@@ -598,3 +598,31 @@ func TestHotKeyBesideV030(t *testing.T) {
 		t.Errorf("%d responses neither 200 nor 429", r.failed)
 	}
 }
+
+// TestHotKeyCluster: on a Redis Cluster, blocks are taken from the hot
+// key's own shard, in the same script as any decision there: two instances
+// never admit more than burst + rate × elapsed, and take blocks.
+func TestHotKeyCluster(t *testing.T) {
+	c := testredis.StartCluster(t, 3, false)
+	h := limiter("", map[string]any{"on_error": "fail_closed"}, hotPolicy())
+	h["redis"] = map[string]any{"addresses": c.Addrs(), "cluster": true, "timeout": "1s"}
+	fleet := []*instance{startCaddy(t, h, respond()), startCaddy(t, h, respond())}
+	r := hotLoad(t, fleet, []int{8, 8}, nil, 6*time.Second, "tenant-cluster")
+	admitted, budget := checkBudget(t, r)
+	var blocks float64
+	for _, in := range fleet {
+		blocks += metricValue(t, in, "caddy_rate_limit_hot_blocks_total", map[string]string{"policy": "api_wide"})
+	}
+	ideal := idealAdmits(r.sent)
+	t.Logf("Redis Cluster, 2 instances: requests %v, admitted %v: %d of a budget of %.1f (one exact bucket: %d); %.0f blocks; %d failed",
+		r.requests, counts(r.admitted), admitted, budget, ideal, blocks, r.failed)
+	if r.failed != 0 {
+		t.Errorf("%d responses neither 200 nor 429", r.failed)
+	}
+	if blocks == 0 {
+		t.Error("no block taken: the key was never hot")
+	}
+	if share := float64(admitted) / float64(ideal); share < 0.95 {
+		t.Errorf("admitted %.4f of what one exact bucket admits of the same requests, want at least 0.95", share)
+	}
+}
