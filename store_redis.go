@@ -2,7 +2,6 @@ package ratelimit
 
 import (
 	"context"
-	_ "embed"
 	"encoding/binary"
 	"errors"
 	"fmt"
@@ -17,9 +16,8 @@ import (
 // this instance (coalesce.go), guarded by the circuit breaker, with the
 // deny cache in front (denycache.go).
 
-//go:embed lua/decide.lua
-var decideLua string
-
+// decideLua is lua/decide.lua (script.go), or, in a build for make bench's
+// scenario (z), a script that decides nothing (script_noop.go).
 var decideSHA = redis.NewScript(decideLua).Hash()
 
 // decideSHAArg is decideSHA as a call's argument, boxed once rather than
