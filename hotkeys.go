@@ -47,8 +47,9 @@ var (
 // the blocks' reach: a block may reserve tokens up to hotkey.Horizon beyond
 // a full refill, and every decision reading the bucket must keep what it
 // owes (the slack, as for `wait`), or it would forgive tokens that blocks
-// hold. Called once the policy's waitUS is known, with its tau.
-func (p *Policy) checkHotKeys(tau int64) error {
+// hold. Called once the policy's waitUS is known, with its limit's
+// interval and burst.
+func (p *Policy) checkHotKeys(interval, burst int64) error {
 	p.hotThreshold, p.reach = 0, p.waitUS
 	switch p.HotKeys {
 	case hotKeysOff:
@@ -62,9 +63,10 @@ func (p *Policy) checkHotKeys(tau int64) error {
 		}
 		p.hotThreshold = float64(events) / period.Seconds()
 	}
-	if !p.shared || tau > maxBucketSpan-p.waitUS-hotkey.Horizon {
-		// In process, every decision is local already; a bucket that takes
-		// decades to refill is never hot.
+	if !p.shared || hotkey.Cap(interval, burst) < hotkey.MinBlock || burst*interval > maxBucketSpan-p.waitUS-hotkey.Horizon {
+		// In process, every decision is local already; a bucket too small
+		// or too slow for blocks (see hotkey.Size) is never hot, nor one
+		// that takes decades to refill: its buckets owe no more.
 		p.hotThreshold = 0
 		return nil
 	}

@@ -82,11 +82,12 @@ type hotKey struct {
 	// fetching: a block is on its way; landed is closed when it lands.
 	fetching bool
 	landed   chan struct{}
-	// After a block was denied: deniedUntil, the local µs before which no
-	// token of the bucket can be had (Redis would deny a request of cost
-	// 1); retryAt, before which no block can. After an error, failedUntil:
-	// until then requests go to the store (which follows on_error).
-	deniedUntil, retryAt, failedUntil int64
+	// After a block was denied (at the local µs deniedAt): deniedUntil, the
+	// local µs before which no token of the bucket can be had (Redis would
+	// deny a request of cost 1), used for at most hotkey.MaxAge; retryAt,
+	// before which no block can. After an error, failedUntil: until then
+	// requests go to the store (which follows on_error).
+	deniedAt, deniedUntil, retryAt, failedUntil int64
 	// gone: dropped; a block landing for it is given back.
 	gone bool
 }
@@ -332,7 +333,7 @@ func (h *hotKeys) try(rq *bucketRequest, now int64, pt *hotPart, mayWait bool) {
 		pt.answer = hotDenied
 		pt.v = verdict{untilFits: at - now, limit: e.decided}
 		h.prefetch(e, now, 0)
-	case now < e.deniedUntil: // Redis denied a block: nothing to be had before then
+	case now < e.deniedUntil && now-e.deniedAt <= hotkey.MaxAge: // Redis denied a block: nothing to be had before then
 		pt.answer = hotDenied
 		pt.v = verdict{untilFits: e.deniedUntil - now, limit: e.decided}
 		h.prefetch(e, now, 0) // a block may fit before then (retryAt)
@@ -404,7 +405,7 @@ func (h *hotKeys) land(e *hotKey, rq bucketRequest, r blockReply) {
 		// tau ahead; this block, once it is within the horizon. The TAT can
 		// only move back by a give-back or an operator, which an event
 		// announces; what was learned is used for at most a second.
-		e.deniedUntil = min(hotkey.Schedule(r.tat, r.redisNow, r.received, l.interval, l.tau()), r.received+hotkey.MaxAge)
+		e.deniedAt, e.deniedUntil = r.received, hotkey.Schedule(r.tat, r.redisNow, r.received, l.interval, l.tau())
 		e.retryAt = min(hotkey.Schedule(r.tat, r.redisNow, r.received, l.interval, l.tau()+hotkey.Horizon)+(rq.cost-1)*l.interval, r.received+hotkey.MaxAge)
 		return
 	}
@@ -451,13 +452,15 @@ func (h *hotKeys) putBack(parts []hotPart) {
 
 // noteContention marks contended the hot-eligible keys Redis denied while
 // their buckets owe beyond a full refill: other instances hold blocks of
-// them, whose line this instance's requests join by taking blocks too.
+// them, whose line this instance's requests join by taking blocks too. A
+// bucket charged after its responses (charge_if, settle) owes for its
+// debts as well: it is left alone.
 func (h *hotKeys) noteContention(reqs []bucketRequest, parts []hotPart, d decision, err error, now int64) {
 	if err != nil || d.admitted {
 		return
 	}
 	for i, pt := range parts {
-		if pt.answer == hotCold && reqs[i].hotEligible() && i < len(d.verdicts) {
+		if pt.answer == hotCold && reqs[i].hotEligible() && !reqs[i].refundable && i < len(d.verdicts) {
 			if v := d.verdicts[i]; !v.allowed && v.remaining < 0 {
 				h.rates.Contend(pt.id, now+hotContended, now)
 			}

@@ -390,7 +390,7 @@ func (p *Policy) check() error {
 		return err
 	}
 	p.waitUS = int64(time.Duration(p.Wait) / time.Microsecond)
-	if err := p.checkHotKeys(burst * interval); err != nil {
+	if err := p.checkHotKeys(interval, burst); err != nil {
 		return err
 	}
 	p.debt, p.settleMax = 0, 0
