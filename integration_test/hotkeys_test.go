@@ -307,6 +307,21 @@ func TestHotKeyFleet(t *testing.T) {
 		t.Errorf("the fleet held %.0f tokens at its peak, over the bound of %d", r.peakFleet, 4*bound)
 	}
 	waitReturned(t, fleet)
+	if os.Getenv("HOTKEYS_COMPARE") != "" {
+		// The same load with hot keys off: every decision a script call.
+		var off []*instance
+		for range 4 {
+			off = append(off, startCaddy(t, decidedByRedis(srv.Addr, hotPolicy("hot_keys", "off")), respond()))
+		}
+		if _, err := srv.Do("CONFIG", "RESETSTAT"); err != nil {
+			t.Fatal(err)
+		}
+		o := hotLoad(t, off, []int{8, 8, 8, 8}, nil, 10*time.Second, "tenant-cold")
+		calls := scriptCallsOf(t, srv)
+		admitted, budget := checkBudget(t, o)
+		t.Logf("hot_keys off, the same load: %d requests, admitted %d of a budget of %.1f (%.4f); %d script calls, %.4f per admission; shares %.3f",
+			len(o.sent), admitted, budget, float64(admitted)/budget, calls, float64(calls)/float64(admitted), o.shares())
+	}
 }
 
 // counts is the admissions by instance.
