@@ -77,6 +77,9 @@ type hotKey struct {
 	// redisNow and received date the last reply, to estimate Redis's clock.
 	redisNow, received int64
 	block, lead        int64 // the sizing of the last decision
+	// line: how long, in µs, the last block waited in the bucket's line
+	// for its first token (see hotkey.LineTarget)
+	line int64
 	lastSeen           int64 // local µs of the last decision
 	contended          int64 // local µs until which it stays hot whatever its rate
 	// fetching: a block is on its way; landed is closed when it lands.
@@ -287,7 +290,7 @@ func (h *hotKeys) try(rq *bucketRequest, now int64, pt *hotPart, mayWait bool) {
 		if events < rq.hot.threshold && !contended {
 			return
 		}
-		if block, _ := hotkey.Size(amount, rq.limit.interval, rq.limit.burst); block == 0 || rq.cost > hotkey.Cap(rq.limit.interval, rq.limit.burst) {
+		if block, _ := hotkey.Size(amount, rq.limit.interval, rq.limit.burst, 0); block == 0 || rq.cost > hotkey.Cap(rq.limit.interval, rq.limit.burst) {
 			return
 		}
 		sh.mu.Lock()
@@ -311,7 +314,7 @@ func (h *hotKeys) try(rq *bucketRequest, now int64, pt *hotPart, mayWait bool) {
 	defer sh.mu.Unlock()
 	e.lastSeen = now
 	_, amount := e.rate.Rate(now)
-	e.block, e.lead = hotkey.Size(amount, e.decided.interval, e.decided.burst)
+	e.block, e.lead = hotkey.Size(amount, e.decided.interval, e.decided.burst, e.line)
 	if returned := e.ledger.Expire(now, hotkey.MaxAge); returned > 0 {
 		h.giveBack(e, returned)
 	}
@@ -419,6 +422,7 @@ func (h *hotKeys) land(e *hotKey, rq bucketRequest, r blockReply) {
 	e.policy.blocks.Inc()
 	e.decided, e.left, e.redisNow, e.received = l, r.remaining, r.redisNow, r.received
 	e.deniedUntil, e.retryAt, e.failedUntil = 0, 0, 0
+	e.line = hotkey.Line(e.line, first-r.received)
 	if first > r.received {
 		// The block's tokens come after others' (the bucket owes beyond a
 		// full refill): the key is contended, hot whatever its rate here.

@@ -3,7 +3,7 @@ package hotkey
 // MaxBlocks bounds the blocks one key holds on an instance: one more is
 // fetched only while what is held is below the lead (see Size), so a
 // ledger at its bound holds several leads' worth.
-const MaxBlocks = 8
+const MaxBlocks = 16
 
 // Ledger is one key's blocks on this instance, in the order they were
 // taken. It is not safe for concurrent use: its owner locks it.

@@ -22,6 +22,14 @@ const (
 	// burst, or a slow rate) is decided call by call: blocks would save
 	// nothing.
 	MinBlock = 4
+	// LineTarget is how long a block may wait in the bucket's line before
+	// instances hold less: over the budget, the line is the tokens the
+	// instances hold ahead, which grows with their rates; past this, each
+	// instance scales what it holds by LineTarget/line, the same for all of
+	// them (the line is the bucket's), so that the line stays within the
+	// horizon (up to some 80 times the key's rate asked of the fleet at
+	// 5,000/s) and the shares in proportion.
+	LineTarget = 125_000 // µs
 	// MaxAge is the longest a block is spent from: older, its unspent tokens
 	// go back to the bucket. A change to the bucket (a reset, a grant, an
 	// override, a plan) therefore reaches the blocks taken before it within
@@ -31,8 +39,10 @@ const (
 
 // Size is the block an instance takes of a bucket of the given interval and
 // burst when its decisions ask for tokensPerSec, and the lead: the tokens
-// held below which it fetches the next block. block is 0 when the bucket is
-// too small or too slow for blocks (see MinBlock).
+// held below which it fetches the next block. line is how long, in µs, its
+// last block waited in the bucket's line for its first token (0 or less:
+// none). block is 0 when the bucket is too small or too slow for blocks
+// (see MinBlock).
 //
 // Over the budget, the instances' blocks line up in the bucket's schedule
 // and each is served in turn: what an instance admits is in proportion to
@@ -42,15 +52,21 @@ const (
 // average stays in proportion. The lead is at most half the horizon's
 // tokens, so that two instances at their most leave room for the others
 // (in proportion, then, up to 5 times the key's rate on one instance).
-func Size(tokensPerSec float64, interval, burst int64) (block, lead int64) {
+func Size(tokensPerSec float64, interval, burst, line int64) (block, lead int64) {
+	if line > LineTarget {
+		tokensPerSec *= float64(LineTarget) / float64(line)
+	}
 	reach := Horizon / interval / 2 // the lead at most half the horizon
 	cap := Cap(interval, burst)
 	if cap < MinBlock {
 		return 0, 0
 	}
 	block = min(max(1, int64(tokensPerSec*BlockPeriod/1e6+0.5)), cap)
+	// One more block is sent for once a token fewer than the lead is in
+	// the line, and lands with block more: on average the instance has lead
+	// + block/2 − 1/2 in the line, which is what average asks for.
 	average := tokensPerSec * (LeadPeriod + BlockPeriod/2) / 1e6
-	lead = min(max(0, int64(average-float64(block)/2+0.5)), reach)
+	lead = min(max(0, int64(average-float64(block)/2+1)), reach)
 	return block, lead
 }
 
@@ -81,4 +97,13 @@ func Next(held, ready, lead, block, need int64) (size int64, fetch bool) {
 		return 0, false
 	}
 	return block, true
+}
+
+// Line is the estimate of the bucket's line, in µs, after a block whose
+// first token waited wait µs (negative: it was there at once), given the
+// estimate before: an average that moves a quarter of the way each block,
+// so that instances that fetch at different times read about the same
+// line.
+func Line(before, wait int64) int64 {
+	return before + (max(0, wait)-before)/4
 }
