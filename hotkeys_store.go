@@ -79,9 +79,9 @@ type hotKey struct {
 	block, lead        int64 // the sizing of the last decision
 	// line: how long, in µs, the last block waited in the bucket's line
 	// for its first token (see hotkey.LineTarget)
-	line int64
-	lastSeen           int64 // local µs of the last decision
-	contended          int64 // local µs until which it stays hot whatever its rate
+	line      int64
+	lastSeen  int64 // local µs of the last decision
+	contended int64 // local µs until which it stays hot whatever its rate
 	// fetching: a block is on its way; landed is closed when it lands.
 	fetching bool
 	landed   chan struct{}
