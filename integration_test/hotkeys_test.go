@@ -57,6 +57,39 @@ type hotRun struct {
 	peakFleet float64
 }
 
+// keyClient sends requests of one key to one instance on a keep-alive
+// connection of its own.
+type keyClient struct {
+	client *http.Client
+	tr     *http.Transport
+	in     *instance
+	key    string
+}
+
+func newKeyClient(in *instance, key string) *keyClient {
+	tr := &http.Transport{MaxIdleConnsPerHost: 1, DisableCompression: true}
+	return &keyClient{client: &http.Client{Transport: tr, Timeout: 10 * time.Second}, tr: tr, in: in, key: key}
+}
+
+// ask sends one request (with the header pairs given) and returns its
+// status, 0 for a transport error.
+func (c *keyClient) ask(header ...string) int {
+	req, _ := http.NewRequest("GET", c.in.URL+"/", nil)
+	req.Header.Set("X-Api-Key", c.key)
+	for i := 0; i+1 < len(header); i += 2 {
+		req.Header.Set(header[i], header[i+1])
+	}
+	resp, err := c.client.Do(req)
+	if err != nil {
+		return 0
+	}
+	_, _ = io.Copy(io.Discard, resp.Body)
+	resp.Body.Close()
+	return resp.StatusCode
+}
+
+func (c *keyClient) close() { c.tr.CloseIdleConnections() }
+
 // hotLoad sends requests on one key from conns[i] connections to instance
 // i, each on its own keep-alive connection, as fast as they are answered,
 // for d; an instance whose skew is n > 0 is sent one request for every n
@@ -75,9 +108,8 @@ func hotLoad(t *testing.T, fleet []*instance, conns, skew []int, d time.Duration
 			wg.Add(1)
 			go func() {
 				defer wg.Done()
-				tr := &http.Transport{MaxIdleConnsPerHost: 1, DisableCompression: true}
-				defer tr.CloseIdleConnections()
-				client := &http.Client{Transport: tr, Timeout: 10 * time.Second}
+				c := newKeyClient(in, key)
+				defer c.close()
 				var n int64
 				var admitted, sent []time.Duration
 				for time.Now().Before(stop) {
@@ -87,18 +119,9 @@ func hotLoad(t *testing.T, fleet []*instance, conns, skew []int, d time.Duration
 						}
 					}
 					sentTo[i].Add(1)
-					req, _ := http.NewRequest("GET", in.URL+"/", nil)
-					req.Header.Set("X-Api-Key", key)
 					sent = append(sent, time.Since(start))
-					resp, err := client.Do(req)
 					n++
-					if err != nil {
-						failed.Add(1)
-						continue
-					}
-					_, _ = io.Copy(io.Discard, resp.Body)
-					resp.Body.Close()
-					switch resp.StatusCode {
+					switch c.ask() {
 					case 200:
 						admitted = append(admitted, time.Since(start)) // decided before now
 					case 429:
@@ -499,22 +522,14 @@ func admissionsUnder(t *testing.T, fleet []*instance, d, changeAt time.Duration,
 			wg.Add(1)
 			go func() {
 				defer wg.Done()
-				tr := &http.Transport{MaxIdleConnsPerHost: 1, DisableCompression: true}
-				defer tr.CloseIdleConnections()
-				client := &http.Client{Transport: tr, Timeout: 10 * time.Second}
+				c := newKeyClient(in, key)
+				defer c.close()
 				for time.Since(start) < d {
-					req, _ := http.NewRequest("GET", in.URL+"/", nil)
-					req.Header.Set("X-Api-Key", key)
+					var header []string
 					if plan != nil {
-						req.Header.Set("X-Plan", plan(time.Since(start)))
+						header = []string{"X-Plan", plan(time.Since(start))}
 					}
-					resp, err := client.Do(req)
-					if err != nil {
-						continue
-					}
-					_, _ = io.Copy(io.Discard, resp.Body)
-					resp.Body.Close()
-					if resp.StatusCode == 200 {
+					if c.ask(header...) == 200 {
 						mu.Lock()
 						admitted = append(admitted, time.Since(start))
 						mu.Unlock()
@@ -677,21 +692,16 @@ func TestHotKeyRedisAway(t *testing.T) {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			tr := &http.Transport{MaxIdleConnsPerHost: 1, DisableCompression: true}
-			defer tr.CloseIdleConnections()
-			client := &http.Client{Transport: tr, Timeout: 10 * time.Second}
+			c := newKeyClient(in, "tenant-away")
+			defer c.close()
 			for time.Since(start) < run {
-				req, _ := http.NewRequest("GET", in.URL+"/", nil)
-				req.Header.Set("X-Api-Key", "tenant-away")
-				resp, err := client.Do(req)
-				if err != nil {
+				status := c.ask()
+				if status == 0 {
 					continue
 				}
-				_, _ = io.Copy(io.Discard, resp.Body)
-				resp.Body.Close()
 				mu.Lock()
-				statuses[resp.StatusCode]++
-				if resp.StatusCode == 200 {
+				statuses[status]++
+				if status == 200 {
 					admitted = append(admitted, time.Since(start))
 				}
 				mu.Unlock()
