@@ -1,7 +1,7 @@
 # The commands of the README: `make run`, `make demo`, `make test`, `make bench` and `make build`.
 GO ?= go
 
-.PHONY: run build xcaddy test demo bench redis-server wrk check
+.PHONY: run build xcaddy test demo fleet bench redis-server prometheus node wrk check
 
 # Build Caddy with the module and serve Caddyfile.example on
 # http://localhost:8080 (in-process buckets: no Redis needed).
@@ -29,13 +29,15 @@ xcaddy:
 
 # Every test: formatting, vet, the package under the race detector, and the
 # integration tests that run the built Caddy against real redis-server
-# processes (started by the tests on free loopback ports). One package at a
+# processes (started by the tests on free loopback ports) and drive it with
+# the official LLM SDKs under Node (integration_test/sdk: the tests run its
+# npm ci, from package-lock.json, once). One package at a
 # time (-p 1): the integration tests load the machine on purpose, and must
 # not also compete with the unit tests for its two cores. The integration
 # package takes some 5 to 7 minutes on 2 cores, and more on a busy machine:
 # -timeout 25m rather than go test's 10m, so that a slow machine is not
 # mistaken for a hung test.
-test: redis-server check
+test: redis-server prometheus node check
 	$(GO) test -race -count=1 -p 1 -timeout 25m ./...
 
 # Four Caddy instances on one budget, with in-process buckets (about 4x over)
@@ -44,6 +46,14 @@ test: redis-server check
 # demo-output/admitted.svg, and stops every process it started.
 demo: redis-server
 	$(GO) run ./cmd/demo
+
+# A Redis and two Caddy instances running Caddyfile.fleet (one file, two
+# sets of ports) on one shared budget: prints how to send requests to each,
+# runs a short scripted load and what each instance admitted against the
+# budget, then keeps the fleet up until Ctrl-C stops every process it
+# started.
+fleet: redis-server
+	$(GO) run ./cmd/fleet
 
 # What the limiter costs: plain Caddy against rate_limit (Redis, in-process,
 # an abusive identity with and without Retry-After pacing, two policies, a
@@ -66,6 +76,28 @@ redis-server:
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server redis-tools >/dev/null; \
 	}
 	@redis-server --version
+
+# The dashboard and alert rules tests (docs/grafana, docs/prometheus) run
+# a real Prometheus and promtool; install them from Debian's packages when
+# missing (root only), as redis-server. The tests start their own
+# Prometheus on a free loopback port, never the packaged service.
+prometheus:
+	@command -v prometheus >/dev/null 2>&1 && command -v promtool >/dev/null 2>&1 || { \
+		if [ "$$(id -u)" != 0 ]; then echo "prometheus is missing: install it (e.g. apt-get install prometheus) or run make test as root"; exit 1; fi; \
+		echo "installing prometheus and promtool from Debian's packages"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; \
+	}
+	@prometheus --version 2>&1 | head -1
+
+# The SDK tests run the official LLM SDKs under Node; install it from
+# Debian's packages when it is missing (root only), as redis-server.
+node:
+	@command -v node >/dev/null 2>&1 && command -v npm >/dev/null 2>&1 || { \
+		if [ "$$(id -u)" != 0 ]; then echo "node is missing: install it (e.g. apt-get install nodejs npm) or run make test as root"; exit 1; fi; \
+		echo "installing nodejs and npm from Debian's packages"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends nodejs npm >/dev/null; \
+	}
+	@node --version
 
 wrk:
 	@command -v wrk >/dev/null 2>&1 || { \

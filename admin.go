@@ -36,6 +36,7 @@ func init() {
 //	GET  /rate_limit/top?policy=<name>&n=<n>
 //	GET  /rate_limit/format
 //	POST /rate_limit/format  {"format": "v1" | "v2"}
+//	GET  /rate_limit/fleet
 //
 // and the overrides of admin_override.go. Inspect, reset and grant take
 // an optional plan (query or body), to read the bucket under that plan's
@@ -62,6 +63,9 @@ type adminRequest struct {
 	Tokens   int64  `json:"tokens"`
 	N        int    `json:"n"`
 	Plan     string `json:"plan,omitempty"`
+	// EmptyKey names the bucket of the requests whose key resolved empty
+	// (Identity then empty): they all share it.
+	EmptyKey bool `json:"empty_key,omitempty"`
 }
 
 // bucketState is a bucket as inspect, reset and grant answer it.
@@ -83,6 +87,11 @@ type bucketState struct {
 	// Granted is what grant gave back (at most what makes the bucket full:
 	// 0 for a full one).
 	Granted *int64 `json:"granted,omitempty"`
+	// Learned, for a settle policy: the largest usage of the key's recent
+	// settles that used more than they reserved, which its requests now
+	// reserve at least (at most the burst); 0 when none did. A reset
+	// forgets it.
+	Learned *int64 `json:"learned,omitempty"`
 	// A concurrent policy's slots, and those held now (Tokens: those free);
 	// after a reset, the running requests' (kept), and Dropped, the stale
 	// leases of holders that vanished.
@@ -120,12 +129,15 @@ func (a adminAPI) serve(w http.ResponseWriter, r *http.Request) error {
 	if action == "format" {
 		return a.format(w, r)
 	}
+	if action == "fleet" {
+		return a.fleet(w, r) // admin_fleet.go
+	}
 	if action == "override" || action == "overrides" {
 		return a.serveOverride(w, r, action)
 	}
 	method := map[string]string{"inspect": http.MethodGet, "top": http.MethodGet, "reset": http.MethodPost, "grant": http.MethodPost}[action]
 	if method == "" {
-		return apiError(http.StatusNotFound, "no such rate_limit endpoint %q: use inspect, reset, grant, top, format, override or overrides", action)
+		return apiError(http.StatusNotFound, "no such rate_limit endpoint %q: use inspect, reset, grant, top, format, fleet, override or overrides", action)
 	}
 	if r.Method != method {
 		return apiError(http.StatusMethodNotAllowed, "%s takes %s", action, method)
@@ -142,6 +154,7 @@ func (a adminAPI) serve(w http.ResponseWriter, r *http.Request) error {
 	} else {
 		q := r.URL.Query()
 		req.Policy, req.Identity, req.Plan = q.Get("policy"), q.Get("identity"), q.Get("plan")
+		req.EmptyKey, _ = strconv.ParseBool(q.Get("empty_key"))
 		if n := q.Get("n"); n != "" {
 			v, err := strconv.Atoi(n)
 			if err != nil || v < 1 {
@@ -181,10 +194,15 @@ func (adminAPI) bucket(ctx context.Context, action string, def definition, req a
 	}
 	def.policy = p
 	key := p.fixedKey
-	if key == "" {
-		if req.Identity == "" {
-			return nil, apiError(http.StatusBadRequest, "identity: required: the value policy %q keys on (%s)", p.Name, p.Key)
-		}
+	switch {
+	case key != "":
+	case req.EmptyKey && req.Identity != "":
+		return nil, apiError(http.StatusBadRequest, "identity and empty_key exclude each other: empty_key names the bucket of the requests whose key resolved empty")
+	case req.EmptyKey:
+		key = p.storageKey(h.hasher, "") // as the handler names it
+	case req.Identity == "":
+		return nil, apiError(http.StatusBadRequest, "identity: required: the value policy %q keys on (%s); for the bucket the requests whose key resolved empty share, empty_key (--empty-key)", p.Name, p.Key)
+	default:
 		req.Identity = p.identityOf(req.Identity) // a client address names its network's bucket, as in the handler
 		key = p.storageKey(h.hasher, req.Identity)
 	}
@@ -200,18 +218,18 @@ func (adminAPI) bucket(ctx context.Context, action string, def definition, req a
 	// A grant reads the bucket and gives the tokens back in one decision:
 	// each of its buckets reads the state from before it, so the first says
 	// what the grant found, atomically.
-	inspect := bucketRequest{key: key, limit: p.limit, op: opInspect}
-	p.markOverridable(&inspect, true) // shows the override in force
+	inspect := bucketRequest{key: key, limit: p.limit, op: opInspect, learns: p.learns()} // shows what its key learned
+	p.markOverridable(&inspect, true)                                                     // shows the override in force
 	reqs := []bucketRequest{inspect}
 	switch action {
 	case "reset":
-		reqs[0].op = opReset
+		reqs[0].op = opReset // and forgets what its key learned
 	case "grant":
 		if req.Tokens < 1 || req.Tokens > maxJSONInteger {
 			return nil, apiError(http.StatusBadRequest, "tokens: %d is not a positive integer", req.Tokens)
 		}
 		grant := inspect
-		grant.op, grant.delta = opAdjust, -req.Tokens
+		grant.op, grant.delta, grant.learns = opAdjust, -req.Tokens, false // no settle: nothing to learn
 		reqs = append(reqs, grant)
 	}
 	d, err := h.store.decide(ctx, reqs)
@@ -229,6 +247,10 @@ func (adminAPI) bucket(ctx context.Context, action string, def definition, req a
 		if blocks, tokens := rs.conn.hot.held(key); blocks > 0 {
 			st.Held = &heldHere{Blocks: blocks, Tokens: tokens}
 		}
+	}
+	if inspect.learns && action != "reset" {
+		learned := d.verdicts[0].learned
+		st.Learned = &learned
 	}
 	if action == "inspect" {
 		return st, nil

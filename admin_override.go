@@ -303,6 +303,9 @@ func parseOverrideFor(s string) (time.Duration, error) {
 	if err != nil {
 		return 0, errors.New("for: " + err.Error())
 	}
+	if d <= 0 {
+		return 0, errors.New("for: " + s + " must be positive: how long the override lasts, from " + minOverrideFor.String() + " to 366 days")
+	}
 	if d < minOverrideFor || d > maxOverrideFor {
 		return 0, errors.New("for: " + d.String() + " must be from " + minOverrideFor.String() + " to " + maxOverrideFor.String() + " (366 days)")
 	}

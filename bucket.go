@@ -121,6 +121,12 @@ type bucketRequest struct {
 	// an override's limit (override.limitFor), sent with an overridable
 	// bucket.
 	overrideWait, overrideDebt int64
+	// learns: the bucket's key learns its usage (learned_usage.go): an
+	// opTake is raised to what it learned, an opAdjust remembers record
+	// (0: a settle within asked, the request's own reservation), an
+	// opReset forgets.
+	learns        bool
+	asked, record int64
 }
 
 // counter is a metric that counts (a Prometheus counter).
@@ -149,6 +155,10 @@ type verdict struct {
 	// limit is the limit the bucket was decided under: the request's, or
 	// an operator's override of it (see override.go).
 	limit limit
+	// cost: the tokens a take or check was decided with (raised to what
+	// its key learned, for a bucket that learns); learned: the largest
+	// usage the key remembered before the request (learned_usage.go).
+	cost, learned int64
 }
 
 // decision is the outcome of one request across all its buckets.
@@ -157,6 +167,7 @@ type decision struct {
 	now      int64 // the store's clock, µs
 	delay    int64 // µs to hold an admitted request: the latest reserved slot
 	verdicts []verdict
+	call     callStats // the store call that made it, for its trace (tracing.go)
 }
 
 // start is the TAT from which a request is judged: a TAT in the past means a
@@ -247,6 +258,7 @@ func decideBuckets(tats []int64, now int64, reqs []bucketRequest) (decision, []i
 		if rq.op == opCheck {
 			wait = 0
 		}
+		d.verdicts[i].cost = rq.cost
 		d.verdicts[i].allowed = rq.limit.fits(start(tats[i], now), now, rq.cost, wait)
 		if !d.verdicts[i].allowed && !rq.shadow {
 			d.admitted = false

@@ -63,7 +63,10 @@ func evalScriptFormat(ctx context.Context, client redis.UniversalClient, script 
 // requests, which may share buckets, as coalesced calls do: the script
 // decides them in order. It runs the script as Redis 7 runs it (a missing
 // key created by SET NX GET, undone when the request is denied) and as
-// older Redis runs it (GET, then SET).
+// older Redis runs it (GET, then SET). The buckets of two of the policies
+// learn their usage (learned_usage.go): their settles remember usage, their
+// takes are raised to it, their resets forget it, and the memory Redis
+// keeps beside the bucket is the one the Go model keeps, as Go writes it.
 func TestLuaMatchesGoBucket(t *testing.T) {
 	_, client, _ := newTestRedis(t)
 	const probe = "redis.REDIS_VERSION_NUM ~= nil"
@@ -112,10 +115,11 @@ func luaMatchesGoBucket(t *testing.T, client *redis.Client, script string, forma
 		{{interval: 86_400_000_000, burst: 1}, {interval: 60_000_000, burst: 3}},            // 1/1d, then 1/1m burst 3
 	}
 	ops := []bucketOp{opTake, opTake, opTake, opTake, opTake, opCheck, opAdjust, opAdjust, opInspect}
+	learns := func(li int) bool { return li == 2 || li == 3 } // settle policies
 	randomRequest := func() []bucketRequest {
 		if rng.IntN(40) == 0 { // an operator's reset
 			li := rng.IntN(len(limits))
-			return []bucketRequest{{key: fmt.Sprintf("rl:p%d:{id%d}", li, rng.IntN(3)), limit: limits[li][rng.IntN(2)], op: opReset}}
+			return []bucketRequest{{key: fmt.Sprintf("rl:p%d:{id%d}", li, rng.IntN(3)), limit: limits[li][rng.IntN(2)], op: opReset, learns: learns(li)}}
 		}
 		op := ops[rng.IntN(len(ops))]
 		n := 1 + rng.IntN(3)
@@ -135,7 +139,7 @@ func luaMatchesGoBucket(t *testing.T, client *redis.Client, script string, forma
 			if rng.IntN(10) == 0 {
 				l = limits[li][1]
 			}
-			rq := bucketRequest{key: key, limit: l, op: op}
+			rq := bucketRequest{key: key, limit: l, op: op, learns: learns(li)}
 			switch op {
 			case opTake, opCheck:
 				rq.cost = 1 + rng.Int64N(3)
@@ -155,13 +159,18 @@ func luaMatchesGoBucket(t *testing.T, client *redis.Client, script string, forma
 				if rq.delta == 0 {
 					rq.delta = 3
 				}
+				if rq.learns && rng.IntN(3) == 0 {
+					rq.record = 1 + rng.Int64N(2*l.burst) // a settle beyond its own reservation
+				}
 			}
 			reqs = append(reqs, rq)
 		}
 		return reqs
 	}
 	model := map[string]storedBucket{} // the Go side's own state
-	writtenIn := map[string]int{}      // the step that last wrote a bucket
+	learnedModel := map[string]learnedUsage{}
+	var raised, remembered int
+	writtenIn := map[string]int{} // the step that last wrote a bucket
 	// The longest call (µs from its TIME to Redis's clock after it) of
 	// those that touched a bucket since the one that last wrote it: any of
 	// them may have set its TTL, as a call may rewrite a bucket it only
@@ -186,17 +195,33 @@ func luaMatchesGoBucket(t *testing.T, client *redis.Client, script string, forma
 			out := res[off : off+replyLen(reqs)]
 			off += len(out)
 			tats := make([]int64, len(reqs))
-			for i, rq := range reqs {
+			lv := make([]int64, len(reqs))
+			for i, at := 0, 1; i < len(reqs); i++ {
+				rq := reqs[i]
 				b := model[rq.key]
 				tats[i] = rq.limit.rebase(b.tat, b.interval, now)
 				if b.tat > now && b.interval != rq.limit.interval {
 					rebased++
 				}
-				if got := start(out[2+2*i], now); got != start(tats[i], now) { // rate buckets: 2 numbers each
-					t.Fatalf("step %d, request %d: bucket %s: Redis held TAT %d, Go %d (now %d)", step, r, rq.key, out[2+2*i], tats[i], now)
+				if got := start(out[at+1], now); got != start(tats[i], now) { // rate buckets: allowed, TAT [, learned]
+					t.Fatalf("step %d, request %d: bucket %s: Redis held TAT %d, Go %d (now %d)", step, r, rq.key, out[at+1], tats[i], now)
+				}
+				at += replyWidthOf(rq)
+				if rq.learns {
+					l := learnedModel[rq.key]
+					lv[i] = l.max()
 				}
 			}
-			want, next := decideBuckets(tats, now, reqs)
+			decided := withLearned(reqs, lv)
+			want, next := decideBuckets(tats, now, decided)
+			for i, rq := range reqs {
+				if rq.learns {
+					want.verdicts[i].learned = lv[i]
+				}
+				if decided[i].cost != rq.cost {
+					raised++
+				}
+			}
 			if want.admitted != (out[0] == scriptAdmitted) {
 				t.Fatalf("step %d, request %d: Lua status %d, Go admitted %v", step, r, out[0], want.admitted)
 			}
@@ -215,6 +240,17 @@ func luaMatchesGoBucket(t *testing.T, client *redis.Client, script string, forma
 				default:
 					model[rq.key] = storedBucket{next[i], rq.limit.interval}
 					writtenIn[rq.key] = step
+				}
+				switch {
+				case !rq.learns:
+				case rq.op == opReset:
+					delete(learnedModel, rq.key)
+				case rq.op == opAdjust:
+					l := learnedModel[rq.key]
+					if l.push(rq.record) {
+						learnedModel[rq.key] = l
+						remembered++
+					}
 				}
 			}
 			if reqs[0].op.admits() {
@@ -243,6 +279,25 @@ func luaMatchesGoBucket(t *testing.T, client *redis.Client, script string, forma
 					callSlack[rq.key] = callLength
 				} else {
 					callSlack[rq.key] = max(callSlack[rq.key], callLength)
+				}
+			}
+		}
+		for _, reqs := range batch {
+			for _, rq := range reqs {
+				if !rq.learns {
+					continue
+				}
+				v, err := client.Get(ctx, rq.key+learnedSuffix).Result()
+				if err == redis.Nil {
+					v = ""
+				} else if err != nil {
+					t.Fatal(err)
+				}
+				if want := encodeLearned(learnedModel[rq.key]); v != want || decodeLearned(v) != learnedModel[rq.key] && want != "" {
+					t.Fatalf("step %d: %s%s holds %q, Go %q", step, rq.key, learnedSuffix, v, want)
+				}
+				if pttl, err := client.PTTL(ctx, rq.key+learnedSuffix).Result(); v != "" && (err != nil || pttl <= 0 || pttl > learnTTL) {
+					t.Fatalf("step %d: %s%s: TTL %v (%v), want at most %v", step, rq.key, learnedSuffix, pttl, err, learnTTL)
 				}
 			}
 		}
@@ -284,10 +339,12 @@ func luaMatchesGoBucket(t *testing.T, client *redis.Client, script string, forma
 			time.Sleep(time.Duration(rng.IntN(30)) * time.Millisecond) // let buckets refill
 		}
 	}
-	if admitted < 500 || denied < 500 || rebased < 100 || format == formatV2 && compact < 500 {
-		t.Fatalf("sequence exercised too little: %d admitted, %d denied, %d rebased, %d stored compact", admitted, denied, rebased, compact)
+	if admitted < 500 || denied < 500 || rebased < 100 || format == formatV2 && compact < 500 || raised < 100 || remembered < 100 {
+		t.Fatalf("sequence exercised too little: %d admitted, %d denied, %d rebased, %d stored compact, %d raised to a learned usage, %d usages remembered",
+			admitted, denied, rebased, compact, raised, remembered)
 	}
-	t.Logf("%d requests in 3000 calls: %d admitted, %d denied, %d buckets read against a changed limit, %d stored in v2, identical in Lua and Go", requests, admitted, denied, rebased, compact)
+	t.Logf("%d requests in 3000 calls: %d admitted, %d denied, %d buckets read against a changed limit, %d stored in v2, %d takes raised to a learned usage, %d usages remembered, identical in Lua and Go",
+		requests, admitted, denied, rebased, compact, raised, remembered)
 }
 
 // TestLuaBadKeys: a bucket key holding a hash (WRONGTYPE) or a string that
@@ -395,22 +452,24 @@ func TestRedisStoreReloadsFlushedScript(t *testing.T) {
 // global policy) through the Redis store, with many concurrent callers, and
 // Redis's own time per decision: one call per decision (as in Cluster mode)
 // and coalesced (a single Redis or Sentinel), where the call reads and
-// writes the hot key once for all its requests.
+// writes the hot key once for all its requests; and a settle policy's
+// bucket, which reads what its key learned (learned_usage.go) too.
 func BenchmarkRedisHotKey(b *testing.B) {
 	srv := testredis.Start(b)
 	client := redis.NewClient(&redis.Options{Addr: srv.Addr})
 	defer client.Close()
-	for _, coalesce := range []bool{false, true} {
-		b.Run(fmt.Sprintf("coalesced=%v", coalesce), func(b *testing.B) {
+	for _, run := range []struct{ coalesce, learns bool }{{false, false}, {true, false}, {false, true}, {true, true}} {
+		coalesce := run.coalesce
+		b.Run(fmt.Sprintf("coalesced=%v/learns=%v", coalesce, run.learns), func(b *testing.B) {
 			noCoalescing = !coalesce
 			defer func() { noCoalescing = false }()
-			conn, err := newRedisConn(RedisConfig{Addresses: []string{srv.Addr}, PoolSize: 64}.resolved(), zap.NewNop())
+			conn, err := newRedisConn(RedisConfig{Addresses: []string{srv.Addr}, PoolSize: 64, Timeout: testTimeout}.resolved(), zap.NewNop())
 			if err != nil {
 				b.Fatal(err)
 			}
 			defer conn.Destruct()
 			rs := &redisStore{conn: conn}
-			reqs := []bucketRequest{{key: "rl:global:{hot}", limit: limit{interval: 1, burst: 1_000_000}, op: opTake, cost: 1}}
+			reqs := []bucketRequest{{key: "rl:global:{hot}", limit: limit{interval: 1, burst: 1_000_000}, op: opTake, cost: 1, learns: run.learns}}
 			client.ConfigResetStat(context.Background())
 			b.SetParallelism(16)
 			b.ResetTimer()

@@ -27,23 +27,34 @@ type definition struct {
 	handler *Handler
 }
 
-// budgetShape is what two definitions of one policy name must share.
+// budgetShape is what two definitions of one policy name must share: its
+// limit, its key and its store.
 func (d definition) budgetShape() string {
-	p := d.policy
-	key := p.Key
-	if p.keyTmpl.usesAddr() { // the mask is part of the key: another makes other buckets
-		key += " (" + p.addrMask.String() + ")"
+	return d.policy.limitShape() + ", key " + d.policy.keyShape() + ", store " + d.handler.storeName()
+}
+
+// limitShape is the policy's kind and limit, as its config says it: what
+// instances sharing its buckets must agree on besides the key (see
+// fleet.go).
+func (p *Policy) limitShape() string {
+	switch {
+	case p.quota != nil:
+		return fmt.Sprintf("kind %s, quota %s, timezone %s", p.kind(), p.Quota, p.quota.loc) + p.planShape()
+	case p.Shed != nil:
+		return fmt.Sprintf("kind %s, %s", p.kind(), p.shedShape())
+	case p.Concurrent > 0:
+		return fmt.Sprintf("kind %s, %d slots, lease %s", p.kind(), p.Concurrent, time.Duration(p.limit.interval)*time.Microsecond) + p.planShape()
 	}
-	if p.quota != nil {
-		return fmt.Sprintf("kind %s, quota %s, timezone %s, key %s, store %s", p.kind(), p.Quota, p.quota.loc, key, d.handler.storeName()) + p.planShape()
+	return fmt.Sprintf("kind %s, rate %s, burst %d", p.kind(), p.Rate, p.limit.burst) + p.planShape()
+}
+
+// keyShape is the policy's key template, with the mask of a client
+// address in it: another mask makes other buckets.
+func (p *Policy) keyShape() string {
+	if p.keyTmpl.usesAddr() {
+		return p.Key + " (" + p.addrMask.String() + ")"
 	}
-	if p.Shed != nil {
-		return fmt.Sprintf("kind %s, %s, key %s, store %s", p.kind(), p.shedShape(), key, d.handler.storeName())
-	}
-	if p.Concurrent > 0 {
-		return fmt.Sprintf("kind %s, %d slots, lease %s, key %s, store %s", p.kind(), p.Concurrent, time.Duration(p.limit.interval)*time.Microsecond, key, d.handler.storeName()) + p.planShape()
-	}
-	return fmt.Sprintf("kind %s, rate %s, burst %d, key %s, store %s", p.kind(), p.Rate, p.limit.burst, key, d.handler.storeName()) + p.planShape()
+	return p.Key
 }
 
 // kind names the policy's kind: rate, and how it is charged.
@@ -119,6 +130,20 @@ func (b *budgetBook) find(name string) (definition, bool) {
 		}
 	}
 	return definition{}, false
+}
+
+// policies returns the policies of the config loaded last, one per name
+// (a name is one policy).
+func (b *budgetBook) policies() []*Policy {
+	var ps []*Policy
+	for _, h := range b.handlers() {
+		for _, p := range h.Policies {
+			if !slices.ContainsFunc(ps, func(q *Policy) bool { return q.Name == p.Name }) {
+				ps = append(ps, p)
+			}
+		}
+	}
+	return ps
 }
 
 // handlers returns the handlers of the config loaded last.

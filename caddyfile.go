@@ -67,7 +67,9 @@ const mholtOrderWarning = "rate_limit: a zone is mholt/caddy-ratelimit's syntax,
 //	    on_error   fail_open|fail_closed|local
 //	    jitter     <percent>
 //	    headers    draft|off
+//	    error_format problem|openai|anthropic
 //	    shadow
+//	    require_redis
 //	    instances  <n>
 //	    ipv6_prefix <bits>
 //	    ipv4_prefix <bits>
@@ -79,11 +81,12 @@ const mholtOrderWarning = "rate_limit: a zone is mholt/caddy-ratelimit's syntax,
 //	        burst    <n>
 //	        cost     <n | {placeholder} | openai> [max <n>]
 //	        on_error fail_open|fail_closed|local
+//	        error_format problem|openai|anthropic
 //	        shadow
 //	        wait     <duration> [<max_held>]
 //	        charge_if { <response matchers> }
-//	        settle   header|trailer <field> [max <n>]
-//	        settle   openai|anthropic [weights input <a> output <b>] [max <n>]
+//	        settle   header|trailer <field> [max <n>] [debt <n>]
+//	        settle   openai|anthropic [weights input <a> output <b> [cache_write <w>] [cache_read <r>]] [max <n>] [debt <n>]
 //	        ipv6_prefix <bits>
 //	        ipv4_prefix <bits>
 //	        quota    <N>/<minute|hour|day|week|month|year>   # instead of rate
@@ -136,6 +139,13 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return err
 			}
 		case "key_secret":
+			if !d.NextArg() {
+				// {$VAR} is replaced before the Caddyfile is read: unset, it
+				// leaves nothing.
+				return d.Errf("key_secret: a value is required: a secret, or {env.RATE_LIMIT_SECRET}, read from the environment when the config loads " +
+					"(a {$VAR} whose variable is unset when the Caddyfile is adapted leaves nothing here: export it first)")
+			}
+			d.Prev()
 			if err := top.oneArg(d, &h.KeySecret); err != nil {
 				return err
 			}
@@ -157,11 +167,20 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			if err := top.oneArg(d, &h.Headers); err != nil {
 				return err
 			}
+		case "error_format":
+			if err := top.oneArg(d, &h.ErrorFormat); err != nil {
+				return err
+			}
 		case "shadow":
 			if err := top.noArg(d); err != nil {
 				return err
 			}
 			h.Shadow = true
+		case "require_redis":
+			if err := top.noArg(d); err != nil {
+				return err
+			}
+			h.RequireRedis = true
 		case "instances":
 			if err := top.intArg(d, &h.Instances, 1); err != nil {
 				return err
@@ -202,7 +221,7 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			}
 			ignored = append(ignored, ig)
 		default:
-			return d.Errf("unrecognized subdirective %q", sub)
+			return unknownSubdirective(d, nil, blockOfHandler, sub)
 		}
 	}
 	if err := h.checkOwn(); err != nil {
@@ -294,7 +313,7 @@ func (c *RedisConfig) unmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return err
 			}
 		default:
-			return s.errf(d, "unrecognized subdirective %q", sub)
+			return unknownSubdirective(d, s, blockOfRedis, sub)
 		}
 	}
 	if err := c.validate(); err != nil {
@@ -353,6 +372,10 @@ func unmarshalPolicy(d *caddyfile.Dispenser) (*Policy, error) {
 			}
 		case "on_error":
 			if err := s.oneArg(d, &p.OnError); err != nil {
+				return nil, err
+			}
+		case "error_format":
+			if err := s.oneArg(d, &p.ErrorFormat); err != nil {
 				return nil, err
 			}
 		case "shadow":
@@ -432,7 +455,7 @@ func unmarshalPolicy(d *caddyfile.Dispenser) (*Policy, error) {
 				return nil, err
 			}
 		default:
-			return nil, s.errf(d, "unrecognized subdirective %q", sub)
+			return nil, unknownSubdirective(d, s, blockOfPolicy, sub)
 		}
 	}
 	if err := p.check(); err != nil {
@@ -459,11 +482,12 @@ func (s *section) warnUnusedPrefix(p *Policy) {
 }
 
 // parseSettle reads the arguments of `settle header|trailer <field>
-// [max <n>]` and `settle openai|anthropic [weights input <a> output <b>]
-// [max <n>]`; the options in any order. What the values mean is checked
-// with the policy (Settle.check).
+// [max <n>] [debt <n>]` and `settle openai|anthropic [weights input <a>
+// output <b> [cache_write <w>] [cache_read <r>]] [max <n>] [debt <n>]`;
+// the options in any order. What the values mean is checked with the
+// policy (Settle.check).
 func parseSettle(args []string) (*Settle, error) {
-	const syntax = "expected settle header|trailer <field> [max <n>], or settle openai|anthropic [weights input <a> output <b>] [max <n>]"
+	const syntax = "expected settle header|trailer <field> [max <n>] [debt <n>], or settle openai|anthropic [weights input <a> output <b> [cache_write <w>] [cache_read <r>]] [max <n>] [debt <n>]"
 	st := new(Settle)
 	if len(args) == 0 {
 		return nil, errors.New(syntax)
@@ -474,28 +498,33 @@ func parseSettle(args []string) (*Settle, error) {
 	}
 	for len(args) > 0 {
 		switch opt := args[0]; opt {
-		case "max":
-			if st.Max != 0 {
-				return nil, errors.New("max: given twice")
+		case "max", "debt":
+			dst := &st.Max
+			if opt == "debt" {
+				dst = &st.Debt
+			}
+			if *dst != 0 {
+				return nil, fmt.Errorf("%s: given twice", opt)
 			}
 			if len(args) < 2 {
-				return nil, errors.New("max: a value is required")
+				return nil, fmt.Errorf("%s: a value is required", opt)
 			}
 			n, ok := positive(args[1])
 			if !ok {
-				return nil, fmt.Errorf("max %q must be a positive integer", args[1])
+				return nil, fmt.Errorf("%s %q must be a positive integer", opt, args[1])
 			}
-			st.Max, args = n, args[2:]
+			*dst, args = n, args[2:]
 		case "weights":
 			if st.Weights != nil {
 				return nil, errors.New("weights: given twice")
 			}
 			st.Weights = new(SettleWeights)
 			args = args[1:]
-			for len(args) > 0 && (args[0] == "input" || args[0] == "output") {
-				w := &st.Weights.Input
-				if args[0] == "output" {
-					w = &st.Weights.Output
+			for len(args) > 0 {
+				w := map[string]**float64{"input": &st.Weights.Input, "output": &st.Weights.Output,
+					"cache_write": &st.Weights.CacheWrite, "cache_read": &st.Weights.CacheRead}[args[0]]
+				if w == nil {
+					break
 				}
 				if *w != nil {
 					return nil, fmt.Errorf("weights: %s given twice", args[0])
@@ -510,7 +539,7 @@ func parseSettle(args []string) (*Settle, error) {
 				*w, args = &v, args[2:]
 			}
 			if st.Weights.Input == nil || st.Weights.Output == nil {
-				return nil, errors.New("weights: expected weights input <a> output <b>, both")
+				return nil, errors.New("weights: expected weights input <a> output <b> [cache_write <w>] [cache_read <r>], input and output both")
 			}
 		default:
 			return nil, fmt.Errorf("unexpected %q: %s", opt, syntax)

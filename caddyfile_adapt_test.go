@@ -149,20 +149,19 @@ func checkAdaptedConfig(t *testing.T, file string, adapted []byte) {
 		t.Fatalf("%s: caddy.Validate of the adapted config: %v", file, err)
 	}
 
-	var tree any
-	if err := json.Unmarshal(adapted, &tree); err != nil {
+	handlers, err := findHandlers(adapted) // check.go
+	if err != nil {
 		t.Fatal(err)
 	}
-	handlers := findHandlers(tree, "rate_limit", nil)
 	if len(handlers) == 0 {
 		t.Fatalf("%s: no rate_limit handler in the adapted JSON", file)
 	}
-	for i, raw := range handlers {
+	for i, found := range handlers {
 		// Round trip: decoding the handler's JSON and encoding it again
 		// gives the same JSON, so no field is unknown or lost.
-		delete(raw, "handler")
-		in, err := json.Marshal(raw)
-		if err != nil {
+		in := found.raw
+		var raw map[string]any
+		if err := json.Unmarshal(in, &raw); err != nil {
 			t.Fatal(err)
 		}
 		h := new(Handler)
@@ -206,24 +205,6 @@ func checkAdaptedConfig(t *testing.T, file string, adapted []byte) {
 		}
 		cancel()
 	}
-}
-
-// findHandlers returns every JSON object in tree whose "handler" is name.
-func findHandlers(tree any, name string, found []map[string]any) []map[string]any {
-	switch v := tree.(type) {
-	case map[string]any:
-		if v["handler"] == name {
-			found = append(found, v)
-		}
-		for _, child := range v {
-			found = findHandlers(child, name, found)
-		}
-	case []any:
-		for _, child := range v {
-			found = findHandlers(child, name, found)
-		}
-	}
-	return found
 }
 
 // lineDiff is a small line diff (longest common subsequence) that shows the
@@ -296,6 +277,26 @@ func TestJSONConfigErrors(t *testing.T) {
 		handler string   // the handler's JSON, without "handler"
 		want    []string // substrings of the error
 	}{
+		{
+			name:    "max_cost above the burst",
+			handler: `{"policies":[{"name":"llm","key":"{http.rate_limit.credential}","rate":"500/1m","cost":"openai","max_cost":8000,"settle":{"from":"openai"}}]}`,
+			want:    []string{`policy "llm"`, "cost: max 8000 is more than the burst 500"},
+		},
+		{
+			name:    "error_format unknown",
+			handler: `{"error_format":"gemini","policies":[{"name":"api","key":"{client_ip}","rate":"1/1s"}]}`,
+			want:    []string{`error_format: "gemini"`},
+		},
+		{
+			name:    "settle debt negative",
+			handler: `{"policies":[{"name":"api","key":"k","rate":"1/1s","settle":{"from":"openai","debt":-1}}]}`,
+			want:    []string{`policy "api"`, "settle: debt -1"},
+		},
+		{
+			name:    "cache_write for openai",
+			handler: `{"policies":[{"name":"api","key":"k","rate":"1/1s","settle":{"from":"openai","weights":{"input":1,"output":1,"cache_write":1}}}]}`,
+			want:    []string{`policy "api"`, "cache_write is for anthropic"},
+		},
 		{
 			name:    "rate zero",
 			handler: `{"policies":[{"name":"api","key":"{client_ip}","rate":"0/1s"}]}`,
@@ -475,6 +476,16 @@ func TestJSONConfigErrors(t *testing.T) {
 			name:    "durable replicas negative",
 			handler: `{"redis":{"addresses":["127.0.0.1:6379"]},"policies":[{"name":"monthly","key":"{client_ip}","quota":"5/month","durable":{"replicas":-1}}]}`,
 			want:    []string{`policy "monthly"`, "durable:", "from 1 to 1000"},
+		},
+		{
+			name:    "rate in words",
+			handler: `{"policies":[{"name":"api","key":"{client_ip}","rate":"100/minute"}]}`,
+			want:    []string{`policy "api"`, `rate: "100/minute"`, "did you mean 100/1m?"},
+		},
+		{
+			name:    "key_secret from an unset variable",
+			handler: `{"key_secret":"{env.RATE_LIMIT_TEST_UNSET_SECRET}","policies":[{"name":"api","key":"{client_ip}","rate":"10/1s"}]}`,
+			want:    []string{"key_secret:", "environment variable RATE_LIMIT_TEST_UNSET_SECRET is not set", "export RATE_LIMIT_TEST_UNSET_SECRET="},
 		},
 		{
 			name:    "durable without redis",

@@ -42,25 +42,44 @@ type Settle struct {
 	// integer. Required for `header` and `trailer`.
 	Field string `json:"field,omitempty"`
 
-	// The most usage one response settles, so that a broken upstream cannot
-	// bury a tenant in debt. Default: twice the burst.
+	// The most usage one response settles. Default: no cap but the debt's
+	// (burst + debt: a response cannot take more than a full bucket and
+	// all the debt it may owe).
 	Max int64 `json:"max,omitempty"`
 
-	// Weighs input and output tokens apart (`openai` and `anthropic`
-	// only): the usage is input × `input` + output × `output`, rounded up.
-	// Default: every token counts 1, and for `openai` the usage is
-	// `total_tokens`.
+	// The most tokens a key may owe beyond an empty bucket, charged by
+	// responses that used more than they reserved: the key is denied
+	// until the rate has paid it back. It bounds how long a broken
+	// upstream reporting an absurd usage can lock a key out. Default:
+	// what the rate refills in 24 hours, at least twice the burst; for a
+	// quota, twice its N.
+	Debt int64 `json:"debt,omitempty"`
+
+	// Weighs input, output and cached prompt tokens apart (`openai` and
+	// `anthropic` only): the usage is input × `input` + output × `output`
+	// + cache writes × `cache_write` + cache reads × `cache_read`, rounded
+	// up. Default: input and output count 1; cache writes (Anthropic's
+	// cache_creation_input_tokens) count as input; cache reads count as
+	// input for `openai` (prompt_tokens_details.cached_tokens, which
+	// OpenAI's rate limits count), 0 for `anthropic`
+	// (cache_read_input_tokens, which Anthropic's input-token rate limits
+	// do not count). Without weights, `openai` settles `total_tokens`.
 	Weights *SettleWeights `json:"weights,omitempty"`
 
-	w weights // provisioned: Weights, or unitWeights
+	w weights // provisioned: Weights with their defaults
 }
 
 // SettleWeights are the prices of input (prompt) and output (completion)
-// tokens, in the policy's tokens: decimals from 0 to 1000, at most 6
-// decimal places, not both 0. Both are required.
+// tokens, and of prompt tokens written to or read from the provider's
+// cache, in the policy's tokens: decimals from 0 to 1000, at most 6
+// decimal places; input and output are required, not both 0.
 type SettleWeights struct {
 	Input  *float64 `json:"input,omitempty"`
 	Output *float64 `json:"output,omitempty"`
+	// Default: input's. Anthropic only (OpenAI reports no cache writes).
+	CacheWrite *float64 `json:"cache_write,omitempty"`
+	// Default: input's for openai, 0 for anthropic.
+	CacheRead *float64 `json:"cache_read,omitempty"`
 }
 
 const (
@@ -84,47 +103,52 @@ func (s *Settle) provider() int {
 	return providerOpenAI
 }
 
-// check checks the settle options of a policy of burst tokens.
-func (s *Settle) check(burst int64) (max int64, err error) {
+// check checks the settle options; settleLimits gives their caps.
+func (s *Settle) check() (err error) {
 	switch s.From {
 	case settleHeader, settleTrailer:
 		if s.Field == "" {
-			return 0, fieldErr("settle", "settle: %s: the field that holds the usage is required, e.g. settle %s X-Usage-Tokens", s.From, s.From)
+			return fieldErr("settle", "settle: %s: the field that holds the usage is required, e.g. settle %s X-Usage-Tokens", s.From, s.From)
 		}
 		if s.Weights != nil {
-			return 0, fieldErr("settle", "settle: %s reports one number: weights are for openai and anthropic, whose responses count input and output tokens apart", s.From)
+			return fieldErr("settle", "settle: %s reports one number: weights are for openai and anthropic, whose responses count input and output tokens apart", s.From)
 		}
 	case settleOpenAI, settleAnthropic:
 		if s.Field != "" {
-			return 0, fieldErr("settle", "settle: %s reads the usage of the body, and takes no field (got %q)", s.From, s.Field)
+			return fieldErr("settle", "settle: %s reads the usage of the body, and takes no field (got %q)", s.From, s.Field)
 		}
 	default:
-		return 0, fieldErr("settle", "settle: %q is not header, trailer, openai or anthropic", s.From)
+		return fieldErr("settle", "settle: %q is not header, trailer, openai or anthropic", s.From)
 	}
 	if s.Max < 0 || s.Max > maxJSONInteger {
-		return 0, fieldErr("settle", "settle: max %d must be from 1 to %d", s.Max, int64(maxJSONInteger))
+		return fieldErr("settle", "settle: max %d must be from 1 to %d", s.Max, int64(maxJSONInteger))
 	}
-	s.w = unitWeights
-	if s.Weights != nil {
-		if s.w, err = s.Weights.check(); err != nil {
-			return 0, err
-		}
+	if s.Debt < 0 || s.Debt > maxJSONInteger {
+		return fieldErr("settle", "settle: debt %d must be from 1 to %d", s.Debt, int64(maxJSONInteger))
 	}
-	max = s.Max
-	if max == 0 {
-		max = 2 * burst
-	}
-	return max, nil
+	s.w, err = s.Weights.check(s.From)
+	return err
 }
 
-// check checks the weights and returns them in millionths.
-func (sw *SettleWeights) check() (weights, error) {
-	if sw.Input == nil || sw.Output == nil {
-		return weights{}, fieldErr("settle", "settle: weights: both are required, as in weights input 1 output 4")
+// check checks the weights of a settle from `from`, and returns them in
+// millionths with their defaults (see Settle.Weights).
+func (sw *SettleWeights) check(from string) (weights, error) {
+	if sw == nil {
+		return defaultWeights(from, weights{weightUnit, weightUnit, -1, -1}), nil
 	}
-	var w [2]int64
-	for i, v := range [2]float64{*sw.Input, *sw.Output} {
-		name := [2]string{"input", "output"}[i]
+	if sw.Input == nil || sw.Output == nil {
+		return weights{}, fieldErr("settle", "settle: weights: input and output are both required, as in weights input 1 output 4")
+	}
+	if sw.CacheWrite != nil && from == settleOpenAI {
+		return weights{}, fieldErr("settle", "settle: weights: cache_write is for anthropic: OpenAI reports the prompt tokens read from its cache (cache_read), no writes")
+	}
+	var w [4]int64
+	for i, p := range [4]*float64{sw.Input, sw.Output, sw.CacheWrite, sw.CacheRead} {
+		if p == nil {
+			w[i] = -1 // its default
+			continue
+		}
+		v, name := *p, [4]string{"input", "output", "cache_write", "cache_read"}[i]
 		if !(v >= 0 && v <= maxWeight) {
 			return weights{}, fieldErr("settle", "settle: weights: %s %s must be from 0 to %d", name, strconv.FormatFloat(v, 'f', -1, 64), maxWeight)
 		}
@@ -137,7 +161,7 @@ func (sw *SettleWeights) check() (weights, error) {
 	if w[0] == 0 && w[1] == 0 {
 		return weights{}, fieldErr("settle", "settle: weights: input and output are both 0: every response would settle at 0")
 	}
-	return weights{input: w[0], output: w[1]}, nil
+	return defaultWeights(from, weights{input: w[0], output: w[1], cacheWrite: w[2], cacheRead: w[3]}), nil
 }
 
 // afterResponse watches a response for what the policies charged after it
@@ -474,13 +498,14 @@ func (h *Handler) charges(ctx context.Context, aw *afterResponse, rs *requestSta
 			}
 			if a.settled {
 				delta = a.usage - rq.cost
+				rq.remember(a.usage) // learned_usage.go
 			} else {
 				// No usage: the charge is what the response delivered implies,
 				// never less than the reservation.
 				a.lost = aw.lostReason(p, gone)
 				delta = max(0, min(aw.estimate(p, rs), p.settleMax)-rq.cost)
 			}
-			if delta == 0 {
+			if delta == 0 && rq.record == 0 {
 				continue
 			}
 		}
@@ -535,15 +560,14 @@ func (w *afterResponse) lostReason(p *Policy, gone bool) int {
 	return lostNoUsage
 }
 
-// estimate is what a response without usage is charged at least: its
-// answer's text as delivered, at bytesPerToken bytes a token, and the
-// prompt's estimate when `cost openai` read one, weighed as the usage.
-// Only body settles estimate; 0 for the others.
+// estimate is what a response without usage is charged at least (see
+// cutEstimate). Only body settles estimate, and only a body that could be
+// read (one that could not keeps its reservation); 0 for the others.
 func (w *afterResponse) estimate(p *Policy, rs *requestState) int64 {
-	if w.body == nil || !p.Settle.fromBody() {
+	if w.body == nil || !p.Settle.fromBody() || w.body.unreadable() != nil {
 		return 0
 	}
-	return p.Settle.w.weigh(rs.body.promptTokens, tokensOf(w.body.scan.found.text))
+	return cutEstimate(p.Settle, rs.body, &w.body.scan.found)
 }
 
 // lostLogInterval is how often, at most, a policy logs the settles it lost
@@ -639,6 +663,12 @@ func (s *Settle) describe() string {
 	}
 	if sw := s.Weights; sw != nil && sw.Input != nil && sw.Output != nil {
 		d += fmt.Sprintf(" weights input %v output %v", *sw.Input, *sw.Output)
+		if sw.CacheWrite != nil {
+			d += fmt.Sprintf(" cache_write %v", *sw.CacheWrite)
+		}
+		if sw.CacheRead != nil {
+			d += fmt.Sprintf(" cache_read %v", *sw.CacheRead)
+		}
 	}
 	return d
 }

@@ -120,8 +120,9 @@ func ptr[T any](v T) *T { return &v }
 
 // TestServeHTTPCutStream: a stream cut before its usage (reverse_proxy
 // panics with http.ErrAbortHandler when the client or the upstream cuts
-// it) is charged what it delivered, its text at 4 bytes a token and the
-// prompt's estimate, and never less than its reservation; a stream
+// it) is charged what it delivered, its text at one token a byte (the
+// most a byte-level tokenizer makes; cut_estimate.go) and the prompt's
+// bytes, and never less than its reservation; a stream
 // without a usage event (no include_usage) the same. Each is counted lost
 // by its reason, and the upstream that sends no usage is logged once.
 func TestServeHTTPCutStream(t *testing.T) {
@@ -142,11 +143,11 @@ func TestServeHTTPCutStream(t *testing.T) {
 		charged int64
 		reason  int
 	}{
-		{"cut by the upstream, a tiny reservation", "1", half, true, false, tokensOf(halfText), lostNoUsage},
-		{"cut by the client, a tiny reservation", "1", half, true, true, tokensOf(halfText), lostClientGone},
+		{"cut by the upstream, a tiny reservation", "1", half, true, false, halfText, lostNoUsage},
+		{"cut by the client, a tiny reservation", "1", half, true, true, halfText, lostClientGone},
 		{"cut, a reservation above the estimate", "500", half, true, false, 500, lostNoUsage},
-		{"no usage event", "1", stream.String(), false, false, 100, lostNoUsage},
-		{"no usage event, gzip", "1", stream.String(), false, false, 100, lostNoUsage},
+		{"no usage event", "1", stream.String(), false, false, 400, lostNoUsage},
+		{"no usage event, gzip", "1", stream.String(), false, false, 400, lostNoUsage},
 	} {
 		h := testHandler(t, &Handler{Jitter: jitterOff(), Policies: []*Policy{{Name: "llm_tokens", Key: "{http.rate_limit.bearer}", Rate: "10000/24h",
 			Cost: "{http.request.header.X-Max-Tokens}", MaxCost: 8000, Settle: &Settle{From: settleOpenAI}}}}, newMemoryStore((&clock{t: 1000 * sec}).now))

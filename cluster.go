@@ -96,6 +96,7 @@ func (s *redisStore) decideAcrossSlots(ctx context.Context, reqs []bucketRequest
 		d.admitted = d.admitted && parts[g].admitted
 		d.now = max(d.now, parts[g].now)
 		d.delay = max(d.delay, parts[g].delay)
+		d.call = d.call.merge(parts[g].call)
 		for k, i := range idx {
 			d.verdicts[i] = parts[g].verdicts[k]
 		}
@@ -119,10 +120,10 @@ func (s *redisStore) decideAcrossSlots(ctx context.Context, reqs []bucketRequest
 			v := &d.verdicts[i]
 			switch rq.op {
 			case opTake:
-				refunds = append(refunds, bucketRequest{key: rq.key, limit: rq.limit, op: opAdjust, delta: -rq.cost,
+				refunds = append(refunds, bucketRequest{key: rq.key, limit: rq.limit, op: opAdjust, delta: -max(rq.cost, parts[g].verdicts[k].cost), // raised to what its key learned
 					quota: rq.quota, period: parts[g].verdicts[k].period, // a quota's, in the period it was charged in
 					overridable: rq.overridable, overrideWait: rq.overrideWait, overrideDebt: rq.overrideDebt})
-				v.remaining = min(v.remaining+rq.cost, v.limit.burst)
+				v.remaining = min(v.remaining+max(rq.cost, parts[g].verdicts[k].cost), v.limit.burst)
 				v.delay = 0
 			case opAcquire: // the slot taken is freed
 				rel := rq

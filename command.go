@@ -23,7 +23,7 @@ import (
 func init() {
 	caddycmd.RegisterCommand(caddycmd.Command{
 		Name:  "rate-limit",
-		Usage: "inspect|reset|grant|top|format|override|overrides [--address <interface>] [--config <path> [--adapter <name>]] [--json]",
+		Usage: "inspect|reset|grant|top|format|fleet|check|override|overrides [--address <interface>] [--config <path> [--adapter <name>]] [--json]",
 		Short: "Inspects and resets the rate_limit buckets of a running Caddy",
 		Long: `
 Answers "why is this customer blocked, and can you unblock them?" through the
@@ -35,6 +35,12 @@ admin API of a running Caddy:
   caddy rate-limit top     <policy> [n]                  the identities this instance denied most in the last 5 minutes
   caddy rate-limit format  [v1|v2]                       the fleet's storage format: v2 once every instance runs
                                                          v0.3.0 or later, v1 before rolling back (docs/redis.md)
+  caddy rate-limit fleet                                 the live instances on each Redis, by database and
+                                                         key_prefix, and the policies they disagree on
+  caddy rate-limit check [--config <file>]               before starting: one read-only decision per policy
+                                                         against its Redis, and the config against the live
+                                                         fleet; non-zero exit naming what fails (no running
+                                                         Caddy needed)
   caddy rate-limit override <policy> <identity> rate <N>/<duration> [burst <n>] [for <duration>] [note <text>]
   caddy rate-limit override <policy> <identity> concurrent <n> [for <duration>] [note <text>]
   caddy rate-limit override <policy> <identity> quota <N>[/<unit>] [for <duration>] [note <text>]
@@ -44,14 +50,17 @@ admin API of a running Caddy:
   caddy rate-limit overrides <policy>                    every override: hash, limit, expiry, note
 
 Inspect, reset and grant read the bucket under the policy's own limit, or
-under a plan's with --plan <name> (docs/plans-and-overrides.md).
+under a plan's with --plan <name> (docs/plans-and-overrides.md); with
+--empty-key and no identity, the bucket every request whose key resolved
+empty shares (caddy_rate_limit_empty_keys_total counts them).
 
 The identity is the raw value the policy's key resolves to (an API key, a
 user id, an IP address); it is hashed as the handler hashes it. With Redis,
 inspect, reset and grant act on the shared bucket; top is this instance's.
 
 The admin endpoint is found as caddy reload finds it: from --address if given,
-otherwise from the config given with --config, otherwise the default.
+otherwise from the config given with --config, otherwise the default. check
+reads the config given with --config (and --adapter) instead.
 `,
 		CobraFunc: func(cmd *cobra.Command) {
 			cmd.PersistentFlags().String("address", "", "Address of the administration listener, if different from config")
@@ -59,19 +68,24 @@ otherwise from the config given with --config, otherwise the default.
 			cmd.PersistentFlags().StringP("adapter", "a", "", "Name of config adapter to apply")
 			cmd.PersistentFlags().Bool("json", false, "Print the admin API's JSON answer")
 			cmd.PersistentFlags().String("plan", "", "inspect, reset, grant: the plan whose limit to read the bucket under")
+			cmd.PersistentFlags().Bool("empty-key", false, "inspect, reset, grant: the bucket of the requests whose key resolved empty (give no identity)")
 			cmd.AddCommand(
 				&cobra.Command{Use: "inspect <policy> <identity>", Short: "Shows a bucket: tokens, burst, rate, time to full",
 					Args: cobra.RangeArgs(1, 2), RunE: rateLimitCommand("inspect")},
 				&cobra.Command{Use: "reset <policy> <identity>", Short: "Makes a bucket full, on every instance at once",
 					Args: cobra.RangeArgs(1, 2), RunE: rateLimitCommand("reset")},
 				&cobra.Command{Use: "grant <policy> <identity> <tokens>", Short: "Gives tokens back to a bucket",
-					Args: cobra.ExactArgs(3), RunE: rateLimitCommand("grant")},
+					Args: cobra.RangeArgs(2, 3), RunE: rateLimitCommand("grant")},
 				&cobra.Command{Use: "top <policy> [n]", Short: "Lists the identities this instance denied most in the last 5 minutes",
 					Args: cobra.RangeArgs(1, 2), RunE: rateLimitCommand("top")},
 				&cobra.Command{Use: "format [v1|v2]", Short: "Shows or sets the format the fleet stores buckets in (see docs/redis.md, Upgrading)",
 					Args: cobra.RangeArgs(0, 1), RunE: rateLimitCommand("format")},
 			)
 			addOverrideCommands(cmd) // command_override.go
+			addFleetCommands(cmd)    // command_fleet.go
+			for _, sub := range cmd.Commands() {
+				numbersAsArgs(sub) // command_cli.go
+			}
 		},
 	})
 }
@@ -80,19 +94,21 @@ otherwise from the config given with --config, otherwise the default.
 func rateLimitCommand(action string) func(*cobra.Command, []string) error {
 	return func(cmd *cobra.Command, args []string) error {
 		cmd.SilenceUsage = true
-		flags := cmd.Flags()
-		address, _ := flags.GetString("address")
-		configFile, _ := flags.GetString("config")
-		adapter, _ := flags.GetString("adapter")
-		asJSON, _ := flags.GetBool("json")
-		plan, _ := flags.GetString("plan")
-		adminAddr, err := caddycmd.DetermineAdminAPIAddress(address, nil, configFile, adapter)
+		plan, _ := cmd.Flags().GetString("plan")
+		emptyKey, _ := cmd.Flags().GetBool("empty-key")
+		target, err := adminTargetOf(cmd) // command_cli.go
 		if err != nil {
-			return fmt.Errorf("finding the admin API: %v", err)
+			return err
 		}
-		req := adminRequest{Plan: plan}
+		req := adminRequest{Plan: plan, EmptyKey: emptyKey}
 		if len(args) > 0 && action != "format" {
 			req.Policy = args[0]
+		}
+		if action == "grant" && emptyKey {
+			args = append([]string{args[0], ""}, args[1:]...) // grant <policy> <tokens>
+		}
+		if len(args) != 3 && action == "grant" {
+			return fmt.Errorf("grant: expected <policy> <identity> <tokens>, or <policy> <tokens> with --empty-key")
 		}
 		if len(args) > 1 && action != "top" {
 			req.Identity = args[1]
@@ -117,7 +133,13 @@ func rateLimitCommand(action string) func(*cobra.Command, []string) error {
 				if plan != "" {
 					q.Set("plan", plan)
 				}
+				if emptyKey {
+					q.Set("empty_key", "true")
+				}
 			} else if len(args) > 1 {
+				if n, err := strconv.Atoi(args[1]); err != nil || n < 1 {
+					return fmt.Errorf("n: %q is not a positive integer", args[1])
+				}
 				q.Set("n", args[1])
 			}
 			uri = "/rate_limit/" + action + "?" + q.Encode()
@@ -133,8 +155,8 @@ func rateLimitCommand(action string) func(*cobra.Command, []string) error {
 			raw, _ := json.Marshal(req)
 			body = bytes.NewReader(raw)
 		}
-		raw, err := callAdmin(adminAddr, method, uri, body, asJSON)
-		if err != nil || asJSON {
+		raw, err := target.call(os.Stdout, method, uri, body)
+		if err != nil || target.asJSON {
 			return err
 		}
 		return printAnswer(os.Stdout, action, raw)
@@ -222,6 +244,9 @@ func printAnswer(w io.Writer, action string, raw []byte) error {
 		fmt.Fprintf(tw, "tokens\t%d of %d; %s\n", st.Tokens, st.Burst, full)
 		if st.Held != nil {
 			fmt.Fprintf(tw, "held here\t%d tokens in %d blocks, taken and not spent yet (a hot key on this instance)\n", st.Held.Tokens, st.Held.Blocks)
+		}
+		if st.Learned != nil && *st.Learned > 0 {
+			fmt.Fprintf(tw, "learned\t%d: its recent requests used up to this beyond their reservations; each now reserves at least this (at most the burst)\n", *st.Learned)
 		}
 		printPlanAndOverride(tw, st) // command_override.go
 		if err := tw.Flush(); err != nil {

@@ -13,8 +13,9 @@ import (
 	"text/tabwriter"
 	"time"
 
-	caddycmd "github.com/caddyserver/caddy/v2/cmd"
 	"github.com/spf13/cobra"
+
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/suggest"
 )
 
 // `caddy rate-limit override` and `overrides`, the admin API's overrides
@@ -51,7 +52,14 @@ far in the period count against the new N.`,
 			return cmd.Help()
 		}
 		cmd.SilenceUsage = true
-		return fmt.Errorf("unknown command %q for caddy rate-limit: use inspect, reset, grant, top, format, override or overrides (caddy rate-limit --help)", args[0])
+		var names []string
+		for _, sub := range cmd.Commands() {
+			names = append(names, sub.Name())
+		}
+		if near := suggest.Nearest(args[0], names); near != "" {
+			return fmt.Errorf("unknown command %q for caddy rate-limit: did you mean %s? (caddy rate-limit --help)", args[0], near)
+		}
+		return fmt.Errorf("unknown command %q for caddy rate-limit: use inspect, reset, grant, top, format, fleet, check, override or overrides (caddy rate-limit --help)", args[0])
 	}
 }
 
@@ -86,6 +94,9 @@ func parseOverrideArgs(args []string) (req overrideRequest, del bool, err error)
 		case "quota":
 			req.Quota = v
 		case "for":
+			if _, err := parseOverrideFor(v); err != nil {
+				return req, false, err
+			}
 			req.For = v
 		case "burst", "concurrent":
 			n, err := strconv.ParseInt(v, 10, 64)
@@ -108,11 +119,6 @@ func parseOverrideArgs(args []string) (req overrideRequest, del bool, err error)
 func overrideCommand(action string) func(*cobra.Command, []string) error {
 	return func(cmd *cobra.Command, args []string) error {
 		cmd.SilenceUsage = true
-		flags := cmd.Flags()
-		address, _ := flags.GetString("address")
-		configFile, _ := flags.GetString("config")
-		adapter, _ := flags.GetString("adapter")
-		asJSON, _ := flags.GetBool("json")
 		var method, uri string
 		var body io.Reader
 		del := false
@@ -132,12 +138,12 @@ func overrideCommand(action string) func(*cobra.Command, []string) error {
 				method = http.MethodDelete
 			}
 		}
-		adminAddr, err := caddycmd.DetermineAdminAPIAddress(address, nil, configFile, adapter)
+		target, err := adminTargetOf(cmd) // command_cli.go
 		if err != nil {
-			return fmt.Errorf("finding the admin API: %v", err)
+			return err
 		}
-		raw, err := callAdmin(adminAddr, method, uri, body, asJSON)
-		if err != nil || asJSON {
+		raw, err := target.call(os.Stdout, method, uri, body)
+		if err != nil || target.asJSON {
 			return err
 		}
 		return printOverrideAnswer(os.Stdout, action, del, raw)

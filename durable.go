@@ -187,6 +187,7 @@ func (c *redisConn) evalDurable(batch []*pending, want confirmation) callResult 
 	end := time.Now()
 	for _, p := range batch {
 		p.sent, p.received = sent, received
+		p.d.call = callStats{calls: 1, requests: len(batch), redisUS: received - sent}
 		if err != nil {
 			p.err = err
 		}

@@ -68,10 +68,11 @@ func TestBucketFormats(t *testing.T) {
 	}
 }
 
-// TestPreviousReleaseReadsV2: the release before this one reads a v2 value
-// as a v0 TAT (it knows only "<tat>" and "<tat>:<interval>"): centuries
-// ahead, so its rebase makes the bucket owe all it may, and it denies.
-func TestPreviousReleaseReadsV2(t *testing.T) {
+// TestV02ReadsV2: v0.2 (a fleet rolled back that far without `format v1`)
+// reads a v2 value as a v0 TAT (it knows only "<tat>" and
+// "<tat>:<interval>"): centuries ahead, so its rebase makes the bucket owe
+// all it may, and it denies. v0.3.0 reads v2 as this release does.
+func TestV02ReadsV2(t *testing.T) {
 	l := limit{interval: 600_000, burst: 100, slack: 600_000 * 100}
 	now := int64(1_764_620_000_000_000)
 	v := encodeBucket(now+5*l.interval, l.interval, formatV2)
@@ -81,10 +82,10 @@ func TestPreviousReleaseReadsV2(t *testing.T) {
 	}
 	base := start(l.rebase(int64(asV0), l.interval, now), now)
 	if l.fits(base, now, 1, 0) {
-		t.Fatalf("the previous release would admit on %q", v)
+		t.Fatalf("v0.2 would admit on %q", v)
 	}
 	if n, _ := l.tokens(base, now); n != -l.burst {
-		t.Fatalf("the previous release reads %q as %d tokens, want %d (all it may owe)", v, n, -l.burst)
+		t.Fatalf("v0.2 reads %q as %d tokens, want %d (all it may owe)", v, n, -l.burst)
 	}
 }
 

@@ -168,7 +168,7 @@ func FuzzParseCost(f *testing.F) {
 		if maxCost < 1 || maxCost > maxJSONInteger {
 			maxCost = 1 + (maxCost & math.MaxInt32)
 		}
-		p := &Policy{Name: "tokens", Key: "global", Rate: "10/1s", Cost: "{fuzz.cost}", MaxCost: maxCost, Burst: 1}
+		p := &Policy{Name: "tokens", Key: "global", Rate: "10/1s", Cost: "{fuzz.cost}", MaxCost: maxCost, Burst: maxCost} // max above the burst is refused
 		if err := p.check(); err != nil {
 			t.Fatal(err)
 		}

@@ -106,6 +106,31 @@ func retryAfter(waitUS int64, jitter float64) int64 {
 	return max(ra, ceilSeconds(waitUS), 1)
 }
 
+// maxRetryWait is the longest wait a denial lets a client's SDK sleep
+// through: the official OpenAI and Anthropic SDKs retry a 429 (twice by
+// default) after the wait retry-after-ms or Retry-After gives, with no cap
+// (or 2^31 ms), so a long one leaves the application's call pending that
+// long with nothing surfaced. A denial whose Retry-After is longer, every
+// quota's denial (its period's end) and a cost that can never fit say
+// `x-should-retry: false`, which both SDKs obey before anything else: the
+// error reaches the application at once.
+const maxRetryWait = 10 // seconds
+
+// setRetryFields sets the fields that tell a client when to come back:
+// Retry-After (whole seconds; none for ra 0: a request that can never
+// fit), retry-after-ms beside it (the same instant, in milliseconds, which
+// the LLM SDKs read first), and `x-should-retry: false` when the client
+// should not retry by itself.
+func setRetryFields(h http.Header, ra int64, retry bool) {
+	if ra > 0 {
+		h.Set("Retry-After", strconv.FormatInt(ra, 10))
+		h.Set("Retry-After-Ms", strconv.FormatInt(ra*1000, 10))
+	}
+	if !retry {
+		h.Set("X-Should-Retry", "false")
+	}
+}
+
 type problem struct {
 	Type             string   `json:"type"`
 	Title            string   `json:"title"`

@@ -7,6 +7,8 @@ import (
 	"hash"
 	"strings"
 	"sync"
+
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/fleet"
 )
 
 // keyHasher turns a resolved identity (an API key, a user id, an IP) into
@@ -14,10 +16,14 @@ import (
 // identity is ever stored, logged or sent to Redis.
 type keyHasher struct {
 	pool sync.Pool // of hash.Hash: HMAC-SHA-256 with the secret, or SHA-256
+	// fingerprint stands for the secret in the fleet's records (fleet.go):
+	// computed when first needed, a slow derivation.
+	fingerprint func() string
 }
 
 func newKeyHasher(secret string) *keyHasher {
 	kh := new(keyHasher)
+	kh.fingerprint = sync.OnceValue(func() string { return fleet.SecretFingerprint(secret) })
 	kh.pool.New = func() any {
 		if secret == "" {
 			return sha256.New()

@@ -57,6 +57,23 @@ var (
 	buckets = bucketsCollector{prometheus.NewDesc("caddy_rate_limit_buckets",
 		"Buckets held in this process, by store: in_process (handlers without a redis block), local (the on_error local fallback). Bounded; see memoryMaxBuckets.",
 		[]string{"store"}, nil)}
+	// fleetDisagreements: the policies of this instance that another live
+	// instance of its fleet enforces differently (fleet.go).
+	fleetDisagreements = prometheus.NewGauge(prometheus.GaugeOpts{
+		Namespace: "caddy", Subsystem: "rate_limit", Name: "fleet_disagreements",
+		Help: "Policies of this instance that another live instance of its fleet (the same Redis database and key_prefix) enforces with another limit, key or key_secret: they do not share one budget. 0 when the fleet agrees; caddy rate-limit fleet shows who differs and how.",
+	})
+	// quotaUsed is the share of its quota a quota policy's request found
+	// used: a distribution over requests, never per identity.
+	quotaUsed = prometheus.NewHistogramVec(prometheus.HistogramOpts{
+		Namespace: "caddy", Subsystem: "rate_limit", Name: "quota_used_ratio",
+		Help:    "For each decision of a quota policy, the share of the quota its identity had used in the current period once decided (1: all of it). A distribution over requests: how near callers run to their quotas, with no identity.",
+		Buckets: []float64{.1, .25, .5, .75, .9, .95, .99, 1},
+	}, []string{"policy"})
+	// slots is each concurrency policy's N, read when scraped.
+	slots = slotsCollector{prometheus.NewDesc("caddy_rate_limit_slots",
+		"The slots of a concurrent policy (its N), or of a shed policy's concurrent capacity, fleet-wide: the bound of caddy_rate_limit_in_flight summed over instances. A plan or an override may set another N for some identities.",
+		[]string{"policy"}, nil)}
 	circuitOpen = prometheus.NewGauge(prometheus.GaugeOpts{
 		Namespace: "caddy", Subsystem: "rate_limit", Name: "circuit_open",
 		Help: "1 while the circuit breaker to Redis is open (decisions skip Redis and follow on_error); with several Redis connections, how many are open.",
@@ -71,7 +88,7 @@ func registerMetrics(ctx caddy.Context) error {
 	if reg == nil {
 		return nil
 	}
-	for _, c := range []prometheus.Collector{decisionsTotal, chargesLost, inFlight, leasesExpired, releaseRetries, waiting, storeDuration, storeErrors, circuitOpen, buckets, hotTokensHeld, hotBlocksTaken} {
+	for _, c := range []prometheus.Collector{decisionsTotal, chargesLost, inFlight, leasesExpired, releaseRetries, waiting, storeDuration, storeErrors, circuitOpen, fleetDisagreements, buckets, quotaUsed, slots, emptyKeys, hotTokensHeld, hotBlocksTaken} {
 		if err := reg.Register(c); err != nil {
 			var are prometheus.AlreadyRegisteredError
 			if !errors.As(err, &are) {
@@ -90,6 +107,37 @@ func (c bucketsCollector) Describe(ch chan<- *prometheus.Desc) { ch <- c.desc }
 func (c bucketsCollector) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(c.desc, prometheus.GaugeValue, float64(processMemory.len()), "in_process")
 	ch <- prometheus.MustNewConstMetric(c.desc, prometheus.GaugeValue, float64(localFallback.len()), "local")
+}
+
+// slotsCollector reports the slots of the concurrency policies of the
+// config loaded last, read when scraped.
+type slotsCollector struct{ desc *prometheus.Desc }
+
+func (c slotsCollector) Describe(ch chan<- *prometheus.Desc) { ch <- c.desc }
+
+func (c slotsCollector) Collect(ch chan<- prometheus.Metric) {
+	for _, p := range budgets.policies() {
+		n := p.Concurrent
+		if p.Shed != nil {
+			n = p.Shed.Concurrent
+		}
+		if n > 0 {
+			ch <- prometheus.MustNewConstMetric(c.desc, prometheus.GaugeValue, float64(n), p.Name)
+		}
+	}
+}
+
+// observeQuotaUsed records the share of its quota a decision found used:
+// of the N it was decided under (an override's, a plan's or the policy's).
+func observeQuotaUsed(obs prometheus.Observer, v verdict, rq bucketRequest) {
+	n := rq.limit.burst
+	if v.limit != (limit{}) {
+		n = v.limit.burst
+	}
+	if obs == nil || n <= 0 {
+		return
+	}
+	obs.Observe(min(1, max(0, float64(n-v.remaining)/float64(n))))
 }
 
 // errorKind classifies a store error for store_errors_total: what Redis
@@ -114,6 +162,9 @@ func errorKind(err error) string {
 		switch word = strings.ToLower(word); word {
 		case "wrongpass", "noauth", "noperm", "readonly", "oom", "loading", "busy", "masterdown", "clusterdown":
 			return word
+		}
+		if strings.Contains(redisErr.Error(), "user executing the script can't") {
+			return "noperm" // an ACL without a command the script runs: ERR, not NOPERM
 		}
 		return "redis"
 	case errors.Is(err, context.DeadlineExceeded), errors.As(err, &netErr) && netErr.Timeout():

@@ -41,6 +41,7 @@ func init() {
 // `{http.rate_limit.remaining}` | that policy's whole tokens left (empty when nothing was decided)
 // `{http.rate_limit.retry_after}` | the Retry-After sent, in seconds (0 when none)
 // `{http.rate_limit.bearer}` | the token of an `Authorization: Bearer` header, to key on: the scheme in any case, the spaces around it dropped; empty without one
+// `{http.rate_limit.credential}` | the request's credential, to key on: the token of `Authorization: Bearer`, or `x-api-key`, `api-key` or `x-goog-api-key`, as the LLM SDKs send it; empty without one, or with two different ones
 type Handler struct {
 	// Shares the buckets through Redis with every Caddy instance that points
 	// at the same Redis (and key prefix). Without it, buckets live in this
@@ -72,6 +73,15 @@ type Handler struct {
 	// is sent on denials either way. Default `draft`.
 	Headers string `json:"headers,omitempty"`
 
+	// The body of a 429: `problem` (an RFC 9457 problem, the default),
+	// `openai` or `anthropic` (the provider's own rate-limit error, which
+	// its SDKs surface to the application as such: OpenAI's
+	// `{"error": {"type", "code": "rate_limit_exceeded", "message"}}`,
+	// Anthropic's `{"type": "error", "error": {"type": "rate_limit_error",
+	// "message"}}`), for the routes of an LLM API. The RateLimit fields and
+	// Retry-After are sent whatever the format. A policy can override it.
+	ErrorFormat string `json:"error_format,omitempty"`
+
 	// Evaluates and reports every policy without rejecting any request or
 	// adding response fields: a dry run for rolling out limits.
 	Shadow bool `json:"shadow,omitempty"`
@@ -96,6 +106,16 @@ type Handler struct {
 	// within the budget; and Retry-After pacing spaces each instance's
 	// return turns by instances tokens. Default 1.
 	Instances int `json:"instances,omitempty"`
+
+	// Refuses to start (or reload to) this config unless Redis decides for
+	// every policy: checked while Caddy loads the config, with one
+	// read-only decision per policy. Without it, Caddy starts while Redis
+	// cannot decide (unreachable, a wrong password, an ACL without the
+	// limiter's commands, no scripting), logs one ERROR per cause, and the
+	// policies follow `on_error` until Redis answers. Needs a `redis`
+	// block. Once started, Redis failing later engages `on_error` either
+	// way.
+	RequireRedis bool `json:"require_redis,omitempty"`
 
 	// The budgets. Every policy that matches a request takes part in its
 	// decision. A policy name is one budget: the same name in two handlers
@@ -142,6 +162,8 @@ const (
 // Provision sets up the handler: its defaults, its policies and its store.
 func (h *Handler) Provision(ctx caddy.Context) error {
 	h.logger = ctx.Logger()
+	goRedisLog.use(h.logger)
+	watchSharedListeners(h.logger) // listeners_linux.go
 	announceVersion.Do(func() { h.logger.Info("rate_limit module", zap.String("version", Version)) })
 	if err := registerMetrics(ctx); err != nil {
 		return err
@@ -170,7 +192,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	if h.KeySecret != "" && secret == "" {
 		// An unset {env.X} must not silently drop to unkeyed SHA-256, whose
 		// hashes of IPv4 addresses anyone can reverse.
-		return fmt.Errorf("key_secret: %q resolves to the empty string", h.KeySecret)
+		return emptySecretError(h.KeySecret)
 	}
 	h.hasher = newKeyHasher(secret)
 	for _, p := range h.Policies {
@@ -209,7 +231,18 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		return err
 	}
 	h.store, h.storeUse = store, &storeUse{close: closeStore}
-	return h.provisionPlans()
+	if err := h.provisionPlans(); err != nil {
+		return err
+	}
+	if h.RequireRedis {
+		if err := h.requireRedis(); err != nil {
+			return err
+		}
+	}
+	if rs, ok := store.(*redisStore); ok {
+		rs.conn.join(h) // announced to the fleet once the config runs (fleet.go)
+	}
+	return nil
 }
 
 // storeName says where the handler's buckets are, for messages.
@@ -265,8 +298,14 @@ func (h *Handler) checkOwn() error {
 	if h.Jitter != nil && (*h.Jitter < 0 || *h.Jitter > maxJitter || *h.Jitter != *h.Jitter) {
 		return fieldErr("jitter", "jitter: %v must be between 0 and %v (%v%%)", *h.Jitter, maxJitter, 100*maxJitter)
 	}
+	if h.RequireRedis && h.Redis == nil {
+		return fieldErr("require_redis", "require_redis: needs a redis block (without one, the buckets are in this process)")
+	}
 	if h.Headers != "" && h.Headers != "draft" && h.Headers != "off" {
 		return fieldErr("headers", "headers: %q is not draft or off", h.Headers)
+	}
+	if err := checkErrorFormat(h.ErrorFormat); err != nil {
+		return err
 	}
 	if err := checkPrefix("ipv6_prefix", h.IPv6Prefix, 128); err != nil {
 		return err
@@ -283,6 +322,9 @@ const maxJitter = 10.0
 // Cleanup releases this config's reference to its Redis client; the client
 // is closed when no loaded config uses it any more.
 func (h *Handler) Cleanup() error {
+	if rs, ok := h.store.(*redisStore); ok {
+		rs.conn.part(h)
+	}
 	if h.config != nil {
 		budgets.remove(h.config, h)
 		h.config = nil

@@ -154,10 +154,14 @@ const (
 // replyWidthOf is the numbers of a bucket's reply (see replyWidth), an
 // overridable bucket's limit included.
 func replyWidthOf(rq bucketRequest) int {
+	n := bucketReplyWidth(rq)
 	if rq.overridable {
-		return bucketReplyWidth(rq) + overrideReply
+		n += overrideReply
 	}
-	return bucketReplyWidth(rq)
+	if rq.learns {
+		n++ // what its key learned (learned_usage.go)
+	}
+	return n
 }
 
 // decidedUnder is reqs with the limits their buckets were decided under,
@@ -175,24 +179,34 @@ func decidedUnder(res []int64, at []int, reqs []bucketRequest) []bucketRequest {
 		if l == rq.limit {
 			continue
 		}
-		if &out[0] == &reqs[0] {
-			out = append([]bucketRequest(nil), reqs...)
-		}
+		out = ownCopy(out, reqs)
 		out[i].limit = l
 	}
 	return out
 }
 
+// ownCopy is out, or a copy of reqs when out is still reqs: the requests
+// a store decides under changed limits or costs, without writing over the
+// caller's.
+func ownCopy(out, reqs []bucketRequest) []bucketRequest {
+	if &out[0] == &reqs[0] {
+		return append([]bucketRequest(nil), reqs...)
+	}
+	return out
+}
+
 // debtRule is the policy's rule for the debt of an override's limit (see
-// limitFor): what settle may owe, fixed (settle's max) or twice the burst.
+// limitFor): a rate policy's settle may owe the tokens it owes under its
+// own limit (debt.go); a quota's, twice the override's N by default (-2),
+// or its own `debt`.
 func (p *Policy) debtRule() int64 {
 	switch {
 	case p.Settle == nil:
 		return 0
-	case p.Settle.Max > 0:
-		return p.Settle.Max
+	case p.quota != nil && p.Settle.Debt == 0:
+		return -2
 	}
-	return -2
+	return p.debt
 }
 
 // markOverridable sets the overridable bit of the policy's bucket request

@@ -246,8 +246,9 @@ func (s *overrideSet) replace(keys []string) {
 // eventSeen confirms an override's announcement.
 const eventSeen = "seen"
 
-// overrideInstance names this process in announcements.
-var overrideInstance = func() string {
+// instanceID names this process in announcements and in the fleet's
+// records (fleet.go): random, new with each process.
+var instanceID = func() string {
 	var b [8]byte
 	_, _ = cryptorand.Read(b[:])
 	return hex.EncodeToString(b[:])
@@ -255,7 +256,7 @@ var overrideInstance = func() string {
 
 // ackChannel is this process's channel for confirmations of the events
 // channel ch.
-func ackChannel(ch string) string { return ch + ":" + overrideInstance }
+func ackChannel(ch string) string { return ch + ":" + instanceID }
 
 // dispatch applies a message of the events channels: overrides' events
 // here, the others in receive.
@@ -263,7 +264,7 @@ func (c *redisConn) dispatch(channel, payload string) {
 	event, rest, _ := strings.Cut(payload, " ")
 	switch event {
 	case eventSeen:
-		if strings.HasSuffix(channel, ":"+overrideInstance) { // to this process
+		if strings.HasSuffix(channel, ":"+instanceID) { // to this process
 			c.overrides.seen(rest)
 		}
 		return
@@ -293,7 +294,7 @@ func (c *redisConn) announceOverride(ctx context.Context, prefix, key string) er
 	want := c.subscribers(ctx, ch)
 	w := c.overrides.expect(key)
 	defer c.overrides.unexpect(key, w)
-	if err := c.client.Publish(ctx, ch, eventOverride+" "+overrideInstance+" "+key).Err(); err != nil {
+	if err := c.client.Publish(ctx, ch, eventOverride+" "+instanceID+" "+key).Err(); err != nil {
 		return err
 	}
 	deadline := time.NewTimer(time.Second)

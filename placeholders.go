@@ -35,7 +35,8 @@ type requestState struct {
 	fieldValues [2]string
 	fieldsSet   bool
 
-	// header is the request's, for {http.rate_limit.bearer}.
+	// header is the request's, for {http.rate_limit.bearer} and
+	// {http.rate_limit.credential}.
 	header http.Header
 	// body is what the request body asks for (`cost openai`), read once.
 	body     requestBody
@@ -71,10 +72,13 @@ func (rs *requestState) wasDecided(name string) bool { return slices.Contains(rs
 // `{http.rate_limit.remaining}` | that policy's whole tokens left (empty when nothing was decided)
 // `{http.rate_limit.retry_after}` | the Retry-After sent, in seconds (0 when none)
 // `{http.rate_limit.bearer}` | the token of an `Authorization: Bearer` request header, to key on: the scheme in any case, spaces around the token removed; empty without one
+// `{http.rate_limit.credential}` | the request's credential, to key on: the token of `Authorization: Bearer`, or `x-api-key`, `api-key` or `x-goog-api-key` (spaces around it removed); empty without one, or with two different ones
 func (rs *requestState) placeholder(key string) (any, bool) {
 	switch key {
 	case bearerPlaceholder:
 		return bearerToken(rs.header["Authorization"]), true
+	case credentialPlaceholder:
+		return credential(rs.header), true
 	case "http.rate_limit.decision":
 		if !rs.decided { // no policy matched
 			return "", true

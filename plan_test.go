@@ -144,6 +144,7 @@ func TestPlanCheck(t *testing.T) {
 		{"negative max_cost", Policy{Rate: "1/1s", Plan: &Plan{From: "{x}", Plans: map[string]*PlanLimit{"pro": {MaxCost: -1}}}}, `plan "pro": max_cost: -1`},
 		{"zero slots", Policy{Concurrent: 2, Plan: &Plan{From: "{x}", Plans: map[string]*PlanLimit{"pro": {Concurrent: -3}}}}, `plan "pro": concurrent: -3`},
 		{"fixed cost above the plan's burst", Policy{Rate: "10/1s", Cost: "5", Plan: &Plan{From: "{x}", Plans: map[string]*PlanLimit{"pro": {Burst: 4}}}}, `plan "pro": cost: 5 is more than max 4 or burst 4`},
+		{"max above the plan's burst", Policy{Rate: "10/1s", Cost: "{c}", MaxCost: 8, Plan: &Plan{From: "{x}", Plans: map[string]*PlanLimit{"pro": {Burst: 4}}}}, `plan "pro": cost: max 8 is more than the burst 4`},
 	} {
 		h := &Handler{Policies: []*Policy{&tc.p}}
 		tc.p.Name, tc.p.Key = "api", "{client_ip}"
@@ -155,13 +156,13 @@ func TestPlanCheck(t *testing.T) {
 	// What a plan inherits: the policy's rate, burst and max_cost where it
 	// sets none; a plan's rate brings its own burst.
 	p := &Policy{Name: "api", Key: "k", Rate: "10/1s", Burst: 30, Cost: "{c}", MaxCost: 7, Plan: &Plan{From: "{x}", Plans: map[string]*PlanLimit{
-		"big": {Burst: 100}, "fast": {Rate: "100/1s"}, "dear": {MaxCost: 50},
+		"big": {Burst: 100}, "fast": {Rate: "100/1s"}, "dear": {MaxCost: 20},
 	}}}
 	if err := p.check(); err != nil {
 		t.Fatal(err)
 	}
 	for name, want := range map[string]struct{ interval, burst, maxCost int64 }{
-		"big": {100_000, 100, 7}, "fast": {10_000, 100, 7}, "dear": {100_000, 30, 50},
+		"big": {100_000, 100, 7}, "fast": {10_000, 100, 7}, "dear": {100_000, 30, 20},
 	} {
 		q, err := p.planPolicy(name, p.Plan.Plans[name])
 		if err != nil || q.limit.interval != want.interval || q.limit.burst != want.burst || q.maxCost != want.maxCost {

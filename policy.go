@@ -88,6 +88,11 @@ type Policy struct {
 	// Evaluates and reports this policy without ever rejecting for it.
 	Shadow bool `json:"shadow,omitempty"`
 
+	// The body of a 429 this policy denies: `problem`, `openai` or
+	// `anthropic` (see the handler's error_format). Default: the
+	// handler's.
+	ErrorFormat string `json:"error_format,omitempty"`
+
 	// Delays instead of rejecting: a request that cannot pass now but could
 	// within this duration reserves its slot (atomically, across all
 	// instances) and is held until then, as NGINX `limit_req` without
@@ -215,7 +220,8 @@ type Policy struct {
 	waiting      prometheus.Gauge
 	top          *topDenied // the identities it denied most, this instance
 	// settleMax caps the usage one response settles (Settle.Max, or its
-	// default); debt is the most tokens the bucket may owe beyond empty.
+	// default); debt is the most tokens the bucket may owe beyond empty
+	// (Settle.Debt, or its default: see debt.go).
 	settleMax   int64
 	debt        int64
 	chargesLost [numLostReasons]prometheus.Counter
@@ -228,6 +234,9 @@ type Policy struct {
 
 	// addrMask is what the key keeps of a client address.
 	addrMask addrMask
+	// emptyKey counts the requests whose key resolved empty (credential.go);
+	// nil for a fixed key.
+	emptyKey *emptyKeyWatch
 	// keys are the storage keys of recent identities (see storageKey).
 	keys *keyCache
 
@@ -282,6 +291,9 @@ func parseRate(s string) (events int64, period time.Duration, err error) {
 	}
 	period, err = caddy.ParseDuration(d)
 	if err != nil {
+		if hint := rateHint(n, d); hint != "" {
+			return 0, 0, fmt.Errorf("%q: bad duration %q: %s", s, d, hint)
+		}
 		return 0, 0, fmt.Errorf("%q: bad duration: %v", s, err)
 	}
 	if period <= 0 {
@@ -338,6 +350,9 @@ func (p *Policy) check() error {
 		return err
 	}
 	if err := checkPrefix("ipv4_prefix", p.IPv4Prefix, 32); err != nil {
+		return err
+	}
+	if err := checkErrorFormat(p.ErrorFormat); err != nil {
 		return err
 	}
 	p.quota = nil
@@ -402,11 +417,12 @@ func (p *Policy) check() error {
 			return fieldErr("wait", "wait: a charge_if policy gives back what a response does not owe, so it has no slot to reserve")
 		}
 	case p.Settle != nil:
-		var err error
-		if p.settleMax, err = p.Settle.check(burst); err != nil {
+		if err := p.Settle.check(); err != nil {
 			return err
 		}
-		p.debt = p.settleMax // usage above the reservation is debt, up to a response's cap
+		if p.settleMax, p.debt, err = p.Settle.settleLimits(burst, interval, (maxBucketSpan-burst*interval-p.waitUS)/interval); err != nil {
+			return err
+		}
 	}
 	if p.debt > (maxBucketSpan-burst*interval-p.reach)/interval {
 		return fieldErr("burst", "burst: %d tokens and a debt of %d take too long to refill at %s", burst, p.debt, p.Rate)
@@ -418,6 +434,9 @@ func (p *Policy) check() error {
 	p.maxCost = p.MaxCost
 	if p.maxCost == 0 {
 		p.maxCost = burst
+	}
+	if p.maxCost > burst {
+		return maxAboveCapacity(p.maxCost, "burst", burst)
 	}
 	cost := string(p.Cost)
 	if cost == "" {
@@ -509,6 +528,8 @@ func (p *Policy) provision(ctx caddy.Context, h *Handler) error {
 	p.addrMask = maskOf(p.IPv4Prefix, p.IPv6Prefix, h.IPv4Prefix, h.IPv6Prefix)
 	if p.keyTmpl.constant() { // e.g. `key global`: one bucket, one storage key
 		p.fixedKey = p.storageKey(h.hasher, p.keyTmpl.text)
+	} else {
+		p.emptyKey = newEmptyKeyWatch(p.Name)
 	}
 	if p.Concurrent > 0 {
 		p.policyHdr = slotsMember(nil, p.Name, p.Concurrent)

@@ -5,6 +5,8 @@ import (
 	"strings"
 	"sync/atomic"
 	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
 )
 
 // Quotas: how much over a calendar period. A quota policy counts the units
@@ -45,6 +47,9 @@ type quotaSpec struct {
 	// days across a daylight-saving change do not share.
 	name   string
 	member atomic.Pointer[quotaMember]
+	// used observes the share of the quota each decision found used
+	// (caddy_rate_limit_quota_used_ratio).
+	used prometheus.Observer
 }
 
 // periodSource gives a quota's bounds around an instant: a calendar, or in
@@ -167,6 +172,7 @@ func notePeriods(reqs []bucketRequest, d decision) {
 	for i := range reqs {
 		if reqs[i].quota != nil && i < len(d.verdicts) {
 			reqs[i].period = d.verdicts[i].period
+			observeQuotaUsed(reqs[i].quota.used, d.verdicts[i], reqs[i])
 		}
 	}
 }

@@ -39,6 +39,9 @@ func parseQuota(s string) (n int64, unit periodUnit, err error) {
 		return 0, 0, fmt.Errorf("%q: N must be an integer from 1 to %d", s, int64(maxJSONInteger))
 	}
 	if unit, err = parsePeriodUnit(name); err != nil {
+		if hint := periodHint(num, name); hint != "" {
+			return 0, 0, fmt.Errorf("%q: %v; %s", s, err, hint)
+		}
 		return 0, 0, fmt.Errorf("%q: %v", s, err)
 	}
 	return n, unit, nil
@@ -85,10 +88,13 @@ func (p *Policy) checkQuota() error {
 	case p.ChargeIf != nil && p.Settle != nil:
 		return fieldErr("settle", "charge_if and settle exclude each other: charge_if charges the cost of matching responses, settle the usage of every response")
 	case p.Settle != nil:
-		if p.settleMax, err = p.Settle.check(n); err != nil {
+		if err = p.Settle.check(); err != nil {
 			return err
 		}
-		p.debt = min(p.settleMax, maxJSONInteger-n) // counts stay below 2^53
+		// Counts stay below 2^53.
+		if p.settleMax, p.debt, err = p.Settle.settleLimits(n, 0, maxJSONInteger-n); err != nil {
+			return err
+		}
 	}
 	if p.MaxCost < 0 || p.MaxCost > maxJSONInteger {
 		return fieldErr("max_cost", "max_cost: %d must be from 1 to %d", p.MaxCost, int64(maxJSONInteger))
@@ -96,6 +102,9 @@ func (p *Policy) checkQuota() error {
 	p.maxCost = p.MaxCost
 	if p.maxCost == 0 {
 		p.maxCost = n
+	}
+	if p.maxCost > n {
+		return maxAboveCapacity(p.maxCost, "quota", n)
 	}
 	cost := string(p.Cost)
 	if cost == "" {
@@ -113,7 +122,7 @@ func (p *Policy) checkQuota() error {
 	}
 	p.events, p.period, p.waitUS = 0, 0, 0
 	p.limit = limit{burst: n, slack: p.debt}
-	p.quota = &quotaSpec{periods: newCalendar(unit, loc), unit: unit, loc: loc, durable: d, name: p.Name}
+	p.quota = &quotaSpec{periods: newCalendar(unit, loc), unit: unit, loc: loc, durable: d, name: p.Name, used: quotaUsed.WithLabelValues(p.Name)}
 	p.keyTmpl, p.costTmpl = newTemplate(p.Key), newTemplate(string(p.Cost))
 	return p.checkPlans()
 }

@@ -442,14 +442,14 @@ func TestLuaQuotaKeys(t *testing.T) {
 	}
 }
 
-// TestPreviousReleaseReadsQuota: the release before this one (v0.2), whose
+// TestV02ReadsQuota: v0.2, whose
 // configs have no quotas and so never read a quota's key, would read a
 // quota count as a corrupt rate bucket: it fails that request, it never
 // takes the count for a bucket with tokens to give.
-func TestPreviousReleaseReadsQuota(t *testing.T) {
-	old, err := exec.Command("git", "show", testcaddy.PreviousRelease+":lua/decide.lua").Output()
+func TestV02ReadsQuota(t *testing.T) {
+	old, err := exec.Command("git", "show", testcaddy.ReleaseV02+":lua/decide.lua").Output()
 	if err != nil {
-		t.Fatalf("reading the previous release's script from git history: %v", err)
+		t.Fatalf("reading v0.2's script from git history: %v", err)
 	}
 	_, client, _ := newTestRedis(t)
 	ctx := context.Background()

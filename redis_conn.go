@@ -63,6 +63,10 @@ type redisConn struct {
 	// laterApart counts the work after responses on its way in calls of
 	// its own: in cluster mode, which has no coalescer to ride.
 	laterApart callCount
+	// db is the database its buckets are in; fleet its part in the fleet
+	// (fleet.go).
+	db    int
+	fleet fleetView
 	// hot decides hot keys from blocks of their tokens (hotkeys_store.go).
 	hot *hotKeys
 }
@@ -79,6 +83,7 @@ func (c *redisConn) Destruct() error {
 	c.finishLaterWork(time.Now().Add(c.callTimeout))
 	c.events.close()
 	close(c.closed)
+	c.leaveFleet(time.Now().Add(c.callTimeout))
 	return c.client.Close()
 }
 
@@ -148,11 +153,13 @@ func newRedisConn(c RedisConfig, logger *zap.Logger) (*redisConn, error) {
 		callTimeout: c.dialTimeout() + 3*time.Duration(c.Timeout),
 		logger:      logger,
 		timeout:     time.Duration(c.Timeout),
+		db:          c.DB,
 
 		formatChanged: make(chan struct{}, 1),
 		closed:        make(chan struct{}),
 	}
 	conn.format.Store(formatV1)
+	conn.fleet.nudge = make(chan struct{}, 1)
 	conn.breaker = newBreaker(func(from, to breakerState) {
 		switch {
 		case to == breakerOpen && from == breakerClosed:
@@ -175,6 +182,7 @@ func newRedisConn(c RedisConfig, logger *zap.Logger) (*redisConn, error) {
 	conn.hot = newHotKeys(conn)
 	go conn.checkEviction()
 	go conn.followFormat()
+	go conn.followFleet()
 	return conn, nil
 }
 
@@ -215,31 +223,34 @@ const reportInterval = 10 * time.Second
 // replica) are logged at ERROR with what to change; a Redis that does not
 // answer at WARN.
 func (c *redisConn) report(kind string, err error) {
-	now := time.Now()
-	c.reported.mu.Lock()
-	if c.reported.last == nil {
-		c.reported.last = map[string]time.Time{}
-	}
-	if now.Sub(c.reported.last[kind]) < reportInterval {
-		c.reported.mu.Unlock()
+	if !c.claimReport(kind, true) {
 		return
 	}
-	c.reported.last[kind] = now
-	c.reported.mu.Unlock()
 	fields := []zap.Field{zap.String("redis", c.name), zap.String("kind", kind), zap.Error(err)}
+	modes := ""
+	if !perKey(kind) {
+		if ps := c.fleet.registered(); len(ps) > 0 {
+			modes = ". " + failureModes(ps)
+		}
+	}
 	if fix, permanent := errorFixes[kind]; permanent {
-		c.logger.Error("Redis refused rate-limit calls; policies follow on_error: "+fix, fields...)
+		c.logger.Error("Redis refused rate-limit calls; policies follow on_error: "+fix+modes, fields...)
 		return
 	}
-	c.logger.Warn("Redis unavailable; policies follow on_error", fields...)
+	c.logger.Warn("Redis unavailable; policies follow on_error"+modes, fields...)
 }
 
+// perKey reports whether a kind of error is one bucket's (its requests
+// alone follow on_error), not Redis's.
+func perKey(kind string) bool { return kind == "wrongtype" || kind == "corrupt" || kind == "clock" }
+
 // limiterACL is what the limiter's Redis user needs: its keys and channels
-// (rl: with the default key_prefix), the commands of lua/decide.lua (TYPE
-// only to name a key that is not a bucket; the sorted-set commands for
-// concurrency slots), and PUBLISH and SUBSCRIBE for the events between
-// instances.
-const limiterACL = "~rl:* &rl:* +evalsha +eval +time +get +set +del +type +publish +subscribe +zadd +zrem +zcard +zremrangebyscore +pexpire +hset +hdel +hget +hgetall +hkeys +hscan +pubsub|numsub"
+// (rl: with the default key_prefix), the fleet's keys (fleet.go), the
+// commands of lua/decide.lua and lua/fleet.lua (TYPE only to name a key
+// that is not a bucket; the sorted-set commands for concurrency slots; the
+// hash commands for overrides and the fleet), and PUBLISH and SUBSCRIBE
+// for the events between instances.
+const limiterACL = "~rl:* ~rate_limit:{fleet}* &rl:* +evalsha +eval +time +get +set +del +type +publish +subscribe +zadd +zrem +zcard +zremrangebyscore +pexpire +hset +hdel +hget +hgetall +hkeys +hscan +pubsub|numsub"
 
 // errorFixes is what to change for each permanent error kind.
 var errorFixes = map[string]string{
@@ -259,6 +270,8 @@ var errorFixes = map[string]string{
 // it (deny cache, return turns), at once rather than within denyMaxAge.
 // "freed": a concurrency slot was freed: the requests waiting for one try.
 // "format <key_prefix>": the fleet marker changed (upgrade.go).
+// "fleet <instance>": the instance's record in the fleet changed
+// (fleet.go).
 // "override <instance> <storage key>": an operator set or deleted the
 // override of the bucket's identity (override_store.go): as "changed", and
 // the bucket's requests read its override from now on; each instance then
@@ -334,6 +347,11 @@ func (c *redisConn) receive(event, key string) {
 		select {
 		case c.formatChanged <- struct{}{}:
 		default:
+		}
+		return
+	case eventFleet:
+		if key != instanceID { // another instance's record changed
+			c.nudgeFleet()
 		}
 		return
 	case eventOverride:

@@ -28,6 +28,16 @@ type requestBody struct {
 	// definitions) at bytesPerToken a token. For a body longer than the
 	// prefix, its Content-Length at the same ratio.
 	promptTokens int64
+	// promptBytes are those bytes (for a body longer than the prefix, its
+	// Content-Length), which a stream cut before its usage is charged at
+	// one token each (cut_estimate.go).
+	promptBytes int64
+	// hides: the body carries input it does not show (a stored
+	// conversation, an image, a file, a provider-side tool: see
+	// jsonScan.hiddenValue and hiddenType), or is longer than the prefix
+	// read, whose rest may: the provider bills input the estimate cannot
+	// see, so the request reserves max.
+	hides bool
 }
 
 // readRequestBody reads the request body's prefix and puts it back before
@@ -76,8 +86,10 @@ func scanRequest(body []byte, truncated bool, contentLength int64) requestBody {
 	if !truncated && (j.depth != 0 || j.inString) {
 		rb.ok = false // not a whole JSON document
 	}
-	rb.promptTokens = tokensOf(f.strings)
+	rb.promptTokens, rb.promptBytes = tokensOf(f.strings), f.strings
+	rb.hides = f.hides || truncated
 	if truncated {
+		rb.promptBytes = max(contentLength, int64(len(body)))
 		if contentLength < 0 {
 			rb.ok = false // how much prompt follows is not known
 		}
@@ -88,9 +100,10 @@ func scanRequest(body []byte, truncated bool, contentLength int64) requestBody {
 
 // reservation is what the request reserves under a policy: the ceiling on
 // the answer and the prompt's estimate, weighed as the policy's settle
-// weighs usage, at most max; max when the body does not say.
+// weighs usage, at most max; max when the body does not say, or hides
+// input.
 func (rb requestBody) reservation(w weights, maxCost int64) int64 {
-	if !rb.ok {
+	if !rb.ok || rb.hides {
 		return maxCost
 	}
 	return min(max(1, w.weigh(rb.promptTokens, rb.maxTokens)), maxCost)

@@ -69,10 +69,10 @@ func TestScanRequest(t *testing.T) {
 		want int64
 	}{
 		{rb, unitWeights, 8000, 61},
-		{rb, weights{weightUnit, 4 * weightUnit}, 8000, 211},
+		{rb, weights{input: weightUnit, output: 4 * weightUnit}, 8000, 211},
 		{rb, unitWeights, 40, 40},
 		{requestBody{}, unitWeights, 8000, 8000},
-		{requestBody{ok: true, maxTokens: 1}, weights{0, 1}, 8000, 1},
+		{requestBody{ok: true, maxTokens: 1}, weights{input: 0, output: 1}, 8000, 1},
 	} {
 		if got := tc.rb.reservation(tc.w, tc.max); got != tc.want {
 			t.Errorf("%+v weighed %+v, max %d: reserves %d, want %d", tc.rb, tc.w, tc.max, got, tc.want)
@@ -166,7 +166,7 @@ func FuzzRequestBody(f *testing.F) {
 			r.Body = io.NopCloser(struct{ io.Reader }{strings.NewReader(body)})
 		}
 		rb := readRequestBody(r)
-		if c := rb.reservation(weights{weightUnit / 2, 3 * weightUnit}, maxCost); c < 1 || c > maxCost {
+		if c := rb.reservation(weights{input: weightUnit / 2, output: 3 * weightUnit}, maxCost); c < 1 || c > maxCost {
 			t.Fatalf("reserved %d of max %d", c, maxCost)
 		}
 		if rb.promptTokens < 0 || rb.maxTokens < 0 {
@@ -176,4 +176,68 @@ func FuzzRequestBody(f *testing.F) {
 			t.Fatalf("the upstream read %q of %q", got, body)
 		}
 	})
+}
+
+// TestScanRequestHidden: a request carrying input its body does not show
+// (a stored conversation, a stored prompt, an image, a file or audio, a
+// provider-side tool, MCP servers, encrypted reasoning) is marked, and
+// reserves max; as is a body whose keys or types are written with escapes
+// (the provider reads them decoded) or one longer than the prefix read.
+// Text that only mentions them, a function tool and a null
+// previous_response_id do not.
+func TestScanRequestHidden(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		body   string
+		hidden bool
+	}{
+		{"chat", chatRequest, false},
+		{"responses", responsesRequest, false},
+		{"anthropic", anthropicRequest, false},
+		{"previous_response_id", `{"model":"gpt-4.1","previous_response_id":"resp_68af","input":"And then?","max_output_tokens":100}`, true},
+		{"previous_response_id null", `{"model":"gpt-4.1","previous_response_id":null,"input":"Hi","max_output_tokens":100}`, false},
+		{"conversation", `{"model":"gpt-4.1","conversation":"conv_689667905b048191b4740501625afd940c7533ace33a2dab","input":"Hi","max_output_tokens":100}`, true},
+		{"stored prompt", `{"model":"gpt-4.1","prompt":{"id":"pmpt_abc123","version":"2"},"input":"Hi","max_output_tokens":100}`, true},
+		{"a legacy prompt string", `{"model":"gpt-3.5-turbo-instruct","prompt":"Say hi","max_tokens":10}`, false},
+		{"chat image_url", `{"model":"gpt-4o","messages":[{"role":"user","content":[{"type":"text","text":"What is in it?"},{"type":"image_url","image_url":{"url":"https://x.example/a.jpg","detail":"high"}}]}],"max_tokens":50}`, true},
+		{"responses input_image", `{"model":"gpt-4.1","input":[{"role":"user","content":[{"type":"input_text","text":"Describe"},{"type":"input_image","image_url":"https://x.example/a.jpg"}]}],"max_output_tokens":50}`, true},
+		{"responses input_file", `{"model":"gpt-4.1","input":[{"role":"user","content":[{"type":"input_file","file_id":"file-6F2ksmvXxt4VdoqmHRw6kL"}]}],"max_output_tokens":50}`, true},
+		{"item_reference", `{"model":"gpt-4.1","input":[{"type":"item_reference","id":"msg_123"}],"max_output_tokens":50}`, true},
+		{"encrypted reasoning", `{"model":"o4-mini","input":[{"type":"reasoning","id":"rs_1","encrypted_content":"gAAAA"}],"max_output_tokens":50}`, true},
+		{"anthropic image", `{"model":"claude-sonnet-4-5","max_tokens":100,"messages":[{"role":"user","content":[{"type":"image","source":{"type":"url","url":"https://x.example/a.jpg"}},{"type":"text","text":"Describe"}]}]}`, true},
+		{"anthropic document", `{"model":"claude-sonnet-4-5","max_tokens":100,"messages":[{"role":"user","content":[{"type":"document","source":{"type":"file","file_id":"file_011"}}]}]}`, true},
+		{"anthropic web search results sent back", `{"model":"claude-sonnet-4-5","max_tokens":100,"messages":[{"role":"assistant","content":[{"type":"web_search_tool_result","tool_use_id":"srvtoolu_1","content":[{"type":"web_search_result","url":"https://x.example","encrypted_content":"EqgfCioIARgB"}]}]}]}`, true},
+		{"anthropic redacted thinking", `{"model":"claude-sonnet-4-5","max_tokens":100,"messages":[{"role":"assistant","content":[{"type":"redacted_thinking","data":"EmwKAhgBEgy"}]}]}`, true},
+		{"openai web search tool", `{"model":"gpt-4.1","tools":[{"type":"web_search_preview"}],"input":"News?","max_output_tokens":100}`, true},
+		{"openai file search tool", `{"model":"gpt-4.1","tools":[{"type":"file_search","vector_store_ids":["vs_1"]}],"input":"?","max_output_tokens":100}`, true},
+		{"openai function tool", `{"model":"gpt-4.1","tools":[{"type":"function","name":"get_weather","parameters":{"type":"object","properties":{"city":{"type":"string"}}}}],"input":"?","max_output_tokens":100}`, false},
+		{"chat function tool", `{"model":"gpt-4o","tools":[{"type":"function","function":{"name":"f","parameters":{"type":"object"}}}],"messages":[{"role":"user","content":"?"}],"max_tokens":10}`, false},
+		{"anthropic server tool", `{"model":"claude-sonnet-4-5","max_tokens":100,"tools":[{"type":"web_search_20250305","name":"web_search","max_uses":5}],"messages":[{"role":"user","content":"?"}]}`, true},
+		{"anthropic client tool", `{"model":"claude-sonnet-4-5","max_tokens":100,"tools":[{"name":"get_weather","input_schema":{"type":"object"}}],"messages":[{"role":"user","content":"?"}]}`, false},
+		{"mcp servers", `{"model":"claude-sonnet-4-5","max_tokens":100,"mcp_servers":[{"type":"url","url":"https://mcp.example/sse","name":"x"}],"messages":[]}`, true},
+		{"no mcp servers", `{"model":"claude-sonnet-4-5","max_tokens":100,"mcp_servers":[],"messages":[]}`, false},
+		{"chat web search", `{"model":"gpt-4o-search-preview","web_search_options":{},"messages":[{"role":"user","content":"News?"}],"max_tokens":100}`, true},
+		{"text that mentions them", `{"model":"gpt-4o","messages":[{"role":"user","content":"{\"type\":\"image_url\",\"previous_response_id\":\"r\",\"file_id\":\"f\"}"}],"max_tokens":10}`, false},
+		{"an escaped key", `{"model":"gpt-4.1","previous\u005fresponse_id":"resp_68af","input":"And then?","max_output_tokens":100}`, true},
+		{"an escaped type", `{"model":"gpt-4o","messages":[{"role":"user","content":[{"type":"image\u005furl","image_url":{"url":"https://x.example/a.jpg"}}]}],"max_tokens":50}`, true},
+		{"nested previous_response_id is not the request's", `{"model":"gpt-4.1","metadata":{"previous_response_id":"x"},"input":"Hi","max_output_tokens":10}`, false},
+	} {
+		for _, chunk := range []int{1, 5, len(tc.body)} {
+			var j jsonScan
+			var f scanFound
+			for i := 0; i < len(tc.body); i += chunk {
+				j.feed([]byte(tc.body[i:min(i+chunk, len(tc.body))]), &f, textAnywhere)
+			}
+			if f.hides != tc.hidden {
+				t.Errorf("%s (chunks of %d): hides %v, want %v", tc.name, chunk, f.hides, tc.hidden)
+			}
+		}
+		rb := scanRequest([]byte(tc.body), false, -1)
+		if want := map[bool]int64{true: 8000, false: min(8000, max(1, rb.promptTokens+rb.maxTokens))}[tc.hidden]; rb.reservation(unitWeights, 8000) != want {
+			t.Errorf("%s: reserves %d, want %d", tc.name, rb.reservation(unitWeights, 8000), want)
+		}
+	}
+	if rb := scanRequest([]byte(`{"max_tokens":5,"messages":[{"content":"xxxx`), true, 400_000); !rb.hides || rb.reservation(unitWeights, 8000) != 8000 {
+		t.Errorf("a body longer than the prefix read: %+v reserves %d, want max", rb, rb.reservation(unitWeights, 8000))
+	}
 }

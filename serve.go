@@ -4,7 +4,6 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
-	"strconv"
 	"sync"
 	"time"
 
@@ -35,14 +34,11 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 		return next.ServeHTTP(w, r)
 	}
 	if len(res.adaptive) > 0 {
-		// Shed policies' adaptive limits decide first, on this instance
-		// alone: a request they shed costs no store call.
 		defer res.finishAdaptive() // before recycle
-		if p := res.admitAdaptive(); p != nil {
-			return h.shed(w, r, rs, p)
-		}
 	}
-	h.reserve(r, res)
+	if p := h.decide(r, res); p != nil { // admit, traced (tracing.go)
+		return h.shed(w, r, rs, p)
+	}
 	if res.clientGone {
 		return nil // nobody to answer
 	}
@@ -55,6 +51,19 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	}
 	res.passAdaptive()
 	return h.serveWatched(w, r, next, rs, res)
+}
+
+// admit decides the request: shed policies' adaptive limits first, on
+// this instance alone (a request they shed costs no store call: their
+// policy is returned), then its one decision (reserve).
+func (h *Handler) admit(r *http.Request, res *reservation) *Policy {
+	if len(res.adaptive) > 0 {
+		if p := res.admitAdaptive(); p != nil {
+			return p
+		}
+	}
+	h.reserve(r, res)
+	return nil
 }
 
 // reservations are reused from request to request: a reservation and its
@@ -145,10 +154,11 @@ func (h *Handler) match(r *http.Request, repl *caddy.Replacer, rs *requestState,
 		if key == "" {
 			identity = p.key(r, repl)
 			key = p.storageKey(h.hasher, identity)
+			p.emptyKey.note(p, identity, h.logger) // credential.go
 		}
 		res.policies = append(res.policies, p)
 		res.identities = append(res.identities, identity)
-		rq := bucketRequest{key: key, op: p.admissionOp(), limit: p.limit, cost: p.cost(r, repl), shadow: p.shadow, refundable: p.refundable(), hot: p.hot}
+		rq := bucketRequest{key: key, op: p.admissionOp(), limit: p.limit, cost: p.cost(r, repl), shadow: p.shadow, refundable: p.refundable(), learns: p.learns(), hot: p.hot}
 		rq.quota = p.quota // nil unless a quota
 		if rq.op == opAcquire {
 			rq.lease, rq.events, rq.leasesExpired = leaseIDs(), h.events, p.leasesExpired
@@ -196,6 +206,7 @@ func (h *Handler) reserve(r *http.Request, res *reservation) {
 		return
 	}
 	res.d, res.shown, res.shownReqs, res.decidedBy = d, res.policies, res.reqs, h.store
+	reserved(res.reqs, d) // what each learning bucket reserved
 	notePeriods(res.reqs, d)
 	admitted := outcomeAllowed
 	if waited {
@@ -243,6 +254,7 @@ func (h *Handler) withoutStore(r *http.Request, res *reservation) {
 	res.d, res.shown, res.shownReqs, res.outcome = decision{admitted: true}, nil, nil, outcomeFailOpen
 	if len(local) > 0 {
 		res.d, _ = localFallback.decide(r.Context(), local)
+		reserved(local, res.d)
 		notePeriods(local, res.d)
 		res.shown, res.shownReqs, res.identities, res.decidedBy = localPolicies, local, localIdentities, localFallback
 		count(localPolicies, res.d, outcomeLocalAllowed, outcomeLocalDenied)
@@ -345,7 +357,7 @@ func (h *Handler) deny(w http.ResponseWriter, r *http.Request, rs *requestState,
 	if res.failClosed != nil {
 		ra := retryAfter(time.Second.Microseconds(), h.jitter)
 		rs.decided, rs.decision, rs.policy, rs.remaining, rs.retryAfter = true, outcomeFailClosed, res.failClosed.Name, -1, ra
-		w.Header().Set("Retry-After", strconv.FormatInt(ra, 10))
+		setRetryFields(w.Header(), ra, true)
 		if handlesErrors(r, http.StatusServiceUnavailable) {
 			return caddyhttp.Error(http.StatusServiceUnavailable, errStoreUnavailable)
 		}
@@ -394,8 +406,8 @@ func (h *Handler) deny(w http.ResponseWriter, r *http.Request, rs *requestState,
 		} else {
 			ra = res.paced(r, key, wait, stride, h.jitter)
 		}
-		w.Header().Set("Retry-After", strconv.FormatInt(ra, 10))
 	}
+	setRetryFields(w.Header(), ra, res.retryable(wait, ra)) // denial_shape.go
 	h.report(w, rs, res, ra)
 	if ce := h.logger.Check(zap.DebugLevel, "rate limit exceeded"); ce != nil {
 		ce.Write(zap.Strings("policies", violated), zap.Int64("retry_after", ra))
@@ -403,10 +415,7 @@ func (h *Handler) deny(w http.ResponseWriter, r *http.Request, rs *requestState,
 	if handlesErrors(r, http.StatusTooManyRequests) {
 		return caddyhttp.Error(http.StatusTooManyRequests, errRateLimited)
 	}
-	if len(violated) == 1 {
-		return writeProblemBody(w, http.StatusTooManyRequests, denier.deniedBody)
-	}
-	return writeProblem(w, quotaExceeded(violated))
+	return h.writeDenial(w, res, violated, denier, ra) // denial_shape.go
 }
 
 // paced is the Retry-After of a denial on the bucket under key, from its

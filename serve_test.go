@@ -77,10 +77,20 @@ func serve(handlers []*Handler, srv *caddyhttp.Server, header ...string) exchang
 
 // serveWith is serve with the upstream given.
 func serveWith(handlers []*Handler, srv *caddyhttp.Server, upstream func(http.ResponseWriter, *http.Request) error, header ...string) exchange {
-	r := httptest.NewRequest("GET", "/", nil)
+	return serveIn(context.Background(), handlers, srv, upstream, header...)
+}
+
+// serveIn is serveWith in the request context ctx (a traced request's).
+func serveIn(ctx context.Context, handlers []*Handler, srv *caddyhttp.Server, upstream func(http.ResponseWriter, *http.Request) error, header ...string) exchange {
+	r := httptest.NewRequestWithContext(ctx, "GET", "/", nil)
 	for i := 0; i+1 < len(header); i += 2 {
 		r.Header.Set(header[i], header[i+1])
 	}
+	return serveOn(handlers, srv, upstream, r)
+}
+
+// serveOn is serveWith for the request r.
+func serveOn(handlers []*Handler, srv *caddyhttp.Server, upstream func(http.ResponseWriter, *http.Request) error, r *http.Request) exchange {
 	repl := caddy.NewReplacer()
 	ctx := context.WithValue(r.Context(), caddy.ReplacerCtxKey, repl)
 	ctx = context.WithValue(ctx, caddyhttp.VarsCtxKey, map[string]any{})
@@ -471,7 +481,9 @@ func TestServeHTTPChargeIfHoldsTheCost(t *testing.T) {
 
 // TestServeHTTPSettle: a settle policy reserves its cost, then gives back
 // usage below it, charges usage above it as debt (capped), and keeps the
-// reservation when no usage is reported.
+// reservation when no usage is reported; once a request used more than it
+// reserved, the key's next requests reserve what it used
+// (learned_usage.go).
 func TestServeHTTPSettle(t *testing.T) {
 	c := &clock{t: 1000 * sec}
 	h := testHandler(t, &Handler{Jitter: jitterOff(), Policies: []*Policy{{Name: "tokens", Key: "{http.request.header.X-Api-Key}", Rate: "1000/1h",
@@ -495,12 +507,12 @@ func TestServeHTTPSettle(t *testing.T) {
 	step("100", "40", 960, 960)  // 100 reserved, 60 given back
 	step("100", "160", 800, 800) // 60 more charged
 	before := lost()
-	step("100", "", 700, 700) // no usage: the reservation stands
-	step("100", "abc", 600, 600)
+	step("100", "", 640, 640) // no usage: the reservation stands, 160 (what the last used)
+	step("100", "abc", 480, 480)
 	if lost()-before != 2 {
 		t.Fatalf("%v settles counted lost, want 2", lost()-before)
 	}
-	step("100", "999999", 0, 0) // capped at max 600
+	step("100", "999999", -120, -120) // 160 reserved, the usage capped at max 600
 	if x := serveWith([]*Handler{h}, nil, upstreamAnswering(200), "X-Api-Key", "k", "X-Max-Tokens", "1"); x.status != 429 {
 		t.Fatalf("an empty bucket: %d, want 429", x.status)
 	}

@@ -8,7 +8,6 @@ import (
 	"io"
 	"net/http"
 	"slices"
-	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -422,7 +421,7 @@ func (h *Handler) denyShed(w http.ResponseWriter, r *http.Request, rs *requestSt
 // tell: a second, spread by jitter); a site with handle_errors gets it as
 // an error, as a fail_closed 503.
 func writeShed(w http.ResponseWriter, r *http.Request, ra int64) error {
-	w.Header().Set("Retry-After", strconv.FormatInt(ra, 10))
+	setRetryFields(w.Header(), ra, true)
 	if handlesErrors(r, http.StatusServiceUnavailable) {
 		return caddyhttp.Error(http.StatusServiceUnavailable, errShed)
 	}
@@ -466,13 +465,8 @@ type shedLimitCollector struct{ desc *prometheus.Desc }
 func (c shedLimitCollector) Describe(ch chan<- *prometheus.Desc) { ch <- c.desc }
 
 func (c shedLimitCollector) Collect(ch chan<- prometheus.Metric) {
-	var seen []string
-	for _, h := range budgets.handlers() {
-		for _, p := range h.Policies {
-			if p.shed == nil || p.shed.limiter == nil || slices.Contains(seen, p.Name) {
-				continue
-			}
-			seen = append(seen, p.Name)
+	for _, p := range budgets.policies() {
+		if p.shed != nil && p.shed.limiter != nil {
 			ch <- prometheus.MustNewConstMetric(c.desc, prometheus.GaugeValue, float64(p.shed.limiter.limit()), p.Name)
 		}
 	}

@@ -51,6 +51,9 @@ type memoryShard struct {
 	// buckets are.
 	quotas       map[bucketID]storedQuota
 	quotaSweepAt int
+	// learned is the usage the keys of settle policies learned
+	// (learned_usage.go), bounded by learnedMaxKeys.
+	learned map[bucketID]storedLearned
 }
 
 // storedBucket is a bucket as the store holds it: its TAT and the interval
@@ -149,8 +152,27 @@ func (m *memoryStore) decide(_ context.Context, reqs []bucketRequest) (decision,
 		b := m.shards[shards[i]].buckets[ids[i]]
 		tats[i] = rq.limit.rebase(b.tat, b.interval, now)
 	}
+	var learned []int64 // what the keys of buckets that learn learned
+	for i, rq := range reqs {
+		if rq.learns {
+			if learned == nil {
+				learned = make([]int64, len(reqs))
+			}
+			l := m.shards[shards[i]].learnedOf(ids[i], now)
+			learned[i] = l.max()
+		}
+	}
+	if learned != nil {
+		reqs = withLearned(reqs, learned)
+	}
 	d, next := decideBuckets(tats, now, reqs)
 	for i, rq := range reqs {
+		if learned != nil {
+			d.verdicts[i].learned = learned[i]
+			if rq.learns && applied(reqs, d, i) {
+				m.shards[shards[i]].applyLearned(ids[i], rq, now)
+			}
+		}
 		if !applied(reqs, d, i) {
 			continue
 		}

@@ -70,6 +70,7 @@ func (s *redisStore) decideShared(ctx context.Context, reqs []bucketRequest) (de
 		d, answer, gate := s.conn.denials.answer(reqs)
 		switch answer {
 		case denied:
+			d.call.cached = true
 			return d, nil
 		case uncertain:
 			// One flight at a time for this bucket: once the one in the air
@@ -203,6 +204,7 @@ func (c *redisConn) eval(batch []*pending) callResult {
 	end := time.Now()
 	for _, p := range batch {
 		p.sent, p.received = sent, received
+		p.d.call = callStats{calls: 1, requests: len(batch), redisUS: received - sent}
 		if err != nil {
 			p.err = err
 		}
@@ -290,6 +292,9 @@ func encodeCall(batch []*pending, format int) []any {
 			if rq.shadow {
 				op++
 			}
+			if rq.learns {
+				op += learnsOp
+			}
 			if rq.quota != nil {
 				nums = quotaNumbers(nums.add(op), rq, now)
 				if rq.overridable { // the policy's rule for an override's slack (override.go)
@@ -312,6 +317,9 @@ func encodeCall(batch []*pending, format int) []any {
 			nums = nums.add(op).add(rq.limit.interval).add(rq.limit.burst).add(rq.limit.slack).add(amount).add(wait)
 			if rq.overridable { // the policy's rule for an override's slack (override.go)
 				nums = nums.add(rq.overrideWait).add(rq.overrideDebt)
+			}
+			if rq.learns { // the usage a settle remembers (learned_usage.go)
+				nums = nums.add(rq.record)
 			}
 		}
 	}
@@ -413,7 +421,22 @@ func decodeRequest(now int64, res []int64, reqs []bucketRequest) (decision, []in
 		tats[i] = res[at[i]+1]
 	}
 	reqs = decidedUnder(res, at, reqs) // an override's limit, where the script found one
+	var learned []int64
+	for i, rq := range reqs {
+		if rq.learns {
+			if learned == nil {
+				learned = make([]int64, len(reqs))
+			}
+			learned[i] = res[at[i]+replyWidthOf(rq)-1] // its last number
+		}
+	}
+	if learned != nil {
+		reqs = withLearned(reqs, learned) // a take raised to what its key learned, as the script raised it
+	}
 	d, next := decideBuckets(tats, now, reqs)
+	for i := range learned {
+		d.verdicts[i].learned = learned[i]
+	}
 	for i, rq := range reqs {
 		if rq.op.slots() {
 			d.verdicts[i].expired = res[at[i]+2]

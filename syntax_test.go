@@ -1,15 +1,21 @@
 package ratelimit
 
 import (
+	"context"
+	"encoding/json"
 	"go/ast"
 	"go/parser"
 	"go/token"
 	"os"
+	"reflect"
 	"regexp"
 	"slices"
 	"strconv"
 	"strings"
 	"testing"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/caddyconfig"
 )
 
 // TestReadmeSyntax pins the README's Caddyfile syntax block (the first
@@ -267,4 +273,81 @@ func receiverType(fn *ast.FuncDecl) string {
 func tableRow(readme, name string) bool {
 	re := regexp.MustCompile("(?m)^\\| `" + regexp.QuoteMeta(name) + "[ `]")
 	return re.MatchString(readme)
+}
+
+// TestReadmeJSON: the README's first config is the same in its Caddyfile
+// and its JSON (the first ```caddyfile and ```json blocks after "## A first
+// config"): the Caddyfile adapts to exactly that JSON, which Caddy
+// validates. Every other JSON block of the README that is a rate_limit
+// handler provisions.
+func TestReadmeJSON(t *testing.T) {
+	raw, err := os.ReadFile("README.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, first, ok := strings.Cut(string(raw), "\n## A first config\n")
+	if !ok {
+		t.Fatal(`README.md has no heading "## A first config"`)
+	}
+	block := func(text, lang string) string {
+		_, after, ok := strings.Cut(text, "```"+lang+"\n")
+		if !ok {
+			t.Fatalf("README.md: no ```%s block after \"## A first config\"", lang)
+		}
+		b, _, _ := strings.Cut(after, "\n```")
+		return b
+	}
+	caddyfileText, jsonText := block(first, "caddyfile")+"\n", block(first, "json")
+	adapted, warnings, err := caddyconfig.GetAdapter("caddyfile").Adapt([]byte(caddyfileText), nil)
+	if err != nil || len(warnings) > 0 {
+		t.Fatalf("the README's first Caddyfile: %v %v", err, warnings)
+	}
+	var got, want any
+	if err := json.Unmarshal(adapted, &got); err != nil {
+		t.Fatal(err)
+	}
+	if err := json.Unmarshal([]byte(jsonText), &want); err != nil {
+		t.Fatalf("the README's first JSON is not JSON: %v", err)
+	}
+	if !reflect.DeepEqual(got, want) {
+		t.Errorf("the README's first Caddyfile adapts to\n%s\nnot to its JSON", adapted)
+	}
+	t.Setenv("RATE_LIMIT_SECRET", "readme-test-secret")
+	cfg := new(caddy.Config)
+	if err := caddy.StrictUnmarshalJSON([]byte(jsonText), cfg); err != nil {
+		t.Fatal(err)
+	}
+	if err := caddy.Validate(cfg); err != nil {
+		t.Errorf("the README's first JSON: %v", err)
+	}
+
+	handlers := 0
+	for _, m := range regexp.MustCompile("(?s)```json\n(.*?)\n```").FindAllStringSubmatch(string(raw), -1) {
+		var v map[string]any
+		if err := json.Unmarshal([]byte(m[1]), &v); err != nil {
+			t.Errorf("a README JSON block is not JSON: %v\n%s", err, m[1])
+			continue
+		}
+		if v["handler"] != "rate_limit" {
+			continue
+		}
+		handlers++
+		delete(v, "handler") // the module's name, not one of its fields
+		fields, _ := json.Marshal(v)
+		h := new(Handler)
+		if err := caddy.StrictUnmarshalJSON(fields, h); err != nil {
+			t.Errorf("a README rate_limit handler: %v\n%s", err, m[1])
+			continue
+		}
+		ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+		if err := h.Provision(ctx); err != nil {
+			t.Errorf("a README rate_limit handler does not provision: %v\n%s", err, m[1])
+		} else {
+			_ = h.Cleanup()
+		}
+		cancel()
+	}
+	if handlers == 0 {
+		t.Error("the README's JSON section has no rate_limit handler block")
+	}
 }

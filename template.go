@@ -12,7 +12,8 @@ import (
 // repl.ReplaceAll(text, "") would, but faster in the common cases: a
 // template that is one placeholder is looked up without scanning it, and
 // one request header ({http.request.header.X-Api-Key}, the Caddyfile's
-// {header.X-Api-Key}) or the bearer token ({http.rate_limit.bearer}) is
+// {header.X-Api-Key}), the bearer token ({http.rate_limit.bearer}) or the
+// credential ({http.rate_limit.credential}) is
 // read from the request directly. A client address
 // in it ({client_ip}, {remote_host}, {http.request.remote}) is masked to
 // the policy's prefix lengths (see addrMask): alone, or among other parts
@@ -24,6 +25,7 @@ type template struct {
 	variable string   // the placeholder's name when text is exactly one
 	header   string   // the canonical field name when that is a request header
 	bearer   bool     // the placeholder is {http.rate_limit.bearer}
+	cred     bool     // the placeholder is {http.rate_limit.credential}
 	addr     addrKind // whether variable is a client address
 	// parts is the text split into literals and placeholders, when it
 	// combines a client address with anything else.
@@ -39,7 +41,7 @@ type templatePart struct {
 
 func newTemplate(text string) template {
 	t := template{text: text, variable: soleVariable(text)}
-	t.bearer = t.variable == bearerPlaceholder
+	t.bearer, t.cred = t.variable == bearerPlaceholder, t.variable == credentialPlaceholder
 	if t.variable != "" {
 		t.variable, t.addr = addrPlaceholder(t.variable)
 		if field, ok := strings.CutPrefix(t.variable, reqHeaderPlaceholder); ok {
@@ -74,6 +76,8 @@ func (t template) resolve(r *http.Request, repl *caddy.Replacer, m addrMask) str
 	switch {
 	case t.bearer:
 		return bearerToken(r.Header["Authorization"])
+	case t.cred:
+		return credential(r.Header)
 	case t.header != "":
 		// What Caddy's placeholder gives: the field's values joined by commas.
 		vals := r.Header[t.header]

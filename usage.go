@@ -43,22 +43,48 @@ type scanFound struct {
 	// strings is the bytes of every string value (keys excluded): the text
 	// of a request's prompt, roles and names included.
 	strings int64
+	// hides: a request body carries input its bytes do not show (see
+	// jsonScan.hidden): a stored conversation or prompt, an image, a file,
+	// a provider-side tool; or a key or type written with an escape, which
+	// the provider reads decoded and the scan does not.
+	hides bool
 }
 
-// The places a scan reads a whole number from.
+// The places a scan reads a whole number from: three usage objects
+// (`usage`, the Responses API events' `response.usage`, Anthropic's
+// `message.usage` of message_start), each read for the same fields
+// (usageFields apart), then the request's ceilings.
 const (
-	slotUsageTotal    = iota // usage.total_tokens
-	slotUsageInput           // usage.prompt_tokens or usage.input_tokens
-	slotUsageOutput          // usage.completion_tokens or usage.output_tokens
-	slotRespTotal            // response.usage.total_tokens (Responses API events)
-	slotRespInput            // response.usage.input_tokens
-	slotRespOutput           // response.usage.output_tokens
-	slotMsgInput             // message.usage.input_tokens (Anthropic's message_start)
-	slotMsgOutput            // message.usage.output_tokens
-	slotMaxTokens            // max_tokens (request)
-	slotMaxCompletion        // max_completion_tokens (request)
-	slotMaxOutput            // max_output_tokens (request)
-	numSlots
+	slotUsage = 0               // usage.*
+	slotResp  = usageFields     // response.usage.*
+	slotMsg   = 2 * usageFields // message.usage.*
+
+	slotMaxTokens     = 3 * usageFields   // max_tokens (request)
+	slotMaxCompletion = slotMaxTokens + 1 // max_completion_tokens (request)
+	slotMaxOutput     = slotMaxTokens + 2 // max_output_tokens (request)
+	numSlots          = slotMaxTokens + 3
+)
+
+// The fields of a usage object, from its slot.
+const (
+	fieldTotal      = iota // total_tokens
+	fieldInput             // prompt_tokens or input_tokens
+	fieldOutput            // completion_tokens or output_tokens
+	fieldCacheWrite        // cache_creation_input_tokens (Anthropic)
+	fieldCacheRead         // cache_read_input_tokens (Anthropic)
+	fieldCached            // prompt_tokens_details.cached_tokens or input_tokens_details.cached_tokens (OpenAI)
+	usageFields
+)
+
+const (
+	slotUsageTotal  = slotUsage + fieldTotal
+	slotUsageInput  = slotUsage + fieldInput
+	slotUsageOutput = slotUsage + fieldOutput
+	slotRespTotal   = slotResp + fieldTotal
+	slotRespInput   = slotResp + fieldInput
+	slotRespOutput  = slotResp + fieldOutput
+	slotMsgInput    = slotMsg + fieldInput
+	slotMsgOutput   = slotMsg + fieldOutput
 )
 
 func (f *scanFound) get(slot int) (int64, bool) { return f.nums[slot], f.have&(1<<slot) != 0 }
@@ -143,6 +169,20 @@ const (
 	keyMaxTokens
 	keyMaxCompletionTokens
 	keyMaxOutputTokens
+	keyCacheCreation // cache_creation_input_tokens
+	keyCacheRead     // cache_read_input_tokens
+	keyCached        // cached_tokens
+	keyTokenDetails  // prompt_tokens_details, input_tokens_details
+	keyType
+	keyPreviousResponseID
+	keyConversation
+	keyPrompt
+	keyTools
+	keyMCPServers
+	keyContainer
+	keyWebSearchOptions
+	keyImageURL
+	keyFileID
 	keyText // the first of the keys of text
 	keyContent
 	keyArguments
@@ -158,6 +198,11 @@ var knownKeys = map[string]uint8{
 	"delta": keyDelta, "max_tokens": keyMaxTokens, "max_completion_tokens": keyMaxCompletionTokens, "max_output_tokens": keyMaxOutputTokens,
 	"text": keyText, "content": keyContent, "arguments": keyArguments, "partial_json": keyPartialJSON, "thinking": keyThinking,
 	"refusal": keyRefusal, "reasoning_content": keyReasoningContent,
+	"cache_creation_input_tokens": keyCacheCreation, "cache_read_input_tokens": keyCacheRead, "cached_tokens": keyCached,
+	"prompt_tokens_details": keyTokenDetails, "input_tokens_details": keyTokenDetails,
+	"type": keyType, "previous_response_id": keyPreviousResponseID, "conversation": keyConversation, "prompt": keyPrompt,
+	"tools": keyTools, "mcp_servers": keyMCPServers, "container": keyContainer, "web_search_options": keyWebSearchOptions,
+	"image_url": keyImageURL, "file_id": keyFileID,
 }
 
 // maxKeyDepth is how deep a scan follows keys; deeper, it only counts
@@ -176,8 +221,9 @@ type jsonScan struct {
 	escaped  bool // after a backslash in a string
 	isKey    bool // the string is a key
 	isText   bool // the string's bytes count as text
-	str      [24]byte
-	strLen   int // bytes of the key so far (longer than str: not one we know)
+	capture  bool // the string is the value of a `type`, kept in str
+	str      [32]byte
+	strLen   int // bytes of the key (or captured value) so far (longer than str: not one we know)
 
 	digits int // > 0: digits of the whole number being read; -1: a number not taken
 	number int64
@@ -203,6 +249,9 @@ func (j *jsonScan) feed(b []byte, f *scanFound, text int) {
 			switch {
 			case j.escaped:
 				j.escaped = false
+				if j.isKey || j.capture {
+					f.hides = true // no SDK escapes a key or a type; the provider reads it decoded
+				}
 				j.strLen = len(j.str) + 1 // an escape: not a key we know
 			case c == '\\':
 				j.escaped = true
@@ -218,9 +267,21 @@ func (j *jsonScan) feed(b []byte, f *scanFound, text int) {
 					if j.depth >= 1 && j.depth <= maxKeyDepth {
 						j.keys[j.depth] = k
 					}
+					if k == keyImageURL || k == keyFileID {
+						f.hides = true
+					}
 					j.wantKey = false
+				} else if j.capture {
+					j.capture = false
+					f.hides = f.hides || j.hiddenType()
 				}
 				continue
+			}
+			if j.capture {
+				if j.strLen < len(j.str) {
+					j.str[j.strLen] = c
+				}
+				j.strLen++
 			}
 			switch {
 			case j.isKey:
@@ -261,6 +322,10 @@ func (j *jsonScan) feed(b []byte, f *scanFound, text int) {
 			j.inString, j.escaped, j.strLen = true, false, 0
 			j.isKey = j.wantKey && j.inObject()
 			j.isText = !j.isKey && j.textString(text)
+			if !j.isKey {
+				j.capture = j.key() == keyType
+				f.hides = f.hides || j.hiddenValue(c)
+			}
 		case ':':
 			j.wantKey = false
 		case ',':
@@ -272,6 +337,7 @@ func (j *jsonScan) feed(b []byte, f *scanFound, text int) {
 			if j.deltaAt == 0 && j.key() == keyDelta {
 				j.deltaAt = j.depth
 			}
+			f.hides = f.hides || j.hiddenValue(c)
 			j.depth++
 			if j.depth <= maxKeyDepth {
 				bit := uint32(1) << (j.depth - 1)
@@ -302,6 +368,53 @@ func (j *jsonScan) feed(b []byte, f *scanFound, text int) {
 	}
 }
 
+// hiddenTypes are the `type`s of the parts of a request that the provider
+// bills as input the body does not show: an image or a file behind a URL
+// or an id, audio, an item or reasoning stored by the provider, a stored
+// conversation's compaction, a server tool's encrypted results sent back.
+var hiddenTypes = map[string]bool{
+	"image_url": true, "input_image": true, "image": true, "document": true, "input_file": true, "file": true,
+	"input_audio": true, "container_upload": true, "item_reference": true, "reasoning": true, "redacted_thinking": true,
+	"compaction": true, "web_search_tool_result": true, "web_fetch_tool_result": true,
+}
+
+// hiddenValue reports whether the value starting now (with c: a string's
+// quote, or a bracket) is input the body does not show: a stored response
+// to continue (previous_response_id), conversation, prompt or container
+// referenced by its id, the provider's web search, MCP servers it calls.
+func (j *jsonScan) hiddenValue(c byte) bool {
+	switch j.depth {
+	case 1:
+		switch j.key() {
+		case keyPreviousResponseID:
+			return c == '"'
+		case keyConversation, keyContainer:
+			return c == '"' || c == '{'
+		case keyPrompt, keyWebSearchOptions:
+			return c == '{'
+		}
+	case 2:
+		return c == '{' && j.keys[1] == keyMCPServers && j.objects&1 == 1
+	}
+	return false
+}
+
+// hiddenType reports whether the `type` value just read, kept in str,
+// names input the body does not show: a hidden part (hiddenTypes), or,
+// in the top-level `tools`, a tool the provider runs (web search, file
+// search, code execution...), whose results are input: every type but a
+// function the client runs (function, custom).
+func (j *jsonScan) hiddenType() bool {
+	if j.strLen > len(j.str) {
+		return false // too long for any of them (an escape is flagged already)
+	}
+	v := j.str[:j.strLen]
+	if j.depth == 3 && j.keys[1] == keyTools && j.keys[2] == keyElement && j.objects&7 == 5 {
+		return string(v) != "function" && string(v) != "custom"
+	}
+	return hiddenTypes[string(v)]
+}
+
 // textString reports whether the string value starting now holds the text
 // of an answer: one of the text keys' (content, text, arguments, ...), and,
 // in a stream, inside a `delta`, or a `delta` itself.
@@ -330,20 +443,28 @@ func (j *jsonScan) take(f *scanFound) {
 		case keyMaxOutputTokens:
 			slot = slotMaxOutput
 		}
-	case 2:
-		if j.keys[1] == keyUsage && j.objects&3 == 3 {
-			slot = usageSlot(j.keys[2], slotUsageTotal)
+	case 2, 3, 4:
+		// A usage object's member (usage.input_tokens), or its cached
+		// tokens one level down (usage.prompt_tokens_details.cached_tokens),
+		// at the top level, or in `response` or `message`.
+		d := j.depth
+		if j.objects&(1<<d-1) != 1<<d-1 {
+			break
 		}
-	case 3:
-		if j.keys[2] == keyUsage && j.objects&7 == 7 {
-			switch j.keys[1] {
-			case keyResponse:
-				slot = usageSlot(j.keys[3], slotRespTotal)
-			case keyMessage:
-				if s := usageSlot(j.keys[3], slotRespTotal); s == slotRespInput || s == slotRespOutput {
-					slot = s - slotRespInput + slotMsgInput
-				}
-			}
+		field := usageSlot(j.keys[d])
+		if field < 0 && j.keys[d] == keyCached && j.keys[d-1] == keyTokenDetails {
+			field, d = fieldCached, d-1
+		}
+		if field < 0 || j.keys[d-1] != keyUsage {
+			break
+		}
+		switch {
+		case d == 2:
+			slot = slotUsage + field
+		case d == 3 && j.keys[1] == keyResponse:
+			slot = slotResp + field
+		case d == 3 && j.keys[1] == keyMessage:
+			slot = slotMsg + field
 		}
 	}
 	if slot >= 0 {
@@ -351,16 +472,20 @@ func (j *jsonScan) take(f *scanFound) {
 	}
 }
 
-// usageSlot is the slot of a usage object's member, counted from the slot
-// of its total_tokens; -1 for other members.
-func usageSlot(k uint8, total int) int {
+// usageSlot is the field of a usage object's member (see fieldTotal), or
+// -1 for other members.
+func usageSlot(k uint8) int {
 	switch k {
 	case keyTotalTokens:
-		return total
+		return fieldTotal
 	case keyPromptTokens, keyInputTokens:
-		return total + 1
+		return fieldInput
 	case keyCompletionTokens, keyOutputTokens:
-		return total + 2
+		return fieldOutput
+	case keyCacheCreation:
+		return fieldCacheWrite
+	case keyCacheRead:
+		return fieldCacheRead
 	}
 	return -1
 }
@@ -373,9 +498,12 @@ const (
 
 // usage is the usage the response reported, weighed: for OpenAI,
 // total_tokens (chat completions, the Responses API), or, weighed,
-// prompt/completion (input/output) tokens; for Anthropic, input_tokens +
-// output_tokens, the output as the last `message_delta` counts it (the
-// `message_start` event's output_tokens is a first count, not the usage).
+// prompt/completion (input/output) tokens, the prompt's cached tokens at
+// their own weight; for Anthropic, input_tokens + output_tokens and the
+// cache's writes and reads (cache_creation_input_tokens,
+// cache_read_input_tokens), each weighed, the output as the last
+// `message_delta` counts it (the `message_start` event's output_tokens is
+// a first count, not the usage).
 func (f *scanFound) usage(provider int, w weights) (int64, bool) {
 	switch provider {
 	case providerOpenAI:
@@ -387,13 +515,18 @@ func (f *scanFound) usage(provider int, w weights) (int64, bool) {
 			}
 		}
 		if hasIn && hasOut {
-			return w.weigh(in, out), true
+			// Cached tokens are part of the prompt's.
+			cached, _ := f.first(slotUsage+fieldCached, slotResp+fieldCached)
+			cached = min(cached, in)
+			return w.weighParts(in-cached, out, 0, cached), true
 		}
 	case providerAnthropic:
 		out, hasOut := f.get(slotUsageOutput)
 		in, hasIn := f.first(slotUsageInput, slotMsgInput)
 		if hasOut && hasIn {
-			return w.weigh(in, out), true
+			written, _ := f.first(slotUsage+fieldCacheWrite, slotMsg+fieldCacheWrite)
+			read, _ := f.first(slotUsage+fieldCacheRead, slotMsg+fieldCacheRead)
+			return w.weighParts(in, out, written, read), true
 		}
 	}
 	return 0, false
@@ -407,22 +540,50 @@ const bytesPerToken = 4
 // bytesPerToken bytes, rounded up.
 func tokensOf(n int64) int64 { return (n + bytesPerToken - 1) / bytesPerToken }
 
-// weights price input and output tokens apart: usage = input × in +
-// output × out, rounded up. In millionths, so that decimals such as 0.25
-// are exact.
-type weights struct{ input, output int64 }
+// weights price input and output tokens apart, and the prompt tokens
+// written to and read from the provider's cache: usage = input × in +
+// output × out + cache writes × cacheWrite + cache reads × cacheRead,
+// rounded up. In millionths, so that decimals such as 0.25 are exact.
+type weights struct{ input, output, cacheWrite, cacheRead int64 }
 
 const weightUnit = 1_000_000
 
-// unitWeights counts every token once: no weights.
-var unitWeights = weights{weightUnit, weightUnit}
+// unitWeights counts every token once.
+var unitWeights = weights{weightUnit, weightUnit, weightUnit, weightUnit}
 
-func (w weights) unit() bool { return w == unitWeights }
+// defaultWeights is w with the defaults of the cache's weights where w has
+// -1: a cache write counts as input (Anthropic's input-token rate limits
+// count them); a cache read counts as input for OpenAI (its rate limits
+// count cached tokens as any prompt's), nothing for Anthropic (its
+// input-token rate limits do not count them).
+func defaultWeights(from string, w weights) weights {
+	if w.cacheWrite < 0 {
+		w.cacheWrite = w.input
+	}
+	switch {
+	case from == settleAnthropic && w.cacheRead < 0:
+		w.cacheRead = 0
+	case w.cacheRead < 0:
+		w.cacheRead = w.input
+	}
+	return w
+}
+
+// unit reports whether every token of an OpenAI usage counts once, as
+// its total_tokens counts them.
+func (w weights) unit() bool {
+	return w.input == weightUnit && w.output == weightUnit && w.cacheRead == weightUnit
+}
 
 // weigh is in × input + out × output tokens, rounded up, saturating at
 // the largest int64 (a usage that large is capped by settle max anyway).
-func (w weights) weigh(in, out int64) int64 {
-	s := saturatingAdd(saturatingMul(in, w.input), saturatingMul(out, w.output))
+func (w weights) weigh(in, out int64) int64 { return w.weighParts(in, out, 0, 0) }
+
+// weighParts weighs a usage's parts: input, output, cache writes and cache
+// reads.
+func (w weights) weighParts(in, out, written, read int64) int64 {
+	s := saturatingAdd(saturatingAdd(saturatingMul(in, w.input), saturatingMul(out, w.output)),
+		saturatingAdd(saturatingMul(written, w.cacheWrite), saturatingMul(read, w.cacheRead)))
 	q := s / weightUnit
 	if s%weightUnit != 0 {
 		q++

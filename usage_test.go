@@ -64,8 +64,8 @@ func scanAll(body string, sse bool, chunk int) *usageScanner {
 // text, for the estimate of a cut stream. Text that only looks like usage
 // (inside strings, nested deeper, not a whole number) is not usage.
 func TestUsageScanner(t *testing.T) {
-	w14 := weights{1 * weightUnit, 4 * weightUnit}
-	wFrac := weights{weightUnit / 4, 3 * weightUnit / 2} // 0.25 and 1.5
+	w14 := weights{input: 1 * weightUnit, output: 4 * weightUnit}
+	wFrac := weights{input: weightUnit / 4, output: 3 * weightUnit / 2} // 0.25 and 1.5
 	for _, tc := range []struct {
 		name     string
 		sse      bool
@@ -148,11 +148,11 @@ func TestWeigh(t *testing.T) {
 		want    int64
 	}{
 		{unitWeights, 3, 4, 7},
-		{weights{weightUnit / 10, weightUnit / 10}, 10, 10, 2}, // 0.1 × 20: exactly 2, not 2.0000000000000004
-		{weights{weightUnit / 3, 0}, 3, 100, 1},                // 0.333333 × 3 = 0.999999, rounded up
-		{weights{0, 4 * weightUnit}, 1000, 5, 20},
-		{weights{1, 1}, 1, 0, 1}, // a millionth of a token still costs one
-		{weights{maxWeight * weightUnit, maxWeight * weightUnit}, 1 << 62, 1 << 62, (1<<63-1)/weightUnit + 1}, // saturated, rounded up
+		{weights{input: weightUnit / 10, output: weightUnit / 10}, 10, 10, 2}, // 0.1 × 20: exactly 2, not 2.0000000000000004
+		{weights{input: weightUnit / 3, output: 0}, 3, 100, 1},                // 0.333333 × 3 = 0.999999, rounded up
+		{weights{input: 0, output: 4 * weightUnit}, 1000, 5, 20},
+		{weights{input: 1, output: 1}, 1, 0, 1},                                                                              // a millionth of a token still costs one
+		{weights{input: maxWeight * weightUnit, output: maxWeight * weightUnit}, 1 << 62, 1 << 62, (1<<63-1)/weightUnit + 1}, // saturated, rounded up
 		{unitWeights, 0, 0, 0},
 	} {
 		if got := tc.w.weigh(tc.in, tc.out); got != tc.want {
@@ -182,7 +182,7 @@ func FuzzUsageScanner(f *testing.F) {
 			t.Fatalf("whole %+v, in chunks of %d %+v", whole.found, chunk, split.found)
 		}
 		for _, provider := range []int{providerOpenAI, providerAnthropic} {
-			for _, w := range []weights{unitWeights, {weightUnit / 2, 3 * weightUnit}} {
+			for _, w := range []weights{unitWeights, {input: weightUnit / 2, output: 3 * weightUnit}} {
 				if u, ok := whole.found.usage(provider, w); ok && u < 0 {
 					t.Fatalf("usage %d", u)
 				}
@@ -192,4 +192,72 @@ func FuzzUsageScanner(f *testing.F) {
 			t.Fatalf("text %d, strings %d of a body of %d", whole.found.text, whole.found.strings, len(body))
 		}
 	})
+}
+
+// TestUsageCache: the prompt tokens the providers' caches write and read
+// are counted with their own weights: Anthropic's cache_creation and
+// cache_read_input_tokens (JSON, message_start, and the message_delta that
+// repeats them), OpenAI's prompt_tokens_details.cached_tokens and
+// input_tokens_details.cached_tokens (a part of the prompt's tokens).
+// Without weights, Anthropic's cache writes count as input and its reads
+// not at all, and OpenAI settles total_tokens (cached tokens as any).
+func TestUsageCache(t *testing.T) {
+	const cachedAnthropic = `{"type":"message","content":[{"type":"text","text":"Hi"}],"usage":{"input_tokens":12,"cache_creation_input_tokens":10011,"cache_read_input_tokens":0,"output_tokens":190,"cache_creation":{"ephemeral_5m_input_tokens":10011,"ephemeral_1h_input_tokens":0}}}`
+	const readAnthropic = `{"type":"message","content":[{"type":"text","text":"Hi"}],"usage":{"input_tokens":12,"cache_creation_input_tokens":0,"cache_read_input_tokens":10011,"output_tokens":190}}`
+	const cachedAnthropicSSE = "event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"id\":\"msg_1\",\"type\":\"message\",\"role\":\"assistant\",\"content\":[],\"usage\":{\"input_tokens\":12,\"cache_creation_input_tokens\":0,\"cache_read_input_tokens\":10011,\"output_tokens\":1}}}\n\n" +
+		"event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"index\":0,\"delta\":{\"type\":\"text_delta\",\"text\":\"Hi\"}}\n\n" +
+		"event: message_delta\ndata: {\"type\":\"message_delta\",\"delta\":{\"stop_reason\":\"end_turn\"},\"usage\":{\"output_tokens\":190}}\n\n"
+	const repeatedAnthropicSSE = "event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"usage\":{\"input_tokens\":12,\"cache_creation_input_tokens\":10011,\"cache_read_input_tokens\":0,\"output_tokens\":1}}}\n\n" +
+		"event: message_delta\ndata: {\"type\":\"message_delta\",\"delta\":{\"stop_reason\":\"end_turn\"},\"usage\":{\"input_tokens\":12,\"cache_creation_input_tokens\":10011,\"cache_read_input_tokens\":0,\"output_tokens\":190}}\n\n"
+	const cachedChat = `{"object":"chat.completion","choices":[{"index":0,"message":{"role":"assistant","content":"Hi"}}],"usage":{"prompt_tokens":2006,"completion_tokens":300,"total_tokens":2306,"prompt_tokens_details":{"cached_tokens":1920,"audio_tokens":0},"completion_tokens_details":{"reasoning_tokens":0}}}`
+	const cachedChatSSE = "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"Hi\"}}],\"usage\":null}\n\n" +
+		"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":2006,\"completion_tokens\":300,\"total_tokens\":2306,\"prompt_tokens_details\":{\"cached_tokens\":1920}}}\n\ndata: [DONE]\n\n"
+	const cachedResponsesSSE = "event: response.completed\ndata: {\"type\":\"response.completed\",\"response\":{\"usage\":{\"input_tokens\":2006,\"input_tokens_details\":{\"cached_tokens\":1920},\"output_tokens\":300,\"total_tokens\":2306}}}\n\n"
+	const notCached = `{"usage":{"prompt_tokens":10,"completion_tokens":5,"total_tokens":15},"choices":[{"message":{"content":"\"cached_tokens\":9999"}}],"metadata":{"prompt_tokens_details":{"cached_tokens":7}}}`
+	weigh := func(from string, sw *SettleWeights) weights {
+		w, err := sw.check(from)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return w
+	}
+	f := func(v float64) *float64 { return &v }
+	anthropicDefault := weigh(settleAnthropic, nil)
+	anthropicAll := weigh(settleAnthropic, &SettleWeights{Input: f(1), Output: f(1), CacheRead: f(1)})
+	anthropicPriced := weigh(settleAnthropic, &SettleWeights{Input: f(1), Output: f(5), CacheWrite: f(1.25), CacheRead: f(0.1)})
+	openaiDefault := weigh(settleOpenAI, nil)
+	openaiWeighed := weigh(settleOpenAI, &SettleWeights{Input: f(1), Output: f(4)})
+	openaiCheapCache := weigh(settleOpenAI, &SettleWeights{Input: f(1), Output: f(4), CacheRead: f(0.5)})
+	for _, tc := range []struct {
+		name     string
+		sse      bool
+		body     string
+		provider int
+		w        weights
+		usage    int64
+	}{
+		{"anthropic cache write, default", false, cachedAnthropic, providerAnthropic, anthropicDefault, 12 + 10011 + 190},
+		{"anthropic cache read, default: not counted", false, readAnthropic, providerAnthropic, anthropicDefault, 12 + 190},
+		{"anthropic cache read, cache_read 1", false, readAnthropic, providerAnthropic, anthropicAll, 12 + 10011 + 190},
+		{"anthropic cache write, priced", false, cachedAnthropic, providerAnthropic, anthropicPriced, 12 + 5*190 + 12514}, // 10011 × 1.25 = 12513.75
+		{"anthropic cache read, priced", false, readAnthropic, providerAnthropic, anthropicPriced, 12 + 5*190 + 1002},     // 1001.1, rounded up
+		{"anthropic stream, cache read in message_start", true, cachedAnthropicSSE, providerAnthropic, anthropicAll, 12 + 10011 + 190},
+		{"anthropic stream, repeated in message_delta", true, repeatedAnthropicSSE, providerAnthropic, anthropicDefault, 12 + 10011 + 190},
+		{"openai chat, default: total_tokens", false, cachedChat, providerOpenAI, openaiDefault, 2306},
+		{"openai chat, weighed: cached as input", false, cachedChat, providerOpenAI, openaiWeighed, 2006 + 4*300},
+		{"openai chat, cache_read 0.5", false, cachedChat, providerOpenAI, openaiCheapCache, 86 + 960 + 4*300},
+		{"openai chat stream, cache_read 0.5", true, cachedChatSSE, providerOpenAI, openaiCheapCache, 86 + 960 + 4*300},
+		{"openai responses stream, cache_read 0.5", true, cachedResponsesSSE, providerOpenAI, openaiCheapCache, 86 + 960 + 4*300},
+		{"cached_tokens elsewhere is not the usage's", false, notCached, providerOpenAI, openaiCheapCache, 10 + 4*5},
+	} {
+		for _, chunk := range []int{1, 7, 1 << 20} {
+			s := scanAll(tc.body, tc.sse, chunk)
+			if got, ok := s.found.usage(tc.provider, tc.w); !ok || got != tc.usage {
+				t.Errorf("%s (chunks of %d): usage %d (found %v), want %d", tc.name, chunk, got, ok, tc.usage)
+			}
+		}
+	}
+	if anthropicDefault.cacheRead != 0 || anthropicDefault.cacheWrite != weightUnit || openaiDefault != unitWeights {
+		t.Errorf("default weights: anthropic %+v, openai %+v", anthropicDefault, openaiDefault)
+	}
 }

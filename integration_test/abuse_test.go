@@ -13,6 +13,7 @@ import (
 	"os"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -94,13 +95,20 @@ func redisClient(t *testing.T, addr string) *redis.Client {
 	return c
 }
 
-// allKeys lists every key with SCAN.
+// fleetKeys are where the instances announce themselves (docs/redis.md,
+// "The fleet"): the limiter's bookkeeping, one pair per database, not
+// buckets.
+var fleetKeys = []string{"rate_limit:{fleet}", "rate_limit:{fleet}:records"}
+
+// allKeys lists every key but the fleet's, with SCAN.
 func allKeys(t *testing.T, c *redis.Client) []string {
 	t.Helper()
 	var keys []string
 	iter := c.Scan(context.Background(), 0, "*", 1000).Iterator()
 	for iter.Next(context.Background()) {
-		keys = append(keys, iter.Val())
+		if !slices.Contains(fleetKeys, iter.Val()) {
+			keys = append(keys, iter.Val())
+		}
 	}
 	if err := iter.Err(); err != nil {
 		t.Fatal(err)
@@ -290,10 +298,11 @@ func TestAbuseKeyCardinality(t *testing.T) {
 		t.Fatalf("statuses %v, want %d × 200 (each identity's first request)", statuses, identities)
 	}
 
-	if n, err := srv.Do("DBSIZE"); err != nil || n != strconv.Itoa(2*identities) {
-		t.Fatalf("DBSIZE %s (%v), want exactly %d: one key per identity per policy", n, err, 2*identities)
-	}
 	c := redisClient(t, srv.Addr)
+	fleet, _ := c.Exists(context.Background(), fleetKeys...).Result()
+	if n, err := srv.Do("DBSIZE"); err != nil || n != strconv.Itoa(2*identities+int(fleet)) {
+		t.Fatalf("DBSIZE %s (%v), want exactly %d and the fleet's %d: one key per identity per policy", n, err, 2*identities, fleet)
+	}
 	keys := allKeys(t, c)
 	shape := regexp.MustCompile(`^rl:(per_user|per_user_daily):\{[A-Za-z0-9_-]{22}\}$`)
 	for _, k := range keys {
@@ -407,7 +416,7 @@ func TestIdentitySafety(t *testing.T) {
 	identities := map[string]string{"per_key": abuseAPIKey, "per_user": abuseUserID, "per_ip": abuseIP, "dry": abuseUserID}
 	c := redisClient(t, srv.Addr)
 	seen := map[string]bool{}
-	for _, secret := range secrets {
+	for i, secret := range secrets {
 		in := startCaddyTuned(t, tune, redisLimiter(srv.Addr, "1s", map[string]any{"key_secret": secret}, policies...), echo())
 		var statuses []int
 		for range 3 {
@@ -444,6 +453,29 @@ func TestIdentitySafety(t *testing.T) {
 		sort.Strings(want)
 		if strings.Join(fresh, " ") != strings.Join(want, " ") {
 			t.Errorf("key_secret %s: new keys\n\t%v\nwant (HMAC-SHA-256 of each identity, none of an earlier secret)\n\t%v", secret, fresh, want)
+		}
+
+		// The fleet's records: what each instance enforces, never an
+		// identity or a secret. Each instance writes its own once its
+		// config runs.
+		for deadline := time.Now().Add(10 * time.Second); c.HLen(context.Background(), fleetKeys[1]).Val() < int64(i+1); time.Sleep(50 * time.Millisecond) {
+			if time.Now().After(deadline) {
+				t.Fatal("the instances did not announce themselves within 10 s")
+			}
+		}
+		for _, k := range fleetKeys {
+			records, err := c.HGetAll(context.Background(), k).Result()
+			if err != nil || len(records) == 0 {
+				t.Fatalf("the fleet's %s: %v, %v", k, records, err)
+			}
+			for _, r := range records {
+				checkNoIdentity(t, "Redis value of "+k, r)
+				for _, s := range secrets {
+					if strings.Contains(r, s) {
+						t.Errorf("the fleet's %s holds the key_secret %q: %s", k, s, r)
+					}
+				}
+			}
 		}
 
 		// /metrics of the admin API.

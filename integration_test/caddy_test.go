@@ -68,7 +68,14 @@ func startCaddy(t *testing.T, handlers ...map[string]any) *instance {
 // config (logging, server options) before it is loaded, and on reloads.
 func startCaddyTuned(t *testing.T, tune func(cfg map[string]any), handlers ...map[string]any) *instance {
 	t.Helper()
-	in := &instance{testcaddy.Start(t, caddyBin, tune, handlers...)}
+	return startCaddyEnv(t, nil, tune, handlers...)
+}
+
+// startCaddyEnv is startCaddyTuned with variables added to Caddy's
+// environment ("NAME=value").
+func startCaddyEnv(t *testing.T, env []string, tune func(cfg map[string]any), handlers ...map[string]any) *instance {
+	t.Helper()
+	in := &instance{testcaddy.StartEnv(t, caddyBin, env, tune, handlers...)}
 	// Runs before the stop that Start registered: a failed test shows the
 	// log of every Caddy it ran.
 	t.Cleanup(func() {

@@ -268,31 +268,37 @@ func TestAllOrNothing(t *testing.T) {
 	})
 }
 
-// TestCostAboveBurst: a request that can never fit is denied without a
-// Retry-After; costs come from placeholders, capped at max.
+// TestCost: costs come from placeholders, capped at max (a max above the
+// burst is refused at load: a request charged it could never pass); a
+// request that can never fit (here, under an operator's override of the
+// key's burst) is denied without a Retry-After, and told not to retry.
 func TestCost(t *testing.T) {
 	stores(t, func(t *testing.T, redisAddr string) {
-		in := startCaddy(t, limiter(redisAddr, nil,
-			map[string]any{"name": "tokens", "key": "global", "rate": "10/1m", "cost": "{http.request.header.X-Cost}", "max_cost": 20},
-		), echo())
-		r := get(t, in.URL, "X-Cost", "4")
+		policy := map[string]any{"name": "tokens", "key": "{http.request.header.X-User}", "rate": "10/1m", "cost": "{http.request.header.X-Cost}"} // max: the burst
+		in := startCaddy(t, limiter(redisAddr, nil, policy), echo())
+		r := get(t, in.URL, "X-User", "u", "X-Cost", "4")
 		if lim := parseFields(t, r.header, "RateLimit"); r.status != 200 || lim[0].params["r"] != 6 {
 			t.Fatalf("cost 4 of 10: %d %+v", r.status, lim)
 		}
-		r = get(t, in.URL, "X-Cost", "15") // ≤ max, > burst: can never pass
-		if r.status != 429 || r.header.Get("Retry-After") != "" {
-			t.Fatalf("cost above burst: %d Retry-After %q, want 429 without Retry-After", r.status, r.header.Get("Retry-After"))
-		}
-		r.problem(t)
-		for _, bad := range []string{"-1", "0", "abc", "1.5", "0x10", "99999999999999999999999"} {
-			// Charged at max (20 > burst 10): never passes.
-			if r := get(t, in.URL, "X-Cost", bad); r.status != 429 {
-				t.Fatalf("cost %q: status %d, want 429 (charged at max 20)", bad, r.status)
+		for _, bad := range []string{"-1", "0", "abc", "1.5", "0x10", "99999999999999999999999", "15"} {
+			// Charged at max (10, of the 6 left): denied, until it fits.
+			if r := get(t, in.URL, "X-User", "u", "X-Cost", bad); r.status != 429 || r.header.Get("Retry-After") == "" {
+				t.Fatalf("cost %q: status %d, Retry-After %q, want 429 (charged at max 10)", bad, r.status, r.header.Get("Retry-After"))
 			}
 		}
-		if lim := parseFields(t, get(t, in.URL, "X-Cost", "1").header, "RateLimit"); lim[0].params["r"] != 5 {
+		if lim := parseFields(t, get(t, in.URL, "X-User", "u", "X-Cost", "1").header, "RateLimit"); lim[0].params["r"] != 5 {
 			t.Fatalf("after denials: %+v, want r=5", lim)
 		}
+		// An override of the burst below what a request costs.
+		if status, body := adminCall(t, in, "POST", "/rate_limit/override", `{"policy":"tokens","identity":"v","rate":"10/1m","burst":3}`); status != 200 {
+			t.Fatalf("override: %d %s", status, body)
+		}
+		r = get(t, in.URL, "X-User", "v", "X-Cost", "4")
+		if r.status != 429 || r.header.Get("Retry-After") != "" || r.header.Get("X-Should-Retry") != "false" {
+			t.Fatalf("cost 4 above a burst of 3: %d Retry-After %q x-should-retry %q, want 429 without Retry-After, told not to retry",
+				r.status, r.header.Get("Retry-After"), r.header.Get("X-Should-Retry"))
+		}
+		r.problem(t)
 	})
 }
 

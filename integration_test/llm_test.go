@@ -57,14 +57,7 @@ type llmUpstream struct {
 func startLLMUpstream(t *testing.T) *llmUpstream {
 	t.Helper()
 	u := &llmUpstream{calls: map[string]*llmCall{}}
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	u.addr = l.Addr().String()
-	srv := &http.Server{Handler: http.HandlerFunc(u.serve)}
-	go func() { _ = srv.Serve(l) }()
-	t.Cleanup(func() { srv.Close() })
+	u.addr = serveLoopback(t, http.HandlerFunc(u.serve))
 	return u
 }
 
@@ -561,9 +554,10 @@ func cutStream(t *testing.T, url, key, body, coding string, cut int, header ...s
 }
 
 // TestLLMCutStream: a stream cut after half its text is charged at least
-// what it delivered (the text at 4 bytes a token), however small its
-// reservation: cut by the client or by the upstream, plain or gzip; each
-// counted in charges_lost_total by its reason.
+// what it delivered (the text at a token a byte, the most a byte-level
+// tokenizer makes), however small its reservation: cut by the client or by
+// the upstream, plain or gzip; each counted in charges_lost_total by its
+// reason.
 func TestLLMCutStream(t *testing.T) {
 	srv := testredis.Start(t)
 	up := startLLMUpstream(t)
@@ -596,7 +590,7 @@ func TestLLMCutStream(t *testing.T) {
 				resp.Body.Close()
 			}
 		}
-		estimate := int64(half / 4)
+		estimate := int64(half)
 		got := 100000 - bucketTokens(t, in, "llm_tokens", key)
 		if tc.by == "client" {
 			got = 100000 - cutTokens(t, in, "llm_tokens", key, 100000-estimate)
@@ -637,7 +631,7 @@ func lostCount(t *testing.T, in *instance, policy, reason string) float64 {
 // (125 tokens each) gets 16; a client reserving 2 and cutting every
 // stream after half its text, which got 1,000 when a cut stream kept only
 // its reservation, now gets no more text for its budget than the honest
-// one: each cut stream is charged the half it read.
+// one: each cut stream is charged the half it read, at a token a byte.
 func TestLLMCheapEscape(t *testing.T) {
 	srv := testredis.Start(t)
 	up := startLLMUpstream(t)
@@ -666,7 +660,7 @@ func TestLLMCheapEscape(t *testing.T) {
 			}
 			cutter++
 			cutterText += read
-			charged += max(2, int64(read+3)/4)
+			charged += max(2, int64(read))
 			// The next request is decided once this one's charge is made,
 			// when Caddy has noticed the cut.
 			if got := 2000 - cutTokens(t, in, "llm_tokens", key, 2000-charged); got != charged {

@@ -60,7 +60,7 @@ func testCA(t *testing.T) (caFile, certFile, keyFile string, pool *x509.CertPool
 }
 
 // limiterACL is the ACL docs/redis.md gives the limiter's Redis user.
-const limiterACL = "~rl:* &rl:* +evalsha +eval +time +get +set +del +type +publish +subscribe +zadd +zrem +zcard +zremrangebyscore +pexpire +hset +hdel +hget +hgetall +hkeys +hscan +pubsub|numsub"
+const limiterACL = "~rl:* ~rate_limit:{fleet}* &rl:* +evalsha +eval +time +get +set +del +type +publish +subscribe +zadd +zrem +zcard +zremrangebyscore +pexpire +hset +hdel +hget +hgetall +hkeys +hscan +pubsub|numsub"
 
 // TestRedisTLSAndACL: a Redis that speaks only TLS, with an ACL user for
 // the limiter. With the right CA and credentials Caddy limits exactly;
@@ -109,6 +109,16 @@ func TestRedisTLSAndACL(t *testing.T) {
 	}
 	if status, body := adminCall(t, good, "DELETE", "/rate_limit/override", `{"policy":"per_user","identity":"tls-user"}`); status != 200 {
 		t.Fatalf("deleting the override with the ACL user: %d %s", status, body)
+	}
+	// The fleet's records need their keys and the hash commands: the
+	// instance is listed, and says nothing of not announcing itself.
+	for deadline := time.Now().Add(10 * time.Second); len(fleetOf(t, good).Stores[0].Instances) != 1; time.Sleep(50 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the instance did not announce itself with the ACL user within 10 s")
+		}
+	}
+	if logMentions(t, good, "cannot announce") {
+		t.Error("with the documented ACL, the instance cannot announce itself to the fleet")
 	}
 
 	otherCA, _, _, _ := testCA(t)

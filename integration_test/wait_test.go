@@ -134,8 +134,12 @@ func TestWaitSharesAnOutboundBudget(t *testing.T) {
 	if d := float64(len(arrivals)) - (1 + span); d < -1 || d > 1 {
 		t.Errorf("%d arrivals over %.2fs, want 1 per second (%.1f ± 1)", len(arrivals), span, 1+span)
 	}
-	if minGap < 900*time.Millisecond {
-		t.Errorf("two upstream requests %v apart, want ≥ 0.9s", minGap)
+	// Released a second apart, they reach the upstream a little less
+	// apart when the first's way there was slower: on a loaded 2-core
+	// machine one took 120 ms more than the next (878 ms apart). The count
+	// above holds the rate.
+	if minGap < 750*time.Millisecond {
+		t.Errorf("two upstream requests %v apart, want ≥ 0.75s", minGap)
 	}
 	if statuses["429"] == 0 {
 		t.Errorf("no 429: 40 workers should have queued beyond the 30s wait")

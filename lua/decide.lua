@@ -40,6 +40,11 @@
 --        an overridable bucket takes two more after those of its code:
 --          the policy's wait (µs) and debt rule, which give an override's
 --          limit its slack (see override.go, limitFor)
+--        a rate bucket whose key learns its usage (op + 128, see
+--        learned_usage.go) takes one more after those: for an adjust (a
+--        settle), the usage to remember (0: the settle used no more than
+--        its own reservation); a take is raised to the largest usage
+--        remembered, at most burst; a reset forgets them
 --
 -- A bucket is its theoretical arrival time (TAT) in µs and the interval
 -- that TAT was written under, stored in one of the formats of format.go
@@ -87,7 +92,9 @@
 -- and, for an overridable bucket, the interval, burst and slack it was
 -- decided under: an operator's override of its limit, when one of its kind
 -- is stored beside it (<prefix><policy>:{<hash>}:override, in its slot), or
--- the limit sent (a quota's: 0, its N and its slack).
+-- the limit sent (a quota's: 0, its N and its slack); then, for a bucket
+-- that learns, the largest usage its key remembered before this request
+-- (<prefix><policy>:{<hash>}:usage, in its slot).
 --
 -- Redis work is what costs: each key is read once per call and written at
 -- most once, at the end, with what the call's last request left in it. On
@@ -189,6 +196,9 @@ end
 local function slots(key, now)
   local expired = redis.pcall('ZREMRANGEBYSCORE', key, '-inf', now)
   if type(expired) == 'table' then
+    if not string.find(expired.err or '', 'WRONGTYPE', 1, true) then
+      error(expired) -- an ACL without the command, not a key of another type
+    end
     if redis.call('TYPE', key).ok ~= 'string' then
       return nil
     end
@@ -273,6 +283,41 @@ local function quota_overridden(o, limit, slack, debt)
   return o.burst, math.min(units, 2 ^ 53 - o.burst)
 end
 
+-- Learned usage (learned_usage.go): the usage of the key's last settles,
+-- "l1 <u1> <u2> ...", newest first, at most LEARNED of them (0: a settle
+-- that used no more than its own reservation), in the key beside the
+-- bucket's, read once per call. A value that is not one reads as none. The
+-- release before this one never reads it.
+local function learned_of(learned, key, most)
+  local l = learned[key]
+  if l then return l end
+  l = {records = {}, held = false, dirty = false}
+  local v = redis.pcall('GET', key .. ':usage')
+  if type(v) == 'string' then
+    l.held = true
+    if string.match(v, '^l1[ %d]*$') then
+      for n in string.gmatch(string.sub(v, 3), '%d+') do
+        if #n > 16 then -- at or above 2^53: not one written
+          l.records = {}
+          break
+        end
+        if #l.records < most then l.records[#l.records + 1] = tonumber(n) end
+      end
+    end
+  end
+  learned[key] = l
+  return l
+end
+
+-- learned_max is the largest usage remembered, 0 for none.
+local function learned_max(records)
+  local m = 0
+  for j = 1, #records do
+    if records[j] > m then m = records[j] end
+  end
+  return m
+end
+
 -- numbers unpacks the call's numbers: at most 1000 a struct.unpack (each
 -- takes a slot of Lua's stack, which holds some 8000).
 local function numbers(blob)
@@ -299,6 +344,7 @@ local now = tonumber(clock[1]) * 1000000 + tonumber(clock[2])
 local set_get = redis.REDIS_VERSION_NUM ~= nil
 
 local TAKE, CHECK, ADJUST, RESET = 1, 2, 3, 5
+local LEARNED, LEARNED_TTL = 8, 86400000 -- learnRecords, learnTTL (ms)
 local ACQUIRE, RELEASE, RENEW, FREE, RESTORE = 6, 7, 8, 10, 11
 local QUOTA = 12 -- the first quota code
 local WRONGTYPE, CORRUPT, CLOCK = -1, -2, -3
@@ -318,6 +364,9 @@ local quota, q_start, q_end, q_used, q_held, q_dirty
 -- Overrides read, by bucket key: {kind, interval, burst}, or false (made
 -- with the call's first overridable bucket).
 local overrides
+-- Learned usage read, by bucket key: {records, held, dirty} (made with the
+-- call's first bucket that learns).
+local learned
 
 -- The formats of format.go: v1 "<tat>:<interval>"; v2 one integer, the
 -- interval's code then the TAT's offset from EPOCH (formatEpoch,
@@ -335,8 +384,9 @@ local ops, at, codes, intervals, allowed, before, after = {}, {}, {}, {}, {}, {}
 -- Made when a call first needs them: per bucket of the request, its first
 -- number's index and expired leases (slots); the start and end of the period
 -- picked (quotas); the burst and slack it is decided under (slots,
--- overridable buckets).
-local argat, expired, starts, ends, bursts, slacks
+-- overridable buckets); the index of its learned number and the usage its
+-- key had learned (buckets that learn).
+local argat, expired, starts, ends, bursts, slacks, lws, lvals
 
 while arg <= n_args do
   local count = A[arg]
@@ -345,6 +395,8 @@ while arg <= n_args do
   for i = 1, count do
     local key = KEYS[first_key + i]
     local op = A[arg]
+    local learn = op >= 128
+    if learn then op = op - 128 end
     local code = (op - op % 4) / 4 -- not math.floor: arithmetic is no call
     local interval, burst = A[arg + 1], A[arg + 2]
     local slack -- read where it counts
@@ -358,9 +410,19 @@ while arg <= n_args do
       bursts[i], slacks[i] = burst, slack
       width = width + 2
     end
+    if learn then
+      if not lws then lws, lvals, learned = {}, {}, {} end
+      lws[i], lvals[i] = arg + width, learned_max(learned_of(learned, key, LEARNED).records)
+      width = width + 1
+    elseif lws then
+      lws[i] = nil
+    end
     ops[i], codes[i], intervals[i], allowed[i] = op, code, interval, 1
     if code < ACQUIRE then
       local amount = A[arg + 4]
+      if learn and code == TAKE then
+        amount = math.max(amount, min(lvals[i], burst)) -- what the key recently used
+      end
       local bucket = index_of[key]
       if not bucket then
         -- The call's first read of the key.
@@ -506,6 +568,16 @@ while arg <= n_args do
         elseif code == RESET then
           tat_now[bucket] = 0
         end
+        if lws and lws[i] and (code == ADJUST or code == RESET) then
+          local l, u = learned[KEYS[first_key + i]], A[lws[i]]
+          if code == RESET then
+            l.records, l.dirty = {}, true
+          elseif u > 0 or learned_max(l.records) > 0 then -- else nothing to remember or to forget
+            table.insert(l.records, 1, u)
+            l.records[LEARNED + 1], l.dirty = nil, true
+            if learned_max(l.records) == 0 then l.records = {} end -- all within their reservations: forgotten
+          end
+        end
       end
       out[n_out + 1], out[n_out + 2] = bad[bucket] or allowed[i], before[i]
       n_out = n_out + 2
@@ -553,6 +625,10 @@ while arg <= n_args do
       out[n_out + 1], out[n_out + 2], out[n_out + 3] = intervals[i], bursts[i], slacks[i]
       n_out = n_out + 3
     end
+    if lws and lws[i] then -- learns: what its key had learned
+      n_out = n_out + 1
+      out[n_out] = lvals[i]
+    end
   end
   first_key = first_key + count
 end
@@ -578,6 +654,19 @@ for bucket = 1, touched do
         rcall('SET', key_at[bucket], encode(tat, interval, compact and coded_as), 'PX', ceil((tat - now) / 1000))
       elseif tat_stored[bucket] ~= 0 or replace[bucket] then
         rcall('DEL', key_at[bucket])
+      end
+    end
+  end
+end
+if learned then
+  for key, l in pairs(learned) do
+    if l.dirty then
+      if learned_max(l.records) > 0 then
+        local parts = {}
+        for j = 1, #l.records do parts[j] = string.format('%d', l.records[j]) end
+        rcall('SET', key .. ':usage', 'l1 ' .. table.concat(parts, ' '), 'PX', LEARNED_TTL)
+      elseif l.held then
+        rcall('DEL', key .. ':usage')
       end
     end
   end

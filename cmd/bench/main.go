@@ -26,7 +26,6 @@ import (
 	"net/http"
 	"os"
 	"os/exec"
-	"os/signal"
 	"path/filepath"
 	"regexp"
 	"runtime"
@@ -35,7 +34,6 @@ import (
 	"strconv"
 	"strings"
 	"sync"
-	"syscall"
 	"text/tabwriter"
 	"time"
 
@@ -132,13 +130,7 @@ func main() {
 	flag.Parse()
 	s := testcaddy.NewSession("bench")
 	defer s.Close()
-	go func() {
-		sig := make(chan os.Signal, 1)
-		signal.Notify(sig, os.Interrupt, syscall.SIGTERM)
-		<-sig
-		s.Close()
-		os.Exit(130)
-	}()
+	s.CloseOnSignal(nil, 130)
 	wrk, err := exec.LookPath("wrk")
 	if err != nil {
 		s.Fatalf("wrk not found: `make bench` installs it (apt-get install wrk)")

@@ -19,13 +19,11 @@ import (
 	"net"
 	"net/http"
 	"os"
-	"os/signal"
 	"path/filepath"
 	"sort"
 	"strconv"
 	"strings"
 	"sync"
-	"syscall"
 	"text/tabwriter"
 	"time"
 
@@ -52,14 +50,7 @@ const (
 func main() {
 	s := testcaddy.NewSession("demo")
 	defer s.Close()
-	go func() {
-		sig := make(chan os.Signal, 1)
-		signal.Notify(sig, os.Interrupt, syscall.SIGTERM)
-		got := <-sig
-		fmt.Fprintf(os.Stderr, "\ndemo: %v: stopping every process it started\n", got)
-		s.Close()
-		os.Exit(130)
-	}()
+	s.CloseOnSignal(func() string { return "stopping every process it started" }, 130)
 	start := time.Now()
 
 	fmt.Println("rate_limit demo: the same policy on four Caddy instances, with in-process buckets and with buckets in Redis.")
@@ -70,8 +61,7 @@ func main() {
 		s.Fatalf("building caddy: %v", err)
 	}
 	srv := testredis.Start(s)
-	version, _ := srv.Do("INFO", "server")
-	fmt.Printf("Started redis-server %s on %s.\n\n", field(version, "redis_version"), srv.Addr)
+	fmt.Printf("Started redis-server %s on %s.\n\n", srv.Version(), srv.Addr)
 
 	// Inbound: one API key, one policy, four instances.
 	fmt.Printf("Inbound: policy %q keyed on the X-Api-Key header, rate %d/1s, burst %d, on %d Caddy instances.\n", redisPolicy, inRate, inBurst, fleetSize)
@@ -98,16 +88,6 @@ func main() {
 
 	s.Close()
 	fmt.Printf("\nStopped the %d Caddy processes and redis-server it started (%.0f s in all).\n", 4*fleetSize, time.Since(start).Seconds())
-}
-
-// field reads "name:value" out of an INFO reply.
-func field(info, name string) string {
-	for _, line := range strings.Split(info, "\r\n") {
-		if v, ok := strings.CutPrefix(line, name+":"); ok {
-			return v
-		}
-	}
-	return "?"
 }
 
 // limiter is the rate_limit handler, with the buckets in Redis when
@@ -181,57 +161,28 @@ func runInbound(s *testcaddy.Session, bin, store, redisAddr string) inbound {
 
 	r := inbound{store: store, perSecond: make([]int, int(inRun/time.Second))}
 	client := &http.Client{Timeout: 5 * time.Second, Transport: &http.Transport{MaxIdleConnsPerHost: inWorkers}}
-	type job struct {
-		url string
-		bin int
-	}
-	jobs := make(chan job)
 	var mu sync.Mutex
-	var wg sync.WaitGroup
-	for range inWorkers {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for j := range jobs {
-				status := 0
-				req, _ := http.NewRequest("GET", j.url, nil)
-				req.Header.Set("X-Api-Key", apiKey)
-				if resp, err := client.Do(req); err == nil {
-					_, _ = io.Copy(io.Discard, resp.Body)
-					resp.Body.Close()
-					status = resp.StatusCode
-				}
-				mu.Lock()
-				switch status {
-				case 200:
-					r.admitted++
-					r.perSecond[j.bin]++
-				case 429:
-					r.rejected++
-				default:
-					r.other++
-				}
-				mu.Unlock()
-			}
-		}()
-	}
-	tick := time.NewTicker(time.Second / inOffered)
-	begin := time.Now()
-	for i := 0; ; i++ {
-		at := time.Since(begin)
-		if at >= inRun {
-			break
+	r.sent = testcaddy.Paced(inOffered, inRun, inWorkers, func(n int, at time.Duration) {
+		status := 0
+		req, _ := http.NewRequest("GET", fleet[n%fleetSize].URL+"/", nil)
+		req.Header.Set("X-Api-Key", apiKey)
+		if resp, err := client.Do(req); err == nil {
+			_, _ = io.Copy(io.Discard, resp.Body)
+			resp.Body.Close()
+			status = resp.StatusCode
 		}
-		select {
-		case jobs <- job{fleet[i%fleetSize].URL + "/", int(at / time.Second)}:
-			r.sent++
-		default: // every worker busy: this tick's request is not sent
+		mu.Lock()
+		defer mu.Unlock()
+		switch status {
+		case 200:
+			r.admitted++
+			r.perSecond[int(at/time.Second)]++
+		case 429:
+			r.rejected++
+		default:
+			r.other++
 		}
-		<-tick.C
-	}
-	tick.Stop()
-	close(jobs)
-	wg.Wait()
+	})
 	fmt.Printf("%d admitted of %d.\n", r.admitted, r.sent)
 	if r.other > 0 {
 		fmt.Printf("  %d responses were neither 200 nor 429; see the Caddy logs above.\n", r.other)

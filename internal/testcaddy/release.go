@@ -8,11 +8,16 @@ import (
 	"strings"
 )
 
-// PreviousRelease is the commit of the release before this one (v0.2.0,
+// PreviousRelease is the commit of the release before this one (v0.3.0,
 // see CHANGELOG.md): what a fleet in the middle of a rolling upgrade runs
 // beside this build. The upgrade tests build it from the repository's
 // history. Move it forward with each release.
-const PreviousRelease = "ed062f7f7497450c6d5704a51f6077c1e1f642d8"
+const PreviousRelease = "675d57770cecaef88c5c6500878767667e23bbff"
+
+// ReleaseV02 is v0.2.0's commit, whose reading of what later releases
+// write (a quota count, a v2 bucket) the format tests still hold: a fleet
+// may roll back that far.
+const ReleaseV02 = "ed062f7f7497450c6d5704a51f6077c1e1f642d8"
 
 // ReleaseV030 is the commit of v0.3.0 (CHANGELOG.md), the release before
 // the fourth wave's: what a fleet mid-upgrade to it runs, which the

@@ -3,9 +3,11 @@ package testcaddy
 import (
 	"fmt"
 	"os"
+	"os/signal"
 	"path/filepath"
 	"strconv"
 	"sync"
+	"syscall"
 )
 
 // Session is the testredis.TB (and so this package's) of a program that
@@ -66,6 +68,22 @@ func (s *Session) TempDir() string {
 		s.Fatalf("%v", err)
 	}
 	return dir
+}
+
+// CloseOnSignal stops everything on Ctrl-C or SIGTERM, then exits with
+// status code (130 for an interrupted run; 0 where Ctrl-C is the way to
+// end it); say, when not nil, tells what is being stopped.
+func (s *Session) CloseOnSignal(say func() string, code int) {
+	sig := make(chan os.Signal, 1)
+	signal.Notify(sig, os.Interrupt, syscall.SIGTERM)
+	go func() {
+		got := <-sig
+		if say != nil {
+			fmt.Fprintf(os.Stderr, "\n%s: %v: %s\n", s.name, got, say())
+		}
+		s.Close()
+		os.Exit(code)
+	}()
 }
 
 // Close stops everything, once; a second caller waits for the first.

@@ -15,7 +15,6 @@ import (
 	"path/filepath"
 	"strconv"
 	"sync"
-	"syscall"
 	"time"
 
 	"github.com/ratelimit-caddy/caddy-ratelimit/internal/testproc"
@@ -86,18 +85,51 @@ func Config(port, adminPort int, tune func(map[string]any), handlers []map[strin
 // most 20 s) until it listens. The process is stopped by t.Cleanup.
 func Start(t testredis.TB, bin string, tune func(cfg map[string]any), handlers ...map[string]any) *Instance {
 	t.Helper()
+	return StartEnv(t, bin, nil, tune, handlers...)
+}
+
+// StartEnv is Start with variables added to Caddy's environment
+// ("NAME=value", as OTEL_* for its tracing).
+func StartEnv(t testredis.TB, bin string, env []string, tune func(cfg map[string]any), handlers ...map[string]any) *Instance {
+	t.Helper()
 	port, adminPort := testredis.FreePort(t), testredis.FreePort(t)
 	dir := t.TempDir()
 	cfgPath := filepath.Join(dir, "caddy.json")
 	if err := os.WriteFile(cfgPath, Config(port, adminPort, tune, handlers), 0o600); err != nil {
 		t.Fatalf("writing the config: %v", err)
 	}
+	in := launch(t, bin, dir, []string{"run", "--config", cfgPath}, env, port, adminPort)
+	in.Tune = tune
+	return in
+}
+
+// StartFile runs the Caddy binary bin with the config file at path, read
+// by adapter ("caddyfile", or "" for JSON), in a fresh directory as Start
+// does, with env added to its environment; the config (through env, as
+// {$SITE_ADDRESS}) must put the site on 127.0.0.1:port and the admin API
+// on 127.0.0.1:adminPort. It waits until Caddy listens; the process is
+// stopped by t.Cleanup.
+func StartFile(t testredis.TB, bin, path, adapter string, port, adminPort int, env []string) *Instance {
+	t.Helper()
+	args := []string{"run", "--config", path}
+	if adapter != "" {
+		args = append(args, "--adapter", adapter)
+	}
+	return launch(t, bin, t.TempDir(), args, env, port, adminPort)
+}
+
+// launch starts bin with args in dir (its HOME, holding its XDG data and
+// config directories), logging to dir/caddy.log, and waits (at most 20 s)
+// until it listens on port.
+func launch(t testredis.TB, bin, dir string, args, env []string, port, adminPort int) *Instance {
+	t.Helper()
 	logFile, err := os.Create(filepath.Join(dir, "caddy.log"))
 	if err != nil {
 		t.Fatalf("creating the log: %v", err)
 	}
-	cmd := exec.Command(bin, "run", "--config", cfgPath)
+	cmd := exec.Command(bin, args...)
 	cmd.Env = append(os.Environ(), "XDG_DATA_HOME="+filepath.Join(dir, "data"), "XDG_CONFIG_HOME="+filepath.Join(dir, "config"), "HOME="+dir)
+	cmd.Env = append(cmd.Env, env...)
 	cmd.Stdout, cmd.Stderr = logFile, logFile
 	testproc.DieWithParent(cmd)
 	if err := cmd.Start(); err != nil {
@@ -108,7 +140,7 @@ func Start(t testredis.TB, bin string, tune func(cfg map[string]any), handlers .
 		URL:   fmt.Sprintf("http://127.0.0.1:%d", port),
 		Admin: fmt.Sprintf("http://127.0.0.1:%d", adminPort),
 		Log:   logFile.Name(),
-		Port:  port, AdminPort: adminPort, Tune: tune,
+		Port:  port, AdminPort: adminPort,
 		cmd: cmd, logFile: logFile,
 	}
 	t.Cleanup(in.Stop)
@@ -131,15 +163,7 @@ func Start(t testredis.TB, bin string, tune func(cfg map[string]any), handlers .
 // after 5 s) and closes its log. It is safe to call more than once.
 func (in *Instance) Stop() {
 	in.stopOnce.Do(func() {
-		_ = in.cmd.Process.Signal(syscall.SIGTERM)
-		done := make(chan struct{})
-		go func() { _ = in.cmd.Wait(); close(done) }()
-		select {
-		case <-done:
-		case <-time.After(5 * time.Second):
-			_ = in.cmd.Process.Kill()
-			<-done
-		}
+		testproc.Stop(in.cmd, 5*time.Second)
 		in.logFile.Close()
 	})
 }

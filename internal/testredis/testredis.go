@@ -13,6 +13,7 @@ import (
 	"net"
 	"os/exec"
 	"strconv"
+	"strings"
 	"syscall"
 	"time"
 
@@ -169,6 +170,18 @@ func (s *Server) Do(args ...string) (string, error) {
 		return string(buf[:n]), nil
 	}
 	return line[1 : len(line)-2], nil
+}
+
+// Version is the server's redis_version, from INFO ("?" when it does not
+// say).
+func (s *Server) Version() string {
+	info, _ := s.Do("INFO", "server")
+	for _, line := range strings.Split(info, "\r\n") {
+		if v, ok := strings.CutPrefix(line, "redis_version:"); ok {
+			return v
+		}
+	}
+	return "?"
 }
 
 // FreePort returns a loopback TCP port that was free a moment ago.

@@ -1,0 +1,122 @@
+package ratelimit
+
+import (
+	"encoding/json"
+	"net/http"
+	"strconv"
+	"strings"
+)
+
+// What an SDK makes of a denial. The official OpenAI and Anthropic SDKs
+// retry a 429 by themselves, after the wait the response gives
+// (setRetryFields says when not to), and surface its body as an error:
+// OpenAI's reads `{"error": {"message", "type", "code", "param"}}` and
+// shows anything else as "429 status code (no body)"; Anthropic's reads
+// `{"type": "error", "error": {"type", "message"}}`. `error_format`
+// shapes the 429 body as the provider's own rate-limit error, so the
+// application can tell the gateway's budget from the provider's limit.
+// The RateLimit fields are sent as with any format.
+
+// Formats of a 429 body (error_format).
+const (
+	errorFormatProblem   = "problem" // RFC 9457, the default
+	errorFormatOpenAI    = "openai"
+	errorFormatAnthropic = "anthropic"
+)
+
+// checkErrorFormat checks an error_format.
+func checkErrorFormat(f string) error {
+	switch f {
+	case "", errorFormatProblem, errorFormatOpenAI, errorFormatAnthropic:
+		return nil
+	}
+	return fieldErr("error_format", "error_format: %q is not problem, openai or anthropic", f)
+}
+
+// retryable reports whether the client may retry a denial by itself: not
+// when it can never fit (wait neverFits), when a quota denied it (it comes
+// back at its period's end), or when its Retry-After is past
+// maxRetryWait.
+func (res *reservation) retryable(wait, ra int64) bool {
+	if wait == neverFits || ra > maxRetryWait {
+		return false
+	}
+	for i, v := range res.d.verdicts {
+		if !v.allowed && !res.shown[i].shadow && res.shownReqs[i].quota != nil {
+			return false
+		}
+	}
+	return true
+}
+
+// writeDenial writes the body of a 429, in the error_format of the first
+// denying policy that sets one, or else the handler's: a problem (RFC
+// 9457) by default.
+func (h *Handler) writeDenial(w http.ResponseWriter, res *reservation, violated []string, denier *Policy, ra int64) error {
+	format, tokens := "", false
+	for i, v := range res.d.verdicts {
+		p := res.shown[i]
+		if v.allowed || p.shadow || p.Shed != nil {
+			continue
+		}
+		tokens = tokens || p.Settle != nil || p.costFromBody
+		if format == "" {
+			format = p.ErrorFormat
+		}
+	}
+	if format == "" {
+		format = h.ErrorFormat
+	}
+	var body []byte
+	switch format {
+	case errorFormatOpenAI:
+		kind := "requests"
+		if tokens {
+			kind = "tokens"
+		}
+		type openaiError struct {
+			Message string  `json:"message"`
+			Type    string  `json:"type"`
+			Param   *string `json:"param"`
+			Code    string  `json:"code"`
+		}
+		body, _ = json.Marshal(struct {
+			Error openaiError `json:"error"`
+		}{openaiError{Message: denialMessage(violated, ra), Type: kind, Code: "rate_limit_exceeded"}})
+	case errorFormatAnthropic:
+		type anthropicError struct {
+			Type    string `json:"type"`
+			Message string `json:"message"`
+		}
+		body, _ = json.Marshal(struct {
+			Type  string         `json:"type"`
+			Error anthropicError `json:"error"`
+		}{"error", anthropicError{Type: "rate_limit_error", Message: denialMessage(violated, ra)}})
+	default:
+		if len(violated) == 1 {
+			return writeProblemBody(w, http.StatusTooManyRequests, denier.deniedBody)
+		}
+		return writeProblem(w, quotaExceeded(violated))
+	}
+	hdr := w.Header()
+	hdr.Set("Content-Type", "application/json")
+	hdr.Set("Cache-Control", "no-store")
+	w.WriteHeader(http.StatusTooManyRequests)
+	_, err := w.Write(body)
+	return err
+}
+
+// denialMessage is what the application is told of a denial: which
+// policies, and when to come back (ra seconds; 0: never, the request's
+// cost can never fit).
+func denialMessage(violated []string, ra int64) string {
+	noun := "policy"
+	if len(violated) > 1 {
+		noun = "policies"
+	}
+	msg := "Rate limit exceeded for " + noun + " " + strings.Join(violated, ", ") + " of this gateway."
+	if ra == 0 {
+		return msg + " This request costs more than the policy's burst, so it can never be admitted: ask for fewer tokens (max_tokens)."
+	}
+	return msg + " Please try again in " + strconv.FormatInt(ra, 10) + "s."
+}

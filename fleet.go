@@ -1,0 +1,554 @@
+package ratelimit
+
+import (
+	"context"
+	_ "embed"
+	"errors"
+	"fmt"
+	"os"
+	"slices"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/fleet"
+	"github.com/redis/go-redis/v9"
+	"go.uber.org/zap"
+)
+
+// The fleet sees itself. Every instance announces itself on each Redis
+// database it uses: a record (internal/fleet) of its id, host and pid,
+// version, the storage format it writes, and what each of its policies
+// there enforces (limit, key, key_prefix, a fingerprint of key_secret),
+// written every fleetEvery and kept fleetTTL unless written again. The
+// records are in two hashes under one Redis Cluster hash tag, outside
+// every key_prefix, so that instances whose key_prefix differs still find
+// each other; each database has its own. Each instance compares its
+// policies with those of the same name that the other live instances of
+// its fleet (same database, same key_prefix) enforce: a disagreement is
+// logged once at WARN when it appears, once at INFO when it is gone, and
+// the policies in disagreement are counted by
+// caddy_rate_limit_fleet_disagreements. The same goroutine probes Redis
+// once each config is running (probe.go). Releases before this one do not
+// announce themselves, and read none of it.
+
+//go:embed lua/fleet.lua
+var fleetLua string
+
+var fleetScript = redis.NewScript(fleetLua)
+
+const (
+	// fleetIndexKey holds, per live instance, its record's expiry and
+	// digest; fleetRecordsKey the records. Not under a key_prefix.
+	fleetIndexKey   = "rate_limit:{fleet}"
+	fleetRecordsKey = "rate_limit:{fleet}:records"
+	// fleetEvery is how often an instance writes its record and reads the
+	// fleet's; a record not written again within fleetTTL is dropped.
+	fleetEvery = 5 * time.Second
+	fleetTTL   = 3 * fleetEvery
+	// fleetSettle gathers the nudges of instances starting or reloading
+	// together into one refresh.
+	fleetSettle = 100 * time.Millisecond
+	// eventFleet, "fleet <instance>" on the events channel: the instance's
+	// record changed; the others read the fleet at once.
+	eventFleet = "fleet"
+)
+
+// hostName and processStarted find the process, in its records.
+var (
+	hostName, _    = os.Hostname()
+	processStarted = time.Now().UnixMilli()
+)
+
+// fleetView is one connection's part in the fleet: the handlers that use
+// it, what it wrote, and what it saw.
+type fleetView struct {
+	// nudge asks for a refresh now: a config using the connection was
+	// provisioned or cleaned up, or another instance's record changed.
+	nudge chan struct{}
+
+	regsMu sync.Mutex
+	regs   []fleetReg
+
+	// mu makes one refresh at a time, and leaving final.
+	mu          sync.Mutex
+	left        bool
+	written     string                // the digest of the record in Redis, "" for none
+	published   string                // the digest last announced on the events channels
+	probed      any                   // the config last probed (probe.go)
+	probeOK     bool                  // the last probe found Redis deciding
+	probeAgain  bool                  // it found Redis away: probe once Redis answers
+	known       map[string]fleetKnown // the other live instances' records, by id
+	seen        []string              // their ids, as last logged
+	warned      map[splitKey]bool     // the disagreements logged and still there
+	disagreeing int                   // counted in fleetDisagreements
+	failed      string                // the kind of the refresh failure logged last
+}
+
+// fleetReg is a handler using the connection, in the config it belongs to.
+type fleetReg struct {
+	config any
+	h      *Handler
+}
+
+// fleetKnown is a record read, with the digest of what was read.
+type fleetKnown struct {
+	digest string
+	record fleet.Record
+	ok     bool // it decoded
+}
+
+// join registers a provisioned handler, whose policies the connection
+// announces once its config runs.
+func (c *redisConn) join(h *Handler) {
+	v := &c.fleet
+	v.regsMu.Lock()
+	v.regs = append(v.regs, fleetReg{h.config, h})
+	v.regsMu.Unlock()
+	c.nudgeFleet()
+}
+
+// part unregisters a handler being cleaned up.
+func (c *redisConn) part(h *Handler) {
+	v := &c.fleet
+	v.regsMu.Lock()
+	v.regs = slices.DeleteFunc(v.regs, func(r fleetReg) bool { return r.h == h })
+	v.regsMu.Unlock()
+	c.nudgeFleet()
+}
+
+func (c *redisConn) nudgeFleet() {
+	select {
+	case c.fleet.nudge <- struct{}{}:
+	default:
+	}
+}
+
+// running returns the handlers of the running config that use the
+// connection; pending while handlers are registered but their config has
+// not started (Caddy provisions a config before it runs it, and drops it
+// if it fails to start).
+func (v *fleetView) running() (config any, hs []*Handler, pending bool) {
+	v.regsMu.Lock()
+	defer v.regsMu.Unlock()
+	if len(v.regs) == 0 {
+		return nil, nil, false
+	}
+	active := caddy.ActiveContext()
+	reg := active.GetMetricsRegistry()
+	for _, r := range v.regs {
+		if reg != nil && r.config == any(reg) {
+			config = r.config
+			hs = append(hs, r.h)
+		}
+	}
+	return config, hs, config == nil
+}
+
+// registered returns the policies of the handlers using the connection
+// in the config provisioned last: those its failures apply to.
+func (v *fleetView) registered() []*Policy {
+	v.regsMu.Lock()
+	defer v.regsMu.Unlock()
+	if len(v.regs) == 0 {
+		return nil
+	}
+	last := v.regs[len(v.regs)-1].config
+	var ps []*Policy
+	for _, r := range v.regs {
+		if r.config == last {
+			ps = append(ps, r.h.Policies...)
+		}
+	}
+	return ps
+}
+
+// followFleet refreshes the connection's part in the fleet every
+// fleetEvery, and when nudged, until the connection closes.
+func (c *redisConn) followFleet() {
+	tick := time.NewTicker(fleetEvery)
+	defer tick.Stop()
+	for {
+		select {
+		case <-tick.C:
+		case <-c.fleet.nudge:
+			select {
+			case <-time.After(fleetSettle):
+			case <-c.closed:
+				return
+			}
+		case <-c.closed:
+			return
+		}
+		// Until the config runs: soon, or dropped.
+		for wait := 50 * time.Millisecond; !c.refreshFleet(); wait = min(2*wait, time.Second) {
+			select {
+			case <-time.After(wait):
+			case <-c.closed:
+				return
+			}
+		}
+	}
+}
+
+// refreshFleet probes Redis for a config that started running, writes
+// this instance's record, reads the others' and notes the disagreements.
+// It returns false while the registered config has not started.
+func (c *redisConn) refreshFleet() bool {
+	v := &c.fleet
+	config, hs, pending := v.running()
+	if pending {
+		return false
+	}
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	if v.left {
+		return true
+	}
+	if config != nil && config != v.probed {
+		v.probed = config
+		c.probeStarted(hs)
+	}
+	self := c.fleetRecord(hs)
+	var raw []byte
+	var digest string
+	if len(self.Policies) > 0 {
+		raw, digest = fleet.Encode(self)
+	}
+	if digest == "" && v.written == "" {
+		c.noteSplits(nil)
+		return true // nothing to say, nothing said
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), c.callTimeout)
+	defer cancel()
+	_, live, err := fleetCall(ctx, c.client, instanceID, digest, raw, false)
+	if err != nil {
+		c.fleetFailed(err)
+		return true
+	}
+	if v.failed != "" && !away(v.failed) { // what was warned about is fixed
+		c.logger.Info("this instance announces itself to the fleet again", zap.String("redis", c.name))
+	}
+	v.failed = ""
+	if v.probeAgain && config != nil {
+		c.probeStarted(hs) // Redis answers again: does it decide?
+	}
+	v.written = digest
+	if digest == "" {
+		c.noteSplits(nil)
+		return true
+	}
+	if err := c.readRecords(ctx, live); err != nil {
+		c.fleetFailed(err)
+		return true
+	}
+	if digest != v.published {
+		// The others of its fleets read the fleet at once.
+		v.published = digest
+		for _, prefix := range recordPrefixes(self) {
+			if err := c.client.Publish(ctx, eventsChannel(prefix), eventFleet+" "+instanceID).Err(); err != nil {
+				c.logger.Debug("announcing a change of this instance's fleet record", zap.String("redis", c.name), zap.Error(err))
+			}
+		}
+	}
+	others := make([]fleet.Record, 0, len(v.known))
+	ids := make([]string, 0, len(v.known))
+	for id, k := range v.known {
+		ids = append(ids, id)
+		if k.ok {
+			others = append(others, k.record)
+		}
+	}
+	slices.Sort(ids)
+	if !slices.Equal(ids, v.seen) {
+		v.seen = ids
+		c.logger.Debug("the other live instances on this Redis database", zap.String("redis", c.name), zap.Int("db", c.db), zap.Strings("instances", ids))
+	}
+	c.noteSplits(fleet.Against(self, others))
+	return true
+}
+
+// fleetRecord is what this instance announces on the connection: the
+// policies of hs that use Redis.
+func (c *redisConn) fleetRecord(hs []*Handler) fleet.Record {
+	r := fleet.Record{
+		ID: instanceID, Host: hostName, PID: os.Getpid(), Version: Version,
+		Format: formatName(int(c.format.Load())), DB: c.db, Started: processStarted,
+	}
+	for _, h := range hs {
+		for _, p := range h.Policies {
+			if !p.usesStore() {
+				continue
+			}
+			fp := fleet.Policy{Name: p.Name, Prefix: h.keyPrefix, Limit: fleet.Bound(p.limitShape()),
+				Key: fleet.Bound(p.keyShape()), Secret: h.hasher.fingerprint()}
+			if !slices.Contains(r.Policies, fp) { // the same policy in two handlers
+				r.Policies = append(r.Policies, fp)
+			}
+		}
+	}
+	return r
+}
+
+// usesStore reports whether the policy's buckets are in the handler's
+// store: all but a shed policy's adaptive limit alone, which is this
+// instance's.
+func (p *Policy) usesStore() bool { return p.Shed == nil || p.Shed.Concurrent > 0 }
+
+func recordPrefixes(r fleet.Record) []string {
+	var out []string
+	for _, p := range r.Policies {
+		if !slices.Contains(out, p.Prefix) {
+			out = append(out, p.Prefix)
+		}
+	}
+	return out
+}
+
+// readRecords reads the records of the live instances whose record
+// changed since last read, and forgets those no longer live.
+func (c *redisConn) readRecords(ctx context.Context, live []fleetEntry) error {
+	v := &c.fleet
+	if v.known == nil {
+		v.known = map[string]fleetKnown{}
+	}
+	var need []string
+	alive := map[string]bool{}
+	for _, e := range live {
+		if e.id == instanceID {
+			continue
+		}
+		alive[e.id] = true
+		if k, ok := v.known[e.id]; !ok || k.digest != e.digest {
+			need = append(need, e.id)
+		}
+	}
+	for id := range v.known {
+		if !alive[id] {
+			delete(v.known, id)
+		}
+	}
+	if len(need) == 0 {
+		return nil
+	}
+	// HGETs in one round trip: the ACL the limiter needs has HGET already.
+	gets := make([]*redis.StringCmd, len(need))
+	if _, err := c.client.Pipelined(ctx, func(p redis.Pipeliner) error {
+		for i, id := range need {
+			gets[i] = p.HGet(ctx, fleetRecordsKey, id)
+		}
+		return nil
+	}); err != nil && !errors.Is(err, redis.Nil) {
+		return err
+	}
+	for i, get := range gets {
+		raw := get.Val()
+		if raw == "" {
+			delete(v.known, need[i]) // it left meanwhile
+			continue
+		}
+		r, err := fleet.Decode([]byte(raw))
+		v.known[need[i]] = fleetKnown{digest: fleet.Digest([]byte(raw)), record: r, ok: err == nil && r.ID == need[i]}
+	}
+	return nil
+}
+
+// fleetEntry is a live instance as the index says it.
+type fleetEntry struct {
+	id     string
+	expiry int64 // ms of Redis time
+	digest string
+	record string // when asked for
+}
+
+// fleetCall runs lua/fleet.lua on one Redis database: writes the record
+// of instance id (none with id "", leaves with a nil record), and returns
+// Redis's time in ms and the live instances, with their records if asked.
+func fleetCall(ctx context.Context, s redis.Scripter, id, digest string, record []byte, withRecords bool) (int64, []fleetEntry, error) {
+	with := "0"
+	if withRecords {
+		with = "1"
+	}
+	res, err := fleetScript.Run(ctx, s, []string{fleetIndexKey, fleetRecordsKey}, id, digest, string(record), fleetTTL.Milliseconds(), with).Slice()
+	if err != nil {
+		return 0, nil, err
+	}
+	return parseFleetReply(res, withRecords)
+}
+
+func parseFleetReply(res []any, withRecords bool) (int64, []fleetEntry, error) {
+	width := 3
+	if withRecords {
+		width = 4
+	}
+	var now int64
+	ok := len(res) > 0
+	if ok {
+		now, ok = res[0].(int64)
+	}
+	if !ok || (len(res)-1)%width != 0 {
+		return 0, nil, fmt.Errorf("%w: the fleet script's reply has %d values", errScriptReply, len(res))
+	}
+	var out []fleetEntry
+	for i := 1; i < len(res); i += width {
+		var e fleetEntry
+		e.id, _ = res[i].(string)
+		e.expiry, _ = res[i+1].(int64)
+		e.digest, _ = res[i+2].(string)
+		if withRecords {
+			e.record, _ = res[i+3].(string)
+		}
+		out = append(out, e)
+	}
+	return now, out, nil
+}
+
+// fleetFailed logs a failed refresh once per kind of failure: Redis being
+// away is the decisions' to report; a Redis user without the fleet's keys
+// is told how to grant them.
+func (c *redisConn) fleetFailed(err error) {
+	if errors.Is(err, redis.ErrClosed) {
+		return
+	}
+	v := &c.fleet
+	kind := errorKind(err)
+	if kind == v.failed {
+		return
+	}
+	v.failed = kind
+	fields := []zap.Field{zap.String("redis", c.name), zap.String("kind", kind), zap.Error(err)}
+	switch {
+	case away(kind): // the decisions report it
+		c.logger.Debug("announcing this instance to the fleet", fields...)
+	case kind == "noperm":
+		c.logger.Warn("this instance cannot announce itself to the fleet: the Redis user may not run its script or use its keys; "+
+			"grant ~"+fleetIndexKey+"* with the ACL of docs/redis.md. Decisions are not affected, but `caddy rate-limit fleet` "+
+			"does not list this instance, and instances that disagree on a policy are not told", fields...)
+	default:
+		c.logger.Warn("this instance cannot announce itself to the fleet; decisions are not affected", fields...)
+	}
+}
+
+// leaveFleet removes this instance's record (waiting at most until
+// deadline), so that the others see at once that it stopped, and takes
+// its disagreements off the gauge. Nothing is announced on the connection
+// after it.
+func (c *redisConn) leaveFleet(deadline time.Time) {
+	v := &c.fleet
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	v.left = true
+	// Off the gauge, without saying the fleet agrees: this instance leaves.
+	fleetDisagreements.Add(-float64(v.disagreeing))
+	v.disagreeing, v.warned = 0, nil
+	if v.written == "" {
+		return
+	}
+	ctx, cancel := context.WithDeadline(context.Background(), deadline)
+	defer cancel()
+	if _, _, err := fleetCall(ctx, c.client, instanceID, "", nil, false); err != nil {
+		c.logger.Debug("removing this instance's fleet record", zap.String("redis", c.name), zap.Error(err))
+		return
+	}
+	for _, prefix := range c.events.prefixes() {
+		_ = c.client.Publish(ctx, eventsChannel(prefix), eventFleet+" "+instanceID).Err()
+	}
+}
+
+// noteSplits logs the disagreements that appeared (WARN) and those gone
+// (INFO), and counts those there in the gauge.
+func (c *redisConn) noteSplits(splits []fleet.Split) {
+	v := &c.fleet
+	now := make(map[splitKey]bool, len(splits))
+	still := map[policyIn]bool{}
+	for _, s := range splits {
+		k := splitKey{policyIn{s.Prefix, s.Policy}, strings.Join(s.Differs, ",")}
+		now[k] = true
+		still[k.policy] = true
+		if !v.warned[k] {
+			msg, fields := splitMessage(s)
+			c.logger.Warn(msg, append(fields, zap.String("redis", c.name), zap.String("instance", instanceID))...)
+		}
+	}
+	for k := range v.warned {
+		if !now[k] && !still[k.policy] {
+			still[k.policy] = true // once per policy
+			c.logger.Info("the live instances of this fleet agree again on policy "+k.policy.name,
+				zap.String("policy", k.policy.name), zap.String("key_prefix", k.policy.prefix), zap.String("redis", c.name))
+		}
+	}
+	v.warned = now
+	if n := len(splits); n != v.disagreeing {
+		fleetDisagreements.Add(float64(n - v.disagreeing))
+		v.disagreeing = n
+	}
+}
+
+// policyIn is a policy name under a key prefix; splitKey one of its
+// disagreements, by what differs.
+type policyIn struct{ prefix, name string }
+
+type splitKey struct {
+	policy  policyIn
+	differs string
+}
+
+// splitMessage says what a disagreement is, relative to this instance
+// (the first variant): the policy, what differs, and what to do. Never a
+// secret: a key_secret differs or not.
+func splitMessage(s fleet.Split) (string, []zap.Field) {
+	what, others, fields := splitDetails(s)
+	who := "another live instance"
+	if len(others) > 1 {
+		who = fmt.Sprintf("%d other live instances", len(others))
+	}
+	msg := fmt.Sprintf("policy %s is enforced with %s by %s of this fleet (same Redis database and key_prefix): "+
+		"they do not share one budget, so together they admit more than it. "+
+		"Make their configs agree (`caddy rate-limit fleet` lists the live instances and what each enforces)",
+		s.Policy, strings.Join(what, " and "), who)
+	return msg, fields
+}
+
+// splitDetails says what differs from this instance's variant (the
+// first), which other instances differ, and the fields that show it.
+func splitDetails(s fleet.Split) (what, others []string, fields []zap.Field) {
+	mine := s.Variants[0]
+	for _, v := range s.Variants[1:] {
+		others = append(others, v.Instances...)
+	}
+	theirs := func(part func(fleet.Variant) string) string {
+		var vals []string
+		for _, v := range s.Variants[1:] {
+			if x := part(v); x != part(mine) && !slices.Contains(vals, x) {
+				vals = append(vals, x)
+			}
+		}
+		return strings.Join(vals, " | ")
+	}
+	fields = []zap.Field{zap.String("policy", s.Policy), zap.String("key_prefix", s.Prefix), zap.Strings("differs", s.Differs)}
+	for _, d := range s.Differs {
+		switch d {
+		case fleet.PartSecret:
+			what = append(what, "another key_secret (each hashes identities into buckets of its own)")
+		case fleet.PartLimit:
+			there := theirs(func(v fleet.Variant) string { return v.Limit })
+			what = append(what, "another limit ("+there+" there; "+mine.Limit+" here)")
+			fields = append(fields, zap.String("limit_here", mine.Limit), zap.String("limit_there", there))
+		case fleet.PartKey:
+			there := theirs(func(v fleet.Variant) string { return v.Key })
+			what = append(what, "another key ("+there+" there; "+mine.Key+" here)")
+			fields = append(fields, zap.String("key_here", mine.Key), zap.String("key_there", there))
+		}
+	}
+	return what, others, append(fields, zap.Strings("other_instances", others))
+}
+
+// differText names the parts that differ: "key_secret differs", "limit
+// and key differ".
+func differText(parts []string) string {
+	if len(parts) == 1 {
+		return parts[0] + " differs"
+	}
+	return strings.Join(parts, " and ") + " differ"
+}

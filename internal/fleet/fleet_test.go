@@ -1,0 +1,173 @@
+package fleet
+
+import (
+	"fmt"
+	"reflect"
+	"slices"
+	"strings"
+	"testing"
+	"unicode/utf8"
+)
+
+func TestSecretFingerprint(t *testing.T) {
+	a, b := SecretFingerprint("change-me"), SecretFingerprint("change-me2")
+	for _, tc := range []struct {
+		name string
+		got  string
+		want func(string) bool
+	}{
+		{"no secret", SecretFingerprint(""), func(s string) bool { return s == NoSecret }},
+		{"same secret, same fingerprint", SecretFingerprint("change-me"), func(s string) bool { return s == a }},
+		{"another secret, another fingerprint", b, func(s string) bool { return s != a }},
+		{"8 characters of base64url", a, func(s string) bool { return len(s) == 8 && !strings.ContainsAny(s, "+/=") }},
+		{"not the secret", SecretFingerprint("abcdefgh"), func(s string) bool { return s != "abcdefgh" }},
+	} {
+		if !tc.want(tc.got) {
+			t.Errorf("%s: got %q", tc.name, tc.got)
+		}
+	}
+}
+
+func TestBound(t *testing.T) {
+	long := strings.Repeat("é", 200) // 400 bytes
+	for _, tc := range []struct {
+		name string
+		in   string
+		same bool
+	}{
+		{"short", "{client_ip}", true},
+		{"at the bound", strings.Repeat("a", maxPart), true},
+		{"long", long, false},
+	} {
+		got := Bound(tc.in)
+		if (got == tc.in) != tc.same || len(got) > maxPart || !utf8.ValidString(got) {
+			t.Errorf("%s: Bound gave %q (%d bytes)", tc.name, got, len(got))
+		}
+	}
+	if Bound(long+"a") == Bound(long+"b") {
+		t.Error("two long strings differing past the cut are bounded alike")
+	}
+}
+
+func TestEncode(t *testing.T) {
+	r := Record{ID: "a", Version: "v0.4.0", Format: "v1", Policies: []Policy{
+		{Name: "b", Prefix: "rl:", Limit: "rate 1/1s", Key: "k", Secret: "s"},
+		{Name: "a", Prefix: "rl:", Limit: "rate 1/1s", Key: "k", Secret: "s"},
+	}}
+	raw, d1 := Encode(r)
+	back, err := Decode(raw)
+	if err != nil || back.Policies[0].Name != "a" || back.Truncated {
+		t.Fatalf("decoded %+v, %v: want the policies sorted, not truncated", back, err)
+	}
+	r.Policies[0], r.Policies[1] = r.Policies[1], r.Policies[0]
+	if _, d2 := Encode(r); d2 != d1 {
+		t.Errorf("the same policies in another order: digest %s, then %s", d1, d2)
+	}
+	r.Policies[0].Secret = "t"
+	if _, d3 := Encode(r); d3 == d1 {
+		t.Error("another secret fingerprint, same digest")
+	}
+
+	big := Record{ID: "a"}
+	for i := range 2000 {
+		big.Policies = append(big.Policies, Policy{Name: fmt.Sprintf("p%04d", i), Prefix: "rl:", Limit: strings.Repeat("x", 40), Key: "{client_ip}", Secret: "s"})
+	}
+	raw, _ = Encode(big)
+	back, err = Decode(raw)
+	if err != nil || len(raw) > MaxRecordBytes || !back.Truncated || len(back.Policies) < 100 {
+		t.Errorf("2000 policies: %d bytes, %d policies kept, truncated %v, %v", len(raw), len(back.Policies), back.Truncated, err)
+	}
+}
+
+func pol(name, prefix, limit, key, secret string) Policy {
+	return Policy{Name: name, Prefix: prefix, Limit: limit, Key: key, Secret: secret}
+}
+
+func TestAgainst(t *testing.T) {
+	api := pol("api", "rl:", "rate 100/1m", "{client_ip}", "S1")
+	login := pol("login", "rl:", "rate 5/1m", "{client_ip}", "S1")
+	self := Record{ID: "self", Policies: []Policy{api, login}}
+	with := func(id string, db int, ps ...Policy) Record { return Record{ID: id, DB: db, Policies: ps} }
+	change := func(p Policy, f func(*Policy)) Policy { f(&p); return p }
+
+	for _, tc := range []struct {
+		name   string
+		others []Record
+		want   map[string][]string // policy -> differs
+	}{
+		{"alone", nil, nil},
+		{"self only", []Record{self}, nil},
+		{"the same config", []Record{with("b", 0, api, login)}, nil},
+		{"another key_secret", []Record{with("b", 0, change(api, func(p *Policy) { p.Secret = "S2" }), change(login, func(p *Policy) { p.Secret = "S2" }))},
+			map[string][]string{"api": {PartSecret}, "login": {PartSecret}}},
+		{"another limit", []Record{with("b", 0, change(api, func(p *Policy) { p.Limit = "rate 200/1m" }), login)},
+			map[string][]string{"api": {PartLimit}}},
+		{"another key", []Record{with("b", 0, change(api, func(p *Policy) { p.Key = "{http.auth.user.id}" }))},
+			map[string][]string{"api": {PartKey}}},
+		{"two instances, two ways", []Record{
+			with("b", 0, change(api, func(p *Policy) { p.Secret = "S2" })),
+			with("c", 0, change(api, func(p *Policy) { p.Limit = "rate 1/1s" })),
+		}, map[string][]string{"api": {PartLimit, PartSecret}}},
+		{"another key_prefix: another fleet", []Record{with("b", 0, change(api, func(p *Policy) { p.Prefix = "x:"; p.Secret = "S2" }))}, nil},
+		{"another database: another fleet", []Record{with("b", 1, change(api, func(p *Policy) { p.Secret = "S2" }))}, nil},
+		{"a policy self does not have", []Record{with("b", 0, pol("other", "rl:", "rate 1/1s", "k", "S9"), pol("other", "rl:", "rate 2/1s", "k", "S9"))}, nil},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			got := map[string][]string{}
+			for _, s := range Against(self, tc.others) {
+				got[s.Policy] = s.Differs
+				if !slices.Contains(s.Variants[0].Instances, "self") {
+					t.Errorf("%s: self's variant is not first: %+v", s.Policy, s.Variants)
+				}
+			}
+			if len(got) == 0 {
+				got = nil
+			}
+			if !reflect.DeepEqual(got, tc.want) {
+				t.Errorf("disagreements %v, want %v", got, tc.want)
+			}
+		})
+	}
+}
+
+func TestFleets(t *testing.T) {
+	api := pol("api", "rl:", "rate 100/1m", "{client_ip}", "S1")
+	other := api
+	other.Secret = "S2"
+	staging := api
+	staging.Prefix = "staging:"
+	records := []Record{
+		{ID: "a", Policies: []Policy{api}},
+		{ID: "b", Policies: []Policy{other}},
+		{ID: "c", Policies: []Policy{staging}},
+		{ID: "d", DB: 1, Policies: []Policy{api}},
+		{ID: "e", Policies: []Policy{api, staging}},
+	}
+	got := Fleets(records)
+	type brief struct {
+		db        int
+		prefix    string
+		instances string
+		splits    string
+	}
+	var b []brief
+	for _, f := range got {
+		var s []string
+		for _, sp := range f.Splits {
+			var vs []string
+			for _, v := range sp.Variants {
+				vs = append(vs, v.Secret+"="+strings.Join(v.Instances, "+"))
+			}
+			s = append(s, sp.Policy+":"+strings.Join(sp.Differs, ",")+":"+strings.Join(vs, " "))
+		}
+		b = append(b, brief{f.DB, f.Prefix, strings.Join(f.Instances, ","), strings.Join(s, ";")})
+	}
+	want := []brief{
+		{0, "rl:", "a,b,e", "api:key_secret:S1=a+e S2=b"},
+		{0, "staging:", "c,e", ""},
+		{1, "rl:", "d", ""},
+	}
+	if !reflect.DeepEqual(b, want) {
+		t.Errorf("fleets\n got %v\nwant %v", b, want)
+	}
+}

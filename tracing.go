@@ -1,0 +1,137 @@
+package ratelimit
+
+import (
+	"net/http"
+
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/trace"
+)
+
+// Traces: with Caddy's `tracing` directive on the route, each decision is
+// a child span of the request's, named rate_limit.decide, with the policies
+// decided, the outcome, what each left and cost, the store that decided it
+// and the coalesced Redis call it rode (requests in the call, its round
+// trip). Names and numbers only: never an identity or a storage key.
+// OpenTelemetry has no convention for rate limiting yet; the attributes
+// are this module's own, under rate_limit.*.
+
+// spanName is the decision's span.
+const spanName = "rate_limit.decide"
+
+// tracerName is the instrumentation scope of the spans: the module.
+const tracerName = "github.com/ratelimit-caddy/caddy-ratelimit"
+
+// callStats is what a decision knows of the store call that made it, for
+// its span.
+type callStats struct {
+	// calls: the script calls that decided it (several across Redis
+	// Cluster slots); 0 when none did (in process, or the deny cache).
+	calls int
+	// requests: the requests that rode the call (the largest of several),
+	// decisions and work after responses: 1 when it went alone.
+	requests int
+	// redisUS: the call's round trip, from sending it to its reply, µs
+	// (the longest of several).
+	redisUS int64
+	// cached: the deny cache answered, with no call.
+	cached bool
+}
+
+// merge adds another call's stats (a decision across slots).
+func (c callStats) merge(o callStats) callStats {
+	return callStats{calls: c.calls + o.calls, requests: max(c.requests, o.requests), redisUS: max(c.redisUS, o.redisUS), cached: c.cached && o.cached}
+}
+
+// decide makes the request's decision (admit), in a rate_limit.decide span
+// when the request is traced. It returns the shed policy whose adaptive
+// limit turned the request away, if one did.
+func (h *Handler) decide(r *http.Request, res *reservation) (shedBy *Policy) {
+	parent := trace.SpanFromContext(r.Context())
+	if !parent.IsRecording() {
+		return h.admit(r, res)
+	}
+	_, span := parent.TracerProvider().Tracer(tracerName, trace.WithInstrumentationVersion(Version)).
+		Start(r.Context(), spanName, trace.WithSpanKind(trace.SpanKindInternal))
+	shedBy = h.admit(r, res)
+	h.traceDecision(span, res, shedBy)
+	span.End()
+	return shedBy
+}
+
+// traceDecision sets the span's attributes from the decision.
+func (h *Handler) traceDecision(span trace.Span, res *reservation, shedBy *Policy) {
+	if shedBy != nil { // an adaptive limit, on this instance alone
+		span.SetAttributes(
+			attribute.StringSlice("rate_limit.policies", []string{shedBy.Name}),
+			attribute.String("rate_limit.outcome", outcomeNames[outcomeShed]),
+			attribute.Bool("rate_limit.admitted", false),
+			attribute.String("rate_limit.store", "adaptive"),
+		)
+		return
+	}
+	n := len(res.policies)
+	names, costs, remaining := make([]string, n), make([]int64, n), make([]int64, n)
+	var deniedBy []string
+	for i, p := range res.policies {
+		names[i], costs[i], remaining[i] = p.Name, res.reqs[i].cost, -1
+	}
+	// The verdicts are of the policies shown: all, the local ones, or none
+	// (fail_open), in the order of res.policies.
+	for j, v := range res.d.verdicts {
+		for i, p := range res.policies {
+			if p != res.shown[j] {
+				continue
+			}
+			remaining[i] = v.remaining
+			if !v.allowed && !p.shadow {
+				deniedBy = append(deniedBy, p.Name)
+			}
+		}
+	}
+	outcome := res.outcome
+	if res.failClosed == nil && !res.d.admitted && res.shedOnly() {
+		outcome = outcomeShed // answered as such by denyShed
+	}
+	attrs := []attribute.KeyValue{
+		attribute.StringSlice("rate_limit.policies", names),
+		attribute.String("rate_limit.outcome", outcomeNames[outcome]),
+		attribute.Bool("rate_limit.admitted", res.admitted()),
+		attribute.Int64Slice("rate_limit.remaining", remaining),
+		attribute.Int64Slice("rate_limit.cost", costs),
+		attribute.String("rate_limit.store", h.storeKind(res)),
+	}
+	if len(deniedBy) > 0 {
+		attrs = append(attrs, attribute.StringSlice("rate_limit.denied_by", deniedBy))
+	}
+	if res.d.delay > 0 {
+		attrs = append(attrs, attribute.Int64("rate_limit.delay_us", res.d.delay))
+	}
+	if c := res.d.call; c.calls > 0 {
+		attrs = append(attrs,
+			attribute.Int("rate_limit.call.count", c.calls),
+			attribute.Int("rate_limit.call.requests", c.requests),
+			attribute.Int64("rate_limit.call.redis_us", c.redisUS))
+	} else if c.cached {
+		attrs = append(attrs, attribute.Bool("rate_limit.deny_cache", true))
+	}
+	span.SetAttributes(attrs...)
+	switch outcome {
+	case outcomeFailOpen, outcomeFailClosed, outcomeLocalAllowed, outcomeLocalDenied:
+		span.SetStatus(codes.Error, "the store could not decide: the policies followed on_error")
+	}
+}
+
+// storeKind names the store that decided: redis, in_process, local (the
+// on_error local fallback) or none (fail_open, fail_closed).
+func (h *Handler) storeKind(res *reservation) string {
+	switch {
+	case res.decidedBy == nil:
+		return "none"
+	case res.decidedBy == localFallback:
+		return "local"
+	case h.Redis != nil:
+		return "redis"
+	}
+	return "in_process"
+}
