@@ -253,7 +253,7 @@ func (h *hotKeys) decideRest(ctx context.Context, reqs []bucketRequest, parts []
 // localDecision is the decision of a request whose buckets the blocks
 // decided: admitted (their tokens kept), or denied.
 func (h *hotKeys) localDecision(parts []hotPart, now int64, admitted bool) decision {
-	d := decision{admitted: admitted, verdicts: make([]verdict, len(parts))}
+	d := decision{admitted: admitted, verdicts: make([]verdict, len(parts)), call: callStats{hot: true}}
 	for i, pt := range parts {
 		v := pt.v
 		if !admitted && v.allowed {

@@ -258,6 +258,11 @@ func TestHotKeysAllOrNothing(t *testing.T) {
 	if _, held := rs.conn.hot.held(hot.key); held == 0 {
 		t.Fatal("not hot after 400 decisions")
 	}
+	// Decided from the block alone, its span says so (tracing.go).
+	if d, err := rs.decide(context.Background(), []bucketRequest{hot}); err != nil || !d.admitted || d.call.calls != 0 || !d.call.hot {
+		t.Fatalf("a hot key's request: admitted %v, call %+v, error %v; want admitted from the block, no call, hot", d.admitted, d.call, err)
+	}
+	spent++
 	cold := bucketRequest{key: "rl:aon_cold:{one}", limit: limit{interval: 60_000_000, burst: 2}, op: opTake, cost: 1}
 	for i, want := range []bool{true, true, false, false, false} {
 		d, err := rs.decide(context.Background(), []bucketRequest{hot, cold})
