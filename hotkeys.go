@@ -51,9 +51,18 @@ var (
 // interval and burst.
 func (p *Policy) checkHotKeys(interval, burst int64) error {
 	p.hotThreshold, p.reach = 0, p.waitUS
-	switch p.HotKeys {
-	case hotKeysOff:
+	switch {
+	case p.HotKeys == hotKeysOff:
 		return nil
+	case p.learns():
+		// Each reservation is raised in the script to what the key learned
+		// (learned_usage.go): blocks would reserve the request's own cost.
+		if p.HotKeys != "" {
+			return fieldErr("hot_keys", "hot_keys: a settle policy's keys learn their usage, which each reservation reads in Redis: they are decided call by call (remove hot_keys, or set it off)")
+		}
+		return nil
+	}
+	switch p.HotKeys {
 	case "":
 		p.hotThreshold = hotThreshold(defaultHotKeys)
 	default:

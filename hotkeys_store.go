@@ -104,9 +104,11 @@ func newHotKeys(conn *redisConn) *hotKeys {
 }
 
 // hotEligible reports whether a bucket may be decided from blocks: a rate
-// take of a policy with hot keys, not a shadow (decided and charged apart).
+// take of a policy with hot keys, not a shadow (decided and charged apart),
+// nor one whose key learns its usage (a settle's: the script raises each
+// reservation to what the key learned, which blocks would not).
 func (rq *bucketRequest) hotEligible() bool {
-	return rq.hot != nil && rq.op == opTake && rq.quota == nil && !rq.shadow && rq.cost <= rq.limit.burst
+	return rq.hot != nil && rq.op == opTake && rq.quota == nil && !rq.shadow && !rq.learns && rq.cost <= rq.limit.burst
 }
 
 // covers reports whether any bucket of reqs may be decided from blocks.

@@ -355,3 +355,36 @@ func TestHotKeysBounded(t *testing.T) {
 		t.Errorf("%d keys hot, want from 1 to %d", n, hotShards*hotShardMax)
 	}
 }
+
+// TestHotKeysLearnedUsage: a settle policy's key that learned its usage
+// reserves at least that on every request (learned_usage.go), which only
+// the script reads: however often it is decided, it is decided in Redis,
+// never from blocks that would reserve the request's own cost.
+func TestHotKeysLearnedUsage(t *testing.T) {
+	srv := testredis.Start(t)
+	rs := hotInstances(t, srv, 1)[0]
+	hp := hotTestPolicy("learned")
+	const learned = 3
+	key := "rl:learned:{hot}"
+	settle := bucketRequest{key: key, limit: slowHot, op: opAdjust, delta: 0, learns: true, record: learned}
+	if _, err := rs.decide(context.Background(), []bucketRequest{settle}); err != nil {
+		t.Fatal(err)
+	}
+	take := bucketRequest{key: key, limit: slowHot, op: opTake, cost: 1, learns: true, hot: hp}
+	for i := range 300 {
+		d, err := rs.decide(context.Background(), []bucketRequest{take})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !d.admitted {
+			break // the burst is spent: what each reserved is what counts
+		}
+		if c := d.verdicts[0].cost; c != learned {
+			t.Fatalf("request %d reserved %d, want what its key learned, %d", i+1, c, learned)
+		}
+	}
+	landed(t, rs, key)
+	if blocks, held := rs.conn.hot.held(key); blocks > 0 {
+		t.Fatalf("%d tokens held in %d blocks of a key whose reservations its learned usage raises", held, blocks)
+	}
+}

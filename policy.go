@@ -180,7 +180,7 @@ type Policy struct {
 	// Blocks follow the instance's own rate on the key; what it holds and
 	// has not spent goes back when the key cools, at reload, at shutdown,
 	// and after a second. `off` decides every request in Redis. Only for
-	// rate policies. Default `200/1s`. See docs/hot-keys.md.
+	// rate policies, not those that settle. Default `200/1s`. See docs/hot-keys.md.
 	HotKeys string `json:"hot_keys,omitempty"`
 
 	// Gives the policy a limit per plan: which plan a request is on, read
