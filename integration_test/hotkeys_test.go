@@ -6,7 +6,6 @@ import (
 	"math"
 	"net/http"
 	"os"
-	"path/filepath"
 	"regexp"
 	"sort"
 	"strconv"
@@ -16,7 +15,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/ratelimit-caddy/caddy-ratelimit/internal/testcaddy"
 	"github.com/ratelimit-caddy/caddy-ratelimit/internal/testredis"
 )
 
@@ -630,10 +628,7 @@ func TestHotKeyChangesReachBlocks(t *testing.T) {
 // burst + rate × elapsed. The v0.3.0 instance reads the bucket the blocks
 // debited, and so denies what they hold.
 func TestHotKeyBesideV030(t *testing.T) {
-	bin := filepath.Join(filepath.Dir(caddyBin), "caddy-v0.3.0")
-	if err := testcaddy.BuildRelease(".", testcaddy.ReleaseV030, bin); err != nil {
-		t.Fatalf("building v0.3.0: %v", err)
-	}
+	bin := previousBin(t) // v0.3.0
 	srv := testredis.Start(t)
 	fleet := []*instance{startBinary(t, bin, decidedByRedis(srv.Addr, hotPolicy()), respond())}
 	for range 3 {

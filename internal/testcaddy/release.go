@@ -19,12 +19,6 @@ const PreviousRelease = "675d57770cecaef88c5c6500878767667e23bbff"
 // may roll back that far.
 const ReleaseV02 = "ed062f7f7497450c6d5704a51f6077c1e1f642d8"
 
-// ReleaseV030 is the commit of v0.3.0 (CHANGELOG.md), the release before
-// the fourth wave's: what a fleet mid-upgrade to it runs, which the
-// fourth wave's tests of what Redis holds (hot keys' blocks) run beside
-// this build.
-const ReleaseV030 = "675d57770cecaef88c5c6500878767667e23bbff"
-
 // BuildRelease builds the Caddy command with the module as it was at
 // commit into out: the commit's tree, from the git history of the
 // repository holding dir, is extracted into a temporary directory and
