@@ -12,7 +12,9 @@ import (
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
-	"github.com/redis/go-redis/v9"
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/breaker"
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/calendar"
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/topk"
 	"go.uber.org/zap"
 )
 
@@ -104,10 +106,10 @@ type bucketState struct {
 	// A quota's N and calendar unit, the units used in the current period
 	// (Tokens: those left), and the period's start and end, in UTC and in
 	// the policy's zone.
-	Quota  int64       `json:"quota,omitempty"`
-	Unit   string      `json:"unit,omitempty"`
-	Used   *int64      `json:"used,omitempty"`
-	Period *periodText `json:"period,omitempty"`
+	Quota  int64                `json:"quota,omitempty"`
+	Unit   string               `json:"unit,omitempty"`
+	Used   *int64               `json:"used,omitempty"`
+	Period *calendar.PeriodText `json:"period,omitempty"`
 	// Plan is the plan the bucket was read under ("default": the policy's
 	// own limit), for a policy with plans; Override the operator's override
 	// of the identity's limit, when one is in force: Rate, Burst and Slots
@@ -206,13 +208,12 @@ func (adminAPI) bucket(ctx context.Context, action string, def definition, req a
 		req.Identity = p.identityOf(req.Identity) // a client address names its network's bucket, as in the handler
 		key = p.storageKey(h.hasher, req.Identity)
 	}
-	if p.Shed != nil {
+	switch p.kind {
+	case kindShed:
 		return adminAPI{}.shed(ctx, action, def, req, key)
-	}
-	if p.Concurrent > 0 {
+	case kindConcurrent:
 		return adminAPI{}.slots(ctx, action, def, req, key)
-	}
-	if p.quota != nil {
+	case kindQuota:
 		return adminAPI{}.quota(ctx, action, def, req, key)
 	}
 	// A grant reads the bucket and gives the tokens back in one decision:
@@ -238,13 +239,13 @@ func (adminAPI) bucket(ctx context.Context, action string, def definition, req a
 	}
 	v := d.verdicts[len(reqs)-1]
 	st := &bucketState{
-		Policy: p.Name, Kind: p.kind(), Rate: p.Rate, Burst: v.limit.burst, Identity: req.Identity, Key: key, Store: h.storeName(),
+		Policy: p.Name, Kind: p.kindName(), Rate: p.Rate, Burst: v.limit.burst, Identity: req.Identity, Key: key, Store: h.storeName(),
 		Tokens: v.remaining, NextToken: seconds(v.untilFits), Full: seconds(v.limit.untilFull(v.remaining, v.untilFits)),
 		Plan: p.planLabel(),
 	}
 	showOverride(ctx, h, key, v, st)
-	if rs, ok := h.store.(*redisStore); ok {
-		if blocks, tokens := rs.conn.hot.held(key); blocks > 0 {
+	if bk, ok := h.store.(blockKeeper); ok {
+		if blocks, tokens := bk.blocksOf(key); blocks > 0 {
 			st.Held = &heldHere{Blocks: blocks, Tokens: tokens}
 		}
 	}
@@ -263,13 +264,13 @@ func (adminAPI) bucket(ctx context.Context, action string, def definition, req a
 	// The change is made; every instance forgets what it remembered of the
 	// bucket.
 	announced := true
-	if rs, ok := h.store.(*redisStore); ok {
-		if err := rs.conn.announce(ctx, h.keyPrefix, key); err != nil {
+	if a, ok := h.store.(announcer); ok {
+		if err := a.announce(ctx, h.keyPrefix, key); err != nil {
 			announced = false
 			h.logger.Warn("announcing a rate-limit change", zap.String("policy", p.Name), zap.String("key", key), zap.Error(err))
 		}
 	} else {
-		pacing.forget(key)
+		pacing.Forget(key)
 	}
 	st.Announced = &announced
 	h.logger.Info("rate limit bucket "+action, zap.String("policy", p.Name), zap.String("key", key), zap.Int64("tokens", v.remaining), zap.Int64("granted", granted))
@@ -279,8 +280,8 @@ func (adminAPI) bucket(ctx context.Context, action string, def definition, req a
 // slots inspects or frees a concurrency policy's slots.
 func (adminAPI) slots(ctx context.Context, action string, def definition, req adminRequest, key string) (*bucketState, error) {
 	p, h := def.policy, def.handler
-	rq := bucketRequest{key: key, limit: p.limit, op: opCount, leasesExpired: p.leasesExpired}
-	if p.Shed == nil { // a shed policy's capacity is the service's: no override
+	rq := bucketRequest{key: key, limit: p.limit, op: opCount, leasesExpired: p.slots.expired}
+	if p.kind != kindShed { // a shed policy's capacity is the service's: no override
 		p.markOverridable(&rq, true) // shows the override in force
 	}
 	switch action {
@@ -299,7 +300,7 @@ func (adminAPI) slots(ctx context.Context, action string, def definition, req ad
 	}
 	v := d.verdicts[0]
 	inUse := v.limit.burst - v.remaining // burst: the slots (concurrent, shed { concurrent })
-	st := &bucketState{Policy: p.Name, Kind: p.kind(), Slots: v.limit.burst, Identity: req.Identity, Key: key, Store: h.storeName(),
+	st := &bucketState{Policy: p.Name, Kind: p.kindName(), Slots: v.limit.burst, Identity: req.Identity, Key: key, Store: h.storeName(),
 		Tokens: v.remaining, InUse: &inUse, Plan: p.planLabel()}
 	showOverride(ctx, h, key, v, st)
 	if action == "reset" {
@@ -317,9 +318,9 @@ const staleAfter = 5
 
 // topAnswer is what top answers.
 type topAnswer struct {
-	Policy     string     `json:"policy"`
-	Window     float64    `json:"window_seconds"`
-	Identities []topEntry `json:"identities"`
+	Policy     string       `json:"policy"`
+	Window     float64      `json:"window_seconds"`
+	Identities []topk.Entry `json:"identities"`
 	// Truncated: the identities are not all those denied in the window
 	// (more than n were, or the sketch forgot some).
 	Truncated bool `json:"truncated"`
@@ -330,8 +331,8 @@ func (adminAPI) top(def definition, req adminRequest) topAnswer {
 	if n == 0 {
 		n = 10
 	}
-	ids, truncated := def.policy.top.top(n)
-	return topAnswer{Policy: def.policy.Name, Window: topWindow.Seconds(), Identities: ids, Truncated: truncated}
+	ids, truncated := def.policy.top.Top(n)
+	return topAnswer{Policy: def.policy.Name, Window: topk.Window.Seconds(), Identities: ids, Truncated: truncated}
 }
 
 // untilFull is the µs until a bucket that holds remaining tokens, the next
@@ -355,7 +356,7 @@ func apiError(status int, format string, args ...any) error {
 // changed that this instance knows of.
 func storeAPIError(err error) error {
 	msg := "the rate-limit store could not act (%v); nothing was changed"
-	if errors.Is(err, context.DeadlineExceeded) || resultOf(err) == callFailed {
+	if errors.Is(err, context.DeadlineExceeded) || resultOf(err) == breaker.Failed {
 		msg = "the rate-limit store did not answer (%v): the change may not have been made; retry when it answers"
 	}
 	return apiError(http.StatusServiceUnavailable, msg, err)
@@ -403,27 +404,23 @@ func (adminAPI) format(w http.ResponseWriter, r *http.Request) error {
 	var answer formatAnswer
 	seen := map[string]bool{}
 	for _, h := range budgets.handlers() {
-		rs, ok := h.store.(*redisStore)
+		fs, ok := h.store.(formatStore)
 		if !ok || seen[h.storeName()] {
 			continue
 		}
 		seen[h.storeName()] = true
 		ctx := r.Context()
 		if set != "" {
-			if err := rs.conn.setFormat(ctx, h.keyPrefix, set); err != nil {
+			if err := fs.setFormat(ctx, h.keyPrefix, set); err != nil {
 				return storeAPIError(err)
 			}
-			rs.conn.readFormat()
 			h.logger.Info("rate limit storage format set", zap.String("store", h.storeName()), zap.String("format", set))
 		}
-		marker, err := rs.conn.client.Get(ctx, formatMarker(h.keyPrefix)).Result()
-		if err != nil && !errors.Is(err, redis.Nil) {
+		marker, writes, err := fs.formatOf(ctx, h.keyPrefix)
+		if err != nil {
 			return storeAPIError(err)
 		}
-		if marker != markerV2 {
-			marker = markerV1
-		}
-		answer.Stores = append(answer.Stores, storeFormat{Store: h.storeName(), Marker: marker, Writes: formatName(int(rs.conn.format.Load()))})
+		answer.Stores = append(answer.Stores, storeFormat{Store: h.storeName(), Marker: marker, Writes: writes})
 	}
 	if len(answer.Stores) == 0 {
 		return apiError(http.StatusNotFound, "the loaded config has no rate_limit handler with a redis block")

@@ -53,14 +53,14 @@ func (adminAPI) fleet(w http.ResponseWriter, r *http.Request) error {
 		return apiError(http.StatusMethodNotAllowed, "fleet takes GET")
 	}
 	answer := fleetAnswer{Instance: instanceID}
-	var seen []*redisConn
+	var seen []*fleetView
 	for _, h := range budgets.handlers() {
-		rs, ok := h.store.(*redisStore)
-		if !ok || slices.Contains(seen, rs.conn) {
+		fm, ok := h.store.(fleetMember)
+		if !ok || slices.Contains(seen, fm.fleetView()) {
 			continue
 		}
-		seen = append(seen, rs.conn)
-		st, err := rs.conn.readFleets(r.Context())
+		seen = append(seen, fm.fleetView())
+		st, err := fm.readFleets(r.Context())
 		if err != nil {
 			return storeAPIError(err)
 		}
@@ -97,6 +97,21 @@ func (c *redisConn) readFleets(ctx context.Context) (fleetStore, error) {
 	}
 	st.Fleets = fleet.Fleets(records)
 	return st, nil
+}
+
+// liveRecords reads the records of the live instances of the connection's
+// database, on a client of its own, as readFleets does.
+func (c *redisConn) liveRecords(ctx context.Context) (db int, records []fleet.Record, err error) {
+	client := c.listingClient()
+	defer client.Close()
+	now, live, err := fleetCall(ctx, client, "", "", nil, true)
+	if err != nil {
+		return c.db, nil, err
+	}
+	for _, in := range liveInstances(c.db, now, live) {
+		records = append(records, in.Record)
+	}
+	return c.db, records, nil
 }
 
 // listingTimeout bounds each read of a listing.

@@ -106,7 +106,7 @@ func overridePolicy(policy, identity string) (definition, string, overrideStore,
 		return definition{}, "", nil, apiError(http.StatusBadRequest, "policy %q: no such policy in the loaded config", policy)
 	}
 	p, h := def.policy, def.handler
-	if p.Shed != nil {
+	if p.kind == kindShed {
 		return definition{}, "", nil, apiError(http.StatusBadRequest, "policy %q sheds load: its capacity is the service's, not an identity's, and has no overrides", policy)
 	}
 	store := overridesIn(h.store)
@@ -219,12 +219,12 @@ func (adminAPI) listOverrides(r *http.Request) (*overridesAnswer, error) {
 // key was set or deleted: each reads the bucket's override from its next
 // request, forgets what it remembered of the bucket, and confirms it.
 func announceOverride(ctx context.Context, h *Handler, key string) bool {
-	rs, ok := h.store.(*redisStore)
+	a, ok := h.store.(announcer)
 	if !ok {
-		pacing.forget(key)
+		pacing.Forget(key)
 		return true
 	}
-	if err := rs.conn.announceOverride(ctx, h.keyPrefix, key); err != nil {
+	if err := a.announceOverride(ctx, h.keyPrefix, key); err != nil {
 		h.logger.Warn("announcing a rate-limit override", zap.String("key", key), zap.Error(err))
 		return false
 	}
@@ -236,7 +236,7 @@ func announceOverride(ctx context.Context, h *Handler, key string) bool {
 // cost. It returns the override and its entry.
 func (p *Policy) checkOverride(req overrideRequest) (override, overrideEntry, error) {
 	rate, burst, concurrent := req.Rate, req.Burst, req.Concurrent
-	if p.quota != nil {
+	if p.kind == kindQuota {
 		switch {
 		case rate != "" || burst != 0 || concurrent != 0:
 			return override{}, overrideEntry{}, errors.New("policy " + p.Name + " is a quota (" + p.Quota + "): its overrides take quota <N>, not rate, burst or concurrent")
@@ -259,12 +259,12 @@ func (p *Policy) checkOverride(req overrideRequest) (override, overrideEntry, er
 	}
 	if req.Quota != "" {
 		kind := "rate limit: its overrides take rate <N>/<duration> [burst <n>]"
-		if p.Concurrent > 0 {
+		if p.kind == kindConcurrent {
 			kind = "concurrency limit: its overrides take concurrent <n>"
 		}
 		return override{}, overrideEntry{}, errors.New("policy " + p.Name + " is a " + kind + ", not quota (a quota is a policy of its own)")
 	}
-	if p.Concurrent > 0 {
+	if p.kind == kindConcurrent {
 		switch {
 		case rate != "" || burst != 0:
 			return override{}, overrideEntry{}, errors.New("policy " + p.Name + " is a concurrency limit: its overrides take concurrent <n>, not rate or burst")

@@ -7,6 +7,7 @@ import (
 	"net/http"
 	"text/tabwriter"
 
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/calendar"
 	"go.uber.org/zap"
 )
 
@@ -42,9 +43,9 @@ func (adminAPI) quota(ctx context.Context, action string, def definition, req ad
 	v := d.verdicts[len(reqs)-1]
 	n := v.limit.burst // the plan's N, or an override's
 	used := n - v.remaining
-	text := v.period.text(p.quota.loc)
+	text := v.period.Text(p.quota.loc)
 	st := &bucketState{
-		Policy: p.Name, Kind: p.kind(), Identity: req.Identity, Key: key, Store: h.storeName(),
+		Policy: p.Name, Kind: p.kindName(), Identity: req.Identity, Key: key, Store: h.storeName(),
 		Tokens: v.remaining, Quota: n, Unit: p.quota.unit.String(), Used: &used, Period: &text,
 		Plan: p.planLabel(),
 	}
@@ -58,8 +59,8 @@ func (adminAPI) quota(ctx context.Context, action string, def definition, req ad
 		st.Granted = &granted
 	}
 	announced := true
-	if rs, ok := h.store.(*redisStore); ok {
-		if err := rs.conn.announce(ctx, h.keyPrefix, key); err != nil {
+	if a, ok := h.store.(announcer); ok {
+		if err := a.announce(ctx, h.keyPrefix, key); err != nil {
 			announced = false
 			h.logger.Warn("announcing a rate-limit change", zap.String("policy", p.Name), zap.String("key", key), zap.Error(err))
 		}
@@ -76,7 +77,7 @@ func printQuota(w io.Writer, action string, st bucketState) error {
 	if st.Used != nil {
 		used = *st.Used
 	}
-	var p periodText
+	var p calendar.PeriodText
 	if st.Period != nil {
 		p = *st.Period
 	}

@@ -61,7 +61,7 @@ var clientChosen = []string{"{http.request.header.", "{http.request.cookie.", "{
 func (h *Handler) warnAnonymousQuotaKeys(ctx caddy.Context) {
 	var keyed []*Policy
 	for _, p := range h.Policies {
-		if p.quota == nil {
+		if p.kind != kindQuota {
 			continue
 		}
 		for _, c := range clientChosen {

@@ -1,6 +1,10 @@
 package ratelimit
 
-import "math"
+import (
+	"math"
+
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/calendar"
+)
 
 // The token bucket, stored GCRA-style as one number per bucket: the
 // theoretical arrival time (TAT), in integer microseconds. A bucket of
@@ -32,7 +36,7 @@ type limit struct {
 	interval int64 // µs per token
 	burst    int64 // capacity in tokens
 	// slack is how far, in µs, a TAT may run beyond a full refill (tau):
-	// slots reserved by `wait`, and debt from charges made after the
+	// turns reserved by `wait`, and debt from charges made after the
 	// response. A stored state beyond tau + slack is read as tau + slack.
 	slack int64
 }
@@ -45,7 +49,7 @@ type bucketOp int8
 
 const (
 	// opTake admits the request when its cost fits (now, or within its
-	// wait: a reserved slot) and charges it if the request is admitted.
+	// wait: a reserved turn) and charges it if the request is admitted.
 	opTake bucketOp = iota + 1
 	// opCheck admits the request when its cost fits, and charges nothing:
 	// `charge_if` charges once the response is known.
@@ -95,11 +99,11 @@ type bucketRequest struct {
 	// overridable: the store may hold an operator's override of this
 	// bucket's limit, which the store reads in the same decision.
 	overridable bool
-	// refundable: the bucket may be given tokens back after the response
+	// givesBack: the bucket may be given tokens back after the response
 	// (settle), so what a decision said of it is not a lower bound on its
 	// state: the deny cache leaves it alone.
-	refundable bool
-	// wait: µs ahead an opTake may reserve a slot (policy `wait`, while the
+	givesBack bool
+	// wait: µs ahead an opTake may reserve a turn (policy `wait`, while the
 	// policy has room to hold the request); 0: now or never.
 	wait int64
 	// lease names the request's slot (opAcquire, opRelease, opRenew,
@@ -113,7 +117,7 @@ type bucketRequest struct {
 	quota *quotaSpec
 	// period: for a quota bucket's opAdjust, the period the charge belongs
 	// to (the one its admission was counted in); zero: the current one.
-	period period
+	period calendar.Period
 	// hot: the policy's use of hot keys (hotkeys.go), nil when off: the
 	// Redis store may decide the bucket from blocks of its tokens.
 	hot *hotPolicy
@@ -143,7 +147,7 @@ type verdict struct {
 	// (neverFits when it never can); otherwise until one more token, 0 when
 	// full.
 	untilFits int64
-	// delay in µs: until the slot this request reserved (policy `wait`);
+	// delay in µs: until the turn this request reserved (policy `wait`);
 	// 0 when it passes now.
 	delay int64
 	// expired: a concurrency policy's leases the store reclaimed from
@@ -151,7 +155,7 @@ type verdict struct {
 	expired int64
 	// period: a quota bucket's period, on the store's clock (untilFits is
 	// the µs to its end).
-	period period
+	period calendar.Period
 	// limit is the limit the bucket was decided under: the request's, or
 	// an operator's override of it (see override.go).
 	limit limit
@@ -165,7 +169,7 @@ type verdict struct {
 type decision struct {
 	admitted bool
 	now      int64 // the store's clock, µs
-	delay    int64 // µs to hold an admitted request: the latest reserved slot
+	delay    int64 // µs to hold an admitted request: the latest reserved turn
 	verdicts []verdict
 	call     callStats // the store call that made it, for its trace (tracing.go)
 }
@@ -182,7 +186,7 @@ func start(tat, now int64) int64 {
 // rebase reads a stored TAT, written when the bucket gained a token every
 // storedInterval µs, against l at now: the tokens it owes are kept (a limit
 // raised frees a throttled client, one lowered applies at once), but never
-// more than l lets a bucket owe (burst, reserved slots and debt).
+// more than l lets a bucket owe (burst, reserved turns and debt).
 func (l limit) rebase(tat, storedInterval, now int64) int64 {
 	if tat <= now {
 		return tat
@@ -203,7 +207,7 @@ func (l limit) fits(base, now, cost, wait int64) bool {
 }
 
 // tokens returns the whole tokens in the bucket at now (negative when it
-// owes: debt, or slots reserved beyond its capacity) and the µs until it
+// owes: debt, or turns reserved beyond its capacity) and the µs until it
 // holds one token more than max(n, 0), 0 when full.
 func (l limit) tokens(base, now int64) (n, next int64) {
 	avail := now + l.tau() - base
@@ -295,7 +299,7 @@ func decideBuckets(tats []int64, now int64, reqs []bucketRequest) (decision, []i
 		case rq.op == opTake && d.admitted && v.allowed:
 			base += rq.cost * rq.limit.interval
 			next[i] = base
-			// A slot beyond the bucket's capacity now is a reservation: the
+			// A turn beyond the bucket's capacity now is reserved: the
 			// request is held until then.
 			v.delay = max(0, base-rq.limit.tau()-now)
 			d.delay = max(d.delay, v.delay)

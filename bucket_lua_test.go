@@ -148,7 +148,7 @@ func luaMatchesGoBucket(t *testing.T, client *redis.Client, script string, forma
 				}
 				rq.shadow = rng.IntN(5) == 0
 				if op == opTake && !rq.shadow && l.slack > 0 && rng.IntN(2) == 0 {
-					rq.wait = rng.Int64N(l.slack + 1) // may reserve a future slot
+					rq.wait = rng.Int64N(l.slack + 1) // may reserve a future turn
 				}
 				if op == opTake && rng.IntN(3) == 0 {
 					op = opCheck // a charge_if policy beside a rate one

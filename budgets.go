@@ -37,15 +37,15 @@ func (d definition) budgetShape() string {
 // instances sharing its buckets must agree on besides the key (see
 // fleet.go).
 func (p *Policy) limitShape() string {
-	switch {
-	case p.quota != nil:
-		return fmt.Sprintf("kind %s, quota %s, timezone %s", p.kind(), p.Quota, p.quota.loc) + p.planShape()
-	case p.Shed != nil:
-		return fmt.Sprintf("kind %s, %s", p.kind(), p.shedShape())
-	case p.Concurrent > 0:
-		return fmt.Sprintf("kind %s, %d slots, lease %s", p.kind(), p.Concurrent, time.Duration(p.limit.interval)*time.Microsecond) + p.planShape()
+	switch p.kind {
+	case kindQuota:
+		return fmt.Sprintf("kind %s, quota %s, timezone %s", p.kindName(), p.Quota, p.quota.loc) + p.planShape()
+	case kindShed:
+		return fmt.Sprintf("kind %s, %s", p.kindName(), p.shedShape())
+	case kindConcurrent:
+		return fmt.Sprintf("kind %s, %d slots, lease %s", p.kindName(), p.Concurrent, time.Duration(p.limit.interval)*time.Microsecond) + p.planShape()
 	}
-	return fmt.Sprintf("kind %s, rate %s, burst %d", p.kind(), p.Rate, p.limit.burst) + p.planShape()
+	return fmt.Sprintf("kind %s, rate %s, burst %d", p.kindName(), p.Rate, p.limit.burst) + p.planShape()
 }
 
 // keyShape is the policy's key template, with the mask of a client
@@ -57,15 +57,13 @@ func (p *Policy) keyShape() string {
 	return p.Key
 }
 
-// kind names the policy's kind: rate, and how it is charged.
-func (p *Policy) kind() string {
+// kindName names the policy's kind as operators read it: for a rate, how it is charged.
+func (p *Policy) kindName() string {
 	switch {
-	case p.quota != nil:
+	case p.kind == kindQuota:
 		return p.quotaKind()
-	case p.Shed != nil:
-		return "shed"
-	case p.Concurrent > 0:
-		return "concurrent"
+	case p.kind != kindRate:
+		return p.kind.String()
 	case p.ChargeIf != nil:
 		return "rate, charged if the response matches"
 	case p.Settle != nil:

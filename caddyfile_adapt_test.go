@@ -194,8 +194,8 @@ func checkAdaptedConfig(t *testing.T, file string, adapted []byte) {
 				continue
 			}
 			for _, q := range append([]*Policy{p}, slices.Collect(maps.Values(p.plans))...) {
-				ok := q.quota != nil || q.limit.interval >= 1 && (q.events >= 1 || p.Concurrent > 0) // a quota has N, no rate
-				if !ok || q.limit.burst < 1 || q.maxCost < 1 || !validOnError(q.onError) {
+				ok := q.quota != nil || q.limit.interval >= 1 && (q.rate.n >= 1 || p.Concurrent > 0) // a quota has N, no rate
+				if !ok || q.limit.burst < 1 || q.costs.max < 1 || !validOnError(q.onError) {
 					t.Errorf("%s: rate_limit handler %d: policy %q (plan %q) provisioned with bad numbers: %+v", file, i, q.Name, q.planName, q.limit)
 				}
 			}

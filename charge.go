@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/llm"
 	"go.uber.org/zap"
 )
 
@@ -24,7 +25,7 @@ import (
 // given back, or charged as debt. The charge or settle of a request is one
 // script call once its handler chain returns (or panics, as reverse_proxy
 // does when a stream is cut), on the store that admitted it
-// (reservation.decidedBy).
+// (admission.decidedBy).
 
 // Settle takes a policy's true cost from the response.
 type Settle struct {
@@ -66,7 +67,7 @@ type Settle struct {
 	// do not count). Without weights, `openai` settles `total_tokens`.
 	Weights *SettleWeights `json:"weights,omitempty"`
 
-	w weights // provisioned: Weights with their defaults
+	w llm.Weights // provisioned: Weights with their defaults
 }
 
 // SettleWeights are the prices of input (prompt) and output (completion)
@@ -96,11 +97,14 @@ const maxWeight = 1000
 func (s *Settle) fromBody() bool { return s.From == settleOpenAI || s.From == settleAnthropic }
 
 // provider is whose usage format the body has.
-func (s *Settle) provider() int {
-	if s.From == settleAnthropic {
-		return providerAnthropic
+func (s *Settle) provider() llm.Provider { return providerOf(s.From) }
+
+// providerOf is the provider of a settle from `from`.
+func providerOf(from string) llm.Provider {
+	if from == settleAnthropic {
+		return llm.Anthropic
 	}
-	return providerOpenAI
+	return llm.OpenAI
 }
 
 // check checks the settle options; settleLimits gives their caps.
@@ -132,15 +136,15 @@ func (s *Settle) check() (err error) {
 
 // check checks the weights of a settle from `from`, and returns them in
 // millionths with their defaults (see Settle.Weights).
-func (sw *SettleWeights) check(from string) (weights, error) {
+func (sw *SettleWeights) check(from string) (llm.Weights, error) {
 	if sw == nil {
-		return defaultWeights(from, weights{weightUnit, weightUnit, -1, -1}), nil
+		return llm.Weights{Input: llm.WeightUnit, Output: llm.WeightUnit, CacheWrite: -1, CacheRead: -1}.Defaults(providerOf(from)), nil
 	}
 	if sw.Input == nil || sw.Output == nil {
-		return weights{}, fieldErr("settle", "settle: weights: input and output are both required, as in weights input 1 output 4")
+		return llm.Weights{}, fieldErr("settle", "settle: weights: input and output are both required, as in weights input 1 output 4")
 	}
 	if sw.CacheWrite != nil && from == settleOpenAI {
-		return weights{}, fieldErr("settle", "settle: weights: cache_write is for anthropic: OpenAI reports the prompt tokens read from its cache (cache_read), no writes")
+		return llm.Weights{}, fieldErr("settle", "settle: weights: cache_write is for anthropic: OpenAI reports the prompt tokens read from its cache (cache_read), no writes")
 	}
 	var w [4]int64
 	for i, p := range [4]*float64{sw.Input, sw.Output, sw.CacheWrite, sw.CacheRead} {
@@ -150,18 +154,18 @@ func (sw *SettleWeights) check(from string) (weights, error) {
 		}
 		v, name := *p, [4]string{"input", "output", "cache_write", "cache_read"}[i]
 		if !(v >= 0 && v <= maxWeight) {
-			return weights{}, fieldErr("settle", "settle: weights: %s %s must be from 0 to %d", name, strconv.FormatFloat(v, 'f', -1, 64), maxWeight)
+			return llm.Weights{}, fieldErr("settle", "settle: weights: %s %s must be from 0 to %d", name, strconv.FormatFloat(v, 'f', -1, 64), maxWeight)
 		}
-		m := math.Round(v * weightUnit)
-		if math.Abs(v*weightUnit-m) > 1e-3 {
-			return weights{}, fieldErr("settle", "settle: weights: %s %s has more than 6 decimal places", name, strconv.FormatFloat(v, 'f', -1, 64))
+		m := math.Round(v * llm.WeightUnit)
+		if math.Abs(v*llm.WeightUnit-m) > 1e-3 {
+			return llm.Weights{}, fieldErr("settle", "settle: weights: %s %s has more than 6 decimal places", name, strconv.FormatFloat(v, 'f', -1, 64))
 		}
 		w[i] = int64(m)
 	}
 	if w[0] == 0 && w[1] == 0 {
-		return weights{}, fieldErr("settle", "settle: weights: input and output are both 0: every response would settle at 0")
+		return llm.Weights{}, fieldErr("settle", "settle: weights: input and output are both 0: every response would settle at 0")
 	}
-	return defaultWeights(from, weights{input: w[0], output: w[1], cacheWrite: w[2], cacheRead: w[3]}), nil
+	return llm.Weights{Input: w[0], Output: w[1], CacheWrite: w[2], CacheRead: w[3]}.Defaults(providerOf(from)), nil
 }
 
 // afterResponse watches a response for what the policies charged after it
@@ -170,12 +174,12 @@ func (sw *SettleWeights) check(from string) (weights, error) {
 // Bytes are forwarded as they come, flushes included.
 type afterResponse struct {
 	caddyhttp.ResponseWriterWrapper
-	res         *reservation
-	h           *Handler
+	res         *admission
 	rs          *requestState
+	logger      *zap.Logger // for charges lost
 	wroteHeader bool
 	status      int
-	body        *bodyWatch // settle openai, anthropic
+	body        *llm.Response // settle openai, anthropic
 	// wantTrailers: the client takes trailers, and a settle is known only
 	// after the body; trailers: the response declared the RateLimit
 	// trailer, sent with the settled state.
@@ -203,10 +207,10 @@ func (w *afterResponse) WriteHeader(status int) {
 		// The RateLimit fields with this response's own charge, as far as
 		// it is known now.
 		if w.res.fieldsSent {
-			w.h.writeFields(hdr, w.rs, w.res, true)
+			w.res.writeFields(hdr, w.rs, true)
 		}
 		if w.body != nil {
-			w.body.start(hdr)
+			w.body.Start(hdr)
 		}
 		if w.trailers = w.wantTrailers && w.res.fieldsSent && hasBody(status); w.trailers {
 			// Declared, RateLimit is sent again after the body, from what
@@ -219,7 +223,7 @@ func (w *afterResponse) WriteHeader(status int) {
 		w.length = w.declaredLength(status, hdr)
 		if w.length == 0 {
 			// Its headers are the whole response.
-			w.h.finish(w, w.rs, w.res, nil)
+			w.finish(nil)
 		}
 	}
 	w.ResponseWriter.WriteHeader(status)
@@ -240,7 +244,7 @@ func (w *afterResponse) Write(b []byte) (int, error) {
 		if w.body != nil {
 			w.body.Write(b)
 		}
-		w.h.finish(w, w.rs, w.res, nil)
+		w.finish(nil)
 		n, err := w.ResponseWriter.Write(b)
 		w.written += int64(n)
 		return n, err
@@ -268,58 +272,9 @@ func (w *afterResponse) ReadFrom(r io.Reader) (int64, error) {
 // writerOnly hides a writer's other methods from io.Copy.
 type writerOnly struct{ io.Writer }
 
-// bodyWatch reads the usage of a response body as it is written:
-// decompressing a copy when it is compressed.
-type bodyWatch struct {
-	scan   usageScanner
-	coding contentCoding
-	dec    *bodyDecoder
-}
-
-// start reads how the body comes, from the response's headers.
-func (b *bodyWatch) start(hdr http.Header) {
-	b.scan.sse = isEventStream(hdr.Get("Content-Type"))
-	b.coding = parseCoding(hdr.Get("Content-Encoding"))
-	if b.coding != codingIdentity && b.coding != codingUnknown {
-		b.dec = newBodyDecoder(b.coding, &b.scan)
-	}
-}
-
-func isEventStream(contentType string) bool {
-	const sse = "text/event-stream"
-	return len(contentType) >= len(sse) && strings.EqualFold(contentType[:len(sse)], sse)
-}
-
-func (b *bodyWatch) Write(p []byte) {
-	switch {
-	case b.dec != nil:
-		b.dec.Write(p)
-	case b.coding == codingIdentity:
-		b.scan.Write(p)
-	}
-}
-
-// finish ends the body: a decoder decodes what came, and stops.
-func (b *bodyWatch) finish() {
-	if b.dec != nil {
-		b.dec.Close()
-	}
-}
-
-// unreadable is why the body could not be read, or nil.
-func (b *bodyWatch) unreadable() error {
-	switch {
-	case b.coding == codingUnknown:
-		return errors.New("its Content-Encoding is not one read (gzip, deflate, br, zstd)")
-	case b.dec != nil && b.dec.err != nil:
-		return b.dec.err
-	}
-	return nil
-}
-
 // afterCharge is what one policy charges after the response.
 type afterCharge struct {
-	i       int   // the policy's index in the reservation
+	i       int   // the policy's index in the admission
 	charge  bool  // charge_if matched: charge the cost
 	usage   int64 // settle: the usage reported, capped; -1 none
 	settled bool  // the usage is known
@@ -331,7 +286,7 @@ type afterCharge struct {
 // when the chain panics, as reverse_proxy does (http.ErrAbortHandler) when
 // the client or the upstream cut a stream, so that a cut stream is
 // charged.
-func (h *Handler) serveWatched(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, rs *requestState, res *reservation) error {
+func (h *Handler) serveWatched(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, rs *requestState, res *admission) error {
 	aw := h.watchResponse(w, r, rs, res)
 	if aw == nil {
 		return next.ServeHTTP(w, r)
@@ -339,15 +294,15 @@ func (h *Handler) serveWatched(w http.ResponseWriter, r *http.Request, next cadd
 	returned := false
 	defer func() {
 		if !returned { // panicking: charge, and let the panic go on
-			h.finish(aw, rs, res, errAborted)
+			aw.finish(errAborted)
 		}
 		if aw.body != nil {
-			aw.body.finish()
+			aw.body.Finish()
 		}
 	}()
 	err := next.ServeHTTP(aw, r)
 	returned = true
-	h.finish(aw, rs, res, err)
+	aw.finish(err)
 	return err
 }
 
@@ -357,9 +312,9 @@ var errAborted = errors.New("the handler chain aborted")
 // watchResponse wraps w when the admitted request leaves work for after
 // its response: a policy charged after it (charge_if, settle), or a
 // concurrency slot to free (see finish.go); nil when there is none.
-func (h *Handler) watchResponse(w http.ResponseWriter, r *http.Request, rs *requestState, res *reservation) *afterResponse {
+func (h *Handler) watchResponse(w http.ResponseWriter, r *http.Request, rs *requestState, res *admission) *afterResponse {
 	res.after = res.afterbuf[:0]
-	var body *bodyWatch
+	var body *llm.Response
 	afterBody, fromTrailer := false, false
 	for i, p := range res.shown {
 		if !res.d.verdicts[i].allowed || p.ChargeIf == nil && p.Settle == nil {
@@ -372,7 +327,7 @@ func (h *Handler) watchResponse(w http.ResponseWriter, r *http.Request, rs *requ
 		afterBody = afterBody || p.Settle.From != settleHeader
 		fromTrailer = fromTrailer || p.Settle.From == settleTrailer
 		if p.Settle.fromBody() && body == nil {
-			body = new(bodyWatch)
+			body = new(llm.Response)
 		}
 	}
 	if len(res.after) == 0 && !res.holdsClientSlots() {
@@ -381,7 +336,7 @@ func (h *Handler) watchResponse(w http.ResponseWriter, r *http.Request, rs *requ
 	if body != nil {
 		// The upstream may answer only in a coding whose usage is read.
 		if vs := r.Header.Values("Accept-Encoding"); len(vs) > 0 {
-			switch filtered, changed := readableAcceptEncoding(strings.Join(vs, ",")); {
+			switch filtered, changed := llm.ReadableAcceptEncoding(strings.Join(vs, ",")); {
 			case changed && filtered == "":
 				r.Header.Del("Accept-Encoding") // identity only
 			case changed:
@@ -389,7 +344,7 @@ func (h *Handler) watchResponse(w http.ResponseWriter, r *http.Request, rs *requ
 			}
 		}
 	}
-	aw := &afterResponse{ResponseWriterWrapper: caddyhttp.ResponseWriterWrapper{ResponseWriter: w}, res: res, h: h, rs: rs, body: body,
+	aw := &afterResponse{ResponseWriterWrapper: caddyhttp.ResponseWriterWrapper{ResponseWriter: w}, res: res, rs: rs, logger: h.logger, body: body,
 		wantTrailers: afterBody && acceptsTrailers(r), http1: r.ProtoMajor == 1,
 		ctx: r.Context(), head: r.Method == http.MethodHead, length: -1}
 	aw.endAtReturn = fromTrailer // the usage comes after the body
@@ -414,7 +369,7 @@ func acceptsTrailers(r *http.Request) bool {
 }
 
 // responseKnown records what the status and headers of the response say.
-func (res *reservation) responseKnown(status int, hdr http.Header) {
+func (res *admission) responseKnown(status int, hdr http.Header) {
 	for k := range res.after {
 		a := &res.after[k]
 		p := res.shown[a.i]
@@ -422,7 +377,7 @@ func (res *reservation) responseKnown(status int, hdr http.Header) {
 		case p.ChargeIf != nil:
 			a.charge = p.ChargeIf.Match(status, hdr)
 		case p.Settle.From == settleHeader:
-			a.usage, a.settled = parseUsage(hdr.Get(p.Settle.Field), p.settleMax)
+			a.usage, a.settled = parseUsage(hdr.Get(p.Settle.Field), p.after.maxUsage)
 		}
 	}
 }
@@ -444,7 +399,8 @@ func parseUsage(v string, max int64) (int64, bool) {
 // reservation (estimate). What was not charged as measured (no usage, a
 // body that cannot be read, the client gone) is counted as lost here; a
 // charge the store does not take, by the caller.
-func (h *Handler) charges(ctx context.Context, aw *afterResponse, rs *requestState, res *reservation, err error) (reqs []bucketRequest, policies []*Policy) {
+func (aw *afterResponse) charges(err error) (reqs []bucketRequest, policies []*Policy) {
+	ctx, rs, res := aw.ctx, aw.rs, aw.res
 	if !aw.wroteHeader {
 		// No response was written: a Caddy error's status stands for it, or,
 		// when the client went away first, no response at all: a charge_if
@@ -465,11 +421,11 @@ func (h *Handler) charges(ctx context.Context, aw *afterResponse, rs *requestSta
 			}
 		}
 		if res.fieldsSent {
-			h.writeFields(aw.Header(), rs, res, true) // Caddy writes the error's response with them
+			res.writeFields(aw.Header(), rs, true) // Caddy writes the error's response with them
 		}
 	}
 	if aw.body != nil {
-		aw.body.finish()
+		aw.body.Finish()
 	}
 	gone := ctx.Err() != nil
 	var charged []int // indexes in res.after
@@ -490,10 +446,10 @@ func (h *Handler) charges(ctx context.Context, aw *afterResponse, rs *requestSta
 				if v == "" {
 					v = aw.Header().Get(p.Settle.Field)
 				}
-				a.usage, a.settled = parseUsage(v, p.settleMax)
+				a.usage, a.settled = parseUsage(v, p.after.maxUsage)
 			case settleOpenAI, settleAnthropic:
-				if u, ok := aw.body.scan.found.usage(p.Settle.provider(), p.Settle.w); ok {
-					a.usage, a.settled = min(u, p.settleMax), true
+				if u, ok := aw.body.Usage(p.Settle.provider(), p.Settle.w); ok {
+					a.usage, a.settled = min(u, p.after.maxUsage), true
 				}
 			}
 			if a.settled {
@@ -503,7 +459,7 @@ func (h *Handler) charges(ctx context.Context, aw *afterResponse, rs *requestSta
 				// No usage: the charge is what the response delivered implies,
 				// never less than the reservation.
 				a.lost = aw.lostReason(p, gone)
-				delta = max(0, min(aw.estimate(p, rs), p.settleMax)-rq.cost)
+				delta = max(0, min(aw.estimate(p, rs), p.after.maxUsage)-rq.cost)
 			}
 			if delta == 0 && rq.record == 0 {
 				continue
@@ -523,16 +479,16 @@ func (h *Handler) charges(ctx context.Context, aw *afterResponse, rs *requestSta
 			res.d.verdicts[i].remaining, res.d.verdicts[i].untilFits = res.decidedLimit(i, p).adjusted(res.d.verdicts[i], reqs[j].delta)
 			policies = append(policies, p)
 		}
-		h.setPlaceholders(rs, res, rs.retryAfter)
+		res.setPlaceholders(rs, rs.retryAfter)
 	}
 	for k := range res.after {
 		if a := &res.after[k]; a.lost >= 0 {
-			h.chargeLost(res.shown[a.i], a.lost, aw)
+			aw.chargeLost(res.shown[a.i], a.lost)
 		}
 	}
 	if aw.trailers {
 		// The declared RateLimit trailer: the state once settled.
-		h.writeFields(aw.Header(), rs, res, false)
+		res.writeFields(aw.Header(), rs, false)
 	}
 	return reqs, policies
 }
@@ -552,7 +508,7 @@ var lostReasonNames = [numLostReasons]string{"no_usage", "unreadable", "client_g
 // lostReason is why a settle found no usage.
 func (w *afterResponse) lostReason(p *Policy, gone bool) int {
 	switch {
-	case p.Settle.fromBody() && w.body.unreadable() != nil:
+	case p.Settle.fromBody() && w.body.Unreadable() != nil:
 		return lostUnreadable
 	case gone:
 		return lostClientGone
@@ -564,10 +520,10 @@ func (w *afterResponse) lostReason(p *Policy, gone bool) int {
 // cutEstimate). Only body settles estimate, and only a body that could be
 // read (one that could not keeps its reservation); 0 for the others.
 func (w *afterResponse) estimate(p *Policy, rs *requestState) int64 {
-	if w.body == nil || !p.Settle.fromBody() || w.body.unreadable() != nil {
+	if w.body == nil || !p.Settle.fromBody() || w.body.Unreadable() != nil {
 		return 0
 	}
-	return cutEstimate(p.Settle, rs.body, &w.body.scan.found)
+	return w.body.CutEstimate(p.Settle.provider(), p.Settle.w, rs.body)
 }
 
 // lostLogInterval is how often, at most, a policy logs the settles it lost
@@ -594,20 +550,20 @@ func (l *lostLog) due(now time.Time) (int64, bool) {
 // chargeLost counts a charge not made as measured, and logs the ones an
 // operator can fix (a body that cannot be read, an upstream that reports
 // no usage) at most once per lostLogInterval per policy and reason.
-func (h *Handler) chargeLost(p *Policy, reason int, w *afterResponse) {
-	p.chargesLost[reason].Inc()
+func (w *afterResponse) chargeLost(p *Policy, reason int) {
+	p.after.lost[reason].Inc()
 	if reason != lostUnreadable && reason != lostNoUsage || p.Settle == nil {
 		return
 	}
-	n, due := p.lostLogs[reason].due(time.Now())
+	n, due := p.after.logs[reason].due(time.Now())
 	if !due {
 		return
 	}
 	fields := []zap.Field{zap.String("policy", p.Name), zap.String("settle", p.Settle.describe()), zap.Int("status", w.status),
 		zap.Int64("responses_since_last_line", n), zap.Duration("one_line_per", lostLogInterval)}
 	if reason == lostUnreadable {
-		h.logger.Warn("settle: the response body could not be read for its usage: the reservation stands", append(fields,
-			zap.String("content_encoding", w.body.coding.String()), zap.NamedError("why", w.body.unreadable()))...)
+		w.logger.Warn("settle: the response body could not be read for its usage: the reservation stands", append(fields,
+			zap.String("content_encoding", w.body.Coding()), zap.NamedError("why", w.body.Unreadable()))...)
 		return
 	}
 	hint := "the upstream sent no usage: the reservation stands (at least the estimate of what was delivered)"
@@ -617,13 +573,13 @@ func (h *Handler) chargeLost(p *Policy, reason int, w *afterResponse) {
 	case settleHeader, settleTrailer:
 		hint += "; the response had no " + p.Settle.Field + " holding a non-negative integer"
 	}
-	h.logger.Warn("settle: "+hint, fields...)
+	w.logger.Warn("settle: "+hint, fields...)
 }
 
 // predicted is what a charged-after policy's bucket holds once this
 // response's own charge is made, as far as it is known when the headers
 // are written: its whole tokens, and the µs until the next (0 when full).
-func (res *reservation) predicted(i int) (remaining, untilNext int64) {
+func (res *admission) predicted(i int) (remaining, untilNext int64) {
 	v := res.d.verdicts[i]
 	for _, a := range res.after {
 		if a.i != i {

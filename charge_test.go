@@ -12,7 +12,11 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"github.com/klauspost/compress/zstd"
 	dto "github.com/prometheus/client_model/go"
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/clientaddr"
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/llm"
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/llm/llmtest"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zaptest/observer"
 )
@@ -86,31 +90,31 @@ func TestServeHTTPSettleLLM(t *testing.T) {
 		body   string
 		usage  int64
 	}{
-		{"openai chat JSON", &Settle{From: settleOpenAI}, "application/json", openaiChatJSON, 29},
-		{"openai chat SSE", &Settle{From: settleOpenAI}, "text/event-stream", openaiChatSSE, 12},
-		{"openai chat SSE, weighed", &Settle{From: settleOpenAI, Weights: w14}, "text/event-stream", openaiChatSSE, 9 + 4*3},
-		{"openai responses JSON", &Settle{From: settleOpenAI}, "application/json", openaiResponsesJSON, 123},
-		{"openai responses SSE", &Settle{From: settleOpenAI}, "text/event-stream", openaiResponsesSSE, 48},
-		{"anthropic JSON", &Settle{From: settleAnthropic}, "application/json", anthropicJSON, 18},
-		{"anthropic SSE", &Settle{From: settleAnthropic}, "text/event-stream", anthropicSSE, 40},
-		{"anthropic SSE, weighed", &Settle{From: settleAnthropic, Weights: w14}, "text/event-stream", anthropicSSE, 25 + 4*15},
+		{"openai chat JSON", &Settle{From: settleOpenAI}, "application/json", llmtest.OpenAIChatJSON, 29},
+		{"openai chat SSE", &Settle{From: settleOpenAI}, "text/event-stream", llmtest.OpenAIChatSSE, 12},
+		{"openai chat SSE, weighed", &Settle{From: settleOpenAI, Weights: w14}, "text/event-stream", llmtest.OpenAIChatSSE, 9 + 4*3},
+		{"openai responses JSON", &Settle{From: settleOpenAI}, "application/json", llmtest.OpenAIResponsesJSON, 123},
+		{"openai responses SSE", &Settle{From: settleOpenAI}, "text/event-stream", llmtest.OpenAIResponsesSSE, 48},
+		{"anthropic JSON", &Settle{From: settleAnthropic}, "application/json", llmtest.AnthropicJSON, 18},
+		{"anthropic SSE", &Settle{From: settleAnthropic}, "text/event-stream", llmtest.AnthropicSSE, 40},
+		{"anthropic SSE, weighed", &Settle{From: settleAnthropic, Weights: w14}, "text/event-stream", llmtest.AnthropicSSE, 25 + 4*15},
 	} {
-		for _, c := range testCodings {
+		for _, coding := range llmtest.Codings {
 			h := testHandler(t, &Handler{Jitter: jitterOff(), Policies: []*Policy{llmPolicy(tc.settle)}}, newMemoryStore((&clock{t: 1000 * sec}).now))
-			encoded := encodeTest(t, c.coding, tc.body, 100)
-			up := answering(encoded, "Content-Type", tc.ct, "Content-Encoding", c.name)
-			x := serveLLM(t, h, chatRequest, up, "Authorization", "Bearer sk-1", "Accept-Encoding", "gzip, deflate, br, zstd")
+			encoded := llmtest.Encode(t, coding, tc.body, 100)
+			up := answering(encoded, "Content-Type", tc.ct, "Content-Encoding", coding)
+			x := serveLLM(t, h, llmtest.ChatRequest, up, "Authorization", "Bearer sk-1", "Accept-Encoding", "gzip, deflate, br, zstd")
 			reserved := int64(50 + 11)
 			if tc.settle.Weights != nil {
 				reserved = 11 + 4*50
 			}
-			if x.status != 200 || !bytes.Equal(x.body, encoded) || string(x.upstream) != chatRequest {
-				t.Fatalf("%s, %s: %d, the client got the body unchanged %v, the upstream the request's %v", tc.name, c.name, x.status, bytes.Equal(x.body, encoded), string(x.upstream) == chatRequest)
+			if x.status != 200 || !bytes.Equal(x.body, encoded) || string(x.upstream) != llmtest.ChatRequest {
+				t.Fatalf("%s, %s: %d, the client got the body unchanged %v, the upstream the request's %v", tc.name, coding, x.status, bytes.Equal(x.body, encoded), string(x.upstream) == llmtest.ChatRequest)
 			}
 			// The RateLimit field went out with the reservation; the bucket
 			// holds the usage once settled.
 			if r := fields(t, x.header, "RateLimit")["llm_tokens"]["r"]; r != 10000-reserved || x.remaining != 10000-tc.usage {
-				t.Errorf("%s, %s: RateLimit r=%d (want the reservation's %d), settled at %d left (want %d, a usage of %d)", tc.name, c.name, r, 10000-reserved, x.remaining, 10000-tc.usage, tc.usage)
+				t.Errorf("%s, %s: RateLimit r=%d (want the reservation's %d), settled at %d left (want %d, a usage of %d)", tc.name, coding, r, 10000-reserved, x.remaining, 10000-tc.usage, tc.usage)
 			}
 		}
 	}
@@ -121,7 +125,7 @@ func ptr[T any](v T) *T { return &v }
 // TestServeHTTPCutStream: a stream cut before its usage (reverse_proxy
 // panics with http.ErrAbortHandler when the client or the upstream cuts
 // it) is charged what it delivered, its text at one token a byte (the
-// most a byte-level tokenizer makes; cut_estimate.go) and the prompt's
+// most a byte-level tokenizer makes; internal/llm/cut_estimate.go) and the prompt's
 // bytes, and never less than its reservation; a stream
 // without a usage event (no include_usage) the same. Each is counted lost
 // by its reason, and the upstream that sends no usage is logged once.
@@ -154,7 +158,7 @@ func TestServeHTTPCutStream(t *testing.T) {
 		h.logger = zap.New(core)
 		body, coding := []byte(tc.body), "identity"
 		if strings.HasSuffix(tc.name, "gzip") {
-			body, coding = encodeTest(t, codingGzip, tc.body, 0), "gzip"
+			body, coding = llmtest.Encode(t, "gzip", tc.body, 0), "gzip"
 		}
 		var cancel context.CancelFunc
 		up := func(w http.ResponseWriter, r *http.Request) {
@@ -168,7 +172,7 @@ func TestServeHTTPCutStream(t *testing.T) {
 				panic(http.ErrAbortHandler)
 			}
 		}
-		lostBefore := counterValue(h.Policies[0].chargesLost[tc.reason])
+		lostBefore := counterValue(h.Policies[0].after.lost[tc.reason])
 		x := serveLLMCancel(t, h, up, &cancel, "Authorization", "Bearer sk-cut", "X-Max-Tokens", tc.reserve)
 		if tc.cut != (x.panicked == http.ErrAbortHandler) {
 			t.Fatalf("%s: panicked %v: the handler must let reverse_proxy's abort go on", tc.name, x.panicked)
@@ -176,7 +180,7 @@ func TestServeHTTPCutStream(t *testing.T) {
 		if x.remaining != 10000-tc.charged {
 			t.Errorf("%s: %d left, want %d (charged %d)", tc.name, x.remaining, 10000-tc.charged, tc.charged)
 		}
-		if got := counterValue(h.Policies[0].chargesLost[tc.reason]) - lostBefore; got != 1 {
+		if got := counterValue(h.Policies[0].after.lost[tc.reason]) - lostBefore; got != 1 {
 			t.Errorf("%s: %v counted lost as %s, want 1", tc.name, got, lostReasonNames[tc.reason])
 		}
 		t.Logf("%s: reserved %s, charged %d", tc.name, tc.reserve, tc.charged)
@@ -195,7 +199,7 @@ func TestServeHTTPCutStream(t *testing.T) {
 // client going away does.
 func serveLLMCancel(t *testing.T, h *Handler, upstream func(http.ResponseWriter, *http.Request), cancel *context.CancelFunc, header ...string) (x llmExchange) {
 	t.Helper()
-	r := httptest.NewRequest("POST", "/v1/chat/completions", strings.NewReader(chatRequest))
+	r := httptest.NewRequest("POST", "/v1/chat/completions", strings.NewReader(llmtest.ChatRequest))
 	for i := 0; i+1 < len(header); i += 2 {
 		r.Header.Set(header[i], header[i+1])
 	}
@@ -233,12 +237,12 @@ func TestLostLogged(t *testing.T) {
 	h.logger = zap.New(core)
 	corrupt := bytes.Repeat([]byte{0x1f, 0x8b, 8, 0, 0, 0, 0, 0, 0, 0xff, 0xff}, 10)
 	for range 20 {
-		x := serveLLM(t, h, chatRequest, answering(corrupt, "Content-Type", "application/json", "Content-Encoding", "gzip"), "Authorization", "Bearer sk-2")
+		x := serveLLM(t, h, llmtest.ChatRequest, answering(corrupt, "Content-Type", "application/json", "Content-Encoding", "gzip"), "Authorization", "Bearer sk-2")
 		if x.status != 200 || !bytes.Equal(x.body, corrupt) {
 			t.Fatalf("%d, body changed %v", x.status, !bytes.Equal(x.body, corrupt))
 		}
 	}
-	if got := counterValue(h.Policies[0].chargesLost[lostUnreadable]); got != 20 {
+	if got := counterValue(h.Policies[0].after.lost[lostUnreadable]); got != 20 {
 		t.Errorf("%v counted unreadable, want 20", got)
 	}
 	if logs.Len() != 1 || !strings.Contains(logs.All()[0].Message, "could not be read") {
@@ -287,10 +291,10 @@ func TestBearerKey(t *testing.T) {
 	r = r.WithContext(ctx)
 	requestStateOf(r, repl)
 	tm := newTemplate("{http.rate_limit.bearer}")
-	if got, want := tm.resolve(r, repl, addrMask{}), repl.ReplaceAll("{http.rate_limit.bearer}", ""); !tm.bearer || got != "tok" || want != "tok" {
+	if got, want := tm.resolve(r, repl, clientaddr.Mask{}), repl.ReplaceAll("{http.rate_limit.bearer}", ""); !tm.bearer || got != "tok" || want != "tok" {
 		t.Errorf("resolved %q (fast path %v), the replacer %q", got, tm.bearer, want)
 	}
-	if got := newTemplate("{http.rate_limit.bearer}:x").resolve(r, repl, addrMask{}); got != "tok:x" {
+	if got := newTemplate("{http.rate_limit.bearer}:x").resolve(r, repl, clientaddr.Mask{}); got != "tok:x" {
 		t.Errorf("in a longer template: %q", got)
 	}
 }
@@ -306,10 +310,10 @@ func TestServeHTTPTrailerDeclared(t *testing.T) {
 	up := func(w http.ResponseWriter, r *http.Request) {
 		asked = r.Header.Values("Accept-Encoding")
 		w.Header().Set("Content-Type", "application/json")
-		w.Header().Set("Content-Length", strconv.Itoa(len(openaiChatJSON)))
-		_, _ = io.WriteString(w, openaiChatJSON)
+		w.Header().Set("Content-Length", strconv.Itoa(len(llmtest.OpenAIChatJSON)))
+		_, _ = io.WriteString(w, llmtest.OpenAIChatJSON)
 	}
-	x := serveLLM(t, h, chatRequest, up, "Authorization", "Bearer sk-t", "TE", "trailers", "Accept-Encoding", "compress")
+	x := serveLLM(t, h, llmtest.ChatRequest, up, "Authorization", "Bearer sk-t", "TE", "trailers", "Accept-Encoding", "compress")
 	if x.header.Get("Trailer") != "RateLimit" || x.header.Get("Content-Length") != "" || asked != nil {
 		t.Errorf("Trailer %q, Content-Length %q, the upstream asked for %q: want RateLimit declared, no length, no Accept-Encoding", x.header.Get("Trailer"), x.header.Get("Content-Length"), asked)
 	}
@@ -318,17 +322,57 @@ func TestServeHTTPTrailerDeclared(t *testing.T) {
 	if r := fields(t, x.header, "RateLimit")["llm_tokens"]["r"]; r != 10000-29 {
 		t.Errorf("RateLimit at the end %d, want the settled %d", r, 10000-29)
 	}
-	x = serveLLM(t, h, chatRequest, up, "Authorization", "Bearer sk-t2", "Accept-Encoding", "br;q=1, dcz, gzip")
+	x = serveLLM(t, h, llmtest.ChatRequest, up, "Authorization", "Bearer sk-t2", "Accept-Encoding", "br;q=1, dcz, gzip")
 	if x.header.Get("Trailer") != "" || strings.Join(asked, ",") != "br;q=1, gzip" {
 		t.Errorf("without TE: Trailer %q; the upstream asked for %q", x.header.Get("Trailer"), asked)
 	}
 	off := testHandler(t, &Handler{Jitter: jitterOff(), Headers: "off", Policies: []*Policy{llmPolicy(&Settle{From: settleOpenAI})}}, newMemoryStore((&clock{t: 1000 * sec}).now))
-	x = serveLLM(t, off, chatRequest, up, "Authorization", "Bearer sk-t", "TE", "trailers")
+	x = serveLLM(t, off, llmtest.ChatRequest, up, "Authorization", "Bearer sk-t", "TE", "trailers")
 	if x.header.Get("Trailer") != "" || x.header.Get("RateLimit") != "" {
 		t.Errorf("headers off: Trailer %q, RateLimit %q", x.header.Get("Trailer"), x.header.Get("RateLimit"))
 	}
-	x = serveLLM(t, off, chatRequest, func(http.ResponseWriter, *http.Request) {}, "Authorization", "Bearer sk-t", "TE", "trailers")
+	x = serveLLM(t, off, llmtest.ChatRequest, func(http.ResponseWriter, *http.Request) {}, "Authorization", "Bearer sk-t", "TE", "trailers")
 	if x.header.Get("Trailer") != "" || x.header.Get("RateLimit") != "" {
 		t.Errorf("headers off, nothing written: Trailer %q, RateLimit %q", x.header.Get("Trailer"), x.header.Get("RateLimit"))
+	}
+}
+
+// TestServeHTTPDenseCut: a stream of a dense prompt (code, digits, CJK:
+// about a token a byte), cut before its usage, is charged at least what
+// reading it would have cost (40,010), not its bytes at 4 a token
+// (10,022); through the handler, with `cost openai`.
+func TestServeHTTPDenseCut(t *testing.T) {
+	prompt := strings.Repeat("7", 40000-len("gpt-4o-mini")-len("user"))
+	body := `{"model":"gpt-4o-mini","messages":[{"role":"user","content":"` + prompt + `"}],"max_tokens":10,"stream":true,"stream_options":{"include_usage":true}}`
+	h := testHandler(t, &Handler{Jitter: jitterOff(), Policies: []*Policy{{Name: "llm_tokens", Key: "{http.rate_limit.bearer}", Rate: "100000/24h",
+		Cost: "openai", MaxCost: 50000, Settle: &Settle{From: settleOpenAI}}}}, newMemoryStore((&clock{t: 1000 * sec}).now))
+	x := serveLLM(t, h, body, func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "text/event-stream")
+		_, _ = w.Write([]byte("data: {\"choices\":[{\"delta\":{\"content\":\"12345678\"}}]}\n\n"))
+		panic(http.ErrAbortHandler)
+	}, "Authorization", "Bearer sk-dense")
+	if charged := 100000 - x.remaining; x.panicked != http.ErrAbortHandler || charged < 40010 {
+		t.Fatalf("a dense prompt of 40,000 bytes cut after 8 bytes of answer: charged %d, want at least 40,010 (reading it costs 40,000 + up to 10)", charged)
+	}
+}
+
+// TestServeHTTPCompressionBomb: a body that decodes to thousands of times
+// its size (a compression bomb: the decoder stops) keeps its reservation,
+// as the docs say, and is counted unreadable: the text decoded before it
+// stopped is not an estimate.
+func TestServeHTTPCompressionBomb(t *testing.T) {
+	var bomb bytes.Buffer
+	zw, _ := zstd.NewWriter(&bomb)
+	_, _ = zw.Write([]byte(`{"choices":[{"message":{"content":"`))
+	_, _ = zw.Write(bytes.Repeat([]byte("a"), 32<<20))
+	_ = zw.Close()
+	h := testHandler(t, &Handler{Jitter: jitterOff(), Policies: []*Policy{{Name: "llm_tokens", Key: "{http.rate_limit.bearer}", Rate: "100000/24h",
+		Cost: "openai", MaxCost: 1000, Settle: &Settle{From: settleOpenAI}}}}, newMemoryStore((&clock{t: 1000 * sec}).now))
+	lost := counterValue(h.Policies[0].after.lost[lostUnreadable])
+	x := serveLLM(t, h, `{"model":"m","messages":[{"role":"user","content":"bomb"}],"max_tokens":990}`,
+		answering(bomb.Bytes(), "Content-Type", "application/json", "Content-Encoding", "zstd"), "Authorization", "Bearer sk-bomb")
+	reserved := int64(990 + llm.TokensOf(int64(len("m")+len("user")+len("bomb"))))
+	if charged := 100000 - x.remaining; charged != reserved || counterValue(h.Policies[0].after.lost[lostUnreadable])-lost != 1 {
+		t.Fatalf("a compression bomb: charged %d, want its reservation %d; counted unreadable %v", charged, reserved, counterValue(h.Policies[0].after.lost[lostUnreadable])-lost)
 	}
 }

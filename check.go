@@ -132,14 +132,13 @@ func runCheck(w io.Writer, configFile, adapter string) (problems, alone []string
 // live instances of their fleet; alone: Redis decides, and no live
 // instance of the fleet was there to compare with.
 func checkHandler(ctx context.Context, w io.Writer, h *Handler) (problems []string, alone bool) {
-	rs, ok := h.store.(*redisStore)
+	pr, ok := h.store.(prober)
 	if !ok {
 		fmt.Fprintln(w, "  in-process buckets (no redis block): each instance decides alone; nothing to check against Redis")
 		return nil, false
 	}
-	c := rs.conn
 	decided := 0
-	for _, r := range c.probe(storeDefinitions([]*Handler{h})) {
+	for _, r := range pr.probe(storeDefinitions([]*Handler{h})) {
 		p := r.def.policy
 		if r.kind == "" {
 			decided++
@@ -158,21 +157,16 @@ func checkHandler(ctx context.Context, w io.Writer, h *Handler) (problems []stri
 			fmt.Fprintf(w, "  policy %s: its adaptive limit is this instance's own; nothing in Redis\n", p.Name)
 		}
 	}
-	if decided == 0 {
+	fm, ok := h.store.(fleetMember)
+	if decided == 0 || !ok {
 		return problems, false
 	}
-	client := c.listingClient()
-	defer client.Close()
-	now, live, err := fleetCall(ctx, client, "", "", nil, true)
+	db, others, err := fm.liveRecords(ctx)
 	if err != nil {
 		fmt.Fprintf(w, "  the fleet's records could not be read: %v\n", err)
 		return append(problems, "the fleet's records could not be read"), false
 	}
-	var others []fleet.Record
-	for _, in := range liveInstances(c.db, now, live) {
-		others = append(others, in.Record)
-	}
-	self := c.fleetRecord([]*Handler{h})
+	self := fm.fleetRecord([]*Handler{h})
 	self.ID = "check"
 	var mates []string // the live instances of this config's fleet
 	sameNames := map[string][]string{}
@@ -187,7 +181,7 @@ func checkHandler(ctx context.Context, w io.Writer, h *Handler) (problems []stri
 			}
 		}
 	}
-	fmt.Fprintf(w, "  fleet (db %d, key_prefix %s): %d live instance(s) announce themselves%s\n", c.db, h.keyPrefix, len(mates), idList(mates))
+	fmt.Fprintf(w, "  fleet (db %d, key_prefix %s): %d live instance(s) announce themselves%s\n", db, h.keyPrefix, len(mates), idList(mates))
 	for _, s := range fleet.Against(self, others) {
 		what, ids, _ := splitDetails(s)
 		fmt.Fprintf(w, "  policy %s: DIFFERS from live instance(s) %s, which enforce it with %s: they would not share one budget\n",

@@ -10,78 +10,8 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/clientaddr"
 )
-
-// TestAddrMask: a client address is kept as its network, in one canonical
-// form whatever way it was written; the address alone when the mask keeps
-// all its bits; IPv4-mapped IPv6 is IPv4; anything that is not an address
-// is kept as it is.
-func TestAddrMask(t *testing.T) {
-	def := addrMask{v4: 32, v6: 64}
-	for _, tc := range []struct {
-		m    addrMask
-		kind addrKind
-		in   string
-		want string
-	}{
-		{def, addrHost, "2001:db8:1:2::9", "2001:db8:1:2::/64"},
-		{def, addrHost, "2001:db8:1:2:ffff:ffff:ffff:ffff", "2001:db8:1:2::/64"},
-		{def, addrHost, "2001:DB8:1:2:0:0:0:9", "2001:db8:1:2::/64"},
-		{def, addrHost, "2001:0db8:0001:0002::9", "2001:db8:1:2::/64"},
-		{def, addrHost, "2001:db8:1:3::9", "2001:db8:1:3::/64"},
-		{def, addrHost, "fe80::1%eth0", "fe80::/64"},
-		{def, addrHost, "192.0.2.7", "192.0.2.7"},
-		{def, addrHost, "::ffff:192.0.2.7", "192.0.2.7"},
-		{def, addrHost, "::ffff:c000:207", "192.0.2.7"},
-		{def, addrHost, "::1", "::/64"},
-		{addrMask{v4: 32, v6: 128}, addrHost, "2001:db8:1:2::9", "2001:db8:1:2::9"},
-		{addrMask{v4: 32, v6: 128}, addrHost, "2001:DB8:1:2:0::9", "2001:db8:1:2::9"},
-		{addrMask{v4: 32, v6: 128}, addrHost, "fe80::1%eth0", "fe80::1"},
-		{addrMask{v4: 24, v6: 64}, addrHost, "192.0.2.7", "192.0.2.0/24"},
-		{addrMask{v4: 24, v6: 64}, addrHost, "::ffff:192.0.2.7", "192.0.2.0/24"},
-		{addrMask{v4: 1, v6: 1}, addrHost, "192.0.2.7", "128.0.0.0/1"},
-		{addrMask{v4: 1, v6: 1}, addrHost, "2001:db8::1", "::/1"},
-		{addrMask{v4: 16, v6: 48}, addrHost, "2001:db8:1:2::9", "2001:db8:1::/48"},
-		{addrMask{v4: 16, v6: 56}, addrHost, "2001:db8:1:2ff::9", "2001:db8:1:200::/56"},
-		{addrMask{}, addrHost, "2001:DB8::9", "2001:db8::9"}, // no mask: the address, canonical
-		// Not addresses: kept.
-		{def, addrHost, "", ""},
-		{def, addrHost, "example.com", "example.com"},
-		{def, addrHost, "/run/caddy.sock", "/run/caddy.sock"},
-		{def, addrHost, "2001:db8:1:2::/64", "2001:db8:1:2::/64"}, // already masked
-		{def, addrHost, "192.0.2.7:443", "192.0.2.7:443"},
-		{def, addrHost, " 192.0.2.7", " 192.0.2.7"},
-		{def, notAddr, "2001:db8::9", "2001:db8::9"},
-		// host:port: the host masked, the port kept.
-		{def, addrHostPort, "[2001:db8:1:2::9]:5555", "[2001:db8:1:2::/64]:5555"},
-		{def, addrHostPort, "192.0.2.7:5555", "192.0.2.7:5555"},
-		{addrMask{v4: 24, v6: 64}, addrHostPort, "192.0.2.7:5555", "192.0.2.0/24:5555"},
-		{def, addrHostPort, "[::ffff:192.0.2.7]:80", "192.0.2.7:80"},
-		{addrMask{v4: 32, v6: 128}, addrHostPort, "[2001:db8::9]:80", "[2001:db8::9]:80"},
-		{def, addrHostPort, "@", "@"},
-		{def, addrHostPort, "192.0.2.7", "192.0.2.7"},
-		{def, addrHostPort, "", ""},
-	} {
-		if got := tc.m.masked(tc.in, tc.kind); got != tc.want {
-			t.Errorf("%v, kind %d: %q masked to %q, want %q", tc.m, tc.kind, tc.in, got, tc.want)
-		}
-	}
-}
-
-// TestAddrMaskAllocations: masking costs at most the string it returns,
-// and nothing when the address is kept as it was.
-func TestAddrMaskAllocations(t *testing.T) {
-	m := addrMask{v4: 32, v6: 64}
-	for in, want := range map[string]float64{"2001:db8:1:2::9": 1, "192.0.2.7": 0, "[2001:db8:1:2::9]:5555": 1, "example.com": 0} {
-		kind := addrHost
-		if strings.HasPrefix(in, "[") {
-			kind = addrHostPort
-		}
-		if got := testing.AllocsPerRun(100, func() { _ = m.masked(in, kind) }); got > want {
-			t.Errorf("masking %q: %v allocations, want at most %v", in, got, want)
-		}
-	}
-}
 
 // TestTemplateAddr: a key's client address is masked wherever it is, alone
 // or among other parts (only the address parts), by its long or short
@@ -93,7 +23,7 @@ func TestTemplateAddr(t *testing.T) {
 	repl := caddyhttp.NewTestReplacer(r)
 	repl.Set("http.vars.client_ip", "2001:db8:7:8::1")
 	repl.Set("user.id", "alice")
-	m := addrMask{v4: 32, v6: 64}
+	m := clientaddr.Mask{V4: 32, V6: 64}
 	for tmpl, want := range map[string]string{
 		"{http.vars.client_ip}":                         "2001:db8:7:8::/64",
 		"{client_ip}":                                   "2001:db8:7:8::/64",
@@ -116,7 +46,7 @@ func TestTemplateAddr(t *testing.T) {
 			t.Errorf("%q resolved to %q, want %q", tmpl, got, want)
 		}
 	}
-	if tm := newTemplate("{client_ip}"); tm.variable != "http.vars.client_ip" || tm.addr != addrHost || tm.parts != nil {
+	if tm := newTemplate("{client_ip}"); tm.variable != "http.vars.client_ip" || tm.addr != clientaddr.Host || tm.parts != nil {
 		t.Errorf("{client_ip}: not the one-placeholder path: %+v", tm)
 	}
 	if tm := newTemplate("{http.request.header.X-Real-IP}"); tm.header != "X-Real-Ip" || tm.usesAddr() {
@@ -153,7 +83,7 @@ func TestParseTemplateMatchesReplaceAll(t *testing.T) {
 		// JSON shorthands are read as their long forms, which Caddy's
 		// replacer does not know: compare with the long forms.
 		long := strings.NewReplacer("{client_ip}", "{http.vars.client_ip}", "{remote}", "{http.request.remote}").Replace(tmpl)
-		if got, want := resolveParts(parts, repl, addrMask{v4: 32, v6: 64}), repl.ReplaceAll(long, ""); got != want {
+		if got, want := resolveParts(parts, repl, clientaddr.Mask{V4: 32, V6: 64}), repl.ReplaceAll(long, ""); got != want {
 			t.Errorf("%q: parts %+v resolve to %q, ReplaceAll to %q", tmpl, parts, got, want)
 		}
 	}
@@ -168,28 +98,28 @@ func TestParseTemplateMatchesReplaceAll(t *testing.T) {
 func TestIdentityOf(t *testing.T) {
 	for _, tc := range []struct {
 		key  string
-		m    addrMask
+		m    clientaddr.Mask
 		raw  string
 		want string
 	}{
-		{"{http.vars.client_ip}", addrMask{32, 64}, "2001:db8:1:2::9", "2001:db8:1:2::/64"},
-		{"{http.vars.client_ip}", addrMask{32, 64}, "2001:db8:1:2::/64", "2001:db8:1:2::/64"},
-		{"{http.vars.client_ip}", addrMask{24, 64}, "192.0.2.200", "192.0.2.0/24"},
-		{"{http.vars.client_ip}", addrMask{32, 128}, "2001:db8:1:2::9", "2001:db8:1:2::9"},
-		{"{http.request.remote.host}", addrMask{32, 64}, "2001:db8:1:2::9", "2001:db8:1:2::/64"},
-		{"{http.request.remote}", addrMask{32, 64}, "[2001:db8:1:2::9]:80", "[2001:db8:1:2::/64]:80"},
-		{"{http.vars.client_ip}-{http.request.uri.path}", addrMask{32, 64}, "2001:db8:1:2::9-/login", "2001:db8:1:2::/64-/login"},
-		{"{http.vars.client_ip}-{http.request.uri.path}", addrMask{32, 64}, "2001:db8:1:2::9-/a-b", "2001:db8:1:2::/64-/a-b"},
-		{"{http.vars.client_ip}:{http.request.uri.path}", addrMask{32, 64}, "2001:db8:1:2::9:/x", "2001:db8:1:2::/64:/x"},
-		{"{http.request.uri.path}|{http.vars.client_ip}", addrMask{24, 64}, "/x|192.0.2.9", "/x|192.0.2.0/24"},
-		{"ip {http.vars.client_ip}", addrMask{32, 64}, "ip 2001:db8::1", "ip 2001:db8::/64"},
+		{"{http.vars.client_ip}", clientaddr.Mask{V4: 32, V6: 64}, "2001:db8:1:2::9", "2001:db8:1:2::/64"},
+		{"{http.vars.client_ip}", clientaddr.Mask{V4: 32, V6: 64}, "2001:db8:1:2::/64", "2001:db8:1:2::/64"},
+		{"{http.vars.client_ip}", clientaddr.Mask{V4: 24, V6: 64}, "192.0.2.200", "192.0.2.0/24"},
+		{"{http.vars.client_ip}", clientaddr.Mask{V4: 32, V6: 128}, "2001:db8:1:2::9", "2001:db8:1:2::9"},
+		{"{http.request.remote.host}", clientaddr.Mask{V4: 32, V6: 64}, "2001:db8:1:2::9", "2001:db8:1:2::/64"},
+		{"{http.request.remote}", clientaddr.Mask{V4: 32, V6: 64}, "[2001:db8:1:2::9]:80", "[2001:db8:1:2::/64]:80"},
+		{"{http.vars.client_ip}-{http.request.uri.path}", clientaddr.Mask{V4: 32, V6: 64}, "2001:db8:1:2::9-/login", "2001:db8:1:2::/64-/login"},
+		{"{http.vars.client_ip}-{http.request.uri.path}", clientaddr.Mask{V4: 32, V6: 64}, "2001:db8:1:2::9-/a-b", "2001:db8:1:2::/64-/a-b"},
+		{"{http.vars.client_ip}:{http.request.uri.path}", clientaddr.Mask{V4: 32, V6: 64}, "2001:db8:1:2::9:/x", "2001:db8:1:2::/64:/x"},
+		{"{http.request.uri.path}|{http.vars.client_ip}", clientaddr.Mask{V4: 24, V6: 64}, "/x|192.0.2.9", "/x|192.0.2.0/24"},
+		{"ip {http.vars.client_ip}", clientaddr.Mask{V4: 32, V6: 64}, "ip 2001:db8::1", "ip 2001:db8::/64"},
 		// Not told apart, or not an address: kept.
-		{"{http.vars.client_ip}-{http.request.uri.path}", addrMask{32, 64}, "2001:db8:1:2::/64-/login", "2001:db8:1:2::/64-/login"},
-		{"{http.vars.client_ip}-{http.request.uri.path}", addrMask{32, 64}, "nothing", "nothing"},
-		{"{http.vars.client_ip}{http.request.uri.path}", addrMask{32, 64}, "2001:db8::1/x", "2001:db8::1/x"},
-		{"ip {http.vars.client_ip}", addrMask{32, 64}, "2001:db8::1", "2001:db8::1"},
-		{"{http.auth.user.id}", addrMask{32, 64}, "2001:db8::1", "2001:db8::1"},
-		{"{http.vars.client_ip}-{a}-{b}-{c}", addrMask{32, 64}, "x" + strings.Repeat("-", 3000), "x" + strings.Repeat("-", 3000)},
+		{"{http.vars.client_ip}-{http.request.uri.path}", clientaddr.Mask{V4: 32, V6: 64}, "2001:db8:1:2::/64-/login", "2001:db8:1:2::/64-/login"},
+		{"{http.vars.client_ip}-{http.request.uri.path}", clientaddr.Mask{V4: 32, V6: 64}, "nothing", "nothing"},
+		{"{http.vars.client_ip}{http.request.uri.path}", clientaddr.Mask{V4: 32, V6: 64}, "2001:db8::1/x", "2001:db8::1/x"},
+		{"ip {http.vars.client_ip}", clientaddr.Mask{V4: 32, V6: 64}, "2001:db8::1", "2001:db8::1"},
+		{"{http.auth.user.id}", clientaddr.Mask{V4: 32, V6: 64}, "2001:db8::1", "2001:db8::1"},
+		{"{http.vars.client_ip}-{a}-{b}-{c}", clientaddr.Mask{V4: 32, V6: 64}, "x" + strings.Repeat("-", 3000), "x" + strings.Repeat("-", 3000)},
 	} {
 		p := &Policy{Key: tc.key, keyTmpl: newTemplate(tc.key), addrMask: tc.m}
 		if got := p.identityOf(tc.raw); got != tc.want {
@@ -285,34 +215,22 @@ func FuzzParseTemplate(f *testing.F) {
 		if ok {
 			var long []templatePart // the parts with no address, which resolve unmasked
 			for _, p := range parts {
-				if p.addr == notAddr {
+				if p.addr == clientaddr.None {
 					long = append(long, p)
 				}
 			}
 			if len(long) == len(parts) {
-				if got, want := resolveParts(parts, repl, addrMask{v4: 32, v6: 64}), repl.ReplaceAll(tmpl, ""); got != want {
+				if got, want := resolveParts(parts, repl, clientaddr.Mask{V4: 32, V6: 64}), repl.ReplaceAll(tmpl, ""); got != want {
 					t.Fatalf("%q: parts %+v resolve to %q, ReplaceAll to %q", tmpl, parts, got, want)
 				}
 			}
 		}
-		m := addrMask{v4: 24, v6: 64}
-		for _, kind := range []addrKind{addrHost, addrHostPort} {
-			once := m.masked(value, kind)
-			if m.masked(once, kind) != once {
-				t.Fatalf("%q masked to %q, which masks to %q", value, once, m.masked(once, kind))
+		m := clientaddr.Mask{V4: 24, V6: 64}
+		for _, kind := range []clientaddr.Kind{clientaddr.Host, clientaddr.HostPort} {
+			once := m.Masked(value, kind)
+			if m.Masked(once, kind) != once {
+				t.Fatalf("%q masked to %q, which masks to %q", value, once, m.Masked(once, kind))
 			}
 		}
 	})
-}
-
-func BenchmarkAddrMask(b *testing.B) {
-	m := addrMask{v4: 32, v6: 64}
-	for _, in := range []string{"2001:db8:1:2::9", "192.0.2.7"} {
-		b.Run(in, func(b *testing.B) {
-			b.ReportAllocs()
-			for b.Loop() {
-				_ = m.masked(in, addrHost)
-			}
-		})
-	}
 }

@@ -7,21 +7,22 @@ import (
 	"sync"
 )
 
-// Decisions across Redis Cluster slots. A script call can only touch keys of
-// one slot. The policies of one identity share a slot (the hash tag in their
+// Decisions across Redis Cluster hash slots. A script call can only touch
+// keys of one hash slot. The policies of one identity share a hash slot (the
+// hash tag in their
 // keys), but policies keyed on different identities, such as a global
 // guardrail beside a per-user limit, do not. Such a request is decided with
-// one script call per slot, all at once; if any slot denies it (or fails),
-// the slots that admitted and charged it are refunded. Charging before
+// one script call per hash slot, all at once; if any denies it (or fails),
+// the hash slots that admitted and charged it are refunded. Charging before
 // knowing never admits beyond any budget; its cost is transient
 // over-denial: between a charge and its refund, other requests see those
 // tokens gone.
 
-const clusterSlots = 16384
+const hashSlots = 16384
 
-// slotOf is the Redis Cluster slot of a key: CRC16 (XMODEM) of its hash
+// hashSlotOf is the Redis Cluster hash slot of a key: CRC16 (XMODEM) of its hash
 // tag, the text between the first { and the next }.
-func slotOf(key string) int {
+func hashSlotOf(key string) int {
 	if i := strings.IndexByte(key, '{'); i >= 0 {
 		if j := strings.IndexByte(key[i+1:], '}'); j > 0 {
 			key = key[i+1 : i+1+j]
@@ -38,33 +39,33 @@ func slotOf(key string) int {
 			}
 		}
 	}
-	return int(crc) % clusterSlots
+	return int(crc) % hashSlots
 }
 
-// slotGroups splits a request's buckets by slot, as indexes into reqs, in
-// the order the slots first appear.
-func slotGroups(reqs []bucketRequest) [][]int {
+// hashSlotGroups splits a request's buckets by hash slot, as indexes into
+// reqs, in the order the hash slots first appear.
+func hashSlotGroups(reqs []bucketRequest) [][]int {
 	var groups [][]int
-	var slots []int
+	var seen []int
 	for i, rq := range reqs {
-		slot := slotOf(rq.key)
+		hs := hashSlotOf(rq.key)
 		found := false
-		for g, s := range slots {
-			if s == slot {
+		for g, s := range seen {
+			if s == hs {
 				groups[g] = append(groups[g], i)
 				found = true
 				break
 			}
 		}
 		if !found {
-			slots = append(slots, slot)
+			seen = append(seen, hs)
 			groups = append(groups, []int{i})
 		}
 	}
 	return groups
 }
 
-// pick is the requests of one slot group.
+// pick is the requests of one hash slot group.
 func pick(reqs []bucketRequest, idx []int) []bucketRequest {
 	out := make([]bucketRequest, len(idx))
 	for k, i := range idx {
@@ -73,8 +74,9 @@ func pick(reqs []bucketRequest, idx []int) []bucketRequest {
 	return out
 }
 
-// decideAcrossSlots decides a request whose buckets span several slots.
-func (s *redisStore) decideAcrossSlots(ctx context.Context, reqs []bucketRequest, groups [][]int) (decision, error) {
+// decideAcrossHashSlots decides a request whose buckets span several hash
+// slots.
+func (s *redisStore) decideAcrossHashSlots(ctx context.Context, reqs []bucketRequest, groups [][]int) (decision, error) {
 	parts := make([]decision, len(groups))
 	errs := make([]error, len(groups))
 	var wg sync.WaitGroup
@@ -104,7 +106,7 @@ func (s *redisStore) decideAcrossSlots(ctx context.Context, reqs []bucketRequest
 	if failed == nil && d.admitted {
 		return d, nil
 	}
-	// Not admitted everywhere: give back what the admitting slots charged,
+	// Not admitted everywhere: give back what the admitting hash slots charged,
 	// as any refund is given (opAdjust).
 	var refundErrs []error
 	for g, idx := range groups {
@@ -125,7 +127,7 @@ func (s *redisStore) decideAcrossSlots(ctx context.Context, reqs []bucketRequest
 					overridable: rq.overridable, overrideWait: rq.overrideWait, overrideDebt: rq.overrideDebt})
 				v.remaining = min(v.remaining+max(rq.cost, parts[g].verdicts[k].cost), v.limit.burst)
 				v.delay = 0
-			case opAcquire: // the slot taken is freed
+			case opAcquire: // the concurrency slot taken is freed
 				rel := rq
 				rel.op = opRelease
 				refunds = append(refunds, rel)

@@ -14,8 +14,8 @@ import (
 func TestSlotOfKnownValues(t *testing.T) {
 	// From the Redis Cluster specification and CLUSTER KEYSLOT.
 	for key, want := range map[string]int{"somekey": 11058, "foo{hash_tag}": 2515, "{user1000}.following": 3443, "foo{}{bar}": 8363, "123456789": 12739} {
-		if got := slotOf(key); got != want {
-			t.Errorf("slotOf(%q) = %d, want %d", key, got, want)
+		if got := hashSlotOf(key); got != want {
+			t.Errorf("hashSlotOf(%q) = %d, want %d", key, got, want)
 		}
 	}
 }
@@ -32,8 +32,8 @@ func TestClusterDecisions(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if want, _ := strconv.Atoi(got); slotOf(key) != want {
-			t.Fatalf("slotOf(%q) = %d, CLUSTER KEYSLOT says %d", key, slotOf(key), want)
+		if want, _ := strconv.Atoi(got); hashSlotOf(key) != want {
+			t.Fatalf("hashSlotOf(%q) = %d, CLUSTER KEYSLOT says %d", key, hashSlotOf(key), want)
 		}
 	}
 
@@ -47,8 +47,8 @@ func TestClusterDecisions(t *testing.T) {
 	user := &Policy{keyPrefix: "rl:user:"}
 	global := &Policy{keyPrefix: "rl:global:"}
 	userKey, globalKey := user.storageKey(kh, "alice"), global.storageKey(kh, "global")
-	if slotOf(userKey) == slotOf(globalKey) {
-		t.Fatalf("test keys share slot %d; pick others", slotOf(userKey))
+	if hashSlotOf(userKey) == hashSlotOf(globalKey) {
+		t.Fatalf("test keys share slot %d; pick others", hashSlotOf(userKey))
 	}
 	ctx := context.Background()
 	ask := func() decision {
@@ -97,8 +97,8 @@ func TestClusterDecisions(t *testing.T) {
 	// A concurrency slot in one slot, a rate bucket in another: a request
 	// the rate bucket denies frees the slot it took.
 	slots := (&Policy{keyPrefix: "rl:exports:"}).storageKey(kh, "global")
-	if slotOf(slots) == slotOf(userKey) {
-		t.Fatalf("test keys share slot %d; pick others", slotOf(slots))
+	if hashSlotOf(slots) == hashSlotOf(userKey) {
+		t.Fatalf("test keys share slot %d; pick others", hashSlotOf(slots))
 	}
 	acquire := bucketRequest{key: slots, limit: limit{interval: 30_000_000, burst: 1}, op: opAcquire, cost: 1, lease: "lease-1"}
 	d, err = rs.decide(ctx, []bucketRequest{acquire, {key: userKey, limit: userLimit, op: opTake, cost: 1}})

@@ -35,7 +35,7 @@ const (
 	// pairs each), 16 gave 6% more requests/s than 64, and 12 and 32 less
 	// than 16.
 	parallelBatch = 16
-	// laterWait is how long work after a response waits, when no call is
+	// afterWait is how long work after a response waits, when no call is
 	// in flight, for a decision to ride with before it goes by itself: long
 	// enough for the next request of a busy instance to come (the response
 	// is written after the work is queued), short enough that a slot is
@@ -44,7 +44,7 @@ const (
 	// has it): settle and acquire_release made 0.17-0.18 calls per request,
 	// nearly 40% of them carrying only work after responses, against
 	// 0.12 for take; with the wait, 0.11, as take.
-	laterWait = time.Millisecond
+	afterWait = time.Millisecond
 )
 
 // pending is one request's operations on their way through a script call.
@@ -83,7 +83,7 @@ func newPending(reqs []bucketRequest, ctx context.Context) *pending {
 	return p
 }
 
-func (p *pending) release() {
+func (p *pending) recycle() {
 	*p = pending{done: p.done}
 	pendingPool.Put(p)
 }
@@ -99,11 +99,11 @@ type coalescer struct {
 	mu      sync.Mutex
 	calling int // calls in flight
 	queue   []*pending
-	// later is work after responses (settles, charges, releases), which
+	// after is work after responses (settles, charges, releases), which
 	// rides with the next call; awaited of it, responses wait for.
-	later   []*pending
+	after   []*pending
 	awaited int
-	// waiting: later work waits (laterWait) for a call to ride with, and
+	// waiting: the work after responses waits (afterWait) for a call to ride with, and
 	// the timer will send it by itself if none comes.
 	waiting bool
 	timer   *time.Timer
@@ -120,7 +120,7 @@ type coalescer struct {
 // are done: for a connection about to close.
 func (c *coalescer) drained() <-chan struct{} {
 	c.mu.Lock()
-	if c.calling == 0 && len(c.later) == 0 {
+	if c.calling == 0 && len(c.after) == 0 {
 		c.mu.Unlock()
 		return closedChan()
 	}
@@ -137,33 +137,33 @@ func (c *coalescer) drained() <-chan struct{} {
 	return ch
 }
 
-// submitLater queues p, work after a response that nobody waits for: it
+// submitAfter queues p, work after a response that nobody waits for: it
 // joins the call that goes next, when calls are in flight, or the next
 // decision's; when neither comes within laterWait, it goes by itself
 // (so that a slot is free within a millisecond on an idle instance, and no
 // response waits).
-func (c *coalescer) submitLater(p *pending) {
+func (c *coalescer) submitAfter(p *pending) {
 	c.mu.Lock()
-	c.later = append(c.later, p)
+	c.after = append(c.after, p)
 	if c.calling == 0 { // else a call in flight takes it when it finishes
-		c.waitLater()
+		c.waitAfter()
 	}
 	c.mu.Unlock()
 }
 
-// waitLater arms the timer that sends the later work by itself; c.mu is
+// waitAfter arms the timer that sends the work after responses by itself; c.mu is
 // held.
-func (c *coalescer) waitLater() {
+func (c *coalescer) waitAfter() {
 	if c.waiting {
 		return
 	}
 	c.waiting = true
 	wait := c.wait
 	if wait == 0 {
-		wait = laterWait
+		wait = afterWait
 	}
 	if c.timer == nil {
-		c.timer = time.AfterFunc(wait, c.sendLater)
+		c.timer = time.AfterFunc(wait, c.sendAfter)
 	} else {
 		c.timer.Reset(wait)
 	}
@@ -180,22 +180,22 @@ func (c *coalescer) submitAwaited(p *pending) {
 	c.mu.Lock()
 	if c.calling == 0 {
 		c.calling++
-		batch := append(c.takeLater(), p)
+		batch := append(c.takeAfter(), p)
 		c.mu.Unlock()
 		c.lead(nil, batch)
 		return
 	}
-	c.later = append(c.later, p)
+	c.after = append(c.after, p)
 	c.awaited++
 	c.mu.Unlock()
 }
 
-// sendLater sends the later work by itself, unless a call took it or is in
+// sendAfter sends the work after responses by itself, unless a call took it or is in
 // flight (which will).
-func (c *coalescer) sendLater() {
+func (c *coalescer) sendAfter() {
 	c.mu.Lock()
 	c.waiting = false
-	if c.calling > 0 || len(c.later) == 0 {
+	if c.calling > 0 || len(c.after) == 0 {
 		c.mu.Unlock()
 		return
 	}
@@ -211,8 +211,8 @@ func (c *coalescer) submit(p *pending) {
 	if c.calling == 0 {
 		c.calling++
 		batch := p.one[:]
-		if len(c.later) > 0 { // the work after responses rides with it
-			batch = append(c.takeLater(), p)
+		if len(c.after) > 0 { // the work after responses rides with it
+			batch = append(c.takeAfter(), p)
 		}
 		c.mu.Unlock()
 		c.lead(p, batch)
@@ -239,39 +239,39 @@ func (c *coalescer) submit(p *pending) {
 // first (it was owed first), then the decisions waiting; c.mu is held.
 func (c *coalescer) take() []*pending { return c.takeWith(true) }
 
-// takeWith is take, without the work after responses when later is false.
-func (c *coalescer) takeWith(later bool) []*pending {
+// takeWith is take, without the work after responses when after is false.
+func (c *coalescer) takeWith(after bool) []*pending {
 	l := 0
-	if later {
-		l = min(len(c.later), maxBatch)
+	if after {
+		l = min(len(c.after), maxBatch)
 	}
 	n := min(len(c.queue), maxBatch-l)
 	batch := make([]*pending, 0, l+n)
-	batch = append(batch, c.later[:l]...)
+	batch = append(batch, c.after[:l]...)
 	batch = append(batch, c.queue[:n]...)
-	c.tookLater(l)
-	c.later = c.later[:copy(c.later, c.later[l:])]
+	c.tookAfter(l)
+	c.after = c.after[:copy(c.after, c.after[l:])]
 	c.queue = c.queue[:copy(c.queue, c.queue[n:])]
 	return batch
 }
 
-// takeLater removes the work after responses (as much as one call takes,
+// takeAfter removes the work after responses (as much as one call takes,
 // leaving room for one decision); c.mu is held.
-func (c *coalescer) takeLater() []*pending {
-	l := min(len(c.later), maxBatch-1)
-	batch := append([]*pending(nil), c.later[:l]...)
-	c.tookLater(l)
-	c.later = c.later[:copy(c.later, c.later[l:])]
+func (c *coalescer) takeAfter() []*pending {
+	l := min(len(c.after), maxBatch-1)
+	batch := append([]*pending(nil), c.after[:l]...)
+	c.tookAfter(l)
+	c.after = c.after[:copy(c.after, c.after[l:])]
 	return batch
 }
 
-// tookLater counts the awaited work among the first l of later, about to
+// tookAfter counts the awaited work among the first l of the work after responses, about to
 // be taken; c.mu is held.
-func (c *coalescer) tookLater(l int) {
+func (c *coalescer) tookAfter(l int) {
 	if c.awaited == 0 {
 		return
 	}
-	for _, p := range c.later[:l] {
+	for _, p := range c.after[:l] {
 		if p.awaited {
 			c.awaited--
 		}
@@ -322,14 +322,14 @@ func (c *coalescer) finish(p *pending, batch []*pending) {
 	var next []*pending
 	var idle drainWaiters // woken once batch's callbacks are done
 	c.mu.Lock()
-	if len(c.queue) > 0 || len(c.later) >= maxBatch || (len(c.later) > 0 && (len(c.idle) > 0 || c.awaited > 0)) {
+	if len(c.queue) > 0 || len(c.after) >= maxBatch || (len(c.after) > 0 && (len(c.idle) > 0 || c.awaited > 0)) {
 		next = c.take()
 	} else {
 		c.calling--
 		switch {
 		case c.calling > 0:
-		case len(c.later) > 0:
-			c.waitLater() // for the next decision to carry it
+		case len(c.after) > 0:
+			c.waitAfter() // for the next decision to carry it
 		default:
 			idle = c.idle.take()
 		}
@@ -347,7 +347,7 @@ func (c *coalescer) finish(p *pending, batch []*pending) {
 		switch {
 		case m.then != nil:
 			m.then(m)
-			m.release()
+			m.recycle()
 		case m != p:
 			m.done <- struct{}{}
 		}

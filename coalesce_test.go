@@ -334,7 +334,7 @@ func TestCoalescerLater(t *testing.T) {
 	later := func() {
 		p := newPending(nil, nil)
 		p.then = func(p *pending) { done <- p.err }
-		c.submitLater(p)
+		c.submitAfter(p)
 	}
 	// Alone, with no decision to ride with: by itself, within laterWait.
 	later()
@@ -345,7 +345,7 @@ func TestCoalescerLater(t *testing.T) {
 	go func() {
 		p := newPending(nil, nil)
 		c.submit(p)
-		p.release()
+		p.recycle()
 		close(decided)
 	}()
 	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(time.Millisecond) {
@@ -405,11 +405,11 @@ func TestCoalescerLaterRides(t *testing.T) {
 	for range 2 {
 		p := newPending(nil, nil)
 		p.then = func(p *pending) { done <- p.err }
-		c.submitLater(p)
+		c.submitAfter(p)
 	}
 	p := newPending(nil, nil)
 	c.submit(p)
-	p.release()
+	p.recycle()
 	for range 2 {
 		select {
 		case err := <-done:
@@ -476,7 +476,7 @@ func TestCoalescerAwaited(t *testing.T) {
 	}
 	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(time.Millisecond) {
 		c.mu.Lock()
-		n := len(c.later)
+		n := len(c.after)
 		c.mu.Unlock()
 		if n == 2*parallelBatch {
 			break

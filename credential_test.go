@@ -10,6 +10,7 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/clientaddr"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 	"go.uber.org/zap/zaptest/observer"
@@ -54,7 +55,7 @@ func TestCredential(t *testing.T) {
 		r = r.WithContext(context.WithValue(r.Context(), caddyhttp.VarsCtxKey, map[string]any{}))
 		requestStateOf(r, repl)
 		tm := newTemplate("{http.rate_limit.credential}")
-		if got, viaRepl := tm.resolve(r, repl, addrMask{}), repl.ReplaceAll("{http.rate_limit.credential}", ""); !tm.cred || got != tc.want || viaRepl != tc.want {
+		if got, viaRepl := tm.resolve(r, repl, clientaddr.Mask{}), repl.ReplaceAll("{http.rate_limit.credential}", ""); !tm.cred || got != tc.want || viaRepl != tc.want {
 			t.Errorf("%s: template %q (fast path %v), replacer %q, want %q", tc.name, got, tm.cred, viaRepl, tc.want)
 		}
 	}

@@ -37,7 +37,7 @@ func checkErrorFormat(f string) error {
 // when it can never fit (wait neverFits), when a quota denied it (it comes
 // back at its period's end), or when its Retry-After is past
 // maxRetryWait.
-func (res *reservation) retryable(wait, ra int64) bool {
+func (res *admission) retryable(wait, ra int64) bool {
 	if wait == neverFits || ra > maxRetryWait {
 		return false
 	}
@@ -52,14 +52,14 @@ func (res *reservation) retryable(wait, ra int64) bool {
 // writeDenial writes the body of a 429, in the error_format of the first
 // denying policy that sets one, or else the handler's: a problem (RFC
 // 9457) by default.
-func (h *Handler) writeDenial(w http.ResponseWriter, res *reservation, violated []string, denier *Policy, ra int64) error {
+func (h *Handler) writeDenial(w http.ResponseWriter, res *admission, violated []string, denier *Policy, ra int64) error {
 	format, tokens := "", false
 	for i, v := range res.d.verdicts {
 		p := res.shown[i]
-		if v.allowed || p.shadow || p.Shed != nil {
+		if v.allowed || p.shadow || p.kind == kindShed {
 			continue
 		}
-		tokens = tokens || p.Settle != nil || p.costFromBody
+		tokens = tokens || p.Settle != nil || p.costs.fromBody
 		if format == "" {
 			format = p.ErrorFormat
 		}

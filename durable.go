@@ -8,6 +8,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/breaker"
 	"github.com/redis/go-redis/v9"
 )
 
@@ -148,7 +149,7 @@ func (c *redisConn) waitMillis() int64 { return max(1, c.timeout.Milliseconds())
 // script and its confirmation pipelined on one connection. The accounting
 // is eval's; then each admitted request whose confirmation fell short gets
 // an error (its policies follow on_error) and its charges are refunded.
-func (c *redisConn) evalDurable(batch []*pending, want confirmation) callResult {
+func (c *redisConn) evalDurable(batch []*pending, want confirmation) breaker.Result {
 	ctx, cancel := context.WithTimeout(context.Background(), c.callTimeout)
 	defer cancel()
 	args := encodeCall(batch, int(c.format.Load()))
@@ -238,7 +239,7 @@ func (c *redisConn) evalDurable(batch []*pending, want confirmation) callResult 
 		// Not waited for: a lost refund over-denies, never over-admits.
 		go func() { _, _ = (&redisStore{conn: c}).decide(context.Background(), refunds) }()
 	}
-	return callAnswered
+	return breaker.Answered
 }
 
 // readConfirmation reads the replies of WAIT (replicas that acknowledged)

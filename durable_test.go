@@ -15,6 +15,7 @@ import (
 	"github.com/redis/go-redis/v9"
 	"go.uber.org/zap"
 
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/calendar"
 	"github.com/ratelimit-caddy/caddy-ratelimit/internal/testredis"
 )
 
@@ -31,7 +32,7 @@ func storeOn(t *testing.T, addr string, timeout time.Duration) *redisStore {
 
 // durableTake is one unit of a daily quota of n whose admissions wait for d.
 func durableTake(key string, n int64, d durability) bucketRequest {
-	q := &quotaSpec{periods: newCalendar(periodDay, time.UTC), durable: d, name: "durable"}
+	q := &quotaSpec{periods: calendar.New(calendar.Day, time.UTC), durable: d, name: "durable"}
 	return bucketRequest{key: key, limit: limit{burst: n}, op: opTake, cost: 1, quota: q}
 }
 
@@ -228,7 +229,7 @@ func TestDurableQuotaCluster(t *testing.T) {
 	for _, id := range []string{"a", "b", "c", "d", "e", "f"} { // several slots, so several masters
 		d, err = rs.decide(ctx, []bucketRequest{durableTake("rl:d:{"+id+"}", 100, durability{replicas: 1})})
 		if err != nil || !d.admitted {
-			t.Fatalf("durable replicas 1 in a cluster, key {%s} (slot %d): %+v %v", id, slotOf("{"+id+"}"), d, err)
+			t.Fatalf("durable replicas 1 in a cluster, key {%s} (slot %d): %+v %v", id, hashSlotOf("{"+id+"}"), d, err)
 		}
 	}
 	if _, err := rs.decide(ctx, []bucketRequest{durableTake("rl:d:{a}", 100, durability{replicas: 2})}); errorKind(err) != "not_durable" {

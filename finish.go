@@ -23,12 +23,13 @@ import (
 // release of its concurrency slots, in one store call. err is what the
 // handler chain returned, when it has. It runs once per response, when
 // the client is about to see its end.
-func (h *Handler) finish(aw *afterResponse, rs *requestState, res *reservation, err error) {
+func (aw *afterResponse) finish(err error) {
 	if aw.finished {
 		return
 	}
 	aw.finished = true
-	reqs, charged := h.charges(aw.ctx, aw, rs, res, err)
+	res := aw.res
+	reqs, charged := aw.charges(err)
 	n := len(reqs)
 	rels, relPolicies := res.slotReleases(false)
 	reqs = append(reqs, rels...)
@@ -39,7 +40,7 @@ func (h *Handler) finish(aw *afterResponse, rs *requestState, res *reservation, 
 	_, err = res.decidedBy.decideAwaited(reqs)
 	if err != nil {
 		for _, p := range charged {
-			p.chargesLost[lostStoreUnreachable].Inc()
+			p.after.lost[lostStoreUnreachable].Inc()
 		}
 		res.retryReleases(rels, relPolicies)
 		return

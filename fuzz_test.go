@@ -60,8 +60,8 @@ func FuzzCaddyfile(f *testing.F) {
 				t.Fatalf("accepted, but policy %q does not check: %v\n%s", p.Name, err, input)
 			}
 			checkLimit(t, "policy "+p.Name, p.limit, maxBucketSpan)
-			if p.maxCost < 1 {
-				t.Fatalf("policy %q: max cost %d", p.Name, p.maxCost)
+			if p.costs.max < 1 {
+				t.Fatalf("policy %q: max cost %d", p.Name, p.costs.max)
 			}
 			// The local failure mode divides the budget between instances:
 			// its in-process bucket (int64 arithmetic, no Lua) must not
@@ -256,7 +256,7 @@ func FuzzRateLimitFields(f *testing.F) {
 		if wait != neverFits {
 			wait = clamp(wait, 0, min(p.limit.tau(), 1e15))
 		}
-		q, w := fieldQuota(p.events, p.period)
+		q, w := fieldQuota(p.rate.n, p.rate.per)
 		if q < 1 || w < 1 || q > sfIntegerMax || w > sfIntegerMax {
 			t.Fatalf("rate %q: RateLimit-Policy q=%d w=%d; both must be positive sf-Integers", rate, q, w)
 		}

@@ -24,12 +24,12 @@ const (
 // per w seconds. w must be a whole, non-zero number of seconds, so a
 // sub-second or fractional period becomes the quota of the next whole
 // number of seconds, rounded down (10/100ms is q=100;w=1).
-func fieldQuota(events int64, period time.Duration) (q, w int64) {
-	w = int64(period / time.Second)
-	if period%time.Second != 0 {
-		w++ // (period + time.Second - 1) could overflow
+func fieldQuota(n int64, per time.Duration) (q, w int64) {
+	w = int64(per / time.Second)
+	if per%time.Second != 0 {
+		w++ // (per + time.Second - 1) could overflow
 	}
-	q = int64(float64(events) * float64(w) * float64(time.Second) / float64(period))
+	q = int64(float64(n) * float64(w) * float64(time.Second) / float64(per))
 	return min(q, maxSFInteger), min(w, maxSFInteger)
 }
 
@@ -185,7 +185,7 @@ func reducedCapacity() problem {
 // period ends waitUS from now: whole seconds, never before the boundary,
 // spread upward by up to spreadUS (see boundarySpread). A quota comes back
 // whole at its boundary rather than at a rate, so there are no turns to
-// pace clients to (pacing.go): spreading them from the boundary is what
+// pace clients to (internal/pace): spreading them from the boundary is what
 // keeps them from returning together.
 func boundaryRetryAfter(waitUS, spreadUS int64) int64 {
 	at := waitUS

@@ -8,6 +8,7 @@ import (
 
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/calendar"
 	"github.com/ratelimit-caddy/caddy-ratelimit/internal/suggest"
 )
 
@@ -112,7 +113,7 @@ func periodHint(n, p string) string {
 	if period, ok := calendarUnits[strings.ToLower(p)]; ok {
 		return fmt.Sprintf("did you mean %s/%s?", n, period)
 	}
-	if near := suggest.Nearest(p, periodUnitNames[periodMinute:]); near != "" {
+	if near := suggest.Nearest(p, calendar.UnitNames()); near != "" {
 		return fmt.Sprintf("did you mean %s/%s?", n, near)
 	}
 	if _, ok := durationUnits[strings.ToLower(strings.TrimLeft(p, "0123456789"))]; ok {

@@ -21,7 +21,21 @@ const defaultHotKeys = "200/1s"
 // hotKeysOff turns hot keys off for a policy.
 const hotKeysOff = "off"
 
-// hotPolicy is a policy's use of hot keys: nil when off.
+// hotRule is a rate policy's use of hot keys, set when its config is
+// checked (checkHotKeys) and provisioned (provisionHotKeys).
+type hotRule struct {
+	// shared: its handler's buckets are in Redis, where keys may be hot.
+	shared bool
+	// threshold: hot_keys in decisions a second; 0: off.
+	threshold float64
+	// reach is how far, in µs beyond a full refill, the policy's buckets
+	// may be reserved: by `wait`'s turns, and by blocks.
+	reach int64
+	// use is sent with each of its bucket requests; nil: off.
+	use *hotPolicy
+}
+
+// hotPolicy is what the Redis store needs of a policy's use of hot keys.
 type hotPolicy struct {
 	// threshold: decisions a second on one key, on this instance, from
 	// which the key is hot.
@@ -47,10 +61,10 @@ var (
 // the blocks' reach: a block may reserve tokens up to hotkey.Horizon beyond
 // a full refill, and every decision reading the bucket must keep what it
 // owes (the slack, as for `wait`), or it would forgive tokens that blocks
-// hold. Called once the policy's waitUS is known, with its limit's
+// hold. Called once the policy's held.wait is known, with its limit's
 // interval and burst.
 func (p *Policy) checkHotKeys(interval, burst int64) error {
-	p.hotThreshold, p.reach = 0, p.waitUS
+	p.hot.threshold, p.hot.reach = 0, p.held.wait
 	switch {
 	case p.HotKeys == hotKeysOff:
 		return nil
@@ -64,44 +78,44 @@ func (p *Policy) checkHotKeys(interval, burst int64) error {
 	}
 	switch p.HotKeys {
 	case "":
-		p.hotThreshold = hotThreshold(defaultHotKeys)
+		p.hot.threshold = hotThreshold(defaultHotKeys)
 	default:
-		events, period, err := parseRate(p.HotKeys)
+		n, per, err := parseRate(p.HotKeys)
 		if err != nil {
 			return fieldErr("hot_keys", "hot_keys: %v; or off", err)
 		}
-		p.hotThreshold = float64(events) / period.Seconds()
+		p.hot.threshold = float64(n) / per.Seconds()
 	}
-	if !p.shared || hotkey.Cap(interval, burst) < hotkey.MinBlock || burst*interval > maxBucketSpan-p.waitUS-hotkey.Horizon {
+	if !p.hot.shared || hotkey.Cap(interval, burst) < hotkey.MinBlock || burst*interval > maxBucketSpan-p.held.wait-hotkey.Horizon {
 		// In process, every decision is local already; a bucket too small
 		// or too slow for blocks (see hotkey.Size) is never hot, nor one
 		// that takes decades to refill: its buckets owe no more.
-		p.hotThreshold = 0
+		p.hot.threshold = 0
 		return nil
 	}
-	p.reach += hotkey.Horizon
+	p.hot.reach += hotkey.Horizon
 	return nil
 }
 
 // hotThreshold is the decisions a second of a valid hot_keys rate.
 func hotThreshold(rate string) float64 {
-	events, period, _ := parseRate(rate)
-	return float64(events) / period.Seconds()
+	n, per, _ := parseRate(rate)
+	return float64(n) / per.Seconds()
 }
 
 // noHotKeys fails a policy of another kind than rate that sets hot_keys.
-func (p *Policy) noHotKeys(kind string) error {
-	if p.HotKeys != "" {
-		return fieldErr("hot_keys", "hot_keys: a %s policy has no tokens to take ahead: hot keys are for rate policies", kind)
+func (p *Policy) noHotKeys() error {
+	if p.kind != kindRate && p.HotKeys != "" {
+		return fieldErr("hot_keys", "hot_keys: a %s policy has no tokens to take ahead: hot keys are for rate policies", p.kind)
 	}
 	return nil
 }
 
 // provisionHotKeys gives the policy its metrics' children.
 func (p *Policy) provisionHotKeys() {
-	p.hot = nil
-	if p.hotThreshold > 0 && p.quota == nil && p.Concurrent == 0 && p.Shed == nil {
-		p.hot = &hotPolicy{threshold: p.hotThreshold, held: hotTokensHeld.WithLabelValues(p.Name), blocks: hotBlocksTaken.WithLabelValues(p.Name)}
+	p.hot.use = nil
+	if p.hot.threshold > 0 && p.kind == kindRate {
+		p.hot.use = &hotPolicy{threshold: p.hot.threshold, held: hotTokensHeld.WithLabelValues(p.Name), blocks: hotBlocksTaken.WithLabelValues(p.Name)}
 	}
 }
 

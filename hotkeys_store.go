@@ -288,8 +288,8 @@ func (h *hotKeys) try(rq *bucketRequest, now int64, pt *hotPart, mayWait bool) {
 		if !tracked {
 			return
 		}
-		events, amount := est.Rate(now)
-		if events < rq.hot.threshold && !contended {
+		decisions, amount := est.Rate(now)
+		if decisions < rq.hot.threshold && !contended {
 			return
 		}
 		if block, _ := hotkey.Size(amount, rq.limit.interval, rq.limit.burst, 0); block == 0 || rq.cost > hotkey.Cap(rq.limit.interval, rq.limit.burst) {
@@ -466,7 +466,7 @@ func (h *hotKeys) noteContention(reqs []bucketRequest, parts []hotPart, d decisi
 		return
 	}
 	for i, pt := range parts {
-		if pt.answer == hotCold && reqs[i].hotEligible() && !reqs[i].refundable && i < len(d.verdicts) {
+		if pt.answer == hotCold && reqs[i].hotEligible() && !reqs[i].givesBack && i < len(d.verdicts) {
 			if v := d.verdicts[i]; !v.allowed && v.remaining < 0 {
 				h.rates.Contend(pt.id, now+hotContended, now)
 			}
@@ -488,7 +488,7 @@ func (h *hotKeys) giveBack(e *hotKey, n int64) {
 // under the limit blocks were taken with), with the next call.
 func (h *hotKeys) giveBackRequest(rq bucketRequest, n int64) {
 	rq.op, rq.delta, rq.cost, rq.wait = opAdjust, -n, 0, 0
-	h.store.decideLater([]bucketRequest{rq}, func(decision, error) {})
+	h.store.decideAfter([]bucketRequest{rq}, func(decision, error) {})
 }
 
 // dropLocked drops a hot key, giving back what it holds; its shard is
@@ -540,8 +540,14 @@ func (h *hotKeys) close() {
 	h.releaseAll()
 }
 
+// blocksOf is the blocks this instance holds of the bucket under key, and
+// their unspent tokens (blockKeeper, for inspect).
+func (s *redisStore) blocksOf(key string) (blocks int, tokens int64) {
+	return s.conn.hot.held(key)
+}
+
 // held is the blocks and unspent tokens this instance holds of the bucket
-// under key (inspect).
+// under key.
 func (h *hotKeys) held(key string) (blocks int, tokens int64) {
 	if h == nil {
 		return 0, 0
@@ -593,8 +599,8 @@ func (h *hotKeys) sweepOnce(now int64) (left int) {
 			if returned := e.ledger.Expire(now, hotkey.MaxAge); returned > 0 {
 				h.giveBack(e, returned)
 			}
-			events, _ := e.rate.Rate(now)
-			if now-e.lastSeen > hotIdle || events < e.policy.threshold/2 && now >= e.contended && !e.fetching {
+			decisions, _ := e.rate.Rate(now)
+			if now-e.lastSeen > hotIdle || decisions < e.policy.threshold/2 && now >= e.contended && !e.fetching {
 				h.dropLocked(sh, key, e)
 				continue
 			}
@@ -634,27 +640,27 @@ func (s *redisStore) takeBlock(rq bucketRequest, urgent bool, then func(blockRep
 	}
 	p := newPending([]bucketRequest{rq}, nil)
 	switch {
-	case s.conn.breaker.skipping():
+	case s.conn.breaker.Skipping():
 		circuitOpenErrors.Inc()
 		p.err = errCircuitOpen
-		go func() { reply(p); p.release() }()
+		go func() { reply(p); p.recycle() }()
 	case s.conn.coalescer == nil: // Cluster: a call of its own, to the key's shard
-		s.conn.laterApart.add(1)
+		s.conn.afterApart.add(1)
 		go func() {
-			defer s.conn.laterApart.add(-1)
+			defer s.conn.afterApart.add(-1)
 			p.err = errCallAborted
 			s.conn.call(p.one[:])
 			reply(p)
-			p.release()
+			p.recycle()
 		}()
 	case urgent:
 		go func() {
 			s.conn.coalescer.submit(p)
 			reply(p)
-			p.release()
+			p.recycle()
 		}()
 	default:
 		p.then = reply
-		s.conn.coalescer.submitLater(p)
+		s.conn.coalescer.submitAfter(p)
 	}
 }

@@ -56,12 +56,12 @@ func BenchmarkLaterRides(b *testing.B) {
 			return err
 		}},
 		{"settle", func(key string) error {
-			rq := bucketRequest{key: key, limit: wide, op: opTake, cost: 10, refundable: true}
+			rq := bucketRequest{key: key, limit: wide, op: opTake, cost: 10, givesBack: true}
 			if _, err := rs.decide(context.Background(), []bucketRequest{rq}); err != nil {
 				return err
 			}
 			rq.op, rq.delta, rq.cost = opAdjust, -7, 0
-			rs.decideLater([]bucketRequest{rq}, func(decision, error) {})
+			rs.decideAfter([]bucketRequest{rq}, func(decision, error) {})
 			return nil
 		}},
 		{"acquire_release", func(key string) error {
@@ -70,7 +70,7 @@ func BenchmarkLaterRides(b *testing.B) {
 				return err
 			}
 			rq.op = opRelease
-			rs.decideLater([]bucketRequest{rq}, func(decision, error) {})
+			rs.decideAfter([]bucketRequest{rq}, func(decision, error) {})
 			return nil
 		}},
 	}

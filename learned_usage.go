@@ -26,9 +26,6 @@ import (
 // written. The release before this one never reads it. In process, the
 // store keeps the same records (memoryShard.learned), bounded.
 
-// learnsOp flags a bucket that learns in a script call's op (lua/decide.lua).
-const learnsOp = 128
-
 // learnRecords is how many settles a key remembers.
 const learnRecords = 8
 
@@ -108,7 +105,7 @@ func decodeLearned(v string) learnedUsage {
 // policy that settles. (A quota's count is charged in full within its
 // period, and starts again from 0.)
 func (p *Policy) learns() bool {
-	return p.Settle != nil && p.quota == nil && p.Concurrent == 0 && p.Shed == nil
+	return p.kind == kindRate && p.Settle != nil
 }
 
 // learnedCost is the cost a take of rq is decided with when its key has

@@ -222,8 +222,8 @@ func TestDebtKept(t *testing.T) {
 		if err := p.check(); err != nil {
 			t.Fatalf("%s: %v", tc.name, err)
 		}
-		if p.debt != tc.debt || p.settleMax != tc.ucap || p.limit.slack != tc.debt*p.limit.interval || p.debtRule() != tc.debt {
-			t.Errorf("%s: debt %d, usage cap %d, slack %d, override rule %d; want debt %d, cap %d", tc.name, p.debt, p.settleMax, p.limit.slack, p.debtRule(), tc.debt, tc.ucap)
+		if p.after.debt != tc.debt || p.after.maxUsage != tc.ucap || p.limit.slack != tc.debt*p.limit.interval || p.debtRule() != tc.debt {
+			t.Errorf("%s: debt %d, usage cap %d, slack %d, override rule %d; want debt %d, cap %d", tc.name, p.after.debt, p.after.maxUsage, p.limit.slack, p.debtRule(), tc.debt, tc.ucap)
 		}
 	}
 	// Through the handler: one request reserving 100 of a burst of 50,000

@@ -4,7 +4,6 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
-	"net/http"
 	"slices"
 	"strconv"
 	"sync"
@@ -145,7 +144,7 @@ func (c *redisConn) releasing(leases []lease) (rels []bucketRequest, policies []
 // (those of other instances hear of it from Redis). A release that fails
 // is kept, to send again.
 func (c *redisConn) sendReleases(s store, rels []bucketRequest, policies []*Policy) {
-	s.decideLater(rels, func(_ decision, err error) {
+	s.decideAfter(rels, func(_ decision, err error) {
 		if err != nil {
 			c.retryReleases(rels, policies)
 			return
@@ -247,7 +246,7 @@ func (c *redisConn) renewNow(due []*heldLease, reqs []bucketRequest, retries []*
 		groups[0] = append(groups[0], i)
 	}
 	if c.cluster {
-		groups = slotGroups(reqs)
+		groups = hashSlotGroups(reqs)
 	}
 	for _, g := range groups {
 		batch := make([]*pending, len(g))
@@ -282,7 +281,7 @@ func (c *redisConn) renewNow(due []*heldLease, reqs []bucketRequest, retries []*
 		if results[len(due)+k].err == nil {
 			delete(b.pending, r.rq.lease)
 		} else if r.policy != nil {
-			r.policy.releaseRetries.Inc()
+			r.policy.slots.retries.Inc()
 		}
 	}
 	// The leases the store lost are put back now, not a tick later: until
@@ -299,7 +298,7 @@ func (c *redisConn) renewNow(due []*heldLease, reqs []bucketRequest, retries []*
 	}
 	b.mu.Unlock()
 	for _, p := range results {
-		p.release()
+		p.recycle()
 	}
 	if len(rels) > 0 {
 		c.retryReleases(rels, relPolicies)
@@ -361,73 +360,9 @@ func (q *waitQueues) wake(key string) {
 	}
 }
 
-// waitForSlot holds a request denied only for want of concurrency slots,
-// on policies that `wait`, until its decision admits it (taking the slot as
-// soon as one is freed, in arrival order among this instance's waiters),
-// the wait runs out, or the client goes away. It returns the last
-// decision.
-func (h *Handler) waitForSlot(r *http.Request, res *reservation, d decision) (decision, error) {
-	var key string
-	var wait time.Duration
-	for i, v := range d.verdicts {
-		p := res.policies[i]
-		if v.allowed || p.shadow {
-			continue
-		}
-		if res.reqs[i].op != opAcquire || p.Wait == 0 {
-			return d, nil // denied by more than a full set of slots
-		}
-		if key == "" {
-			key = res.reqs[i].key
-		}
-		wait = max(wait, time.Duration(p.Wait))
-	}
-	// A place among the requests each policy holds at once, for the wait.
-	var held []*Policy
-	defer func() {
-		for _, p := range held {
-			p.waiting.Dec()
-			p.release()
-		}
-	}()
-	for i, p := range res.policies {
-		if !d.verdicts[i].allowed && !p.shadow {
-			if !p.hold() {
-				return d, nil
-			}
-			held = append(held, p)
-			p.waiting.Inc()
-		}
-	}
-	w := slotQueues.join(key)
-	defer slotQueues.leave(key, w)
-	deadline := time.NewTimer(wait)
-	defer deadline.Stop()
-	poll := time.NewTicker(slotPoll)
-	defer poll.Stop()
-	for {
-		select {
-		case <-w:
-		case <-poll.C:
-		case <-deadline.C:
-			return d, nil
-		case <-r.Context().Done():
-			return d, nil
-		}
-		if !slotQueues.first(key, w) {
-			continue
-		}
-		next, err := h.store.decide(r.Context(), res.reqs)
-		if err != nil || next.admitted {
-			return next, err
-		}
-		d = next
-	}
-}
-
 // takeSlots records the slots an admitted request holds in the store that
 // decided it: renewed while it runs, freed by release.
-func (res *reservation) takeSlots() {
+func (res *admission) takeSlots() {
 	res.leases = res.leasebuf[:0]
 	for i, p := range res.shown {
 		rq := res.shownReqs[i]
@@ -438,13 +373,13 @@ func (res *reservation) takeSlots() {
 			continue // a shadow policy's slot, not taken
 		}
 		res.leases = append(res.leases, lease{policy: p, rq: rq})
-		p.inFlight.Inc()
+		p.slots.inFlight.Inc()
 	}
 	if len(res.leases) == 0 {
 		return
 	}
-	if rs, ok := res.decidedBy.(*redisStore); ok {
-		rs.conn.hold(res.leases)
+	if ls, ok := res.decidedBy.(leaseStore); ok {
+		ls.renewLeases(res.leases)
 		res.mirrorSlots()
 	}
 }
@@ -453,7 +388,7 @@ func (res *reservation) takeSlots() {
 // on_error is local, in the local fallback's slots as well: when Redis
 // goes away, the requests it admitted are still running, and the fallback
 // admits only what fits beside them (its max(1, N / instances) counts them).
-func (res *reservation) mirrorSlots() {
+func (res *admission) mirrorSlots() {
 	var reqs []bucketRequest
 	for i := range res.leases {
 		l := &res.leases[i]
@@ -473,13 +408,13 @@ func (res *reservation) mirrorSlots() {
 // riding with the next call; a release that cannot reach Redis is sent
 // again until it does, or its lease has run out), and wakes the requests
 // this instance has waiting for them once they are free.
-func (res *reservation) freeSlots() {
+func (res *admission) freeSlots() {
 	rels, policies := res.slotReleases(true)
 	if len(rels) == 0 {
 		return
 	}
-	if rs, ok := res.decidedBy.(*redisStore); ok {
-		rs.conn.sendReleases(rs, rels, policies)
+	if ls, ok := res.decidedBy.(leaseStore); ok {
+		ls.sendReleases(rels, policies)
 		return
 	}
 	_, _ = res.decidedBy.decide(context.Background(), rels)
@@ -491,15 +426,15 @@ func (res *reservation) freeSlots() {
 // slotReleases takes the request's slots (with shed, a shed policy's too)
 // off its hands: the requests that free them in the store that decided it,
 // for the caller to send.
-func (res *reservation) slotReleases(shed bool) (rels []bucketRequest, policies []*Policy) {
+func (res *admission) slotReleases(shed bool) (rels []bucketRequest, policies []*Policy) {
 	kept := res.leases[:0]
 	var freed []lease
 	for _, l := range res.leases {
-		if l.policy.Shed != nil && !shed {
+		if l.policy.kind == kindShed && !shed {
 			kept = append(kept, l)
 			continue
 		}
-		l.policy.inFlight.Dec()
+		l.policy.slots.inFlight.Dec()
 		freed = append(freed, l)
 	}
 	res.leases = kept
@@ -507,8 +442,8 @@ func (res *reservation) slotReleases(shed bool) (rels []bucketRequest, policies 
 	if len(freed) == 0 {
 		return nil, nil
 	}
-	if rs, ok := res.decidedBy.(*redisStore); ok {
-		return rs.conn.releasing(freed)
+	if ls, ok := res.decidedBy.(leaseStore); ok {
+		return ls.releasing(freed)
 	}
 	for _, l := range freed {
 		rq := l.rq
@@ -537,9 +472,9 @@ func unmirrorSlots(leases []lease) {
 // holdsClientSlots reports whether the request holds a concurrency slot of
 // a caller's budget (a `concurrent` policy's, not a shed policy's), whose
 // release the client must find done when its response ends (finish.go).
-func (res *reservation) holdsClientSlots() bool {
+func (res *admission) holdsClientSlots() bool {
 	for _, l := range res.leases {
-		if l.policy.Shed == nil {
+		if l.policy.kind != kindShed {
 			return true
 		}
 	}
@@ -548,8 +483,8 @@ func (res *reservation) holdsClientSlots() bool {
 
 // retryReleases keeps releases the store did not take, to send again
 // (Redis; in process, a release never fails).
-func (res *reservation) retryReleases(rels []bucketRequest, policies []*Policy) {
-	if rs, ok := res.decidedBy.(*redisStore); ok && len(rels) > 0 {
-		rs.conn.retryReleases(rels, policies)
+func (res *admission) retryReleases(rels []bucketRequest, policies []*Policy) {
+	if ls, ok := res.decidedBy.(leaseStore); ok && len(rels) > 0 {
+		ls.retryReleases(rels, policies)
 	}
 }

@@ -39,7 +39,7 @@ var (
 	}, []string{"policy"})
 	waiting = prometheus.NewGaugeVec(prometheus.GaugeOpts{
 		Namespace: "caddy", Subsystem: "rate_limit", Name: "waiting",
-		Help: "Requests held by a policy's wait setting right now: for their reserved slot (rate), or for a free one (concurrent).",
+		Help: "Requests held by a policy's wait setting right now: for their reserved turn (rate), or for a free one (concurrent).",
 	}, []string{"policy"})
 	storeDuration = prometheus.NewHistogram(prometheus.HistogramOpts{
 		Namespace: "caddy", Subsystem: "rate_limit", Name: "store_duration_seconds",
@@ -118,7 +118,7 @@ func (c slotsCollector) Describe(ch chan<- *prometheus.Desc) { ch <- c.desc }
 func (c slotsCollector) Collect(ch chan<- prometheus.Metric) {
 	for _, p := range budgets.policies() {
 		n := p.Concurrent
-		if p.Shed != nil {
+		if p.kind == kindShed {
 			n = p.Shed.Concurrent
 		}
 		if n > 0 {

@@ -1,7 +1,3 @@
-// Package ratelimit is a Caddy HTTP handler that enforces rate limits shared
-// by every Caddy instance of a deployment: token buckets kept in Redis and
-// decided by one atomic Lua script, so that four instances allowing
-// "100 per minute" allow 100 per minute together, not 400.
 package ratelimit
 
 import (
@@ -205,10 +201,10 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 
 	var all []byte
 	for _, p := range h.Policies {
-		if p.Shed != nil {
+		if p.kind == kindShed {
 			continue // not in the fields (writeFields)
 		}
-		if p.shadow || p.quota != nil || p.Plan != nil { // a quota's member changes with its period, a plan's is the plan's
+		if p.shadow || p.kind == kindQuota || p.Plan != nil { // a quota's member changes with its period, a plan's is the plan's
 			all = nil
 			break
 		}
@@ -239,8 +235,8 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 			return err
 		}
 	}
-	if rs, ok := store.(*redisStore); ok {
-		rs.conn.join(h) // announced to the fleet once the config runs (fleet.go)
+	if fm, ok := store.(fleetMember); ok {
+		fm.join(h) // announced to the fleet once the config runs (fleet.go)
 	}
 	return nil
 }
@@ -274,7 +270,7 @@ func (h *Handler) Validate() error {
 		if p == nil {
 			return fmt.Errorf("policies[%d]: empty", i)
 		}
-		p.shared = h.Redis != nil // hot keys are the Redis store's (hotkeys.go)
+		p.hot.shared = h.Redis != nil // hot keys are the Redis store's (hotkeys.go)
 		if err := p.check(); err != nil {
 			return fmt.Errorf("policy %q: %w", p.Name, err)
 		}
@@ -322,8 +318,8 @@ const maxJitter = 10.0
 // Cleanup releases this config's reference to its Redis client; the client
 // is closed when no loaded config uses it any more.
 func (h *Handler) Cleanup() error {
-	if rs, ok := h.store.(*redisStore); ok {
-		rs.conn.part(h)
+	if fm, ok := h.store.(fleetMember); ok {
+		fm.part(h)
 	}
 	if h.config != nil {
 		budgets.remove(h.config, h)

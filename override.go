@@ -142,49 +142,6 @@ func (o override) quotaLimitFor(sent limit, debt int64) limit {
 	return limit{burst: o.burst, slack: min(units, maxJSONInteger-o.burst)}
 }
 
-// Widths of an overridable bucket in a script call: the ARGV it takes
-// after those of its code (the policy's wait and debt rule), and the
-// numbers its reply has after those of its op (the interval, burst and
-// slack it was decided under).
-const (
-	overrideArgs  = 2
-	overrideReply = 3
-)
-
-// replyWidthOf is the numbers of a bucket's reply (see replyWidth), an
-// overridable bucket's limit included.
-func replyWidthOf(rq bucketRequest) int {
-	n := bucketReplyWidth(rq)
-	if rq.overridable {
-		n += overrideReply
-	}
-	if rq.learns {
-		n++ // what its key learned (learned_usage.go)
-	}
-	return n
-}
-
-// decidedUnder is reqs with the limits their buckets were decided under,
-// which the reply res carries for overridable buckets after the numbers of
-// their op (at[i] is where bucket i's begin): reqs itself when no override
-// was in force.
-func decidedUnder(res []int64, at []int, reqs []bucketRequest) []bucketRequest {
-	out := reqs
-	for i, rq := range reqs {
-		if !rq.overridable {
-			continue
-		}
-		o := at[i] + bucketReplyWidth(rq)
-		l := limit{interval: res[o], burst: res[o+1], slack: res[o+2]}
-		if l == rq.limit {
-			continue
-		}
-		out = ownCopy(out, reqs)
-		out[i].limit = l
-	}
-	return out
-}
-
 // ownCopy is out, or a copy of reqs when out is still reqs: the requests
 // a store decides under changed limits or costs, without writing over the
 // caller's.
@@ -203,10 +160,10 @@ func (p *Policy) debtRule() int64 {
 	switch {
 	case p.Settle == nil:
 		return 0
-	case p.quota != nil && p.Settle.Debt == 0:
+	case p.kind == kindQuota && p.Settle.Debt == 0:
 		return -2
 	}
-	return p.debt
+	return p.after.debt
 }
 
 // markOverridable sets the overridable bit of the policy's bucket request
@@ -216,7 +173,7 @@ func (p *Policy) markOverridable(rq *bucketRequest, always bool) {
 	if !always && (p.overrides == nil || !p.overrides.may(rq.key)) {
 		return
 	}
-	rq.overridable, rq.overrideWait, rq.overrideDebt = true, p.reach, p.debtRule()
+	rq.overridable, rq.overrideWait, rq.overrideDebt = true, p.hot.reach, p.debtRule()
 }
 
 // applyOverride is rq as decided under the override o in force (see
@@ -233,7 +190,7 @@ func (rq bucketRequest) applyOverride(o override) bucketRequest {
 // decidedLimit is the limit the request's bucket i was decided under: an
 // override's when one was in force, or the policy's (its plan's), as
 // configured (a `local` bucket holds a share of it).
-func (res *reservation) decidedLimit(i int, p *Policy) limit {
+func (res *admission) decidedLimit(i int, p *Policy) limit {
 	if v := res.d.verdicts[i]; v.limit != res.shownReqs[i].limit && v.limit != (limit{}) {
 		return v.limit
 	}
@@ -243,7 +200,7 @@ func (res *reservation) decidedLimit(i int, p *Policy) limit {
 // decidedQuota is the N the request's quota bucket i was decided under: an
 // override's when one was in force, or the one sent (its plan's, or a
 // `local` share of it).
-func (res *reservation) decidedQuota(i int) int64 {
+func (res *admission) decidedQuota(i int) int64 {
 	if v := res.d.verdicts[i]; v.limit != res.shownReqs[i].limit && v.limit != (limit{}) {
 		return v.limit.burst
 	}
@@ -252,7 +209,7 @@ func (res *reservation) decidedQuota(i int) int64 {
 
 // overridden reports whether a bucket of the decision was decided under an
 // override, whose RateLimit-Policy member is not the policy's.
-func (res *reservation) overridden() bool {
+func (res *admission) overridden() bool {
 	for i, v := range res.d.verdicts {
 		if i < len(res.shownReqs) && v.limit != res.shownReqs[i].limit && v.limit != (limit{}) {
 			return true
@@ -265,14 +222,14 @@ func (res *reservation) overridden() bool {
 // bucket i: the policy's (its plan's), or, under an override, the
 // override's limit per the policy's window (a concurrency policy's: its
 // slots).
-func (res *reservation) appendPolicyMember(b []byte, i int, p *Policy) []byte {
+func (res *admission) appendPolicyMember(b []byte, i int, p *Policy) []byte {
 	l := res.decidedLimit(i, p)
 	if l == p.limit {
 		return append(b, p.policyHdr...)
 	}
-	if p.Concurrent > 0 {
+	if p.kind == kindConcurrent {
 		return slotsMember(b, p.Name, l.burst)
 	}
-	_, w := fieldQuota(p.events, p.period)
+	_, w := fieldQuota(p.rate.n, p.rate.per)
 	return policyMember(b, p.Name, min(w*1_000_000/l.interval, maxSFInteger), w)
 }

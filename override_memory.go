@@ -20,6 +20,26 @@ var processOverrides = newOverrideTable()
 
 func init() { processMemory.overrides = processOverrides }
 
+// overridesKept is the in-process store's override table (nil for the
+// `local` fallback, which keeps none).
+func (m *memoryStore) overridesKept() overrideStore {
+	if m.overrides == nil {
+		return nil
+	}
+	return m.overrides
+}
+
+// overrideFilter is on for every bucket of the policy while it has an
+// override (the store looks the bucket's up itself).
+func (m *memoryStore) overrideFilter(prefix string) overrideFilter {
+	if m.overrides == nil {
+		return noOverrides{}
+	}
+	return flagFilter{m.overrides.flag(prefix)}
+}
+
+var _ overrideKeeper = (*memoryStore)(nil)
+
 // overrideTable keeps overrides in this process, at most
 // maxProcessOverrides; each expires on the monotonic clock.
 type overrideTable struct {

@@ -17,6 +17,7 @@ import (
 	"github.com/redis/go-redis/v9"
 	"go.uber.org/zap"
 
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/calendar"
 	"github.com/ratelimit-caddy/caddy-ratelimit/internal/testredis"
 )
 
@@ -419,7 +420,7 @@ func TestLuaOverrideValues(t *testing.T) {
 	rate := limit{interval: 1_000_000, burst: 5, slack: 2_000_000}
 	slots := limit{interval: 30_000_000, burst: 1}
 	quota := limit{burst: 5, slack: 10} // settle, twice the quota of debt
-	year := &quotaSpec{periods: newCalendar(periodYear, time.UTC), unit: periodYear, loc: time.UTC, name: "q"}
+	year := &quotaSpec{periods: calendar.New(calendar.Year, time.UTC), unit: calendar.Year, loc: time.UTC, name: "q"}
 	for i, v := range []string{
 		"o1 r 12000 500", "o1 c 0 10", "o1 c 7 3", "o1 r 0 5", "o1 c 0 0", "o1 r 12345678901234567 1", "o1 c 12345678901234567 4",
 		"o1 c 0 12345678901234567", "o1 r 2 2251799813685248", "o1 r 1 2251799813685248", "o1 x 1 1", " o1 r 1 1", "o1 r 1 1 ", "",
@@ -462,7 +463,7 @@ func TestLuaOverrideAfterSlots(t *testing.T) {
 	_, client, _ := newTestRedis(t)
 	ctx := context.Background()
 	rate := limit{interval: 1_000_000, burst: 5, slack: 2_000_000}
-	year := &quotaSpec{periods: newCalendar(periodYear, time.UTC), unit: periodYear, loc: time.UTC, name: "q"}
+	year := &quotaSpec{periods: calendar.New(calendar.Year, time.UTC), unit: calendar.Year, loc: time.UTC, name: "q"}
 	slot := bucketRequest{key: "rl:s:{after}", limit: limit{interval: 30_000_000, burst: 1}, op: opAcquire, cost: 1, lease: "l", events: "rl:events"}
 	for _, rq := range []bucketRequest{
 		{key: "rl:r:{after}", limit: rate, op: opTake, cost: 1, overridable: true, overrideWait: 2_000_000},

@@ -61,12 +61,12 @@ func BenchmarkPath(b *testing.B) {
 	})
 	b.Run("settle", func(b *testing.B) {
 		run(b, func(key string) error {
-			rq := bucketRequest{key: key, limit: wide, op: opTake, cost: 10, refundable: true}
+			rq := bucketRequest{key: key, limit: wide, op: opTake, cost: 10, givesBack: true}
 			if _, err := rs.decide(context.Background(), []bucketRequest{rq}); err != nil {
 				return err
 			}
 			rq.op, rq.delta, rq.cost = opAdjust, -7, 0
-			rs.decideLater([]bucketRequest{rq}, func(decision, error) {})
+			rs.decideAfter([]bucketRequest{rq}, func(decision, error) {})
 			return nil
 		})
 	})
@@ -78,7 +78,7 @@ func BenchmarkPath(b *testing.B) {
 				return err
 			}
 			rq.op = opRelease
-			rs.decideLater([]bucketRequest{rq}, func(decision, error) {})
+			rs.decideAfter([]bucketRequest{rq}, func(decision, error) {})
 			return nil
 		})
 	})

@@ -8,6 +8,7 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/llm"
 )
 
 // requestState is what the rate_limit handlers a request passes through
@@ -39,7 +40,7 @@ type requestState struct {
 	// {http.rate_limit.credential}.
 	header http.Header
 	// body is what the request body asks for (`cost openai`), read once.
-	body     requestBody
+	body     llm.Request
 	bodyRead bool
 }
 

@@ -125,10 +125,10 @@ func (p *Policy) checkPlans() error {
 
 // planExample is a plan line of the policy's kind, for messages.
 func (p *Policy) planExample() string {
-	if p.Concurrent > 0 {
+	if p.kind == kindConcurrent {
 		return "concurrent 10"
 	}
-	if p.quota != nil {
+	if p.kind == kindQuota {
 		return "quota 5000"
 	}
 	return "rate 2000/1m burst 200"
@@ -145,13 +145,13 @@ func (p *Policy) planPolicy(name string, lim *PlanLimit) (*Policy, error) {
 		return nil, fieldErr(planField(name), "plan %q: default names the policy's own limit (the requests that name no plan): give this plan another name, or set the policy's own limit", name)
 	case lim == nil || *lim == PlanLimit{}:
 		return nil, fieldErr(planField(name), "plan %q: a limit is required, e.g. %s %s", name, name, p.planExample())
-	case p.quota != nil && (lim.Rate != "" || lim.Burst != 0 || lim.Concurrent != 0):
+	case p.kind == kindQuota && (lim.Rate != "" || lim.Burst != 0 || lim.Concurrent != 0):
 		return nil, fieldErr(planField(name), "plan %q: policy %q is a quota: its plans take quota <N> and cost max, not rate, burst or concurrent (a rate limit is a policy of its own)", name, p.Name)
-	case p.Concurrent > 0 && (lim.Rate != "" || lim.Burst != 0 || lim.MaxCost != 0 || lim.Quota != ""):
+	case p.kind == kindConcurrent && (lim.Rate != "" || lim.Burst != 0 || lim.MaxCost != 0 || lim.Quota != ""):
 		return nil, fieldErr(planField(name), "plan %q: policy %q is a concurrency limit: its plans take concurrent <n>, not rate, burst, cost or quota", name, p.Name)
-	case p.quota == nil && p.Concurrent == 0 && lim.Concurrent != 0:
+	case p.kind == kindRate && lim.Concurrent != 0:
 		return nil, fieldErr(planField(name), "plan %q: policy %q is a rate limit: its plans take rate, burst and cost max, not concurrent (a concurrency limit is a policy of its own)", name, p.Name)
-	case p.quota == nil && lim.Quota != "":
+	case p.kind != kindQuota && lim.Quota != "":
 		return nil, fieldErr(planField(name), "plan %q: policy %q is a rate limit: its plans take rate, burst and cost max, not quota (a quota is a policy of its own, decided with this one at once)", name, p.Name)
 	}
 	q := *p
@@ -195,12 +195,12 @@ func (p *Policy) provisionPlans() error {
 		if err != nil {
 			return err
 		}
-		if q.Concurrent > 0 {
+		if q.kind == kindConcurrent {
 			q.policyHdr = slotsMember(nil, q.Name, q.Concurrent)
-		} else if q.quota != nil {
+		} else if q.kind == kindQuota {
 			q.policyHdr = nil // a member per period: quotaSpec.policyMember
 		} else {
-			qq, w := fieldQuota(q.events, q.period)
+			qq, w := fieldQuota(q.rate.n, q.rate.per)
 			q.policyHdr = policyMember(nil, q.Name, qq, w)
 		}
 		q.decisions = policyCounters(q.Name, "", name)

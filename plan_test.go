@@ -165,8 +165,8 @@ func TestPlanCheck(t *testing.T) {
 		"big": {100_000, 100, 7}, "fast": {10_000, 100, 7}, "dear": {100_000, 30, 20},
 	} {
 		q, err := p.planPolicy(name, p.Plan.Plans[name])
-		if err != nil || q.limit.interval != want.interval || q.limit.burst != want.burst || q.maxCost != want.maxCost {
-			t.Errorf("plan %s: %+v max %d (%v), want %+v", name, q.limit, q.maxCost, err, want)
+		if err != nil || q.limit.interval != want.interval || q.limit.burst != want.burst || q.costs.max != want.maxCost {
+			t.Errorf("plan %s: %+v max %d (%v), want %+v", name, q.limit, q.costs.max, err, want)
 		}
 	}
 }

@@ -13,6 +13,10 @@ import (
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/prometheus/client_golang/prometheus"
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/clientaddr"
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/llm"
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/shed"
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/topk"
 )
 
 // Policy is one named budget: the requests that match it are counted, per
@@ -190,69 +194,6 @@ type Policy struct {
 	// request that names no plan gets the policy's own limit.
 	Plan *Plan `json:"plan,omitempty"`
 
-	// Provisioned state.
-	matchers          caddyhttp.MatcherSet
-	events            int64
-	period            time.Duration
-	limit             limit
-	fixedCost         int64 // 0 when Cost holds a placeholder, or is openai
-	costFromBody      bool  // Cost is openai
-	maxCost           int64
-	onError           string
-	shadow            bool
-	keyPrefix         string // <key_prefix><name>:
-	keyTmpl, costTmpl template
-	fixedKey          string // the storage key when Key has no placeholder
-	policyHdr         []byte // this policy's RateLimit-Policy member
-	// deniedBody is the 429 body when this policy alone denies, the common
-	// case: built once rather than per denial, which an abusive client makes
-	// the hot path.
-	deniedBody []byte
-	decisions  [numOutcomes]prometheus.Counter
-	waitUS     int64 // Wait in µs
-	// reach is how far, in µs beyond a full refill, the policy's buckets
-	// may be reserved: by `wait`, and by hot keys' blocks (hotkeys.go).
-	reach        int64
-	hotThreshold float64       // hot_keys, decisions/s; 0: off
-	shared       bool          // its handler's buckets are in Redis (where keys may be hot)
-	hot          *hotPolicy    // nil: hot keys off
-	held         *atomic.Int64 // requests held by Wait right now
-	waiting      prometheus.Gauge
-	top          *topDenied // the identities it denied most, this instance
-	// settleMax caps the usage one response settles (Settle.Max, or its
-	// default); debt is the most tokens the bucket may owe beyond empty
-	// (Settle.Debt, or its default: see debt.go).
-	settleMax   int64
-	debt        int64
-	chargesLost [numLostReasons]prometheus.Counter
-	lostLogs    *[numLostReasons]lostLog
-	// Concurrency policies: in flight on this instance, the leases
-	// reclaimed from holders that vanished, and the releases sent again.
-	inFlight       prometheus.Gauge
-	leasesExpired  prometheus.Counter
-	releaseRetries prometheus.Counter
-
-	// addrMask is what the key keeps of a client address.
-	addrMask addrMask
-	// emptyKey counts the requests whose key resolved empty (credential.go);
-	// nil for a fixed key.
-	emptyKey *emptyKeyWatch
-	// keys are the storage keys of recent identities (see storageKey).
-	keys *keyCache
-
-	// Provisioned state of a quota policy.
-	quota       *quotaSpec
-	durableLine *sourceLine // where the Caddyfile set durable
-	// Plans (plan.go): each plan's copy of the policy, by name; planName is
-	// the plan a copy decides (empty for the policy itself); planTmpl reads
-	// the request's plan.
-	plans    map[string]*Policy
-	planName string
-	planTmpl template
-	// overrides says which of the policy's buckets the store may hold an
-	// operator's override of (override_store.go): the store's, shared.
-	overrides overrideFilter
-
 	// Protects the service rather than a caller's budget: requests beyond
 	// the capacity it sets are turned away with 503, lowest priority class
 	// first. Instead of `rate` and `concurrent`. See shed_policy.go.
@@ -263,9 +204,95 @@ type Policy struct {
 	// one class, which may use all of it.
 	Priority *Priority `json:"priority,omitempty"`
 
-	// A shed policy's classes (check) and its provisioned state.
-	classes *shedClasses
+	// Provisioned state, of every kind.
+	kind      policyKind // from the fields given (check)
+	matchers  caddyhttp.MatcherSet
+	limit     limit
+	onError   string
+	shadow    bool
+	keyPrefix string // <key_prefix><name>:
+	keyTmpl   template
+	fixedKey  string // the storage key when Key has no placeholder
+	policyHdr []byte // this policy's RateLimit-Policy member
+	// deniedBody is the 429 body when this policy alone denies, the common
+	// case: built once rather than per denial, which an abusive client makes
+	// the hot path.
+	deniedBody []byte
+	decisions  [numOutcomes]prometheus.Counter
+	top        *topk.Sketch // the identities it denied most, this instance
+	// addrMask is what the key keeps of a client address.
+	addrMask clientaddr.Mask
+	// emptyKey counts the requests whose key resolved empty (credential.go);
+	// nil for a fixed key.
+	emptyKey *emptyKeyWatch
+	// keys are the storage keys of recent identities (see storageKey).
+	keys *keyCache
+	// Plans (plan.go): each plan's copy of the policy, by name; planName is
+	// the plan a copy decides (empty for the policy itself); planTmpl reads
+	// the request's plan.
+	plans    map[string]*Policy
+	planName string
+	planTmpl template
+	// overrides says which of the policy's buckets the store may hold an
+	// operator's override of (override_store.go): the store's, shared.
+	overrides overrideFilter
+
+	rate  rateSpec     // a rate: its N per duration
+	costs costRule     // a rate or a quota: what a request costs
+	held  heldRequests // `wait`: the requests it holds on this instance
+	after afterRule    // charge_if, settle: the charges after the response
+	slots slotMetrics  // concurrent, shed { concurrent }: slots in use
+	hot   hotRule      // a rate: its keys decided from blocks when hot
+	// A quota: its calendar and durability, and where the Caddyfile set
+	// durable.
+	quota       *quotaSpec
+	durableLine *sourceLine
+	// A shed policy: its classes (check) and its provisioned state.
+	classes *shed.Classes
 	shed    *shedState
+}
+
+// rateSpec is a rate's `N/duration`: n tokens per duration.
+type rateSpec struct {
+	n   int64
+	per time.Duration
+}
+
+// costRule is what one request costs under a rate or quota policy.
+type costRule struct {
+	fixed    int64    // 0 when Cost holds a placeholder, or is openai
+	fromBody bool     // Cost is openai
+	max      int64    // max_cost, or its default
+	tmpl     template // Cost, when it is a placeholder
+}
+
+// heldRequests are the requests a `wait` policy holds on this instance
+// until the time each reserved (at most MaxHeld).
+type heldRequests struct {
+	wait  int64         // Wait in µs
+	n     *atomic.Int64 // held now
+	gauge prometheus.Gauge
+}
+
+// afterRule bounds what a response may charge after it (settle), and
+// counts what was not charged as measured.
+type afterRule struct {
+	// maxUsage caps the usage one response settles (Settle.Max, or its
+	// default); debt is the most tokens the bucket may owe beyond empty
+	// (Settle.Debt, or its default: see debt.go).
+	maxUsage int64
+	debt     int64
+	lost     [numLostReasons]prometheus.Counter
+	logs     *[numLostReasons]lostLog
+}
+
+// slotMetrics are a slot policy's metrics: in flight on this instance,
+// the leases reclaimed from holders that vanished, and the releases sent
+// again.
+type slotMetrics struct {
+	inFlight prometheus.Gauge
+	expired  prometheus.Counter
+	retries  prometheus.Counter
 }
 
 var policyName = regexp.MustCompile(`^[A-Za-z0-9_.-]{1,64}$`)
@@ -280,29 +307,29 @@ const (
 func validOnError(s string) bool { return s == failOpen || s == failClosed || s == failLocal }
 
 // parseRate parses `N/duration`.
-func parseRate(s string) (events int64, period time.Duration, err error) {
-	n, d, ok := strings.Cut(s, "/")
+func parseRate(s string) (n int64, per time.Duration, err error) {
+	text, d, ok := strings.Cut(s, "/")
 	if !ok {
 		return 0, 0, fmt.Errorf("%q is not N/duration, e.g. 100/1m", s)
 	}
-	events, err = strconv.ParseInt(n, 10, 64)
-	if err != nil || events < 1 || strings.HasPrefix(n, "+") {
+	n, err = strconv.ParseInt(text, 10, 64)
+	if err != nil || n < 1 || strings.HasPrefix(text, "+") {
 		return 0, 0, fmt.Errorf("%q: N must be a positive integer", s)
 	}
-	period, err = caddy.ParseDuration(d)
+	per, err = caddy.ParseDuration(d)
 	if err != nil {
-		if hint := rateHint(n, d); hint != "" {
+		if hint := rateHint(text, d); hint != "" {
 			return 0, 0, fmt.Errorf("%q: bad duration %q: %s", s, d, hint)
 		}
 		return 0, 0, fmt.Errorf("%q: bad duration: %v", s, err)
 	}
-	if period <= 0 {
+	if per <= 0 {
 		return 0, 0, fmt.Errorf("%q: duration must be positive", s)
 	}
-	if period/time.Duration(events) < time.Microsecond {
+	if per/time.Duration(n) < time.Microsecond {
 		return 0, 0, fmt.Errorf("%q: at most one token per microsecond", s)
 	}
-	return events, period, nil
+	return n, per, nil
 }
 
 // parseCost parses a fixed cost; fixed is false for a placeholder.
@@ -356,28 +383,16 @@ func (p *Policy) check() error {
 		return err
 	}
 	p.quota = nil
-	p.hotThreshold, p.reach = 0, 0
-	switch {
-	case p.Shed != nil || p.Priority != nil:
-		if err := p.noHotKeys("shed"); err != nil {
-			return err
-		}
-	case p.Quota != "" || p.Timezone != "" || p.Durable != nil:
-		if err := p.noHotKeys("quota"); err != nil {
-			return err
-		}
-	case p.Concurrent != 0 || p.Lease != 0:
-		if err := p.noHotKeys("concurrent"); err != nil {
-			return err
-		}
+	p.kind = kindOf(p)
+	if err := p.noHotKeys(); err != nil {
+		return err
 	}
-	if p.Shed != nil || p.Priority != nil {
+	switch p.kind {
+	case kindShed:
 		return p.checkShed()
-	}
-	if p.Quota != "" || p.Timezone != "" || p.Durable != nil {
+	case kindQuota:
 		return p.checkQuota()
-	}
-	if p.Concurrent != 0 || p.Lease != 0 {
+	case kindConcurrent:
 		if err := p.checkConcurrent(); err != nil {
 			return err
 		}
@@ -387,77 +402,77 @@ func (p *Policy) check() error {
 		return fieldErr("rate", "rate: required (e.g. 100/1m), or concurrent <n>")
 	}
 	var err error
-	if p.events, p.period, err = parseRate(p.Rate); err != nil {
+	if p.rate.n, p.rate.per, err = parseRate(p.Rate); err != nil {
 		return fieldErr("rate", "rate: %v", err)
 	}
 	burst := p.Burst
 	if burst == 0 {
-		burst = p.events
+		burst = p.rate.n
 	}
 	if burst < 1 {
 		return fieldErr("burst", "burst: %d must be at least 1", p.Burst)
 	}
-	interval := int64(p.period / time.Microsecond / time.Duration(p.events))
+	interval := int64(p.rate.per / time.Microsecond / time.Duration(p.rate.n))
 	if burst > maxBucketSpan/interval {
 		return fieldErr("burst", "burst: %d tokens take too long to refill at %s", burst, p.Rate)
 	}
 	if err := p.checkWait(); err != nil {
 		return err
 	}
-	p.waitUS = int64(time.Duration(p.Wait) / time.Microsecond)
+	p.held.wait = int64(time.Duration(p.Wait) / time.Microsecond)
 	if err := p.checkHotKeys(interval, burst); err != nil {
 		return err
 	}
-	p.debt, p.settleMax = 0, 0
+	p.after.debt, p.after.maxUsage = 0, 0
 	switch {
 	case p.ChargeIf != nil && p.Settle != nil:
 		return fieldErr("settle", "charge_if and settle exclude each other: charge_if charges the cost of matching responses, settle the usage of every response")
 	case p.ChargeIf != nil:
 		if p.Wait != 0 {
-			return fieldErr("wait", "wait: a charge_if policy gives back what a response does not owe, so it has no slot to reserve")
+			return fieldErr("wait", "wait: a charge_if policy gives back what a response does not owe, so it has no turn to reserve")
 		}
 	case p.Settle != nil:
 		if err := p.Settle.check(); err != nil {
 			return err
 		}
-		if p.settleMax, p.debt, err = p.Settle.settleLimits(burst, interval, (maxBucketSpan-burst*interval-p.waitUS)/interval); err != nil {
+		if p.after.maxUsage, p.after.debt, err = p.Settle.settleLimits(burst, interval, (maxBucketSpan-burst*interval-p.held.wait)/interval); err != nil {
 			return err
 		}
 	}
-	if p.debt > (maxBucketSpan-burst*interval-p.reach)/interval {
-		return fieldErr("burst", "burst: %d tokens and a debt of %d take too long to refill at %s", burst, p.debt, p.Rate)
+	if p.after.debt > (maxBucketSpan-burst*interval-p.hot.reach)/interval {
+		return fieldErr("burst", "burst: %d tokens and a debt of %d take too long to refill at %s", burst, p.after.debt, p.Rate)
 	}
-	p.limit = limit{interval: interval, burst: burst, slack: p.reach + p.debt*interval}
+	p.limit = limit{interval: interval, burst: burst, slack: p.hot.reach + p.after.debt*interval}
 	if p.MaxCost < 0 || p.MaxCost > maxJSONInteger {
 		return fieldErr("max_cost", "max_cost: %d must be from 1 to %d", p.MaxCost, int64(maxJSONInteger))
 	}
-	p.maxCost = p.MaxCost
-	if p.maxCost == 0 {
-		p.maxCost = burst
+	p.costs.max = p.MaxCost
+	if p.costs.max == 0 {
+		p.costs.max = burst
 	}
-	if p.maxCost > burst {
-		return maxAboveCapacity(p.maxCost, "burst", burst)
+	if p.costs.max > burst {
+		return maxAboveCapacity(p.costs.max, "burst", burst)
 	}
 	cost := string(p.Cost)
 	if cost == "" {
 		cost = "1"
 	}
 	var fixed bool
-	p.costFromBody = cost == costOpenAI
-	if p.costFromBody {
-		p.fixedCost = 0
-	} else if p.fixedCost, fixed, err = parseCost(cost); err != nil {
+	p.costs.fromBody = cost == costOpenAI
+	if p.costs.fromBody {
+		p.costs.fixed = 0
+	} else if p.costs.fixed, fixed, err = parseCost(cost); err != nil {
 		return fieldErr("cost", "cost: %v", err)
 	}
-	if fixed && p.fixedCost > min(p.maxCost, burst) {
-		return fieldErr("cost", "cost: %d is more than max %d or burst %d: no request could ever pass", p.fixedCost, p.maxCost, burst)
+	if fixed && p.costs.fixed > min(p.costs.max, burst) {
+		return fieldErr("cost", "cost: %d is more than max %d or burst %d: no request could ever pass", p.costs.fixed, p.costs.max, burst)
 	}
 	if p.OnError != "" && !validOnError(p.OnError) {
 		return fieldErr("on_error", "on_error: %q is not fail_open, fail_closed or local", p.OnError)
 	}
-	p.keyTmpl, p.costTmpl = newTemplate(p.Key), newTemplate("")
-	if !p.costFromBody {
-		p.costTmpl = newTemplate(string(p.Cost))
+	p.keyTmpl, p.costs.tmpl = newTemplate(p.Key), newTemplate("")
+	if !p.costs.fromBody {
+		p.costs.tmpl = newTemplate(string(p.Cost))
 	}
 	return p.checkPlans()
 }
@@ -488,8 +503,8 @@ func (p *Policy) checkConcurrent() error {
 		return err
 	}
 	p.limit = limit{interval: int64(lease / time.Microsecond), burst: p.Concurrent}
-	p.fixedCost, p.maxCost, p.waitUS, p.debt, p.settleMax, p.costFromBody = 1, 1, 0, 0, 0, false
-	p.keyTmpl, p.costTmpl = newTemplate(p.Key), newTemplate("")
+	p.costs.fixed, p.costs.max, p.held.wait, p.after.debt, p.after.maxUsage, p.costs.fromBody = 1, 1, 0, 0, 0, false
+	p.keyTmpl, p.costs.tmpl = newTemplate(p.Key), newTemplate("")
 	return nil
 }
 
@@ -525,18 +540,18 @@ func (p *Policy) provision(ctx caddy.Context, h *Handler) error {
 	p.shadow = p.Shadow || h.Shadow
 	p.keyPrefix = h.keyPrefix + p.Name + ":"
 	p.keys = &keyCache{ids: newBucketIDs()}
-	p.addrMask = maskOf(p.IPv4Prefix, p.IPv6Prefix, h.IPv4Prefix, h.IPv6Prefix)
+	p.addrMask = clientaddr.MaskOf(p.IPv4Prefix, p.IPv6Prefix, h.IPv4Prefix, h.IPv6Prefix)
 	if p.keyTmpl.constant() { // e.g. `key global`: one bucket, one storage key
 		p.fixedKey = p.storageKey(h.hasher, p.keyTmpl.text)
 	} else {
 		p.emptyKey = newEmptyKeyWatch(p.Name)
 	}
-	if p.Concurrent > 0 {
+	if p.kind == kindConcurrent {
 		p.policyHdr = slotsMember(nil, p.Name, p.Concurrent)
-	} else if p.quota != nil {
+	} else if p.kind == kindQuota {
 		p.policyHdr = nil // a member per period: quotaSpec.policyMember
 	} else {
-		q, w := fieldQuota(p.events, p.period)
+		q, w := fieldQuota(p.rate.n, p.rate.per)
 		p.policyHdr = policyMember(nil, p.Name, q, w)
 	}
 	var err error
@@ -546,14 +561,14 @@ func (p *Policy) provision(ctx caddy.Context, h *Handler) error {
 	p.decisions = policyCounters(p.Name, "", p.planLabel())
 	p.top = topOf(p.Name)
 	for reason := range numLostReasons {
-		p.chargesLost[reason] = chargesLost.WithLabelValues(p.Name, lostReasonNames[reason])
+		p.after.lost[reason] = chargesLost.WithLabelValues(p.Name, lostReasonNames[reason])
 	}
-	p.lostLogs = new([numLostReasons]lostLog)
-	p.inFlight = inFlight.WithLabelValues(p.Name)
-	p.leasesExpired = leasesExpired.WithLabelValues(p.Name)
-	p.releaseRetries = releaseRetries.WithLabelValues(p.Name)
-	p.held = new(atomic.Int64)
-	p.waiting = waiting.WithLabelValues(p.Name)
+	p.after.logs = new([numLostReasons]lostLog)
+	p.slots.inFlight = inFlight.WithLabelValues(p.Name)
+	p.slots.expired = leasesExpired.WithLabelValues(p.Name)
+	p.slots.retries = releaseRetries.WithLabelValues(p.Name)
+	p.held.n = new(atomic.Int64)
+	p.held.gauge = waiting.WithLabelValues(p.Name)
 	p.provisionHotKeys()
 	if p.MaxHeld == 0 {
 		p.MaxHeld = defaultMaxHeld
@@ -573,7 +588,7 @@ func (p *Policy) provision(ctx caddy.Context, h *Handler) error {
 			}
 		}
 	}
-	if p.Shed != nil {
+	if p.kind == kindShed {
 		p.provisionShed(ctx, h)
 	}
 	return nil
@@ -583,40 +598,40 @@ func (p *Policy) provision(ctx caddy.Context, h *Handler) error {
 // take a slot, or take the cost (which charge_if and settle may give back
 // after the response).
 func (p *Policy) admissionOp() bucketOp {
-	if p.Concurrent > 0 || p.Shed != nil { // a shed policy's buckets are slots (shed { concurrent })
+	if p.kind.slots() { // shed { concurrent } too
 		return opAcquire
 	}
 	return opTake
 }
 
-// refundable reports whether the policy's buckets may be given tokens back
+// givesBack reports whether the policy's buckets may be given tokens back
 // after the response (charge_if, settle): what a decision said of them is
 // then no lower bound on their state, and the deny cache leaves them alone.
-func (p *Policy) refundable() bool { return p.ChargeIf != nil || p.Settle != nil }
+func (p *Policy) givesBack() bool { return p.ChargeIf != nil || p.Settle != nil }
 
 // cost resolves what this request costs under the policy.
 func (p *Policy) cost(r *http.Request, repl *caddy.Replacer) int64 {
-	if p.fixedCost > 0 {
-		return p.fixedCost
+	if p.costs.fixed > 0 {
+		return p.costs.fixed
 	}
-	if p.costFromBody {
+	if p.costs.fromBody {
 		rs, _ := caddyhttp.GetVar(r.Context(), stateVar).(*requestState)
-		return requestBodyOf(r, rs).reservation(p.usageWeights(), p.maxCost)
+		return requestBodyOf(r, rs).Reservation(p.usageWeights(), p.costs.max)
 	}
-	v, err := strconv.ParseInt(p.costTmpl.resolve(r, repl, p.addrMask), 10, 64)
-	if err != nil || v < 1 || v > p.maxCost {
-		return p.maxCost
+	v, err := strconv.ParseInt(p.costs.tmpl.resolve(r, repl, p.addrMask), 10, 64)
+	if err != nil || v < 1 || v > p.costs.max {
+		return p.costs.max
 	}
 	return v
 }
 
 // usageWeights are the weights of the policy's settle, which its
 // reservation from the body is weighed with too.
-func (p *Policy) usageWeights() weights {
+func (p *Policy) usageWeights() llm.Weights {
 	if p.Settle != nil && p.Settle.Weights != nil {
 		return p.Settle.w
 	}
-	return unitWeights
+	return llm.UnitWeights
 }
 
 // key resolves the policy's key template for this request, its client
@@ -632,18 +647,18 @@ func (p *Policy) matches(r *http.Request) (bool, error) {
 	return p.matchers.MatchWithError(r)
 }
 
-// hold takes one of the policy's places for a held request: false when all
+// takeHeldPlace takes one of the policy's places for a held request: false when all
 // MaxHeld are taken, or when the policy never waits.
-func (p *Policy) hold() bool {
+func (p *Policy) takeHeldPlace() bool {
 	if p.Wait == 0 || p.shadow {
 		return false
 	}
-	if p.held.Add(1) > int64(p.MaxHeld) {
-		p.held.Add(-1)
+	if p.held.n.Add(1) > int64(p.MaxHeld) {
+		p.held.n.Add(-1)
 		return false
 	}
 	return true
 }
 
-// release gives back a place taken by hold.
-func (p *Policy) release() { p.held.Add(-1) }
+// giveHeldPlace gives back a place taken by hold.
+func (p *Policy) giveHeldPlace() { p.held.n.Add(-1) }

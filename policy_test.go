@@ -6,6 +6,7 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/clientaddr"
 )
 
 // TestResolveMatchesReplaceAll: resolving a key or cost template the fast
@@ -38,7 +39,7 @@ func TestResolveMatchesReplaceAll(t *testing.T) {
 		repl.Set("user.empty", "")
 		repl.Set("user.nil", nil)
 		for _, tmpl := range templates {
-			if got, want := newTemplate(tmpl).resolve(r, repl, addrMask{}), repl.ReplaceAll(tmpl, ""); got != want {
+			if got, want := newTemplate(tmpl).resolve(r, repl, clientaddr.Mask{}), repl.ReplaceAll(tmpl, ""); got != want {
 				t.Errorf("headers %v, template %q: resolved %q, ReplaceAll %q", headers, tmpl, got, want)
 			}
 		}
@@ -55,7 +56,7 @@ func TestResolveMatchesReplaceAll(t *testing.T) {
 			t.Errorf("template %q: constant %v", tmpl, !constant)
 		}
 		// What the constant text resolves to is the text itself.
-		if constant && newTemplate(tmpl).resolve(httptest.NewRequest("GET", "/", nil), caddy.NewReplacer(), addrMask{}) != tmpl {
+		if constant && newTemplate(tmpl).resolve(httptest.NewRequest("GET", "/", nil), caddy.NewReplacer(), clientaddr.Mask{}) != tmpl {
 			t.Errorf("template %q does not resolve to itself", tmpl)
 		}
 	}

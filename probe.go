@@ -69,8 +69,8 @@ func (p *Policy) probeRequest(h *Handler) bucketRequest {
 		key = p.newStorageKey(h.hasher, probeIdentity)
 	}
 	rq := bucketRequest{key: key, limit: p.limit, op: opInspect, quota: p.quota}
-	if p.Concurrent > 0 || p.Shed != nil {
-		rq.op, rq.leasesExpired = opCount, p.leasesExpired
+	if p.kind.slots() {
+		rq.op, rq.leasesExpired = opCount, p.slots.expired
 	}
 	return rq
 }
@@ -79,7 +79,7 @@ func (p *Policy) probeRequest(h *Handler) bucketRequest {
 // coalescer, and reports nothing: the probe says what it found.
 func (c *redisConn) decideDirect(ctx context.Context, reqs []bucketRequest) error {
 	p := newPending(reqs, nil)
-	defer p.release()
+	defer p.recycle()
 	args := encodeCall(p.one[:], int(c.format.Load()))
 	cmd := redis.NewIntSliceCmd(ctx, args...)
 	_ = c.client.Process(ctx, cmd)
@@ -250,11 +250,11 @@ func storeDefinitions(hs []*Handler) []definition {
 // with require_redis, a Redis that cannot decide for them fails the
 // config.
 func (h *Handler) requireRedis() error {
-	rs, ok := h.store.(*redisStore)
+	pr, ok := h.store.(prober)
 	if !ok {
 		return nil
 	}
-	failures := failuresOf(rs.conn.probe(storeDefinitions([]*Handler{h})))
+	failures := failuresOf(pr.probe(storeDefinitions([]*Handler{h})))
 	if len(failures) == 0 {
 		return nil
 	}

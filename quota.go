@@ -7,10 +7,11 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/calendar"
 )
 
 // Quotas: how much over a calendar period. A quota policy counts the units
-// a key used in the current period of its calendar (calendar.go), and a
+// a key used in the current period of its calendar (internal/calendar), and a
 // request of cost k is admitted iff used + k <= N, all-or-nothing with the
 // request's other buckets. At the boundary usage starts again from 0, on
 // every instance at the same instant, with no job or timer anywhere: a
@@ -39,7 +40,7 @@ import (
 // shared by every request of the policy and never changes once provisioned.
 type quotaSpec struct {
 	periods periodSource
-	unit    periodUnit
+	unit    calendar.Unit
 	loc     *time.Location
 	durable durability
 	// member is the policy's RateLimit-Policy member for the period last
@@ -55,7 +56,7 @@ type quotaSpec struct {
 // periodSource gives a quota's bounds around an instant: a calendar, or in
 // tests bounds placed anywhere.
 type periodSource interface {
-	bounds(t time.Time) periodBounds
+	Bounds(t time.Time) calendar.Bounds
 }
 
 // durability is what a quota's admissions wait for before they count:
@@ -71,13 +72,13 @@ func (d durability) wanted() bool { return d.replicas > 0 || d.aof }
 // periodAt is the period holding nowUS, as the script picks it from the
 // bounds around it; false when nowUS is outside them (never for a
 // calendar, whose bounds are taken around nowUS itself).
-func (q *quotaSpec) periodAt(nowUS int64) (period, bool) {
-	b := q.periods.bounds(time.UnixMicro(nowUS))
-	i, ok := b.pick(nowUS)
+func (q *quotaSpec) periodAt(nowUS int64) (calendar.Period, bool) {
+	b := q.periods.Bounds(time.UnixMicro(nowUS))
+	i, ok := b.Pick(nowUS)
 	if !ok {
-		return period{}, false
+		return calendar.Period{}, false
 	}
-	return b.period(i), true
+	return b.Period(i), true
 }
 
 // quotaFits reports whether a request of cost fits a quota of n of which
@@ -92,8 +93,8 @@ func quotaFits(n, used, cost int64) bool { return cost <= n-used }
 // nothing: a new period starts at 0, whatever the last one owed. A refund
 // never takes used below 0; a charge never takes it beyond n + slack (the
 // most a settle may charge beyond the quota), nor lowers it.
-func quotaAdjusted(used, n, slack, delta int64, of, cur period) int64 {
-	if of != (period{}) && of != cur {
+func quotaAdjusted(used, n, slack, delta int64, of, cur calendar.Period) int64 {
+	if of != (calendar.Period{}) && of != cur {
 		return used
 	}
 	next := used + delta
@@ -120,7 +121,7 @@ func decideQuota(v *verdict, used, now int64, rq bucketRequest, admitted bool) i
 	case rq.op == opReset:
 		next = 0
 	}
-	v.remaining, v.untilFits, v.period = n-next, p.end-now, p
+	v.remaining, v.untilFits, v.period = n-next, p.End-now, p
 	if !v.allowed && rq.cost > n {
 		v.untilFits = neverFits // no period is long enough
 	}
@@ -134,35 +135,6 @@ func quotaAdmits(used int64, rq bucketRequest) bool {
 		return true
 	}
 	return quotaFits(rq.limit.burst, used, rq.cost)
-}
-
-// bucketReplyWidth is the numbers per bucket in the script's reply: a
-// quota's are allowed, the units used before the request (in the period
-// Redis picked) and that period's start, which Go checks against its own
-// pick.
-func bucketReplyWidth(rq bucketRequest) int {
-	if rq.quota != nil {
-		return 3
-	}
-	return replyWidth(rq.op)
-}
-
-// quotaCode is the script's code of a quota bucket's op: 12 (take) to 16
-// (reset), in the order of the rate verbs.
-func quotaCode(op bucketOp) int64 { return int64(op) - int64(opTake) + 12 }
-
-// quotaNumbers are the numbers of a quota bucket after its op: the quota,
-// the slack, the amount (cost, or adjust's delta), the period a charge
-// belongs to (0 0: the current one), and the four bounds around the Go
-// clock now.
-func quotaNumbers(nums callNumbers, rq bucketRequest, now time.Time) callNumbers {
-	amount := rq.cost
-	if rq.op == opAdjust {
-		amount = rq.delta
-	}
-	b := rq.quota.periods.bounds(now)
-	nums = nums.add(rq.limit.burst).add(rq.limit.slack).add(amount).add(rq.period.start).add(rq.period.end)
-	return nums.add(b[0]).add(b[1]).add(b[2]).add(b[3])
 }
 
 // notePeriods records, in each quota bucket request, the period its
@@ -196,30 +168,30 @@ func notePeriods(reqs []bucketRequest, d decision) {
 const quotaKeyMargin = time.Second
 
 // encodeQuota is a quota count as the script stores it.
-func encodeQuota(p period, used int64) string {
-	return "q:" + strconv.FormatInt(p.start, 10) + ":" + strconv.FormatInt(p.end, 10) + ":" + strconv.FormatInt(used, 10)
+func encodeQuota(p calendar.Period, used int64) string {
+	return "q:" + strconv.FormatInt(p.Start, 10) + ":" + strconv.FormatInt(p.End, 10) + ":" + strconv.FormatInt(used, 10)
 }
 
 // decodeQuota reads a stored quota count; ok is false for a value that is
 // not one.
-func decodeQuota(v string) (p period, used int64, ok bool) {
+func decodeQuota(v string) (p calendar.Period, used int64, ok bool) {
 	rest, found := strings.CutPrefix(v, "q:")
 	if !found {
-		return period{}, 0, false
+		return calendar.Period{}, 0, false
 	}
 	f := strings.Split(rest, ":")
 	if len(f) != 3 {
-		return period{}, 0, false
+		return calendar.Period{}, 0, false
 	}
 	var n [3]int64
 	for i, s := range f {
 		x, err := strconv.ParseInt(s, 10, 64)
 		if err != nil || x < 0 || strings.HasPrefix(s, "+") {
-			return period{}, 0, false
+			return calendar.Period{}, 0, false
 		}
 		n[i] = x
 	}
-	return period{n[0], n[1]}, n[2], true
+	return calendar.Period{Start: n[0], End: n[1]}, n[2], true
 }
 
 // The HTTP side of a quota.
@@ -227,17 +199,17 @@ func decodeQuota(v string) (p period, used int64, ok bool) {
 // quotaMember is a cached RateLimit-Policy member, for one quota and period.
 type quotaMember struct {
 	n      int64
-	p      period
+	p      calendar.Period
 	member []byte
 }
 
 // policyMember is the RateLimit-Policy member of a quota of n units in
 // period p: "name";q=n;w=<p's length in seconds>, built once a period.
-func (q *quotaSpec) policyMember(n int64, p period) []byte {
+func (q *quotaSpec) policyMember(n int64, p calendar.Period) []byte {
 	if m := q.member.Load(); m != nil && m.p == p && m.n == n {
 		return m.member
 	}
-	m := &quotaMember{n: n, p: p, member: policyMember(nil, q.name, min(n, maxSFInteger), min(p.seconds(), maxSFInteger))}
+	m := &quotaMember{n: n, p: p, member: policyMember(nil, q.name, min(n, maxSFInteger), min(p.Seconds(), maxSFInteger))}
 	q.member.Store(m)
 	return m.member
 }
@@ -251,8 +223,8 @@ const maxBoundarySpread = time.Hour
 // at 20%), at most maxBoundarySpread. Of the period rather than of each
 // client's wait: clients denied in the period's last second would
 // otherwise all come back in the next one's first.
-func boundarySpread(p period, jitter float64) int64 {
-	return min(int64(float64(p.end-p.start)*jitter), maxBoundarySpread.Microseconds())
+func boundarySpread(p calendar.Period, jitter float64) int64 {
+	return min(int64(float64(p.End-p.Start)*jitter), maxBoundarySpread.Microseconds())
 }
 
 func init() {

@@ -7,6 +7,7 @@ import (
 	"strings"
 
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/calendar"
 )
 
 // The configuration of quota policies: `quota N/<period>`, `timezone`,
@@ -29,7 +30,7 @@ type Durable struct {
 const maxReplicas = 1000
 
 // parseQuota parses `N/<period>`.
-func parseQuota(s string) (n int64, unit periodUnit, err error) {
+func parseQuota(s string) (n int64, unit calendar.Unit, err error) {
 	num, name, ok := strings.Cut(s, "/")
 	if !ok {
 		return 0, 0, fmt.Errorf("%q is not N/<minute|hour|day|week|month|year>, e.g. 1000000/month", s)
@@ -38,7 +39,7 @@ func parseQuota(s string) (n int64, unit periodUnit, err error) {
 	if err != nil || n < 1 || n > maxJSONInteger || strings.HasPrefix(num, "+") {
 		return 0, 0, fmt.Errorf("%q: N must be an integer from 1 to %d", s, int64(maxJSONInteger))
 	}
-	if unit, err = parsePeriodUnit(name); err != nil {
+	if unit, err = calendar.ParseUnit(name); err != nil {
 		if hint := periodHint(num, name); hint != "" {
 			return 0, 0, fmt.Errorf("%q: %v; %s", s, err, hint)
 		}
@@ -69,7 +70,7 @@ func (p *Policy) checkQuota() error {
 	if err != nil {
 		return fieldErr("quota", "quota: %v", err)
 	}
-	loc, err := parseTimezone(p.Timezone)
+	loc, err := calendar.ParseZone(p.Timezone)
 	if err != nil {
 		return fieldErr("timezone", "timezone: %v", err)
 	}
@@ -83,7 +84,7 @@ func (p *Policy) checkQuota() error {
 		}
 		d = durability{replicas: p.Durable.Replicas, aof: p.Durable.AOF}
 	}
-	p.debt, p.settleMax = 0, 0
+	p.after.debt, p.after.maxUsage = 0, 0
 	switch {
 	case p.ChargeIf != nil && p.Settle != nil:
 		return fieldErr("settle", "charge_if and settle exclude each other: charge_if charges the cost of matching responses, settle the usage of every response")
@@ -92,38 +93,38 @@ func (p *Policy) checkQuota() error {
 			return err
 		}
 		// Counts stay below 2^53.
-		if p.settleMax, p.debt, err = p.Settle.settleLimits(n, 0, maxJSONInteger-n); err != nil {
+		if p.after.maxUsage, p.after.debt, err = p.Settle.settleLimits(n, 0, maxJSONInteger-n); err != nil {
 			return err
 		}
 	}
 	if p.MaxCost < 0 || p.MaxCost > maxJSONInteger {
 		return fieldErr("max_cost", "max_cost: %d must be from 1 to %d", p.MaxCost, int64(maxJSONInteger))
 	}
-	p.maxCost = p.MaxCost
-	if p.maxCost == 0 {
-		p.maxCost = n
+	p.costs.max = p.MaxCost
+	if p.costs.max == 0 {
+		p.costs.max = n
 	}
-	if p.maxCost > n {
-		return maxAboveCapacity(p.maxCost, "quota", n)
+	if p.costs.max > n {
+		return maxAboveCapacity(p.costs.max, "quota", n)
 	}
 	cost := string(p.Cost)
 	if cost == "" {
 		cost = "1"
 	}
 	var fixed bool
-	if p.fixedCost, fixed, err = parseCost(cost); err != nil {
+	if p.costs.fixed, fixed, err = parseCost(cost); err != nil {
 		return fieldErr("cost", "cost: %v", err)
 	}
-	if fixed && p.fixedCost > min(p.maxCost, n) {
-		return fieldErr("cost", "cost: %d is more than max %d or quota %d: no request could ever pass", p.fixedCost, p.maxCost, n)
+	if fixed && p.costs.fixed > min(p.costs.max, n) {
+		return fieldErr("cost", "cost: %d is more than max %d or quota %d: no request could ever pass", p.costs.fixed, p.costs.max, n)
 	}
 	if p.OnError != "" && !validOnError(p.OnError) {
 		return fieldErr("on_error", "on_error: %q is not fail_open, fail_closed or local", p.OnError)
 	}
-	p.events, p.period, p.waitUS = 0, 0, 0
-	p.limit = limit{burst: n, slack: p.debt}
-	p.quota = &quotaSpec{periods: newCalendar(unit, loc), unit: unit, loc: loc, durable: d, name: p.Name, used: quotaUsed.WithLabelValues(p.Name)}
-	p.keyTmpl, p.costTmpl = newTemplate(p.Key), newTemplate(string(p.Cost))
+	p.rate.n, p.rate.per, p.held.wait = 0, 0, 0
+	p.limit = limit{burst: n, slack: p.after.debt}
+	p.quota = &quotaSpec{periods: calendar.New(unit, loc), unit: unit, loc: loc, durable: d, name: p.Name, used: quotaUsed.WithLabelValues(p.Name)}
+	p.keyTmpl, p.costs.tmpl = newTemplate(p.Key), newTemplate(string(p.Cost))
 	return p.checkPlans()
 }
 

@@ -12,6 +12,8 @@ import (
 
 	"github.com/redis/go-redis/v9"
 
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/calendar"
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/calendar/calendartest"
 	"github.com/ratelimit-caddy/caddy-ratelimit/internal/testcaddy"
 )
 
@@ -37,10 +39,10 @@ func newQuotaGrid(rng *rand.Rand, from int64, n int, minLen, maxLen int64) quota
 	return g
 }
 
-func (g quotaGrid) boundsAt(x int64) periodBounds {
+func (g quotaGrid) boundsAt(x int64) calendar.Bounds {
 	k := sort.Search(len(g), func(i int) bool { return g[i] > x }) - 1 // g[k] <= x < g[k+1]
 	k = min(max(k, 1), len(g)-3)
-	return periodBounds{g[k-1], g[k], g[k+1], g[k+2]}
+	return calendar.Bounds{g[k-1], g[k], g[k+1], g[k+2]}
 }
 
 // TestLuaMatchesGoQuota drives random sequences of quota operations
@@ -80,7 +82,7 @@ func TestLuaMatchesGoQuota(t *testing.T) {
 	}
 	rate := limit{interval: 2000, burst: 4}
 	type storedCount struct {
-		p    period
+		p    calendar.Period
 		used int64
 	}
 	model := map[string]storedCount{}
@@ -158,7 +160,7 @@ func TestLuaMatchesGoQuota(t *testing.T) {
 						rq.period = model[key].p
 					case 1: // one surely over
 						b := grid.boundsAt(lastNow - 200_000)
-						rq.period = b.period(1)
+						rq.period = b.Period(1)
 					}
 				}
 				reqs = append(reqs, rq)
@@ -181,20 +183,20 @@ func TestLuaMatchesGoQuota(t *testing.T) {
 			for i, rq := range reqs {
 				switch {
 				case rq.quota != nil:
-					b := rq.quota.periods.bounds(time.Time{})
-					k, ok := b.pick(now)
+					b := rq.quota.periods.Bounds(time.Time{})
+					k, ok := b.Pick(now)
 					if !ok {
 						outside = true
 						break
 					}
 					stats.picked[k]++
-					p := b.period(k)
+					p := b.Period(k)
 					if m, found := model[rq.key]; found && m.p == p {
 						tats[i] = m.used
 					} else if found && m.used > 0 {
 						stats.otherPeriod++
 					}
-					if out[at+1] != tats[i] || out[at+2] != p.start {
+					if out[at+1] != tats[i] || out[at+2] != p.Start {
 						t.Fatalf("step %d, request %d, bucket %s: Lua read %d used in the period from %d, Go %d in %v (now %d, bounds %v)",
 							step, r, rq.key, out[at+1], out[at+2], tats[i], p, now, b)
 					}
@@ -235,7 +237,7 @@ func TestLuaMatchesGoQuota(t *testing.T) {
 					}
 					continue
 				}
-				if rq.op == opAdjust && rq.period != (period{}) && rq.period != want.verdicts[i].period {
+				if rq.op == opAdjust && rq.period != (calendar.Period{}) && rq.period != want.verdicts[i].period {
 					stats.over++
 				}
 				if next[i] > 0 {
@@ -270,7 +272,7 @@ func TestLuaMatchesGoQuota(t *testing.T) {
 				v, err := client.Get(ctx, rq.key).Result()
 				margin := int64(quotaKeyMargin / time.Microsecond)
 				switch {
-				case err == redis.Nil && found && m.p.end+margin > after+500_000:
+				case err == redis.Nil && found && m.p.End+margin > after+500_000:
 					t.Fatalf("step %d: quota %s: gone, the model holds %+v (now %d)", step, rq.key, m, now)
 				case err == redis.Nil:
 					delete(model, rq.key) // expired since its period ended
@@ -286,10 +288,10 @@ func TestLuaMatchesGoQuota(t *testing.T) {
 					// the time from the script's TIME to its SET.
 					pttl, err := client.PTTL(ctx, rq.key).Result()
 					read := redisMicros(t, client)
-					most := m.p.end + margin - after + 2000 + (writtenAfter[rq.key] - writtenNow[rq.key])
-					least := m.p.end + margin - read - 2000
+					most := m.p.End + margin - after + 2000 + (writtenAfter[rq.key] - writtenNow[rq.key])
+					least := m.p.End + margin - read - 2000
 					if err != nil || pttl == -1 || pttl.Microseconds() > most || pttl.Microseconds() < least {
-						t.Fatalf("step %d: quota %s: TTL %v (%v), want from %d to %d µs (its period ends in %d µs)", step, rq.key, pttl, err, least, most, m.p.end-now)
+						t.Fatalf("step %d: quota %s: TTL %v (%v), want from %d to %d µs (its period ends in %d µs)", step, rq.key, pttl, err, least, most, m.p.End-now)
 					}
 				}
 			}
@@ -305,7 +307,7 @@ func TestLuaMatchesGoQuota(t *testing.T) {
 }
 
 // TestLuaQuotaCalendar holds the script's choice of period to the boundary
-// table (calendarCases): each row's bounds, computed in its zone around its
+// table (calendartest.Cases): each row's bounds, computed in its zone around its
 // instant, are sent as if that instant were a second after the period's
 // start, a second before its end, a second into the next period or the
 // previous one, or a second outside all three; the period Redis picks on
@@ -314,11 +316,15 @@ func TestLuaQuotaCalendar(t *testing.T) {
 	_, client, rs := newTestRedis(t)
 	ctx := context.Background()
 	checked := 0
-	for ci, c := range calendarCases {
-		loc := mustZone(t, c.zone)
-		b := periodBoundsAt(c.unit, loc, mustTime(t, c.at))
-		if b.period(1) != (period{mustTime(t, c.start).UnixMicro(), mustTime(t, c.end).UnixMicro()}) {
-			t.Fatalf("%s: bounds %v do not hold the row's period", c.name, b)
+	for ci, c := range calendartest.Cases {
+		unit, err := calendar.ParseUnit(c.Unit)
+		if err != nil {
+			t.Fatal(err)
+		}
+		loc := calendartest.Zone(t, c.Zone)
+		b := calendar.BoundsAt(unit, loc, calendartest.Instant(t, c.At))
+		if b.Period(1) != (calendar.Period{Start: calendartest.Instant(t, c.Start).UnixMicro(), End: calendartest.Instant(t, c.End).UnixMicro()}) {
+			t.Fatalf("%s: bounds %v do not hold the row's period", c.Name, b)
 		}
 		for pi, probe := range []struct {
 			x    int64
@@ -329,7 +335,7 @@ func TestLuaQuotaCalendar(t *testing.T) {
 		} {
 			r := redisMicros(t, client)
 			shift := r - probe.x // Redis's clock, read as the probe
-			var moved periodBounds
+			var moved calendar.Bounds
 			for i := range b {
 				moved[i] = b[i] + shift
 			}
@@ -338,30 +344,30 @@ func TestLuaQuotaCalendar(t *testing.T) {
 				quota: &quotaSpec{periods: fixedBounds(moved), name: "cal"}}
 			d, err := rs.decide(ctx, []bucketRequest{rq})
 			if took := redisMicros(t, client) - r; took > 900_000 {
-				t.Fatalf("%s: the call took %d µs: the probe may have crossed a boundary", c.name, took)
+				t.Fatalf("%s: the call took %d µs: the probe may have crossed a boundary", c.Name, took)
 			}
 			if probe.want < 0 {
 				var bad *badBucketError
 				if !errors.As(err, &bad) || bad.kind != "clock" {
-					t.Fatalf("%s, probe %d outside the bounds: %+v %v, want a clock error", c.name, pi, d, err)
+					t.Fatalf("%s, probe %d outside the bounds: %+v %v, want a clock error", c.Name, pi, d, err)
 				}
 				continue
 			}
 			if err != nil || !d.admitted {
-				t.Fatalf("%s, probe %d: %+v %v", c.name, pi, d, err)
+				t.Fatalf("%s, probe %d: %+v %v", c.Name, pi, d, err)
 			}
 			got := d.verdicts[0].period
-			if want := b.period(probe.want); got.start-shift != want.start || got.end-shift != want.end {
-				g, w := period{got.start - shift, got.end - shift}.text(loc), want.text(loc)
-				t.Fatalf("%s, probe %d: Redis picked [%s, %s), want [%s, %s)", c.name, pi, g.StartZone, g.EndZone, w.StartZone, w.EndZone)
+			if want := b.Period(probe.want); got.Start-shift != want.Start || got.End-shift != want.End {
+				g, w := calendar.Period{Start: got.Start - shift, End: got.End - shift}.Text(loc), want.Text(loc)
+				t.Fatalf("%s, probe %d: Redis picked [%s, %s), want [%s, %s)", c.Name, pi, g.StartZone, g.EndZone, w.StartZone, w.EndZone)
 			}
 			if v := client.Get(ctx, key).Val(); v != encodeQuota(got, 1) {
-				t.Fatalf("%s, probe %d: stored %q, want %q", c.name, pi, v, encodeQuota(got, 1))
+				t.Fatalf("%s, probe %d: stored %q, want %q", c.Name, pi, v, encodeQuota(got, 1))
 			}
 			checked++
 		}
 	}
-	t.Logf("%d rows of the boundary table, %d probes in their periods, the script's choice identical to Go's", len(calendarCases), checked)
+	t.Logf("%d rows of the boundary table, %d probes in their periods, the script's choice identical to Go's", len(calendartest.Cases), checked)
 }
 
 // TestLuaQuotaKeys: a quota's count lands in Redis as "q:<start>:<end>:<used>"
@@ -374,8 +380,8 @@ func TestLuaQuotaKeys(t *testing.T) {
 	_, client, rs := newTestRedis(t)
 	ctx := context.Background()
 	now := redisMicros(t, client)
-	cur := period{now - 10*sec, now + 50*sec}
-	q := &quotaSpec{periods: fixedBounds{cur.start - 60*sec, cur.start, cur.end, cur.end + 60*sec}, name: "q"}
+	cur := calendar.Period{Start: now - 10*sec, End: now + 50*sec}
+	q := &quotaSpec{periods: fixedBounds{cur.Start - 60*sec, cur.Start, cur.End, cur.End + 60*sec}, name: "q"}
 	quota := func(key string, n, cost int64) bucketRequest {
 		return bucketRequest{key: key, limit: limit{burst: n}, op: opTake, cost: cost, quota: q}
 	}
@@ -454,7 +460,7 @@ func TestV02ReadsQuota(t *testing.T) {
 	_, client, _ := newTestRedis(t)
 	ctx := context.Background()
 	now := redisMicros(t, client)
-	client.Set(ctx, "rl:q:{a}", encodeQuota(period{now - sec, now + 59*sec}, 3), 0)
+	client.Set(ctx, "rl:q:{a}", encodeQuota(calendar.Period{Start: now - sec, End: now + 59*sec}, 3), 0)
 	// v0.2's ARGV: per request its bucket count, then op (2 * code + shadow),
 	// interval, burst, slack, amount, wait.
 	res, err := client.Eval(ctx, string(old), []string{"rl:q:{a}"}, 1, 2*1, 600_000, 100, 0, 1, 0).Int64Slice()

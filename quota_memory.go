@@ -1,6 +1,10 @@
 package ratelimit
 
-import "slices"
+import (
+	"slices"
+
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/calendar"
+)
 
 // Quotas in the in-process store: a count per bucket and the period it
 // belongs to, read as 0 once another period holds the store's clock (Unix
@@ -21,7 +25,7 @@ func (s *memoryShard) quotaUsed(id bucketID, rq bucketRequest, now int64) int64 
 	if !ok {
 		return 0
 	}
-	if p, _ := rq.quota.periodAt(now); q.start != p.start || q.end != p.end {
+	if p, _ := rq.quota.periodAt(now); q.start != p.Start || q.end != p.End {
 		return 0 // another period's: over
 	}
 	return q.used
@@ -29,8 +33,8 @@ func (s *memoryShard) quotaUsed(id bucketID, rq bucketRequest, now int64) int64 
 
 // storeQuota records that the bucket used used units in period p; none is
 // the same as a missing count.
-func (s *memoryShard) storeQuota(id bucketID, p period, used, now int64) {
-	if used <= 0 || p.end <= now {
+func (s *memoryShard) storeQuota(id bucketID, p calendar.Period, used, now int64) {
+	if used <= 0 || p.End <= now {
 		delete(s.quotas, id)
 		return
 	}
@@ -40,7 +44,7 @@ func (s *memoryShard) storeQuota(id bucketID, p period, used, now int64) {
 	if _, found := s.quotas[id]; !found && len(s.quotas) >= s.quotaSweepAt {
 		s.sweepQuotas(now)
 	}
-	s.quotas[id] = storedQuota{p.start, p.end, used}
+	s.quotas[id] = storedQuota{p.Start, p.End, used}
 }
 
 // sweepQuotas drops the counts of past periods and, if the shard is still

@@ -6,6 +6,9 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/calendar"
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/calendar/calendartest"
 )
 
 // TestServeHTTPQuotaPlans: a quota policy's plans set its N; a tenant that
@@ -16,7 +19,7 @@ import (
 // decisions_total counts by plan; a value that names no plan gets the
 // policy's own N.
 func TestServeHTTPQuotaPlans(t *testing.T) {
-	c := &clock{t: mustTime(t, "2026-03-10T12:00:00Z").UnixMicro()}
+	c := &clock{t: calendartest.Instant(t, "2026-03-10T12:00:00Z").UnixMicro()}
 	h := testHandler(t, &Handler{Jitter: jitterOff(), Policies: []*Policy{{
 		Name: "qplans_switch", Key: "{http.request.header.X-Tenant}", Quota: "5/month",
 		Plan: &Plan{From: "{http.request.header.X-Plan}", Plans: map[string]*PlanLimit{"pro": {Quota: "12"}, "max": {Quota: "1000/month"}}},
@@ -62,7 +65,7 @@ func TestServeHTTPQuotaPlans(t *testing.T) {
 		}
 	}
 	// The period's boundary: every plan starts again from 0.
-	c.t = mustTime(t, "2026-04-01T00:00:00Z").UnixMicro()
+	c.t = calendartest.Instant(t, "2026-04-01T00:00:00Z").UnixMicro()
 	if n, x := burst("acme", "", 10); n != 5 || x.status != 429 {
 		t.Fatalf("in April on free: %d admitted, then %d; want 5 then 429", n, x.status)
 	}
@@ -219,9 +222,9 @@ func TestQuotaPlanCheck(t *testing.T) {
 		"pro": {100, 200, 7}, "dear": {40, 80, 30}, // settle's room: twice the plan's N
 	} {
 		q, err := p.planPolicy(name, p.Plan.Plans[name])
-		if err != nil || q.limit != (limit{burst: want.n, slack: want.slack}) || q.maxCost != want.maxCost || q.quota == nil ||
-			q.quota.unit != periodMonth || q.quota.loc.String() != "Europe/Berlin" || q.planLabel() != name {
-			t.Errorf("plan %s: %+v max %d quota %+v (%v), want %+v, monthly in Europe/Berlin", name, q.limit, q.maxCost, q.quota, err, want)
+		if err != nil || q.limit != (limit{burst: want.n, slack: want.slack}) || q.costs.max != want.maxCost || q.quota == nil ||
+			q.quota.unit != calendar.Month || q.quota.loc.String() != "Europe/Berlin" || q.planLabel() != name {
+			t.Errorf("plan %s: %+v max %d quota %+v (%v), want %+v, monthly in Europe/Berlin", name, q.limit, q.costs.max, q.quota, err, want)
 		}
 	}
 }

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/calendar/calendartest"
 )
 
 // TestServeHTTPQuota: a monthly quota in New York beside a per-second rate,
@@ -20,8 +21,8 @@ import (
 // jitter 0), all-or-nothing with the rate, and the first request after the
 // boundary admitted, with December's w.
 func TestServeHTTPQuota(t *testing.T) {
-	ny := mustZone(t, "America/New_York")
-	c := &clock{t: mustTime(t, "2024-11-30T23:59:50-05:00").UnixMicro()}
+	ny := calendartest.Zone(t, "America/New_York")
+	c := &clock{t: calendartest.Instant(t, "2024-11-30T23:59:50-05:00").UnixMicro()}
 	h := testHandler(t, &Handler{Jitter: jitterOff(), Policies: []*Policy{
 		{Name: "monthly", Key: "{http.request.header.X-User}", Quota: "3/month", Timezone: ny.String()},
 		{Name: "per_second", Key: "{http.request.header.X-User}", Rate: "10/1s"},
@@ -74,7 +75,7 @@ func TestServeHTTPQuotaRetryAfter(t *testing.T) {
 		{"1/minute", "2026-04-01T12:00:50Z", 10, 10 + 12},
 		{"1/month", "2026-04-30T23:00:00Z", 3600, 3600 + 3600},
 	} {
-		cl := &clock{t: mustTime(t, c.at).UnixMicro()}
+		cl := &clock{t: calendartest.Instant(t, c.at).UnixMicro()}
 		h := testHandler(t, &Handler{Policies: []*Policy{{Name: "q", Key: "{http.request.header.X-User}", Quota: c.quota}}}, newMemoryStore(cl.now))
 		serve([]*Handler{h}, nil, "X-User", "first")
 		lo, hi := int64(1<<62), int64(0)
@@ -97,7 +98,7 @@ func TestServeHTTPQuotaRetryAfter(t *testing.T) {
 // charge_if gives the cost back to a response that does not match; a
 // shadow quota never denies.
 func TestServeHTTPQuotaAfterResponse(t *testing.T) {
-	c := &clock{t: mustTime(t, "2026-04-01T12:00:00Z").UnixMicro()}
+	c := &clock{t: calendartest.Instant(t, "2026-04-01T12:00:00Z").UnixMicro()}
 	h := testHandler(t, &Handler{Jitter: jitterOff(), Policies: []*Policy{
 		{Name: "tokens", Key: "{http.request.header.X-User}", Quota: "100/day", Cost: "10", Settle: &Settle{From: settleHeader, Field: "X-Usage"}},
 	}}, newMemoryStore(c.now))
@@ -192,7 +193,7 @@ func TestAdminQuota(t *testing.T) {
 		return st
 	}
 	st := call("GET", "/rate_limit/inspect?policy=admin-quota-test&identity="+carol, "")
-	now := time.Now().In(mustZone(t, "Europe/Berlin"))
+	now := time.Now().In(calendartest.Zone(t, "Europe/Berlin"))
 	start := time.Date(now.Year(), now.Month(), 1, 0, 0, 0, 0, now.Location())
 	if st.Used == nil || *st.Used != 4 || st.Quota != 10 || st.Tokens != 6 || st.Unit != "month" || st.Kind != "quota" || st.Period == nil ||
 		st.Period.StartZone != start.Format(time.RFC3339) || st.Period.Start != start.UTC().Format(time.RFC3339) ||

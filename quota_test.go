@@ -7,22 +7,25 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/calendar"
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/calendar/calendartest"
 )
 
 // fixedBounds is a periodSource whose bounds a test places anywhere.
-type fixedBounds periodBounds
+type fixedBounds calendar.Bounds
 
-func (b fixedBounds) bounds(time.Time) periodBounds { return periodBounds(b) }
+func (b fixedBounds) Bounds(time.Time) calendar.Bounds { return calendar.Bounds(b) }
 
 func TestParseQuota(t *testing.T) {
 	for s, want := range map[string]struct {
 		n    int64
-		unit periodUnit
+		unit calendar.Unit
 	}{
-		"1000000/month":        {1_000_000, periodMonth},
-		"30/minute":            {30, periodMinute},
-		"1/year":               {1, periodYear},
-		"9007199254740992/day": {1 << 53, periodDay},
+		"1000000/month":        {1_000_000, calendar.Month},
+		"30/minute":            {30, calendar.Minute},
+		"1/year":               {1, calendar.Year},
+		"9007199254740992/day": {1 << 53, calendar.Day},
 	} {
 		n, unit, err := parseQuota(s)
 		if err != nil || n != want.n || unit != want.unit {
@@ -48,17 +51,17 @@ func TestParseQuota(t *testing.T) {
 }
 
 func TestQuotaAdjusted(t *testing.T) {
-	cur, past := period{100, 200}, period{0, 100}
+	cur, past := calendar.Period{Start: 100, End: 200}, calendar.Period{Start: 0, End: 100}
 	for _, c := range []struct {
 		name                  string
 		used, n, slack, delta int64
-		of                    period
+		of                    calendar.Period
 		want                  int64
 	}{
 		{"a refund within the period", 5, 10, 0, -3, cur, 2},
-		{"a refund of the current period, unnamed", 5, 10, 0, -3, period{}, 2},
+		{"a refund of the current period, unnamed", 5, 10, 0, -3, calendar.Period{}, 2},
 		{"never below 0", 2, 10, 0, -5, cur, 0},
-		{"a grant to a count of 0", 0, 10, 0, -5, period{}, 0},
+		{"a grant to a count of 0", 0, 10, 0, -5, calendar.Period{}, 0},
 		{"a charge", 5, 10, 20, 3, cur, 8},
 		{"a charge beyond the quota, within the slack", 9, 10, 20, 15, cur, 24},
 		{"a charge capped at quota + slack", 9, 10, 20, 50, cur, 30},
@@ -73,7 +76,7 @@ func TestQuotaAdjusted(t *testing.T) {
 }
 
 func TestQuotaFormat(t *testing.T) {
-	p := period{1_764_547_200_000_000, 1_767_225_600_000_000} // December 2025, UTC
+	p := calendar.Period{Start: 1_764_547_200_000_000, End: 1_767_225_600_000_000} // December 2025, UTC
 	v := encodeQuota(p, 123)
 	if v != "q:1764547200000000:1767225600000000:123" || len(v) > 44 {
 		t.Fatalf("encodeQuota = %q", v)
@@ -101,11 +104,11 @@ func TestQuotaFormat(t *testing.T) {
 // TestBoundaryRetryAfter: a quota's denial is never sent back before its
 // boundary, and the spread past it is jitter of the period, at most an hour.
 func TestBoundaryRetryAfter(t *testing.T) {
-	minute := period{0, 60 * sec}
-	month := period{0, 31 * 86400 * sec}
+	minute := calendar.Period{Start: 0, End: 60 * sec}
+	month := calendar.Period{Start: 0, End: 31 * 86400 * sec}
 	for _, c := range []struct {
 		name     string
-		p        period
+		p        calendar.Period
 		jitter   float64
 		wait     int64
 		min, max int64 // seconds
@@ -137,10 +140,10 @@ func quotaRequest(key string, n int64, q *quotaSpec, op bucketOp, cost int64) bu
 // period its clock is in, starts again from 0 at the boundary, and gives
 // back within the period only.
 func TestMemoryStoreQuota(t *testing.T) {
-	utc := mustZone(t, "UTC")
-	c := &clock{t: mustTime(t, "2026-03-31T23:59:58Z").UnixMicro()}
+	utc := calendartest.Zone(t, "UTC")
+	c := &clock{t: calendartest.Instant(t, "2026-03-31T23:59:58Z").UnixMicro()}
 	m := newMemoryStore(c.now)
-	q := &quotaSpec{periods: newCalendar(periodMinute, utc), name: "q"}
+	q := &quotaSpec{periods: calendar.New(calendar.Minute, utc), name: "q"}
 	take := func(cost int64) decision {
 		t.Helper()
 		d, err := m.decide(context.Background(), []bucketRequest{quotaRequest("rl:q:{a}", 5, q, opTake, cost)})
@@ -155,7 +158,7 @@ func TestMemoryStoreQuota(t *testing.T) {
 		}
 	}
 	d := take(1)
-	if d.admitted || d.verdicts[0].untilFits != 2*sec || d.verdicts[0].period != (period{c.t - 58*sec, c.t + 2*sec}) {
+	if d.admitted || d.verdicts[0].untilFits != 2*sec || d.verdicts[0].period != (calendar.Period{Start: c.t - 58*sec, End: c.t + 2*sec}) {
 		t.Fatalf("the sixth of 5: %+v", d)
 	}
 	if d := take(6); d.admitted || d.verdicts[0].untilFits != neverFits {
@@ -186,10 +189,10 @@ func TestMemoryStoreQuota(t *testing.T) {
 // TestMemoryStoreQuotaBound: counts of past periods are swept out, and the
 // store's memory stays bounded whatever the number of identities.
 func TestMemoryStoreQuotaBound(t *testing.T) {
-	utc := mustZone(t, "UTC")
-	c := &clock{t: mustTime(t, "2026-03-31T12:00:00Z").UnixMicro()}
+	utc := calendartest.Zone(t, "UTC")
+	c := &clock{t: calendartest.Instant(t, "2026-03-31T12:00:00Z").UnixMicro()}
 	m := newMemoryStore(c.now)
-	q := &quotaSpec{periods: newCalendar(periodMinute, utc), name: "q"}
+	q := &quotaSpec{periods: calendar.New(calendar.Minute, utc), name: "q"}
 	for i := range 3 * memoryMaxBuckets / 2 {
 		if i == memoryMaxBuckets/2 {
 			c.t += 60 * sec // the first ones' minute is over

@@ -4,13 +4,13 @@ import (
 	"context"
 	"errors"
 	"net"
-	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/breaker"
 	"github.com/redis/go-redis/v9"
 	"go.uber.org/zap"
 )
@@ -33,7 +33,7 @@ type redisConn struct {
 	// coalescer merges concurrent requests into one script call (see
 	// coalesce.go); nil in cluster mode, where a call reaches one slot only.
 	coalescer *coalescer
-	breaker   *breaker
+	breaker   *breaker.Breaker
 	// denials is shared by every config on this Redis: what one learned of
 	// a bucket holds for all. Nil in cluster mode, whose cross-slot refunds
 	// move TATs back.
@@ -58,11 +58,11 @@ type redisConn struct {
 	timeout time.Duration
 	durable durableCalls
 	// overrides say which buckets may have overrides in this Redis
-	// (override_store.go).
+	// (override_redis.go).
 	overrides overrideFlags
-	// laterApart counts the work after responses on its way in calls of
+	// afterApart counts the work after responses on its way in calls of
 	// its own: in cluster mode, which has no coalescer to ride.
-	laterApart callCount
+	afterApart callCount
 	// db is the database its buckets are in; fleet its part in the fleet
 	// (fleet.go).
 	db    int
@@ -80,17 +80,17 @@ type redisConn struct {
 // leases run out, and its last settles are lost.
 func (c *redisConn) Destruct() error {
 	c.hot.close() // its blocks' unspent tokens go back with the work below
-	c.finishLaterWork(time.Now().Add(c.callTimeout))
+	c.finishAfterWork(time.Now().Add(c.callTimeout))
 	c.events.close()
 	close(c.closed)
 	c.leaveFleet(time.Now().Add(c.callTimeout))
 	return c.client.Close()
 }
 
-// finishLaterWork sends what requests left to do after their responses,
+// finishAfterWork sends what requests left to do after their responses,
 // and the releases the store has not confirmed once more, and waits for
 // them until deadline.
-func (c *redisConn) finishLaterWork(deadline time.Time) {
+func (c *redisConn) finishAfterWork(deadline time.Time) {
 	if rels, policies := c.leases.unconfirmed(); len(rels) > 0 {
 		c.sendReleases(&redisStore{conn: c}, rels, policies)
 	}
@@ -98,7 +98,7 @@ func (c *redisConn) finishLaterWork(deadline time.Time) {
 	if c.coalescer != nil {
 		done = c.coalescer.drained()
 	} else {
-		done = c.laterApart.drained()
+		done = c.afterApart.drained()
 	}
 	wait := time.Until(deadline)
 	timer := time.NewTimer(wait)
@@ -160,13 +160,13 @@ func newRedisConn(c RedisConfig, logger *zap.Logger) (*redisConn, error) {
 	}
 	conn.format.Store(formatV1)
 	conn.fleet.nudge = make(chan struct{}, 1)
-	conn.breaker = newBreaker(func(from, to breakerState) {
+	conn.breaker = breaker.New(func(from, to breaker.State) {
 		switch {
-		case to == breakerOpen && from == breakerClosed:
+		case to == breaker.Open && from == breaker.Closed:
 			circuitOpen.Inc()
-			logger.Warn("Redis unavailable: calls failed for "+breakerSpan.String()+"; requests follow on_error until a probe succeeds",
-				zap.String("redis", conn.name), zap.Duration("probe_every", breakerCooldown))
-		case to == breakerClosed:
+			logger.Warn("Redis unavailable: calls failed for "+breaker.Span.String()+"; requests follow on_error until a probe succeeds",
+				zap.String("redis", conn.name), zap.Duration("probe_every", breaker.Cooldown))
+		case to == breaker.Closed:
 			circuitOpen.Dec()
 			logger.Info("Redis available again: circuit closed", zap.String("redis", conn.name))
 		default:
@@ -262,174 +262,4 @@ var errorFixes = map[string]string{
 	"wrongtype": "a bucket's key holds a value of another type (was it written by hand?): DEL the key named in this log; the requests of that key follow on_error until then",
 	"corrupt":   "a bucket's key holds a string that is not a bucket (was it written by hand?): DEL the key named in this log; the requests of that key follow on_error until then",
 	"script":    "the script's reply does not match this build: is another version of the module using the same Redis and key_prefix?",
-}
-
-// Events between instances, on the Redis channel <key_prefix>events: a
-// message is "<event> <storage key>". "changed": an operator changed the
-// bucket (a reset, a grant): every instance forgets what it remembers of
-// it (deny cache, return turns), at once rather than within denyMaxAge.
-// "freed": a concurrency slot was freed: the requests waiting for one try.
-// "format <key_prefix>": the fleet marker changed (upgrade.go).
-// "fleet <instance>": the instance's record in the fleet changed
-// (fleet.go).
-// "override <instance> <storage key>": an operator set or deleted the
-// override of the bucket's identity (override_store.go): as "changed", and
-// the bucket's requests read its override from now on; each instance then
-// confirms it ("seen <storage key>" on
-// <key_prefix>events:<instance>), so that the instance that announced it
-// answers once every instance applies it.
-type redisEvents struct {
-	mu       sync.Mutex
-	ps       *redis.PubSub
-	channels map[string]bool
-	watched  []string // the key prefixes, in the order first watched
-	closed   bool
-	// mine are the events this instance announced, awaiting their echo.
-	mine map[string][]chan struct{}
-}
-
-// eventChanged: an operator changed the bucket; eventFreed: a concurrency
-// slot was freed from a full set (lua/decide.lua publishes it).
-const (
-	eventChanged = "changed"
-	eventFreed   = "freed"
-	eventFormat  = "format"
-	// eventOverride: an operator set or deleted an override.
-	eventOverride = "override"
-)
-
-func eventsChannel(prefix string) string { return prefix + "events" }
-
-// watch subscribes, in the background (Caddy starts while Redis is away),
-// to the events of the buckets under prefix.
-func (c *redisConn) watch(prefix string) {
-	ch := eventsChannel(prefix)
-	e := &c.events
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	if e.closed || e.channels[ch] {
-		return
-	}
-	if e.channels == nil {
-		e.channels, e.mine = map[string]bool{}, map[string][]chan struct{}{}
-	}
-	e.channels[ch] = true
-	e.watched = append(e.watched, prefix)
-	select {
-	case c.formatChanged <- struct{}{}: // read the new prefix's marker
-	default:
-	}
-	if e.ps != nil {
-		ps := e.ps
-		go func() { _ = ps.Subscribe(context.Background(), ch, ackChannel(ch)) }()
-		return
-	}
-	// go-redis resubscribes after a lost connection by itself.
-	e.ps = c.client.Subscribe(context.Background())
-	ps := e.ps
-	go func() {
-		if err := ps.Subscribe(context.Background(), ch, ackChannel(ch)); err != nil {
-			c.logger.Debug("subscribing to rate-limit events", zap.String("redis", c.name), zap.Error(err))
-		}
-		for msg := range ps.Channel() {
-			c.dispatch(msg.Channel, msg.Payload) // override_store.go: overrides' events, and receive
-		}
-	}()
-}
-
-// receive applies an event from any instance, this one included.
-func (c *redisConn) receive(event, key string) {
-	switch event {
-	case eventFreed:
-		slotQueues.wake(key)
-		return
-	case eventFormat:
-		select {
-		case c.formatChanged <- struct{}{}:
-		default:
-		}
-		return
-	case eventFleet:
-		if key != instanceID { // another instance's record changed
-			c.nudgeFleet()
-		}
-		return
-	case eventOverride:
-		c.overrides.changed(key) // and on: the bucket changed
-	}
-	if event != eventChanged && event != eventOverride {
-		return
-	}
-	if c.denials != nil {
-		c.denials.forget(key)
-	}
-	c.hot.forget(key) // its blocks go back: the bucket's new state reaches them
-	pacing.forget(key)
-	e := &c.events
-	e.mu.Lock()
-	for _, w := range e.mine[key] {
-		select {
-		case <-w:
-		default:
-			close(w)
-		}
-	}
-	e.mu.Unlock()
-}
-
-// announce tells every instance that the bucket under key changed, and
-// returns once the message came back through Redis (so it reached every
-// subscriber), or after a second.
-func (c *redisConn) announce(ctx context.Context, prefix, key string) error {
-	echo := make(chan struct{})
-	e := &c.events
-	e.mu.Lock()
-	if e.mine == nil {
-		e.mine = map[string][]chan struct{}{}
-	}
-	e.mine[key] = append(e.mine[key], echo)
-	e.mu.Unlock()
-	defer func() {
-		e.mu.Lock()
-		e.mine[key] = slices.DeleteFunc(e.mine[key], func(w chan struct{}) bool { return w == echo })
-		if len(e.mine[key]) == 0 {
-			delete(e.mine, key)
-		}
-		e.mu.Unlock()
-	}()
-	if err := c.client.Publish(ctx, eventsChannel(prefix), eventChanged+" "+key).Err(); err != nil {
-		return err
-	}
-	select {
-	case <-echo:
-		return nil
-	case <-time.After(time.Second):
-		return errNoEcho
-	case <-ctx.Done():
-		return ctx.Err()
-	}
-}
-
-var errNoEcho = errors.New("the change was announced, but did not come back through Redis within 1s: other instances may take up to 1s to see it")
-
-// prefixes are the key prefixes watched.
-func (e *redisEvents) prefixes() []string {
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	return slices.Clone(e.watched)
-}
-
-func (e *redisEvents) isClosed() bool {
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	return e.closed
-}
-
-func (e *redisEvents) close() {
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	e.closed = true
-	if e.ps != nil {
-		_ = e.ps.Close()
-	}
 }

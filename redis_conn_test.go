@@ -65,7 +65,7 @@ func testDestructFinishesLaterWork(t *testing.T, apart bool) {
 	// A settle's charge of 3 more tokens, queued.
 	rate := limit{interval: 60_000_000, burst: 10} // 10 a minute: no refill to speak of
 	charged := make(chan error, 1)
-	rs.decideLater([]bucketRequest{{key: "rl:p:{settled}", limit: rate, op: opTake, cost: 3}}, func(_ decision, err error) { charged <- err })
+	rs.decideAfter([]bucketRequest{{key: "rl:p:{settled}", limit: rate, op: opTake, cost: 3}}, func(_ decision, err error) { charged <- err })
 
 	if err := conn.Destruct(); err != nil {
 		t.Fatal(err)

@@ -1,143 +1,25 @@
 package ratelimit
 
 import (
-	"errors"
-	"io"
 	"net/http"
+
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/llm"
 )
 
 // `cost openai`: the reservation of an LLM request, read from its JSON
-// body before it runs. The body is read up to maxRequestPrefix bytes by the
-// tokenizer of usage.go (top-level keys only) and handed on to the upstream
-// byte for byte: the prefix read, then the rest, unread.
+// body before it runs (llm.ReadRequest), once per request.
 
 // costOpenAI is the Cost that reserves from the request body.
 const costOpenAI = "openai"
 
-// maxRequestPrefix is the most of a request body read for its reservation.
-const maxRequestPrefix = 64 << 10
-
-// requestBody is what a request body says it may use.
-type requestBody struct {
-	ok bool // the ceiling was read: a JSON body with max_tokens (or a newer name)
-	// maxTokens is the ceiling on the tokens of the answer: the largest of
-	// max_tokens, max_completion_tokens and max_output_tokens.
-	maxTokens int64
-	// promptTokens estimates the prompt: the bytes of the body's string
-	// values (the messages' text, roles, the model's name, tool
-	// definitions) at bytesPerToken a token. For a body longer than the
-	// prefix, its Content-Length at the same ratio.
-	promptTokens int64
-	// promptBytes are those bytes (for a body longer than the prefix, its
-	// Content-Length), which a stream cut before its usage is charged at
-	// one token each (cut_estimate.go).
-	promptBytes int64
-	// hides: the body carries input it does not show (a stored
-	// conversation, an image, a file, a provider-side tool: see
-	// jsonScan.hiddenValue and hiddenType), or is longer than the prefix
-	// read, whose rest may: the provider bills input the estimate cannot
-	// see, so the request reserves max.
-	hides bool
-}
-
-// readRequestBody reads the request body's prefix and puts it back before
-// the rest: the upstream gets the body unchanged.
-func readRequestBody(r *http.Request) requestBody {
-	if r.Body == nil || r.Body == http.NoBody || r.ContentLength == 0 {
-		return requestBody{}
-	}
-	if ce := r.Header.Get("Content-Encoding"); ce != "" && parseCoding(ce) != codingIdentity {
-		return requestBody{} // a compressed body is not read: max
-	}
-	size := maxRequestPrefix + 1 // one more, to know there is more
-	if r.ContentLength > 0 && r.ContentLength < int64(size) {
-		size = int(r.ContentLength)
-	}
-	buf := make([]byte, size)
-	n, err := io.ReadFull(r.Body, buf)
-	buf = buf[:n]
-	if errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) {
-		err = nil // the body ended within the prefix: the rest reads its end again
-	}
-	r.Body = &prefixedBody{prefix: buf, rest: r.Body, err: err}
-	if err != nil {
-		return requestBody{} // the client's body failed: max
-	}
-	truncated := n > maxRequestPrefix
-	if truncated {
-		buf = buf[:maxRequestPrefix]
-	}
-	return scanRequest(buf, truncated, r.ContentLength)
-}
-
-// scanRequest reads the ceiling and the prompt's estimate from a body, or
-// its prefix when truncated (the body's length then is contentLength, or
-// -1 unknown).
-func scanRequest(body []byte, truncated bool, contentLength int64) requestBody {
-	var j jsonScan
-	var f scanFound
-	j.feed(body, &f, textAnywhere)
-	var rb requestBody
-	for _, s := range [...]int{slotMaxTokens, slotMaxCompletion, slotMaxOutput} {
-		if v, ok := f.get(s); ok && v > 0 {
-			rb.maxTokens, rb.ok = max(rb.maxTokens, v), true
-		}
-	}
-	if !truncated && (j.depth != 0 || j.inString) {
-		rb.ok = false // not a whole JSON document
-	}
-	rb.promptTokens, rb.promptBytes = tokensOf(f.strings), f.strings
-	rb.hides = f.hides || truncated
-	if truncated {
-		rb.promptBytes = max(contentLength, int64(len(body)))
-		if contentLength < 0 {
-			rb.ok = false // how much prompt follows is not known
-		}
-		rb.promptTokens = tokensOf(contentLength)
-	}
-	return rb
-}
-
-// reservation is what the request reserves under a policy: the ceiling on
-// the answer and the prompt's estimate, weighed as the policy's settle
-// weighs usage, at most max; max when the body does not say, or hides
-// input.
-func (rb requestBody) reservation(w weights, maxCost int64) int64 {
-	if !rb.ok || rb.hides {
-		return maxCost
-	}
-	return min(max(1, w.weigh(rb.promptTokens, rb.maxTokens)), maxCost)
-}
-
-// prefixedBody is a request body whose first bytes were read already.
-type prefixedBody struct {
-	prefix []byte
-	rest   io.ReadCloser
-	err    error // the body failed while the prefix was read: the same again
-}
-
-func (b *prefixedBody) Read(p []byte) (int, error) {
-	if len(b.prefix) > 0 {
-		n := copy(p, b.prefix)
-		b.prefix = b.prefix[n:]
-		return n, nil
-	}
-	if b.err != nil {
-		return 0, b.err
-	}
-	return b.rest.Read(p)
-}
-
-func (b *prefixedBody) Close() error { return b.rest.Close() }
-
 // requestBodyOf reads the request body once for all the policies of all
 // the handlers a request passes through.
-func requestBodyOf(r *http.Request, rs *requestState) requestBody {
+func requestBodyOf(r *http.Request, rs *requestState) llm.Request {
 	if rs == nil {
-		return readRequestBody(r)
+		return llm.ReadRequest(r)
 	}
 	if !rs.bodyRead {
-		rs.body, rs.bodyRead = readRequestBody(r), true
+		rs.body, rs.bodyRead = llm.ReadRequest(r), true
 	}
 	return rs.body
 }

@@ -13,6 +13,7 @@ import (
 
 	"github.com/redis/go-redis/v9"
 
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/calendar"
 	"github.com/ratelimit-caddy/caddy-ratelimit/internal/testredis"
 )
 
@@ -134,7 +135,7 @@ func BenchmarkBytesPerIdentity(b *testing.B) {
 	srv := testredis.Start(b)
 	client := redis.NewClient(&redis.Options{Addr: srv.Addr})
 	b.Cleanup(func() { client.Close() })
-	month := &quotaSpec{periods: newCalendar(periodMonth, time.UTC), name: "monthly"}
+	month := &quotaSpec{periods: calendar.New(calendar.Month, time.UTC), name: "monthly"}
 	kinds := []struct {
 		name   string
 		format int

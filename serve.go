@@ -9,23 +9,24 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/calendar"
 	"go.uber.org/zap"
 )
 
 // The request path: which policies a request matches, their one decision
 // (or, when the store cannot decide, their on_error), the 429 or 503 of a
 // denial, the RateLimit fields and placeholders, and holding a request for
-// the slot it reserved.
+// the turn it reserved.
 
 // ServeHTTP decides the request against every policy that matches it, in
-// one atomic decision, then passes it on (after its reserved slot, with
+// one atomic decision, then passes it on (after its reserved turn, with
 // `wait`) or answers it.
 func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
 	h.storeUse.enter()
 	defer h.storeUse.leave() // last: after the releases and charges
 	repl := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
 	rs := requestStateOf(r, repl)
-	res := reservations.Get().(*reservation)
+	res := admissions.Get().(*admission)
 	defer res.recycle()
 	if err := h.match(r, repl, rs, res); err != nil {
 		return err
@@ -53,37 +54,37 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	return h.serveWatched(w, r, next, rs, res)
 }
 
-// admit decides the request: shed policies' adaptive limits first, on
-// this instance alone (a request they shed costs no store call: their
-// policy is returned), then its one decision (reserve).
-func (h *Handler) admit(r *http.Request, res *reservation) *Policy {
-	if len(res.adaptive) > 0 {
-		if p := res.admitAdaptive(); p != nil {
-			return p
-		}
+// admit decides the request in two steps: the shed step, shed policies'
+// adaptive limits on this instance alone (a request they shed costs no
+// store call: their policy is returned), then its one decision by the
+// store (reserve).
+func (h *Handler) admit(r *http.Request, res *admission) *Policy {
+	if p := res.admitAdaptive(); p != nil {
+		return p
 	}
 	h.reserve(r, res)
 	return nil
 }
 
-// reservations are reused from request to request: a reservation and its
+// admissions are reused from request to request: an admission and its
 // inline buffers are a few KB, and nothing holds on to one once its request
 // returns (what outlives it, the placeholders and response fields, are
 // strings of their own).
-var reservations = sync.Pool{New: func() any { return new(reservation) }}
+var admissions = sync.Pool{New: func() any { return new(admission) }}
 
-// recycle releases what the request holds and returns the reservation to
+// recycle gives back what the request holds and returns the admission to
 // the pool.
-func (res *reservation) recycle() {
-	res.release()
-	*res = reservation{}
-	reservations.Put(res)
+func (res *admission) recycle() {
+	res.giveBack()
+	*res = admission{}
+	admissions.Put(res)
 }
 
-// reservation is one request's decision and what the request holds until
-// it returns: its places among the requests each `wait` policy may hold
-// and its concurrency leases, all released in one place (release).
-type reservation struct {
+// admission is one request's decision and what the request holds until
+// it returns: its held places (among the MaxHeld requests each `wait`
+// policy may hold) and its concurrency slots, all given back in one place
+// (giveBack).
+type admission struct {
 	policies []*Policy
 	reqs     []bucketRequest
 	d        decision
@@ -103,8 +104,8 @@ type reservation struct {
 	failClosed *Policy
 	// clientGone: the client went away while its decision queued.
 	clientGone bool
-	places     []*Policy // `wait` places taken
-	holding    []*Policy // of those, the policies holding the request now
+	heldPlaces []*Policy // `wait` policies whose held places it took
+	heldNow    []*Policy // of those, the ones holding the request now
 	// after are the policies charged after the response (charge_if,
 	// settle).
 	after []afterCharge
@@ -112,15 +113,18 @@ type reservation struct {
 	// whether this one added its own (which a response may update).
 	outerPolicyField, outerLimitField string
 	fieldsSent                        bool
+	// allPolicyField is the handler's RateLimit-Policy when the request
+	// matched every policy (report): the same for most requests.
+	allPolicyField string
 
 	// leases are the concurrency slots the request holds, in decidedBy.
 	leases []lease
 
-	pbuf, placebuf, holdbuf [4]*Policy
-	rbuf                    [4]bucketRequest
-	ibuf                    [4]string
-	afterbuf                [4]afterCharge
-	leasebuf                [4]lease
+	pbuf, heldPlacesBuf, heldNowBuf [4]*Policy
+	rbuf                            [4]bucketRequest
+	ibuf                            [4]string
+	afterbuf                        [4]afterCharge
+	leasebuf                        [4]lease
 
 	// adaptive are the request's places under shed policies' adaptive
 	// limits (shed_policy.go); passed: the request was passed on.
@@ -130,12 +134,12 @@ type reservation struct {
 }
 
 // admitted reports whether the request goes on.
-func (res *reservation) admitted() bool { return res.failClosed == nil && res.d.admitted }
+func (res *admission) admitted() bool { return res.failClosed == nil && res.d.admitted }
 
 // match finds the policies the request matches (skipping those a rate_limit
 // handler it passed through already decided) and their bucket requests.
-func (h *Handler) match(r *http.Request, repl *caddy.Replacer, rs *requestState, res *reservation) error {
-	res.policies, res.reqs, res.identities = res.pbuf[:0], res.rbuf[:0], res.ibuf[:0]
+func (h *Handler) match(r *http.Request, repl *caddy.Replacer, rs *requestState, res *admission) error {
+	res.policies, res.reqs, res.identities, res.adaptive = res.pbuf[:0], res.rbuf[:0], res.ibuf[:0], res.adaptivebuf[:0]
 	for _, p := range h.Policies {
 		ok, err := p.matches(r)
 		if err != nil {
@@ -144,9 +148,16 @@ func (h *Handler) match(r *http.Request, repl *caddy.Replacer, rs *requestState,
 		if !ok || rs.wasDecided(p.Name) {
 			continue
 		}
-		if p.Shed != nil {
-			if p = res.matchShed(p, r, repl, rs); p == nil {
-				continue // decided on this instance alone (shed { latency })
+		if p.kind == kindShed {
+			class := p.shed.classOf(p, r, repl)
+			p = p.shed.byClass[class] // the policy as the request's priority class limits it
+			if p.shed.limiter != nil {
+				// A place under the adaptive limit, which the shed step takes
+				// (admitAdaptive) before the store decides.
+				res.adaptive = append(res.adaptive, shedAdmission{policy: p, class: class})
+			}
+			if p.Shed.Concurrent == 0 {
+				continue // nothing for the store to decide
 			}
 		}
 		p = p.planned(r, repl) // the policy as the request's plan limits it
@@ -158,10 +169,10 @@ func (h *Handler) match(r *http.Request, repl *caddy.Replacer, rs *requestState,
 		}
 		res.policies = append(res.policies, p)
 		res.identities = append(res.identities, identity)
-		rq := bucketRequest{key: key, op: p.admissionOp(), limit: p.limit, cost: p.cost(r, repl), shadow: p.shadow, refundable: p.refundable(), learns: p.learns(), hot: p.hot}
+		rq := bucketRequest{key: key, op: p.admissionOp(), limit: p.limit, cost: p.cost(r, repl), shadow: p.shadow, givesBack: p.givesBack(), learns: p.learns(), hot: p.hot.use}
 		rq.quota = p.quota // nil unless a quota
 		if rq.op == opAcquire {
-			rq.lease, rq.events, rq.leasesExpired = leaseIDs(), h.events, p.leasesExpired
+			rq.lease, rq.events, rq.leasesExpired = leaseIDs(), h.events, p.slots.expired
 		}
 		p.markOverridable(&rq, false)
 		res.reqs = append(res.reqs, rq)
@@ -169,24 +180,29 @@ func (h *Handler) match(r *http.Request, repl *caddy.Replacer, rs *requestState,
 	for _, p := range res.policies {
 		rs.policies = append(rs.policies, p.Name)
 	}
+	for _, a := range res.adaptive {
+		if a.policy.Shed.Concurrent == 0 { // not among res.policies
+			rs.policies = append(rs.policies, a.policy.Name)
+		}
+	}
 	return nil
 }
 
 // reserve makes the request's one decision, taking the `wait` places it
 // may hold, or, when the store cannot decide, applies each policy's
 // on_error.
-func (h *Handler) reserve(r *http.Request, res *reservation) {
-	// A policy with `wait` may reserve a future slot only while it has room
+func (h *Handler) reserve(r *http.Request, res *admission) {
+	// A policy with `wait` may reserve a future turn only while it has room
 	// to hold the request until then.
-	res.places = res.placebuf[:0]
+	res.heldPlaces = res.heldPlacesBuf[:0]
 	if len(res.reqs) == 0 { // only shed policies' adaptive limits, which admitted it
 		res.d, res.outcome = decision{admitted: true}, outcomeAllowed
 		return
 	}
 	for i, p := range res.policies {
-		if p.Concurrent == 0 && p.hold() {
-			res.reqs[i].wait = p.waitUS
-			res.places = append(res.places, p)
+		if p.kind != kindConcurrent && p.takeHeldPlace() {
+			res.reqs[i].wait = p.held.wait
+			res.heldPlaces = append(res.heldPlaces, p)
 		}
 	}
 	d, err := h.store.decide(r.Context(), res.reqs)
@@ -201,7 +217,7 @@ func (h *Handler) reserve(r *http.Request, res *reservation) {
 		return
 	}
 	if err != nil {
-		res.release() // a request decided without the store is never held
+		res.giveBack() // a request decided without the store is never held
 		h.withoutStore(r, res)
 		return
 	}
@@ -232,10 +248,74 @@ func (h *Handler) reserve(r *http.Request, res *reservation) {
 	}
 }
 
+// waitForSlot holds a request denied only for want of concurrency slots,
+// on policies that `wait`, until its decision admits it (taking the slot as
+// soon as one is freed, in arrival order among this instance's waiters),
+// the wait runs out, or the client goes away. It returns the last
+// decision.
+func (h *Handler) waitForSlot(r *http.Request, res *admission, d decision) (decision, error) {
+	var key string
+	var wait time.Duration
+	for i, v := range d.verdicts {
+		p := res.policies[i]
+		if v.allowed || p.shadow {
+			continue
+		}
+		if res.reqs[i].op != opAcquire || p.Wait == 0 {
+			return d, nil // denied by more than a full set of slots
+		}
+		if key == "" {
+			key = res.reqs[i].key
+		}
+		wait = max(wait, time.Duration(p.Wait))
+	}
+	// A place among the requests each policy holds at once, for the wait.
+	var held []*Policy
+	defer func() {
+		for _, p := range held {
+			p.held.gauge.Dec()
+			p.giveHeldPlace()
+		}
+	}()
+	for i, p := range res.policies {
+		if !d.verdicts[i].allowed && !p.shadow {
+			if !p.takeHeldPlace() {
+				return d, nil
+			}
+			held = append(held, p)
+			p.held.gauge.Inc()
+		}
+	}
+	w := slotQueues.join(key)
+	defer slotQueues.leave(key, w)
+	deadline := time.NewTimer(wait)
+	defer deadline.Stop()
+	poll := time.NewTicker(slotPoll)
+	defer poll.Stop()
+	for {
+		select {
+		case <-w:
+		case <-poll.C:
+		case <-deadline.C:
+			return d, nil
+		case <-r.Context().Done():
+			return d, nil
+		}
+		if !slotQueues.first(key, w) {
+			continue
+		}
+		next, err := h.store.decide(r.Context(), res.reqs)
+		if err != nil || next.admitted {
+			return next, err
+		}
+		d = next
+	}
+}
+
 // withoutStore applies each policy's on_error when the store could not
 // decide: one fail_closed policy answers 503 for the request; local
 // policies are decided by in-process buckets; fail_open policies admit.
-func (h *Handler) withoutStore(r *http.Request, res *reservation) {
+func (h *Handler) withoutStore(r *http.Request, res *admission) {
 	var local []bucketRequest
 	var localPolicies []*Policy
 	var localIdentities []string
@@ -288,13 +368,13 @@ func (h *Handler) localRequest(rq bucketRequest) bucketRequest {
 
 // holdUntilDue holds an admitted request until the time its `wait`
 // reserved. It returns false when the client went away first.
-func (res *reservation) holdUntilDue(r *http.Request) bool {
-	res.holding = res.holdbuf[:0]
-	for _, p := range res.places {
+func (res *admission) holdUntilDue(r *http.Request) bool {
+	res.heldNow = res.heldNowBuf[:0]
+	for _, p := range res.heldPlaces {
 		for i, q := range res.policies {
 			if q == p && res.d.verdicts[i].delay > 0 {
-				res.holding = append(res.holding, p)
-				p.waiting.Inc()
+				res.heldNow = append(res.heldNow, p)
+				p.held.gauge.Inc()
 			}
 		}
 	}
@@ -311,16 +391,16 @@ func (res *reservation) holdUntilDue(r *http.Request) bool {
 	}
 }
 
-// release gives back what the request holds: its `wait` places and its
+// giveBack gives back what the request holds: its `wait` places and its
 // concurrency slots. It is safe to call more than once.
-func (res *reservation) release() {
-	for _, p := range res.holding {
-		p.waiting.Dec()
+func (res *admission) giveBack() {
+	for _, p := range res.heldNow {
+		p.held.gauge.Dec()
 	}
-	for _, p := range res.places {
-		p.release()
+	for _, p := range res.heldPlaces {
+		p.giveHeldPlace()
 	}
-	res.holding, res.places = nil, nil
+	res.heldNow, res.heldPlaces = nil, nil
 	res.freeSlots()
 }
 
@@ -333,7 +413,7 @@ func count(policies []*Policy, d decision, allowed, denied outcome) {
 		switch {
 		case !v.allowed && policies[i].shadow:
 			policies[i].decisions[outcomeShadowDenied].Inc()
-		case !v.allowed && policies[i].Shed != nil:
+		case !v.allowed && policies[i].kind == kindShed:
 			policies[i].decisions[outcomeShed].Inc()
 		case !v.allowed:
 			policies[i].decisions[denied].Inc()
@@ -353,10 +433,10 @@ var errRateLimited = errors.New("rate limit exceeded")
 // for the request gets the denial as a Caddy error instead, with the
 // Retry-After and RateLimit fields and the placeholders set, to render its
 // own page.
-func (h *Handler) deny(w http.ResponseWriter, r *http.Request, rs *requestState, res *reservation) error {
+func (h *Handler) deny(w http.ResponseWriter, r *http.Request, rs *requestState, res *admission) error {
 	if res.failClosed != nil {
 		ra := retryAfter(time.Second.Microseconds(), h.jitter)
-		rs.decided, rs.decision, rs.policy, rs.remaining, rs.retryAfter = true, outcomeFailClosed, res.failClosed.Name, -1, ra
+		rs.decidedAs(outcomeFailClosed, res.failClosed.Name, rs.key, -1, ra)
 		setRetryFields(w.Header(), ra, true)
 		if handlesErrors(r, http.StatusServiceUnavailable) {
 			return caddyhttp.Error(http.StatusServiceUnavailable, errStoreUnavailable)
@@ -371,17 +451,17 @@ func (h *Handler) deny(w http.ResponseWriter, r *http.Request, rs *requestState,
 	var violated []string
 	var wait, stride int64
 	var key string
-	var boundary period // the period of the quota whose wait is the longest
-	var denier *Policy  // the last policy that denied
+	var boundary calendar.Period // the period of the quota whose wait is the longest
+	var denier *Policy           // the last policy that denied
 	for i, v := range res.d.verdicts {
 		p := res.shown[i]
-		if v.allowed || p.shadow || p.Shed != nil { // a shed policy protects the service: it is no caller's budget
+		if v.allowed || p.shadow || p.kind == kindShed { // a shed policy protects the service: it is no caller's budget
 			continue
 		}
 		denier = p
 		violated = append(violated, p.Name)
 		k := res.shownReqs[i].key
-		p.top.record(topIDs.of(k), k, res.identities[i])
+		p.top.Record(topIDs.of(k), k, res.identities[i])
 		switch {
 		case v.untilFits == neverFits || wait == neverFits:
 			wait = neverFits
@@ -391,7 +471,7 @@ func (h *Handler) deny(w http.ResponseWriter, r *http.Request, rs *requestState,
 			if res.shownReqs[i].op.slots() {
 				key = "" // slots come free when requests end: nothing to pace
 			}
-			boundary = period{}
+			boundary = calendar.Period{}
 			if res.shownReqs[i].quota != nil {
 				boundary = v.period // a quota comes back whole at its boundary
 			}
@@ -399,7 +479,7 @@ func (h *Handler) deny(w http.ResponseWriter, r *http.Request, rs *requestState,
 	}
 	var ra int64
 	if wait != neverFits { // a request that can never fit gets no Retry-After
-		if boundary.end != 0 {
+		if boundary.End != 0 {
 			ra = boundaryRetryAfter(wait, boundarySpread(boundary, h.jitter))
 		} else if key == "" {
 			ra = retryAfter(wait, h.jitter)
@@ -419,13 +499,13 @@ func (h *Handler) deny(w http.ResponseWriter, r *http.Request, rs *requestState,
 }
 
 // paced is the Retry-After of a denial on the bucket under key, from its
-// calendar (see pacing.go), once the response has been held the fraction
+// calendar (see internal/pace), once the response has been held the fraction
 // of a second that puts the client's return on its turn. The waits the
 // RateLimit field reports are shorter by that hold.
-func (res *reservation) paced(r *http.Request, key string, wait, stride int64, jitter float64) int64 {
-	ra, hold := pacing.pace(r.RemoteAddr, key, wait, stride, jitter)
+func (res *admission) paced(r *http.Request, key string, wait, stride int64, jitter float64) int64 {
+	ra, hold := pacing.Pace(r.RemoteAddr, key, wait, stride, jitter)
 	if hold > 0 {
-		pacing.holdDenial(r, hold)
+		pacing.HoldDenial(r, hold)
 		for i := range res.d.verdicts {
 			if v := &res.d.verdicts[i]; !v.allowed && v.untilFits != neverFits {
 				v.untilFits = max(0, v.untilFits-hold.Microseconds())
@@ -457,122 +537,4 @@ func handlesErrors(r *http.Request, status int) bool {
 		}
 	}
 	return false
-}
-
-// report sets the placeholders and the RateLimit fields. Every placeholder
-// is set (possibly empty), so access logs never show a raw placeholder. A
-// request that passed through rate_limit handlers before keeps their
-// fields: this one's members are added.
-func (h *Handler) report(w http.ResponseWriter, rs *requestState, res *reservation, retryAfter int64) {
-	res.outerPolicyField, res.outerLimitField = rs.policyField, rs.limitField
-	if enforced := h.setPlaceholders(rs, res, retryAfter); enforced && h.headers {
-		h.writeFields(w.Header(), rs, res, false)
-		res.fieldsSent = true
-	}
-}
-
-// setPlaceholders sets the placeholders from the decision, and reports
-// whether an enforced (not shadow) policy took part in it.
-func (h *Handler) setPlaceholders(rs *requestState, res *reservation, retryAfter int64) (enforced bool) {
-	d := res.d
-	rs.decided, rs.decision, rs.retryAfter, rs.policy, rs.remaining, rs.key = true, res.outcome, retryAfter, "", -1, ""
-	// The tightest enforced policy; among shadow ones only when no policy is
-	// enforced, so a dry run still says which policy would deny.
-	tightest := -1
-	for i, v := range d.verdicts {
-		if v.allowed && res.shown[i].Shed != nil {
-			continue // the service's capacity, not a budget left to the caller
-		}
-		e := !res.shown[i].shadow
-		if tightest < 0 || e && !enforced || e == enforced && tighter(v, d.verdicts[tightest]) {
-			tightest, enforced = i, e
-		}
-	}
-	if tightest < 0 { // fail_open: nothing was decided
-		return false
-	}
-	rs.policy, rs.remaining = res.shown[tightest].Name, max(0, d.verdicts[tightest].remaining)
-	rs.key = res.shownReqs[tightest].key
-	return enforced
-}
-
-// writeFields sets RateLimit-Policy and RateLimit: the members of the
-// handlers the request passed before, then this one's enforced policies.
-// With charged, a policy charged after the response reports what its
-// bucket holds once this response's own charge is made, as far as it is
-// known when the headers are written.
-func (h *Handler) writeFields(hdr http.Header, rs *requestState, res *reservation, charged bool) {
-	d := res.d
-	// Most requests match every policy: their RateLimit-Policy is fixed.
-	var pbuf, lbuf [256]byte
-	pol, lim := pbuf[:0], lbuf[:0]
-	all := len(d.verdicts) == len(h.Policies) && h.allPolicyHdr != "" && res.outerPolicyField == "" && !res.overridden()
-	if res.outerPolicyField != "" {
-		pol, lim = append(pol, res.outerPolicyField...), append(lim, res.outerLimitField...)
-	}
-	for i, v := range d.verdicts {
-		p := res.shown[i]
-		if p.shadow || p.Shed != nil { // see docs/load-shedding.md: no caller's budget
-			continue
-		}
-		if len(lim) > 0 {
-			pol = append(pol, ", "...)
-			lim = append(lim, ", "...)
-		}
-		if !all {
-			if q := res.shownReqs[i].quota; q != nil {
-				pol = append(pol, q.policyMember(res.decidedQuota(i), v.period)...)
-			} else {
-				pol = res.appendPolicyMember(pol, i, p)
-			}
-		}
-		remaining, until := v.remaining, v.untilFits
-		if charged {
-			remaining, until = res.predicted(i)
-		}
-		if res.shownReqs[i].quota != nil {
-			until = v.untilFits // a quota's t is its boundary's, charged or not
-		}
-		if p.Concurrent > 0 {
-			until = neverFits // free slots have no window
-		}
-		lim = limitMember(lim, p.Name, remaining, until)
-	}
-	if len(lim) == 0 {
-		return // only shed policies: no fields
-	}
-	// Both fields in one string, and both values in one array: one
-	// allocation for what the response keeps.
-	var both string
-	var policyField string
-	if all {
-		policyField, both = h.allPolicyHdr, string(lim)
-	} else {
-		both = string(append(pol, lim...))
-		policyField = both[:len(pol)]
-	}
-	rs.policyField, rs.limitField = policyField, both[len(both)-len(lim):]
-	// The first fields of a request live in its requestState, which
-	// outlives the response as they must; later ones (a response updating
-	// them) get their own, so that no header set before changes under it.
-	values := &rs.fieldValues
-	if rs.fieldsSet {
-		values = new([2]string)
-	}
-	rs.fieldsSet = true
-	values[0], values[1] = policyField, rs.limitField
-	hdr["Ratelimit-Policy"] = values[0:1:1]
-	hdr["Ratelimit"] = values[1:2:2]
-}
-
-// tighter orders verdicts for {http.rate_limit.policy}: a denial before an
-// admission, then the longer wait, then the fewer tokens left.
-func tighter(a, b verdict) bool {
-	if a.allowed != b.allowed {
-		return !a.allowed
-	}
-	if !a.allowed {
-		return a.untilFits == neverFits || (b.untilFits != neverFits && a.untilFits > b.untilFits)
-	}
-	return a.remaining < b.remaining
 }

@@ -27,7 +27,7 @@ func (failingStore) decide(context.Context, []bucketRequest) (decision, error) {
 	return decision{}, errors.New("connection refused")
 }
 
-func (f failingStore) decideLater(reqs []bucketRequest, then func(decision, error)) {
+func (f failingStore) decideAfter(reqs []bucketRequest, then func(decision, error)) {
 	then(f.decide(context.Background(), reqs))
 }
 
@@ -239,7 +239,7 @@ func TestServeHTTP(t *testing.T) {
 			},
 		},
 		{
-			name: "wait: held until the reserved slot, then passed on",
+			name: "wait: held until the reserved turn, then passed on",
 			h: &Handler{Jitter: jitterOff(), Policies: []*Policy{
 				{Name: "vendor", Key: "global", Rate: "10/1s", Burst: 1, Wait: caddy.Duration(time.Second)},
 			}},
@@ -490,7 +490,7 @@ func TestServeHTTPSettle(t *testing.T) {
 		Cost: "{http.request.header.X-Max-Tokens}", MaxCost: 500, Settle: &Settle{From: settleHeader, Field: "X-Usage-Tokens", Max: 600}}}}, newMemoryStore(c.now))
 	lost := func() float64 {
 		var m dto.Metric
-		_ = h.Policies[0].chargesLost[lostNoUsage].Write(&m)
+		_ = h.Policies[0].after.lost[lostNoUsage].Write(&m)
 		return m.GetCounter().GetValue()
 	}
 	step := func(reserve, usage string, wantField, wantAfter int64) {

@@ -4,11 +4,13 @@ import (
 	"context"
 	"fmt"
 	"testing"
+
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/shed"
 )
 
 // TestLuaShedClasses: shed { concurrent 4 } with the design's classes
 // through lua/decide.lua on a real Redis: every class acquires in one set
-// of slots, each checked against its own cap (classSlots: batch 2, default
+// of slots, each checked against its own cap (shed.ClassLimit: batch 2, default
 // 3, critical 4), so what batch holds counts against everyone and batch
 // never takes the last slots. The Redis store checks each reply against
 // the Go decision (decodeRequest), so Lua and Go agree on every step.
@@ -18,7 +20,7 @@ func TestLuaShedClasses(t *testing.T) {
 	const key = "rl:capacity:{g}"
 	caps := map[string]int64{}
 	for i, class := range []string{"critical", "default", "batch"} {
-		caps[class] = classSlots(4, []int64{10000, 8000, 5000}[i], i == 0, 1)
+		caps[class] = shed.ClassLimit(4, []int64{10000, 8000, 5000}[i], i == 0, 1)
 	}
 	if caps["critical"] != 4 || caps["default"] != 3 || caps["batch"] != 2 {
 		t.Fatalf("caps %v", caps)

@@ -2,7 +2,6 @@ package ratelimit
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -14,8 +13,8 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
-	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/prometheus/client_golang/prometheus"
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/shed"
 )
 
 // Load shedding. A shed policy protects the service, not a caller's
@@ -29,13 +28,13 @@ import (
 //     instances together. They are concurrency slots (lease.go), one set
 //     for all classes, taken in the request's one atomic decision: a
 //     request of a class is admitted only while fewer than its class's
-//     slots (classSlots of N for its share) are in use, so a burst of the
+//     slots (shed.ClassLimit of N for its share) are in use, so a burst of the
 //     lowest class never takes the slots a higher class needs. In Redis
 //     they are the sorted set of leases a `concurrent` policy keeps, under
 //     the policy's own key: no new kind of value. The previous release
 //     (v0.2) never reads it: its configs cannot hold a shed policy.
 //   - shed { latency D }: adaptive, on each instance alone, by the
-//     controller of shed.go: checked before the store is asked (a request
+//     controller of internal/shed: checked before the store is asked (a request
 //     it sheds costs no Redis call), its slot given back unmeasured when
 //     another policy denies the request, measured when the handler chain
 //     returns.
@@ -92,7 +91,7 @@ type PriorityClass struct {
 }
 
 // Bounds of shed { latency }: the controller's windows are 2 × latency,
-// clamped to 10ms..1s (shed.go).
+// clamped to 10ms..1s (internal/shed).
 const (
 	minShedLatency = time.Millisecond
 	maxShedLatency = time.Hour
@@ -100,12 +99,12 @@ const (
 
 // shedState is a shed policy's provisioned state.
 type shedState struct {
-	from    template     // the priority value (Priority.From)
-	limiter *shedLimiter // shed { latency }; nil without
+	from    template      // the priority value (Priority.From)
+	limiter *shed.Limiter // shed { latency }; nil without
 	// byClass is the policy as each class's requests see it: its slots
-	// (shed { concurrent }: classSlots of N for the class's share) and its
+	// (shed { concurrent }: shed.ClassLimit of N for the class's share) and its
 	// decisions_total children, labelled with the class. A request's
-	// reservation holds its class's policy in place of the policy.
+	// admission holds its class's policy in place of the policy.
 	byClass []*Policy
 }
 
@@ -113,7 +112,7 @@ type shedState struct {
 type shedAdmission struct {
 	policy *Policy // the class's (shedState.byClass)
 	class  int
-	ticket shedTicket
+	ticket shed.Ticket
 	held   bool // ticket is the request's slot
 }
 
@@ -166,10 +165,10 @@ func (p *Policy) checkShed() error {
 	if err != nil {
 		return err
 	}
-	for i := 1; s.Concurrent > 0 && i < len(classes.names); i++ {
-		if classSlots(s.Concurrent, classes.shares[i], false, 1) == 0 {
+	for i := 1; s.Concurrent > 0 && i < len(classes.Names()); i++ {
+		if shed.ClassLimit(s.Concurrent, classes.Shares()[i], false, 1) == 0 {
 			return fieldErr("priority", "priority: class %q: %s of concurrent %d is less than one slot: its requests would always be shed",
-				classes.names[i], shareString(classes.shares[i]), s.Concurrent)
+				classes.Name(i), shed.FormatShare(classes.Shares()[i]), s.Concurrent)
 		}
 	}
 	lease := time.Duration(p.Lease)
@@ -181,16 +180,16 @@ func (p *Policy) checkShed() error {
 	}
 	p.classes = classes
 	p.limit = limit{interval: int64(lease / time.Microsecond), burst: s.Concurrent}
-	p.fixedCost, p.maxCost, p.waitUS, p.debt, p.settleMax = 1, 1, 0, 0, 0
-	p.keyTmpl, p.costTmpl = newTemplate(p.Key), newTemplate("")
+	p.costs.fixed, p.costs.max, p.held.wait, p.after.debt, p.after.maxUsage = 1, 1, 0, 0, 0
+	p.keyTmpl, p.costs.tmpl = newTemplate(p.Key), newTemplate("")
 	return nil
 }
 
 // check checks the priority classes and returns them; a policy without
 // priority has one class, which may use all the capacity.
-func (pr *Priority) check() (*shedClasses, error) {
+func (pr *Priority) check() (*shed.Classes, error) {
 	if pr == nil {
-		return newShedClasses([]string{""}, []int64{shareWhole})
+		return shed.NewClasses([]string{""}, []int64{shed.Whole})
 	}
 	if err := pr.checkFrom(); err != nil {
 		return nil, err
@@ -203,17 +202,17 @@ func (pr *Priority) check() (*shedClasses, error) {
 		if !policyName.MatchString(c.Name) {
 			return nil, fieldErr("priority", "priority: class %q: a class name is 1 to 64 letters, digits, '_', '-' or '.'", c.Name)
 		}
-		bp, err := parseShare(c.Share)
+		bp, err := shed.ParseShare(c.Share)
 		if err != nil {
 			return nil, fieldErr("priority", "priority: class %q: %v", c.Name, err)
 		}
-		if i == 0 && bp != shareWhole {
+		if i == 0 && bp != shed.Whole {
 			return nil, fieldErr("priority", "priority: class %q: the first class is the highest, which may use all the capacity: its share is 100%% (got %s)",
 				c.Name, c.Share)
 		}
 		names[i], shares[i] = c.Name, bp
 	}
-	classes, err := newShedClasses(names, shares)
+	classes, err := shed.NewClasses(names, shares)
 	if err != nil {
 		return nil, fieldErr("priority", "%v", err)
 	}
@@ -245,14 +244,14 @@ func (p *Policy) provisionShed(ctx caddy.Context, h *Handler) {
 		st.from = newTemplate(p.Priority.From)
 	}
 	if p.Shed.Latency > 0 {
-		st.limiter = shedLimiterOf(p.Name, time.Duration(p.Shed.Latency), p.classes.shares)
+		st.limiter = shedLimiterOf(p.Name, time.Duration(p.Shed.Latency), p.classes.Shares())
 	}
 	p.shed = st
-	st.byClass = make([]*Policy, len(p.classes.names))
+	st.byClass = make([]*Policy, len(p.classes.Names()))
 	for i := range st.byClass {
 		cp := *p
-		cp.decisions = policyCounters(p.Name, p.classes.name(i), "")
-		cp.limit.burst = classSlots(p.limit.burst, p.classes.shares[i], i == 0, 1)
+		cp.decisions = policyCounters(p.Name, p.classes.Name(i), "")
+		cp.limit.burst = shed.ClassLimit(p.limit.burst, p.classes.Shares()[i], i == 0, 1)
 		st.byClass[i] = &cp
 	}
 	if err := registerShedMetrics(ctx); err != nil {
@@ -266,7 +265,7 @@ func (st *shedState) classOf(p *Policy, r *http.Request, repl *caddy.Replacer) i
 	if p.Priority == nil {
 		return 0
 	}
-	return p.classes.of(st.from.resolve(r, repl, p.addrMask))
+	return p.classes.Of(st.from.resolve(r, repl, p.addrMask))
 }
 
 // shedShape is what two definitions of one shed policy must share.
@@ -279,153 +278,13 @@ func (p *Policy) shedShape() string {
 		parts = append(parts, "latency "+time.Duration(p.Shed.Latency).String())
 	}
 	if p.Priority != nil {
-		classes := make([]string, len(p.classes.names))
-		for i, name := range p.classes.names {
-			classes[i] = name + " " + shareString(p.classes.shares[i])
+		classes := make([]string, len(p.classes.Names()))
+		for i, name := range p.classes.Names() {
+			classes[i] = name + " " + shed.FormatShare(p.classes.Shares()[i])
 		}
 		parts = append(parts, "priority "+p.Priority.From+" { "+strings.Join(classes, ", ")+" }")
 	}
 	return strings.Join(parts, ", ")
-}
-
-// matchShed records a matched shed policy's part in the request: its place
-// under the adaptive limit, taken by admitAdaptive, and the class's policy
-// to decide with the store (shed { concurrent }), or nil without one.
-func (res *reservation) matchShed(p *Policy, r *http.Request, repl *caddy.Replacer, rs *requestState) *Policy {
-	class := p.shed.classOf(p, r, repl)
-	cp := p.shed.byClass[class]
-	if p.shed.limiter != nil {
-		if res.adaptive == nil {
-			res.adaptive = res.adaptivebuf[:0]
-		}
-		res.adaptive = append(res.adaptive, shedAdmission{policy: cp, class: class})
-	}
-	if p.Shed.Concurrent == 0 {
-		rs.policies = append(rs.policies, p.Name) // decided here: once per request
-		return nil
-	}
-	return cp
-}
-
-// admitAdaptive takes the request's places under the adaptive limits,
-// before anything else is decided. It returns the policy that sheds the
-// request, nil when all admit it (a shadow policy that would shed it is
-// counted so, and lets it through without a place).
-func (res *reservation) admitAdaptive() *Policy {
-	for i := range res.adaptive {
-		a := &res.adaptive[i]
-		tk, ok := a.policy.shed.limiter.admit(a.class)
-		switch {
-		case ok:
-			a.ticket, a.held = tk, true
-		case a.policy.shadow:
-			a.policy.decisions[outcomeShadowDenied].Inc()
-		default:
-			a.policy.decisions[outcomeShed].Inc()
-			return a.policy // finishAdaptive gives back the places taken
-		}
-	}
-	return nil
-}
-
-// passAdaptive is called as the admitted request is passed on: its
-// latency is measured from now.
-func (res *reservation) passAdaptive() {
-	res.passed = true
-	for i := range res.adaptive {
-		a := &res.adaptive[i]
-		if !a.held {
-			continue
-		}
-		a.ticket.passed()
-		if a.policy.Shed.Concurrent == 0 { // otherwise counted with its slots (count)
-			a.policy.decisions[outcomeAllowed].Inc()
-		}
-	}
-}
-
-// finishAdaptive gives back the request's places once its handler chain
-// returned: measured if the request was passed on, unmeasured if it was
-// not (another policy denied it, its client went away before).
-func (res *reservation) finishAdaptive() {
-	for i := range res.adaptive {
-		a := &res.adaptive[i]
-		if !a.held {
-			continue
-		}
-		a.held = false
-		if res.passed {
-			a.ticket.done()
-		} else {
-			a.ticket.cancel()
-		}
-	}
-}
-
-// shedOnly reports whether every enforced policy that denied the request
-// is a shed policy: the service is at capacity, and the caller broke no
-// policy of its own (which, if it did, answers 429).
-func (res *reservation) shedOnly() bool {
-	shed := false
-	for i, v := range res.d.verdicts {
-		p := res.shown[i]
-		if v.allowed || p.shadow {
-			continue
-		}
-		if p.Shed == nil {
-			return false
-		}
-		shed = true
-	}
-	return shed
-}
-
-// errShed is the error of a shed request handed to a site's handle_errors.
-var errShed = errors.New("service overloaded: request shed")
-
-// overloaded is the problem a shed request is answered with: the service,
-// not the limiter, is short of capacity.
-func overloaded() problem {
-	return problem{
-		Type:   problemReducedCapacity,
-		Title:  "Temporary Reduced Capacity",
-		Status: http.StatusServiceUnavailable,
-		Detail: "The service is overloaded: it turned this request away to keep serving the others. Try again shortly.",
-	}
-}
-
-// shedBody is the body of every shed response: shedding is the path an
-// overload makes hot, so it is built once.
-var shedBody, _ = json.Marshal(overloaded())
-
-// shed answers a request that a shed policy's adaptive limit turned away,
-// before anything else was decided: no store call, no RateLimit fields.
-func (h *Handler) shed(w http.ResponseWriter, r *http.Request, rs *requestState, p *Policy) error {
-	ra := retryAfter(slotWait, h.jitter)
-	rs.decided, rs.decision, rs.policy, rs.remaining, rs.retryAfter, rs.key = true, outcomeShed, p.Name, -1, ra, p.fixedKey
-	return writeShed(w, r, ra)
-}
-
-// denyShed answers a request that only shed policies' slots denied (shed
-// { concurrent }): 503, with the RateLimit fields of its other policies,
-// none of which charged it.
-func (h *Handler) denyShed(w http.ResponseWriter, r *http.Request, rs *requestState, res *reservation) error {
-	res.outcome = outcomeShed
-	ra := retryAfter(slotWait, h.jitter)
-	h.report(w, rs, res, ra)
-	return writeShed(w, r, ra)
-}
-
-// writeShed writes the 503 of a shed request, whose Retry-After is spread
-// as a 429's is (slots come free when requests end, which nobody can
-// tell: a second, spread by jitter); a site with handle_errors gets it as
-// an error, as a fail_closed 503.
-func writeShed(w http.ResponseWriter, r *http.Request, ra int64) error {
-	setRetryFields(w.Header(), ra, true)
-	if handlesErrors(r, http.StatusServiceUnavailable) {
-		return caddyhttp.Error(http.StatusServiceUnavailable, errShed)
-	}
-	return writeProblemBody(w, http.StatusServiceUnavailable, shedBody)
 }
 
 // shedLimiters keeps each shed policy's adaptive limiter for the process,
@@ -436,19 +295,19 @@ func writeShed(w http.ResponseWriter, r *http.Request, ra int64) error {
 // policy names in configs.
 var shedLimiters = struct {
 	mu sync.Mutex
-	m  map[string]*shedLimiter
-}{m: map[string]*shedLimiter{}}
+	m  map[string]*shed.Limiter
+}{m: map[string]*shed.Limiter{}}
 
-func shedLimiterOf(name string, target time.Duration, shares []int64) *shedLimiter {
+func shedLimiterOf(name string, target time.Duration, shares []int64) *shed.Limiter {
 	shedLimiters.mu.Lock()
 	defer shedLimiters.mu.Unlock()
 	old := shedLimiters.m[name]
-	if old != nil && old.target == target && slices.Equal(old.shares, shares) {
+	if old != nil && old.Target() == target && slices.Equal(old.Shares(), shares) {
 		return old
 	}
-	l := newShedLimiter(target, shares, time.Now)
+	l := shed.NewLimiter(target, shares, time.Now)
 	if old != nil {
-		l.resume(old.limit())
+		l.Resume(old.Limit())
 	}
 	shedLimiters.m[name] = l
 	return l
@@ -467,7 +326,7 @@ func (c shedLimitCollector) Describe(ch chan<- *prometheus.Desc) { ch <- c.desc 
 func (c shedLimitCollector) Collect(ch chan<- prometheus.Metric) {
 	for _, p := range budgets.policies() {
 		if p.shed != nil && p.shed.limiter != nil {
-			ch <- prometheus.MustNewConstMetric(c.desc, prometheus.GaugeValue, float64(p.shed.limiter.limit()), p.Name)
+			ch <- prometheus.MustNewConstMetric(c.desc, prometheus.GaugeValue, float64(p.shed.limiter.Limit()), p.Name)
 		}
 	}
 }
@@ -495,7 +354,7 @@ func (a adminAPI) shed(ctx context.Context, action string, def definition, req a
 	if action == "grant" {
 		return nil, apiError(http.StatusBadRequest, "policy %q sheds load: it has capacity, not tokens, to grant", p.Name)
 	}
-	st := &bucketState{Policy: p.Name, Kind: p.kind(), Identity: req.Identity, Key: key, Store: h.storeName()}
+	st := &bucketState{Policy: p.Name, Kind: p.kindName(), Identity: req.Identity, Key: key, Store: h.storeName()}
 	if p.Shed.Concurrent > 0 {
 		var err error
 		if st, err = a.slots(ctx, action, def, req, key); err != nil {
@@ -503,7 +362,7 @@ func (a adminAPI) shed(ctx context.Context, action string, def definition, req a
 		}
 	}
 	if p.shed != nil && p.shed.limiter != nil {
-		limit, in := p.shed.limiter.limit(), p.shed.limiter.inFlight()
+		limit, in := p.shed.limiter.Limit(), p.shed.limiter.InFlight()
 		st.ShedLimit, st.ShedInFlight = &limit, &in
 	}
 	return st, nil

@@ -16,6 +16,7 @@ import (
 	"github.com/caddyserver/caddy/v2/caddyconfig"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	dto "github.com/prometheus/client_model/go"
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/shed"
 )
 
 // The shed policy in the handler, in process: what a client gets when it
@@ -118,8 +119,8 @@ func TestServeHTTPShedAdaptive(t *testing.T) {
 		{Name: "per_user", Key: "{http.request.header.X-User}", Rate: "100/1h"},
 	}}, st)
 	l := h.Policies[0].shed.limiter
-	if l.limit() != shedInitial {
-		t.Fatalf("limit %d, want the initial %d", l.limit(), shedInitial)
+	if l.Limit() != shed.Initial {
+		t.Fatalf("limit %d, want the initial %d", l.Limit(), shed.Initial)
 	}
 	batch := holdRequests(t, []*Handler{h}, 10, "X-Priority", "batch", "X-User", "a")
 	calls := st.calls.Load()
@@ -140,14 +141,14 @@ func TestServeHTTPShedAdaptive(t *testing.T) {
 	checkShed(t, serve([]*Handler{h}, nil, "X-Priority", "default", "X-User", "a"), name)
 	crit := holdRequests(t, []*Handler{h}, 4, "X-Priority", "critical", "X-User", "a")
 	checkShed(t, serve([]*Handler{h}, nil, "X-Priority", "critical", "X-User", "a"), name)
-	if l.inFlight() != 20 {
-		t.Fatalf("%d in flight, want 20", l.inFlight())
+	if l.InFlight() != 20 {
+		t.Fatalf("%d in flight, want 20", l.InFlight())
 	}
 	for _, hd := range []*held{batch, def, crit} {
 		hd.end(t)
 	}
-	if l.inFlight() != 0 {
-		t.Fatalf("%d in flight after all ended", l.inFlight())
+	if l.InFlight() != 0 {
+		t.Fatalf("%d in flight after all ended", l.InFlight())
 	}
 	// The per_user bucket was charged by the 20 admitted requests only.
 	x = serve([]*Handler{h}, nil, "X-Priority", "critical", "X-User", "a")
@@ -193,22 +194,18 @@ func TestServeHTTPShedTickets(t *testing.T) {
 		{Name: "one", Key: "global", Rate: "1/1h"},
 	}}, newMemoryStore(c.now))
 	l := h.Policies[0].shed.limiter
-	seen := func() int {
-		l.mu.Lock()
-		defer l.mu.Unlock()
-		return l.seen
-	}
+	seen := func() int { return len(l.Latencies()) }
 	if x := serve([]*Handler{h}, nil); x.status != 200 || x.vars["decision"] != "allowed" {
 		t.Fatalf("first: %d %v", x.status, x.vars)
 	}
-	if seen() != 1 || l.inFlight() != 0 {
-		t.Fatalf("after one passed: %d samples, %d in flight; want 1 and 0", seen(), l.inFlight())
+	if seen() != 1 || l.InFlight() != 0 {
+		t.Fatalf("after one passed: %d samples, %d in flight; want 1 and 0", seen(), l.InFlight())
 	}
 	if x := serve([]*Handler{h}, nil); x.status != 429 {
 		t.Fatalf("second: %d, want 429 from the rate policy", x.status)
 	}
-	if seen() != 1 || l.inFlight() != 0 {
-		t.Fatalf("after one denied by another policy: %d samples, %d in flight; want 1 and 0", seen(), l.inFlight())
+	if seen() != 1 || l.InFlight() != 0 {
+		t.Fatalf("after one denied by another policy: %d samples, %d in flight; want 1 and 0", seen(), l.InFlight())
 	}
 	// Measured from being passed on.
 	only := testHandler(t, &Handler{Policies: []*Policy{{Name: name, Key: "global", Shed: &Shed{Latency: caddy.Duration(time.Hour)}}}}, nil)
@@ -216,9 +213,7 @@ func TestServeHTTPShedTickets(t *testing.T) {
 		time.Sleep(30 * time.Millisecond)
 		return nil
 	})
-	l.mu.Lock()
-	latency := l.samples[1]
-	l.mu.Unlock()
+	latency := l.Latencies()[1]
 	if x.status != 200 || latency < 30*time.Millisecond || latency > x.elapsed {
 		t.Fatalf("measured %v of a request that ran 30ms (%v in all)", latency, x.elapsed)
 	}
@@ -227,13 +222,13 @@ func TestServeHTTPShedTickets(t *testing.T) {
 		defer func() { _ = recover() }()
 		serveWith([]*Handler{only}, nil, func(http.ResponseWriter, *http.Request) error { panic("upstream") })
 	}()
-	if l.inFlight() != 0 || seen() != 3 {
-		t.Fatalf("after a panic: %d in flight, %d samples", l.inFlight(), seen())
+	if l.InFlight() != 0 || seen() != 3 {
+		t.Fatalf("after a panic: %d in flight, %d samples", l.InFlight(), seen())
 	}
 	// Shadow: at the limit, what would be shed passes.
 	shadowName := "shadow_" + t.Name()
 	sh := testHandler(t, &Handler{Shadow: true, Policies: []*Policy{{Name: shadowName, Key: "global", Shed: &Shed{Latency: caddy.Duration(time.Hour)}}}}, nil)
-	hd := holdRequests(t, []*Handler{sh}, shedInitial)
+	hd := holdRequests(t, []*Handler{sh}, shed.Initial)
 	if x := serve([]*Handler{sh}, nil); x.status != 200 || !x.passed {
 		t.Fatalf("shadow at the limit: %d", x.status)
 	}
@@ -306,7 +301,7 @@ func TestServeHTTPShedFailures(t *testing.T) {
 	if x := serve([]*Handler{h}, nil); x.status != 200 || x.vars["decision"] != "fail_open" {
 		t.Fatalf("store down: %d %v, want fail_open", x.status, x.vars)
 	}
-	hd := holdRequests(t, []*Handler{h}, shedInitial)
+	hd := holdRequests(t, []*Handler{h}, shed.Initial)
 	checkShed(t, serve([]*Handler{h}, nil), name)
 	srv := &caddyhttp.Server{Errors: &caddyhttp.HTTPErrorConfig{Routes: caddyhttp.RouteList{{}}}}
 	x := serve([]*Handler{h}, srv)
@@ -462,7 +457,7 @@ func checkShedProvisioned(t *testing.T, where string, p *Policy) {
 	t.Helper()
 	st := p.shed
 	switch {
-	case st == nil || len(st.byClass) != len(p.classes.names) || !validOnError(p.onError):
+	case st == nil || len(st.byClass) != len(p.classes.Names()) || !validOnError(p.onError):
 		t.Errorf("%s: shed policy %q provisioned without its state", where, p.Name)
 	case (p.Shed.Latency > 0) != (st.limiter != nil):
 		t.Errorf("%s: shed policy %q: latency %v, limiter %v", where, p.Name, p.Shed.Latency, st.limiter)

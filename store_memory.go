@@ -194,8 +194,8 @@ func (m *memoryStore) decide(_ context.Context, reqs []bucketRequest) (decision,
 	return d, nil
 }
 
-// decideLater decides at once: in process, nothing is saved by waiting.
-func (m *memoryStore) decideLater(reqs []bucketRequest, then func(decision, error)) {
+// decideAfter decides at once: in process, nothing is saved by waiting.
+func (m *memoryStore) decideAfter(reqs []bucketRequest, then func(decision, error)) {
 	then(m.decide(context.Background(), reqs))
 }
 

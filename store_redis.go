@@ -2,12 +2,11 @@ package ratelimit
 
 import (
 	"context"
-	"encoding/binary"
 	"errors"
-	"fmt"
-	"math"
 	"time"
 
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/breaker"
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/fleet"
 	"github.com/redis/go-redis/v9"
 )
 
@@ -64,7 +63,7 @@ func (s *redisStore) decide(ctx context.Context, reqs []bucketRequest) (decision
 }
 
 // decideShared decides reqs against the buckets in Redis: the deny cache,
-// the circuit breaker, then one script call (one per slot in a Cluster).
+// the circuit breaker, then one script call (one per hash slot in a Cluster).
 func (s *redisStore) decideShared(ctx context.Context, reqs []bucketRequest) (decision, error) {
 	if s.conn.denials != nil {
 		d, answer, gate := s.conn.denials.answer(reqs)
@@ -85,39 +84,39 @@ func (s *redisStore) decideShared(ctx context.Context, reqs []bucketRequest) (de
 			}
 		}
 	}
-	if s.conn.breaker.skipping() {
+	if s.conn.breaker.Skipping() {
 		circuitOpenErrors.Inc()
 		return decision{}, errCircuitOpen
 	}
 	if s.conn.cluster {
-		if groups := slotGroups(reqs); len(groups) > 1 {
-			return s.decideAcrossSlots(ctx, reqs, groups)
+		if groups := hashSlotGroups(reqs); len(groups) > 1 {
+			return s.decideAcrossHashSlots(ctx, reqs, groups)
 		}
 	}
 	return s.decideInOneCall(ctx, reqs)
 }
 
-// decideLater sends reqs with the next script call of this instance, or
+// decideAfter sends reqs with the next script call of this instance, or
 // by itself at once when none is in flight: work after a response rides
 // with the decisions instead of making a call of its own, and no response
 // waits for it.
-func (s *redisStore) decideLater(reqs []bucketRequest, then func(decision, error)) {
+func (s *redisStore) decideAfter(reqs []bucketRequest, then func(decision, error)) {
 	if s.conn.coalescer == nil { // Cluster: a call per slot group, apart
-		s.conn.laterApart.add(1)
+		s.conn.afterApart.add(1)
 		go func() {
-			defer s.conn.laterApart.add(-1)
+			defer s.conn.afterApart.add(-1)
 			then(s.decide(context.Background(), reqs))
 		}()
 		return
 	}
-	if s.conn.breaker.skipping() {
+	if s.conn.breaker.Skipping() {
 		circuitOpenErrors.Inc()
 		then(decision{}, errCircuitOpen)
 		return
 	}
 	p := newPending(reqs, nil)
 	p.then = func(p *pending) { then(p.d, p.err) }
-	s.conn.coalescer.submitLater(p)
+	s.conn.coalescer.submitAfter(p)
 }
 
 // decideAwaited decides work after a response that the response waits for
@@ -127,7 +126,7 @@ func (s *redisStore) decideAwaited(reqs []bucketRequest) (decision, error) {
 	if s.conn.coalescer == nil { // Cluster: a call per slot group
 		return s.decide(context.Background(), reqs)
 	}
-	if s.conn.breaker.skipping() {
+	if s.conn.breaker.Skipping() {
 		circuitOpenErrors.Inc()
 		return decision{}, errCircuitOpen
 	}
@@ -158,14 +157,92 @@ func (s *redisStore) decideInOneCall(ctx context.Context, reqs []bucketRequest) 
 	if err == nil && s.conn.denials != nil {
 		s.conn.denials.learn(reqs, d, p.tats, p.sent, p.received)
 	}
-	p.release()
+	p.recycle()
 	return d, err
 }
+
+// What only Redis can do (store.go): its capabilities, each the
+// connection's.
+
+func (s *redisStore) renewLeases(leases []lease) { s.conn.hold(leases) }
+
+func (s *redisStore) releasing(leases []lease) ([]bucketRequest, []*Policy) {
+	return s.conn.releasing(leases)
+}
+
+func (s *redisStore) sendReleases(rels []bucketRequest, policies []*Policy) {
+	s.conn.sendReleases(s, rels, policies)
+}
+
+func (s *redisStore) retryReleases(rels []bucketRequest, policies []*Policy) {
+	s.conn.retryReleases(rels, policies)
+}
+
+func (s *redisStore) announce(ctx context.Context, prefix, key string) error {
+	return s.conn.announce(ctx, prefix, key)
+}
+
+func (s *redisStore) announceOverride(ctx context.Context, prefix, key string) error {
+	return s.conn.announceOverride(ctx, prefix, key)
+}
+
+func (s *redisStore) join(h *Handler) { s.conn.join(h) }
+
+func (s *redisStore) part(h *Handler) { s.conn.part(h) }
+
+func (s *redisStore) fleetRecord(hs []*Handler) fleet.Record { return s.conn.fleetRecord(hs) }
+
+func (s *redisStore) readFleets(ctx context.Context) (fleetStore, error) {
+	return s.conn.readFleets(ctx)
+}
+
+func (s *redisStore) liveRecords(ctx context.Context) (int, []fleet.Record, error) {
+	return s.conn.liveRecords(ctx)
+}
+
+func (s *redisStore) fleetView() *fleetView { return &s.conn.fleet }
+
+func (s *redisStore) probe(defs []definition) []probeResult { return s.conn.probe(defs) }
+
+func (s *redisStore) setFormat(ctx context.Context, prefix, marker string) error {
+	if err := s.conn.setFormat(ctx, prefix, marker); err != nil {
+		return err
+	}
+	s.conn.readFormat()
+	return nil
+}
+
+func (s *redisStore) formatOf(ctx context.Context, prefix string) (marker, writes string, err error) {
+	marker, err = s.conn.client.Get(ctx, formatMarker(prefix)).Result()
+	if err != nil && !errors.Is(err, redis.Nil) {
+		return "", "", err
+	}
+	if marker != markerV2 {
+		marker = markerV1
+	}
+	return marker, formatName(int(s.conn.format.Load())), nil
+}
+
+func (s *redisStore) overridesKept() overrideStore { return s.conn }
+
+func (s *redisStore) overrideFilter(prefix string) overrideFilter {
+	return s.conn.overrideSet(prefix)
+}
+
+// The capabilities it has.
+var (
+	_ leaseStore     = (*redisStore)(nil)
+	_ announcer      = (*redisStore)(nil)
+	_ fleetMember    = (*redisStore)(nil)
+	_ prober         = (*redisStore)(nil)
+	_ formatStore    = (*redisStore)(nil)
+	_ overrideKeeper = (*redisStore)(nil)
+)
 
 // call makes one script call for a batch, past the circuit breaker, and
 // tells the breaker how it went.
 func (c *redisConn) call(batch []*pending) {
-	gen, ok := c.breaker.allow()
+	gen, ok := c.breaker.Allow()
 	if !ok {
 		for _, p := range batch {
 			p.err = errCircuitOpen
@@ -173,14 +250,14 @@ func (c *redisConn) call(batch []*pending) {
 		circuitOpenErrors.Add(float64(len(batch)))
 		return
 	}
-	result := callFailed // unless the call returns: a panic is a failure
-	defer func() { c.breaker.done(gen, result) }()
+	result := breaker.Failed // unless the call returns: a panic is a failure
+	defer func() { c.breaker.Done(gen, result) }()
 	result = c.eval(batch)
 }
 
 // eval decides the requests of a batch, in order, in one call of
 // lua/decide.lua.
-func (c *redisConn) eval(batch []*pending) callResult {
+func (c *redisConn) eval(batch []*pending) breaker.Result {
 	if want := batchConfirmation(batch); want.wanted() {
 		return c.evalDurable(batch, want) // with its WAIT or WAITAOF
 	}
@@ -216,7 +293,7 @@ func (c *redisConn) eval(batch []*pending) callResult {
 		}
 	}
 	if err == nil {
-		return callAnswered
+		return breaker.Answered
 	}
 	kind := errorKind(err)
 	storeErrors.WithLabelValues(kind).Inc()
@@ -249,219 +326,13 @@ func (c *redisConn) reportBadBucket(err error) {
 
 // resultOf is what a call's error says about Redis: a reply, even an error
 // reply, is an answer; a timeout or a broken connection is a failure.
-func resultOf(err error) callResult {
+func resultOf(err error) breaker.Result {
 	var redisErr redis.Error
 	switch {
 	case err == nil, errors.Is(err, errScriptReply), errors.As(err, &redisErr):
-		return callAnswered
+		return breaker.Answered
 	case errors.Is(err, context.Canceled), errors.Is(err, errClientGone):
-		return callIgnored
+		return breaker.Ignored
 	}
-	return callFailed
-}
-
-// encodeCall is the EVALSHA of lua/decide.lua for the requests of a batch,
-// whose buckets it writes in the given format (see format.go): the keys,
-// the format, the numbers packed in one argument, then the strings.
-func encodeCall(batch []*pending, format int) []any {
-	n := 0
-	for _, p := range batch {
-		n += len(p.reqs)
-	}
-	args := make([]any, 3, 5+n)
-	args[0], args[1], args[2] = "evalsha", decideSHAArg, n
-	for _, p := range batch {
-		for _, rq := range p.reqs {
-			args = append(args, rq.key)
-		}
-	}
-	args = append(args, format, nil) // the numbers, once packed
-	argv := len(args) - 2            // ARGV[1]'s index in args
-	nums := make(callNumbers, 0, 8*(len(batch)+8*n))
-	now := time.Now() // quotas' bounds are taken around it
-	for _, p := range batch {
-		nums = nums.add(int64(len(p.reqs)))
-		for _, rq := range p.reqs {
-			op := 4 * int64(rq.op)
-			if rq.quota != nil {
-				op = 4 * quotaCode(rq.op)
-			}
-			if rq.overridable {
-				op += 2
-			}
-			if rq.shadow {
-				op++
-			}
-			if rq.learns {
-				op += learnsOp
-			}
-			if rq.quota != nil {
-				nums = quotaNumbers(nums.add(op), rq, now)
-				if rq.overridable { // the policy's rule for an override's slack (override.go)
-					nums = nums.add(rq.overrideWait).add(rq.overrideDebt)
-				}
-				continue
-			}
-			// A string goes after the numbers, which give its ARGV index.
-			amount, wait := rq.cost, rq.wait
-			switch {
-			case rq.op == opAdjust:
-				amount = rq.delta
-			case rq.op == opFree:
-				args = append(args, rq.events)
-				amount, wait = rq.delta, int64(len(args)-argv)
-			case rq.op.slots():
-				args = append(args, rq.lease, rq.events)
-				amount, wait = int64(len(args)-1-argv), int64(len(args)-argv)
-			}
-			nums = nums.add(op).add(rq.limit.interval).add(rq.limit.burst).add(rq.limit.slack).add(amount).add(wait)
-			if rq.overridable { // the policy's rule for an override's slack (override.go)
-				nums = nums.add(rq.overrideWait).add(rq.overrideDebt)
-			}
-			if rq.learns { // the usage a settle remembers (learned_usage.go)
-				nums = nums.add(rq.record)
-			}
-		}
-	}
-	args[argv+1] = []byte(nums)
-	return args
-}
-
-// callNumbers are a call's numbers as the script reads them: little-endian
-// doubles in one argument, exact for every value it is sent (all below
-// 2^53). Redis's handling of an argument cost more than what the script
-// then does with a rate take (see lua/decide.lua).
-type callNumbers []byte
-
-func (c callNumbers) add(v int64) callNumbers {
-	return binary.LittleEndian.AppendUint64(c, math.Float64bits(float64(v)))
-}
-
-// decodeReply reads the script's reply into each request's decision,
-// computing the remaining tokens and waits from the stored state with the
-// Go algorithm, and the TATs the script stored.
-func decodeReply(res []int64, batch []*pending) error {
-	if len(res) == 0 {
-		return fmt.Errorf("%w: empty", errScriptReply)
-	}
-	now, off := res[0], 1
-	for _, p := range batch {
-		n := replyLen(p.reqs)
-		if len(res) < off+n {
-			return fmt.Errorf("%w: %d numbers for %d requests", errScriptReply, len(res), len(batch))
-		}
-		p.d, p.tats, p.err = decodeRequest(now, res[off:off+n], p.reqs)
-		off += n
-	}
-	if off != len(res) {
-		return fmt.Errorf("%w: %d numbers for %d requests", errScriptReply, len(res), len(batch))
-	}
-	return nil
-}
-
-// Statuses of a request in the script's reply.
-const (
-	scriptDenied    = 0
-	scriptAdmitted  = 1
-	scriptWrongType = -1
-	scriptCorrupt   = -2
-	// scriptClock: Redis's clock is outside a quota bucket's bounds (see
-	// quota.go).
-	scriptClock = -3
-)
-
-// replyWidth is the numbers per bucket in the script's reply: allowed and
-// tat, and for slots, the leases held and those that expired.
-func replyWidth(op bucketOp) int {
-	if op.slots() {
-		return 3
-	}
-	return 2
-}
-
-// replyLen is the numbers of a request's reply: its status, then each
-// bucket's.
-func replyLen(reqs []bucketRequest) int {
-	n := 1
-	for _, rq := range reqs {
-		n += replyWidthOf(rq)
-	}
-	return n
-}
-
-// decodeRequest turns the script's reply for one request, {status, then
-// per bucket: allowed, tat (or the leases held) [, expired leases]}, into
-// its decision and the TATs the script stored.
-func decodeRequest(now int64, res []int64, reqs []bucketRequest) (decision, []int64, error) {
-	var allowedAt [8]int
-	at := allowedAt[:0]
-	for i, off := 0, 1; i < len(reqs); i++ {
-		at = append(at, off)
-		off += replyWidthOf(reqs[i])
-	}
-	switch res[0] {
-	case scriptWrongType, scriptCorrupt, scriptClock:
-		kind := "wrongtype"
-		switch res[0] {
-		case scriptCorrupt:
-			kind = "corrupt"
-		case scriptClock:
-			kind = "clock"
-		}
-		key := reqs[0].key
-		for i := range reqs {
-			if res[at[i]] < 0 {
-				key = reqs[i].key
-			}
-		}
-		return decision{}, nil, &badBucketError{kind: kind, key: key}
-	}
-	tats := make([]int64, len(reqs))
-	for i := range reqs {
-		tats[i] = res[at[i]+1]
-	}
-	reqs = decidedUnder(res, at, reqs) // an override's limit, where the script found one
-	var learned []int64
-	for i, rq := range reqs {
-		if rq.learns {
-			if learned == nil {
-				learned = make([]int64, len(reqs))
-			}
-			learned[i] = res[at[i]+replyWidthOf(rq)-1] // its last number
-		}
-	}
-	if learned != nil {
-		reqs = withLearned(reqs, learned) // a take raised to what its key learned, as the script raised it
-	}
-	d, next := decideBuckets(tats, now, reqs)
-	for i := range learned {
-		d.verdicts[i].learned = learned[i]
-	}
-	for i, rq := range reqs {
-		if rq.op.slots() {
-			d.verdicts[i].expired = res[at[i]+2]
-			// Wherever a lease is found expired (an acquire admitted or
-			// denied, a renewal, an inspect, a reset), it is counted.
-			if n := d.verdicts[i].expired; n > 0 && rq.leasesExpired != nil {
-				rq.leasesExpired.Add(float64(n))
-			}
-		}
-		if rq.op == opRenew { // allowed says the lease was still held
-			d.verdicts[i].allowed = res[at[i]] == 1
-		}
-		if rq.quota != nil && res[at[i]+2] != d.verdicts[i].period.start {
-			return decision{}, nil, fmt.Errorf("%w: Lua and Go disagree on the period of quota bucket %d (%d, %d)", errScriptReply, i, res[at[i]+2], d.verdicts[i].period.start)
-		}
-	}
-	// Redis's own verdict is the one that was charged; the Go algorithm is the
-	// same one, so they agree unless the script and bucket.go drift apart.
-	if d.admitted != (res[0] == scriptAdmitted) {
-		return decision{}, nil, fmt.Errorf("%w: Lua and Go disagree (admitted %d); is lua/decide.lua in step with bucket.go?", errScriptReply, res[0])
-	}
-	for i := range reqs {
-		if d.verdicts[i].allowed != (res[at[i]] == 1) {
-			return decision{}, nil, fmt.Errorf("%w: Lua and Go disagree on bucket %d", errScriptReply, i)
-		}
-	}
-	return d, next, nil
+	return breaker.Failed
 }

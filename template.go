@@ -6,6 +6,7 @@ import (
 	"strings"
 
 	"github.com/caddyserver/caddy/v2"
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/clientaddr"
 )
 
 // template is a key or cost template, resolved per request as
@@ -16,17 +17,17 @@ import (
 // credential ({http.rate_limit.credential}) is
 // read from the request directly. A client address
 // in it ({client_ip}, {remote_host}, {http.request.remote}) is masked to
-// the policy's prefix lengths (see addrMask): alone, or among other parts
+// the policy's prefix lengths (see clientaddr.Mask): alone, or among other parts
 // (`{client_ip}-{http.request.uri.path}`), whose text is split at
 // provision into literals and placeholders so that only the address parts
 // are masked.
 type template struct {
 	text     string
-	variable string   // the placeholder's name when text is exactly one
-	header   string   // the canonical field name when that is a request header
-	bearer   bool     // the placeholder is {http.rate_limit.bearer}
-	cred     bool     // the placeholder is {http.rate_limit.credential}
-	addr     addrKind // whether variable is a client address
+	variable string          // the placeholder's name when text is exactly one
+	header   string          // the canonical field name when that is a request header
+	bearer   bool            // the placeholder is {http.rate_limit.bearer}
+	cred     bool            // the placeholder is {http.rate_limit.credential}
+	addr     clientaddr.Kind // whether variable is a client address
 	// parts is the text split into literals and placeholders, when it
 	// combines a client address with anything else.
 	parts []templatePart
@@ -36,14 +37,14 @@ type template struct {
 type templatePart struct {
 	literal  string
 	variable string
-	addr     addrKind
+	addr     clientaddr.Kind
 }
 
 func newTemplate(text string) template {
 	t := template{text: text, variable: soleVariable(text)}
 	t.bearer, t.cred = t.variable == bearerPlaceholder, t.variable == credentialPlaceholder
 	if t.variable != "" {
-		t.variable, t.addr = addrPlaceholder(t.variable)
+		t.variable, t.addr = clientaddr.Placeholder(t.variable)
 		if field, ok := strings.CutPrefix(t.variable, reqHeaderPlaceholder); ok {
 			t.header = textproto.CanonicalMIMEHeaderKey(field)
 		}
@@ -51,7 +52,7 @@ func newTemplate(text string) template {
 	}
 	if parts, ok := parseTemplate(text); ok {
 		for _, p := range parts {
-			if p.addr != notAddr {
+			if p.addr != clientaddr.None {
 				t.parts = parts
 				break
 			}
@@ -65,14 +66,14 @@ func newTemplate(text string) template {
 func (t template) constant() bool { return !strings.ContainsAny(t.text, "{}\\") }
 
 // usesAddr reports whether the template holds a client address.
-func (t template) usesAddr() bool { return t.addr != notAddr || t.parts != nil }
+func (t template) usesAddr() bool { return t.addr != clientaddr.None || t.parts != nil }
 
 // reqHeaderPlaceholder prefixes Caddy's request header placeholders.
 const reqHeaderPlaceholder = "http.request.header."
 
 // resolve is the template's value for the request, its client addresses
 // masked by m.
-func (t template) resolve(r *http.Request, repl *caddy.Replacer, m addrMask) string {
+func (t template) resolve(r *http.Request, repl *caddy.Replacer, m clientaddr.Mask) string {
 	switch {
 	case t.bearer:
 		return bearerToken(r.Header["Authorization"])
@@ -87,8 +88,8 @@ func (t template) resolve(r *http.Request, repl *caddy.Replacer, m addrMask) str
 		return strings.Join(vals, ",")
 	case t.variable != "":
 		v, _ := repl.GetString(t.variable) // unknown: empty, as ReplaceAll
-		if t.addr != notAddr {
-			v = m.masked(v, t.addr)
+		if t.addr != clientaddr.None {
+			v = m.Masked(v, t.addr)
 		}
 		return v
 	case t.parts != nil:
@@ -98,7 +99,7 @@ func (t template) resolve(r *http.Request, repl *caddy.Replacer, m addrMask) str
 	}
 }
 
-func resolveParts(parts []templatePart, repl *caddy.Replacer, m addrMask) string {
+func resolveParts(parts []templatePart, repl *caddy.Replacer, m clientaddr.Mask) string {
 	var buf [128]byte
 	b := buf[:0]
 	for _, p := range parts {
@@ -107,8 +108,8 @@ func resolveParts(parts []templatePart, repl *caddy.Replacer, m addrMask) string
 			continue
 		}
 		v, _ := repl.GetString(p.variable) // unknown: empty, as ReplaceAll
-		if p.addr != notAddr {
-			b, _ = m.appendMasked(b, v, p.addr)
+		if p.addr != clientaddr.None {
+			b, _ = m.AppendMasked(b, v, p.addr)
 		} else {
 			b = append(b, v...)
 		}
@@ -158,7 +159,7 @@ scan:
 		}
 		lit.WriteString(text[last:i])
 		flush()
-		name, kind := addrPlaceholder(text[i+1 : end])
+		name, kind := clientaddr.Placeholder(text[i+1 : end])
 		parts = append(parts, templatePart{variable: name, addr: kind})
 		i = end
 		last = i + 1
@@ -188,8 +189,8 @@ func soleVariable(tmpl string) string {
 func (p *Policy) identityOf(raw string) string {
 	t := p.keyTmpl
 	switch {
-	case t.addr != notAddr:
-		return p.addrMask.masked(raw, t.addr)
+	case t.addr != clientaddr.None:
+		return p.addrMask.Masked(raw, t.addr)
 	case t.parts != nil:
 		if vals, ok := splitParts(t.parts, raw); ok {
 			var b []byte
@@ -197,8 +198,8 @@ func (p *Policy) identityOf(raw string) string {
 				switch {
 				case part.variable == "":
 					b = append(b, part.literal...)
-				case part.addr != notAddr:
-					b, _ = p.addrMask.appendMasked(b, vals[i], part.addr)
+				case part.addr != clientaddr.None:
+					b, _ = p.addrMask.AppendMasked(b, vals[i], part.addr)
 				default:
 					b = append(b, vals[i]...)
 				}
@@ -239,7 +240,7 @@ func splitParts(parts []templatePart, raw string) (vals []string, ok bool) {
 			after, ok := strings.CutPrefix(rest, p.literal)
 			return ok && match(i+1, after)
 		}
-		fits := func(v string) bool { return p.addr == notAddr || isAddr(v, p.addr) }
+		fits := func(v string) bool { return p.addr == clientaddr.None || clientaddr.Valid(v, p.addr) }
 		if i+1 == len(parts) {
 			vals[i] = rest
 			return fits(rest)

@@ -47,7 +47,7 @@ func (c callStats) merge(o callStats) callStats {
 // decide makes the request's decision (admit), in a rate_limit.decide span
 // when the request is traced. It returns the shed policy whose adaptive
 // limit turned the request away, if one did.
-func (h *Handler) decide(r *http.Request, res *reservation) (shedBy *Policy) {
+func (h *Handler) decide(r *http.Request, res *admission) (shedBy *Policy) {
 	parent := trace.SpanFromContext(r.Context())
 	if !parent.IsRecording() {
 		return h.admit(r, res)
@@ -61,7 +61,7 @@ func (h *Handler) decide(r *http.Request, res *reservation) (shedBy *Policy) {
 }
 
 // traceDecision sets the span's attributes from the decision.
-func (h *Handler) traceDecision(span trace.Span, res *reservation, shedBy *Policy) {
+func (h *Handler) traceDecision(span trace.Span, res *admission, shedBy *Policy) {
 	if shedBy != nil { // an adaptive limit, on this instance alone
 		span.SetAttributes(
 			attribute.StringSlice("rate_limit.policies", []string{shedBy.Name}),
@@ -127,7 +127,7 @@ func (h *Handler) traceDecision(span trace.Span, res *reservation, shedBy *Polic
 
 // storeKind names the store that decided: redis, in_process, local (the
 // on_error local fallback) or none (fail_open, fail_closed).
-func (h *Handler) storeKind(res *reservation) string {
+func (h *Handler) storeKind(res *admission) string {
 	switch {
 	case res.decidedBy == nil:
 		return "none"

@@ -269,7 +269,7 @@ func TestFloodOneKey(t *testing.T) {
 		// The bucket refills from its first decision, which came before the
 		// first answer (and after the start), until the last decision:
 		// requests sent within lastSent can be admitted; a denial's answer
-		// may come later (see pacing.go). The last admission was decided
+		// may come later (see internal/pace). The last admission was decided
 		// before its answer arrived: on a loaded machine, after lastSent.
 		budget, most := 10+20*(f.lastSent-f.firstAnswer).Seconds(), 10+20*f.lastAdmitted.Seconds()
 		got := f.admitted["attacker"]
@@ -548,7 +548,7 @@ func retryHerd(t *testing.T, extra map[string]any) (retries int, retriesPerSecon
 	// The busiest 100 ms window of each whole second after the first, as a
 	// share of that second's retries; not the last second, whose retries'
 	// responses may come after the run ended (a denial may be answered up
-	// to a second after it is made, see pacing.go), unrecorded.
+	// to a second after it is made, see internal/pace), unrecorded.
 	busiest, busiestAt := 0.0, 0
 	var perSecond []string
 	for s := 1; s < int(elapsed/time.Second)-1; s++ {

@@ -22,9 +22,9 @@
 --          interval  µs per token under the current config (slots: the
 --                    lease)
 --          burst     capacity in tokens (slots: how many)
---          slack     µs a TAT may run beyond a full refill (reserved slots,
+--          slack     µs a TAT may run beyond a full refill (reserved turns,
 --                    debt)
---          amount    take, check: the cost; adjust: tokens charged (> 0)
+--          amount    take, check: the cost; adjust: the delta, tokens charged (> 0)
 --                    or given back (< 0); slots: the lease's member (a
 --                    string); free: the µs a lease must have left to be kept
 --          wait      take: µs ahead a slot may be reserved (policy `wait`);
@@ -441,13 +441,13 @@ while arg <= n_args do
           value = pcall_('GET', key)
         end
         if value then
-          local tat, held = stored(key, value, interval)
+          local tat, written = stored(key, value, interval) -- written: its interval, or what is in the way
           if tat then
-            tat_now[bucket], interval_now[bucket], tat_stored[bucket], interval_stored[bucket] = tat, held, tat, held
-          elseif held == 0 then
+            tat_now[bucket], interval_now[bucket], tat_stored[bucket], interval_stored[bucket] = tat, written, tat, written
+          elseif written == 0 then
             replace[bucket] = true
           else
-            bad[bucket] = held
+            bad[bucket] = written
           end
         end
       end
@@ -480,8 +480,9 @@ while arg <= n_args do
         end
         after[i] = tat + amount * interval
       elseif code == ADJUST then
+        local delta = amount -- tokens charged (> 0) or given back (< 0): Go's bucketRequest.delta
         slack = slack or A[arg + 3]
-        after[i] = min(tat + amount * interval, now + tau + slack)
+        after[i] = min(tat + delta * interval, now + tau + slack)
         if after[i] <= now then after[i] = 0 end -- never beyond a full bucket
       end
     elseif code >= QUOTA then
@@ -546,11 +547,11 @@ while arg <= n_args do
       if not argat then argat, expired = {}, {} end
       if not bursts then bursts, slacks = {}, {} end
       argat[i], bursts[i] = arg, burst
-      local held, gone = slots(key, now)
-      at[i], before[i], expired[i] = 0, held or 0, gone or 0
-      if not held then
+      local leases, gone = slots(key, now)
+      at[i], before[i], expired[i] = 0, leases or 0, gone or 0
+      if not leases then
         allowed[i], status = WRONGTYPE, WRONGTYPE
-      elseif code == ACQUIRE and held >= burst then
+      elseif code == ACQUIRE and leases >= burst then
         allowed[i] = 0
         if status == 1 and op % 2 == 0 then status = 0 end -- unless shadow
       end

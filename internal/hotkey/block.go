@@ -10,8 +10,8 @@
 // TAT it leaves is at most tau (burst × interval) ahead of now, or tau plus
 // a wait when the take may reserve future tokens. A block of B tokens taken
 // from a TAT base (the TAT before, or now when that is in the past) holds
-// the slots base + (j+1)·interval, j = 0 … B−1; slot s may be spent from
-// the store's time s − tau on, exactly when a request taking it alone would
+// the tokens due at base + (j+1)·interval, j = 0 … B−1; one due at s may be
+// spent from the store's time s − tau on, exactly when a request taking it alone would
 // have been admitted. However other instances take, reserve or give back,
 // the tokens spent by any time t are then at most burst + rate × (t − t0):
 // admitted never exceeds the budget.
@@ -35,8 +35,8 @@ type Block struct {
 // after which the reply came back, and interval and tau the limit the take
 // was decided under. The store read its clock before it replied, so at
 // local time L its clock reads at least redisNow + (L − received): token j,
-// whose slot the bucket lets go at the store's time base + (j+1)·interval
-// − tau, may go here once that bound reaches it. A later received only
+// due at base + (j+1)·interval and let go by the bucket at the store's time
+// base + (j+1)·interval − tau, may go here once that bound reaches it. A later received only
 // makes the schedule later.
 func Schedule(tatBefore, redisNow, received, interval, tau int64) int64 {
 	base := max(tatBefore, redisNow)

@@ -6,8 +6,8 @@ import "sync"
 // within about a window of its rate passing the threshold.
 const Window = 100_000
 
-// Estimator estimates the rate of a stream of events (decisions on a key)
-// and of their amounts (the tokens they asked for): a sliding window made
+// Estimator estimates the rate of a stream of decisions (on a key) and of
+// their amounts (the tokens they asked for): a sliding window made
 // of the current window's count and the last one's, weighed by how much
 // of the last one the sliding window still covers.
 type Estimator struct {
@@ -36,7 +36,7 @@ func (e *Estimator) roll(now int64) {
 	e.start = now - gone%Window
 }
 
-// Add counts one event of the given amount at now.
+// Add counts one decision of the given amount at now.
 func (e *Estimator) Add(amount, now int64) {
 	e.roll(now)
 	e.curN++
@@ -44,20 +44,20 @@ func (e *Estimator) Add(amount, now int64) {
 	e.any = true
 }
 
-// Rate is the events and the amount per second at now.
-func (e *Estimator) Rate(now int64) (events, amount float64) {
+// Rate is the decisions and the amount per second at now.
+func (e *Estimator) Rate(now int64) (decisions, amount float64) {
 	e.roll(now)
 	if !e.any {
 		return 0, 0
 	}
 	cover := 1 - float64(now-e.start)/Window // of the last window
-	events = (float64(e.prevN)*cover + float64(e.curN)) * 1e6 / Window
+	decisions = (float64(e.prevN)*cover + float64(e.curN)) * 1e6 / Window
 	amount = (float64(e.prevA)*cover + float64(e.curA)) * 1e6 / Window
-	return events, amount
+	return decisions, amount
 }
 
-// idle reports whether the estimator counted at most one event over the
-// last two windows: its slot may go to another key.
+// idle reports whether the estimator counted at most one decision over
+// the last two windows: its entry may go to another key.
 func (e *Estimator) idle(now int64) bool {
 	e.roll(now)
 	return e.prevN+e.curN <= 1
@@ -65,24 +65,24 @@ func (e *Estimator) idle(now int64) bool {
 
 // Rates estimates the decision rate of each key an instance decides, in a
 // fixed table: memory is bounded whatever the number of keys. A key that
-// finds both its slots taken by keys busier than one event per two windows
-// is not tracked (its rate reads 0) until one of them quiets down: a key
-// can become hot only while fewer than the table's slots are busy.
+// finds both its entries taken by keys busier than one decision per two
+// windows is not tracked (its rate reads 0) until one of them quiets down:
+// a key can become hot only while fewer than the table's entries are busy.
 type Rates struct {
 	shards [rateShards]rateShard
 }
 
 const (
-	rateShards = 32
-	rateSlots  = 32 // per shard: 1,024 keys tracked at once
+	rateShards  = 32
+	rateEntries = 32 // per shard: 1,024 keys tracked at once
 )
 
 type rateShard struct {
-	mu    sync.Mutex
-	slots [rateSlots]rateSlot
+	mu      sync.Mutex
+	entries [rateEntries]rateEntry
 }
 
-type rateSlot struct {
+type rateEntry struct {
 	id  uint64
 	est Estimator
 	// contended is the local µs until which the key counts as hot whatever
@@ -90,21 +90,22 @@ type rateSlot struct {
 	contended int64
 }
 
-// slot returns the slot tracking id, taking a free one for it when there
-// is one; nil when neither of its two slots can be had. s.mu is held.
-func (s *rateShard) slot(id uint64, now int64) *rateSlot {
-	a, b := &s.slots[(id>>8)%rateSlots], &s.slots[(id>>16)%rateSlots]
+// entry returns the entry tracking id, taking a free one for it when
+// there is one; nil when neither of its two entries can be had. s.mu is
+// held.
+func (s *rateShard) entry(id uint64, now int64) *rateEntry {
+	a, b := &s.entries[(id>>8)%rateEntries], &s.entries[(id>>16)%rateEntries]
 	switch {
 	case a.id == id && a.est.started:
 		return a
 	case b.id == id && b.est.started:
 		return b
 	case !a.est.started || a.est.idle(now) && a.contended <= now:
-		*a = rateSlot{id: id}
+		*a = rateEntry{id: id}
 		a.est.roll(now)
 		return a
 	case !b.est.started || b.est.idle(now) && b.contended <= now:
-		*b = rateSlot{id: id}
+		*b = rateEntry{id: id}
 		b.est.roll(now)
 		return b
 	}
@@ -113,18 +114,18 @@ func (s *rateShard) slot(id uint64, now int64) *rateSlot {
 
 // Observe counts a decision of the given amount on key id at now and
 // returns the key's estimator (a copy, to read its rates from) and whether
-// it is contended; tracked is false when the key has no slot (its rates
+// it is contended; tracked is false when the key has no entry (its rates
 // read 0).
 func (r *Rates) Observe(id uint64, amount, now int64) (est Estimator, contended, tracked bool) {
 	s := &r.shards[id%rateShards]
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	sl := s.slot(id, now)
-	if sl == nil {
+	en := s.entry(id, now)
+	if en == nil {
 		return Estimator{}, false, false
 	}
-	sl.est.Add(amount, now)
-	return sl.est, sl.contended > now, true
+	en.est.Add(amount, now)
+	return en.est, en.contended > now, true
 }
 
 // Contend marks key id contended until the local µs until: another
@@ -135,7 +136,7 @@ func (r *Rates) Contend(id uint64, until, now int64) {
 	s := &r.shards[id%rateShards]
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if sl := s.slot(id, now); sl != nil {
-		sl.contended = max(sl.contended, until)
+	if en := s.entry(id, now); en != nil {
+		en.contended = max(en.contended, until)
 	}
 }

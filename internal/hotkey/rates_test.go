@@ -7,12 +7,12 @@ import (
 
 func TestEstimator(t *testing.T) {
 	for _, tc := range []struct {
-		name   string
-		every  int64 // µs between events
-		amount int64
-		for_   int64 // µs of events
-		at     int64 // read at (after the start)
-		events float64
+		name      string
+		every     int64 // µs between decisions
+		amount    int64
+		for_      int64 // µs of decisions
+		at        int64 // read at (after the start)
+		decisions float64
 	}{
 		{"1,000 a second, steady", 1_000, 1, 1_000_000, 1_000_000, 1_000},
 		{"5,000 a second of cost 3", 200, 3, 500_000, 500_000, 5_000},
@@ -24,19 +24,19 @@ func TestEstimator(t *testing.T) {
 			for at := int64(0); at < tc.for_; at += tc.every {
 				e.Add(tc.amount, at)
 			}
-			events, amount := e.Rate(tc.at)
-			if math.Abs(events-tc.events) > 0.03*tc.events+1 {
-				t.Errorf("%.1f events/s, want %.1f", events, tc.events)
+			decisions, amount := e.Rate(tc.at)
+			if math.Abs(decisions-tc.decisions) > 0.03*tc.decisions+1 {
+				t.Errorf("%.1f decisions/s, want %.1f", decisions, tc.decisions)
 			}
-			if math.Abs(amount-float64(tc.amount)*tc.events) > 0.03*float64(tc.amount)*tc.events+1 {
-				t.Errorf("amount %.1f/s, want %.1f", amount, float64(tc.amount)*tc.events)
+			if math.Abs(amount-float64(tc.amount)*tc.decisions) > 0.03*float64(tc.amount)*tc.decisions+1 {
+				t.Errorf("amount %.1f/s, want %.1f", amount, float64(tc.amount)*tc.decisions)
 			}
 		})
 	}
 }
 
 // TestRatesBounded: however many keys are observed, the table stays its
-// size; a busy key keeps its slot while idle ones come and go, and one
+// size; a busy key keeps its entry while idle ones come and go, and one
 // marked contended keeps its mark.
 func TestRatesBounded(t *testing.T) {
 	var r Rates
@@ -50,9 +50,9 @@ func TestRatesBounded(t *testing.T) {
 		}
 	}
 	est, _, tracked := r.Observe(hot, 1, now)
-	events, _ := est.Rate(now)
-	if !tracked || math.Abs(events-5_000) > 300 {
-		t.Errorf("the busy key reads %.0f/s among the crowd, want about 5,000", events)
+	decisions, _ := est.Rate(now)
+	if !tracked || math.Abs(decisions-5_000) > 300 {
+		t.Errorf("the busy key reads %.0f/s among the crowd, want about 5,000", decisions)
 	}
 	r.Contend(hot, now+1_000_000, now)
 	if _, contended, _ := r.Observe(hot, 1, now+1); !contended {

@@ -1,4 +1,12 @@
-package ratelimit
+// Package llm reads what an LLM API request and its response say of the
+// tokens they use, without holding either body: the usage a response
+// reports (usage.go), read through its compression (decode.go) as its
+// bytes stream past (Response); what a request asks for, read from its
+// body (Request); and what a response cut before its usage is charged
+// (cut_estimate.go). It knows the formats of OpenAI's chat completions and
+// Responses API and of Anthropic's Messages API, JSON and server-sent
+// events.
+package llm
 
 import (
 	"math"
@@ -490,10 +498,12 @@ func usageSlot(k uint8) int {
 	return -1
 }
 
-// Where a settle reads usage from the body.
+// Provider is whose format a body has: where its usage is read from.
+type Provider int
+
 const (
-	providerOpenAI = iota
-	providerAnthropic
+	OpenAI Provider = iota
+	Anthropic
 )
 
 // usage is the usage the response reported, weighed: for OpenAI,
@@ -504,9 +514,9 @@ const (
 // cache_read_input_tokens), each weighed, the output as the last
 // `message_delta` counts it (the `message_start` event's output_tokens is
 // a first count, not the usage).
-func (f *scanFound) usage(provider int, w weights) (int64, bool) {
+func (f *scanFound) usage(provider Provider, w Weights) (int64, bool) {
 	switch provider {
-	case providerOpenAI:
+	case OpenAI:
 		in, hasIn := f.first(slotUsageInput, slotRespInput)
 		out, hasOut := f.first(slotUsageOutput, slotRespOutput)
 		if w.unit() {
@@ -520,7 +530,7 @@ func (f *scanFound) usage(provider int, w weights) (int64, bool) {
 			cached = min(cached, in)
 			return w.weighParts(in-cached, out, 0, cached), true
 		}
-	case providerAnthropic:
+	case Anthropic:
 		out, hasOut := f.get(slotUsageOutput)
 		in, hasIn := f.first(slotUsageInput, slotMsgInput)
 		if hasOut && hasIn {
@@ -536,56 +546,58 @@ func (f *scanFound) usage(provider int, w weights) (int64, bool) {
 // token for the tokenizers of GPT and Claude models.
 const bytesPerToken = 4
 
-// tokensOf is the estimate for n bytes of text: one token per
+// TokensOf is the estimate for n bytes of text: one token per
 // bytesPerToken bytes, rounded up.
-func tokensOf(n int64) int64 { return (n + bytesPerToken - 1) / bytesPerToken }
+func TokensOf(n int64) int64 { return (n + bytesPerToken - 1) / bytesPerToken }
 
-// weights price input and output tokens apart, and the prompt tokens
-// written to and read from the provider's cache: usage = input × in +
-// output × out + cache writes × cacheWrite + cache reads × cacheRead,
-// rounded up. In millionths, so that decimals such as 0.25 are exact.
-type weights struct{ input, output, cacheWrite, cacheRead int64 }
+// Weights price input and output tokens apart, and the prompt tokens
+// written to and read from the provider's cache: usage = input × Input +
+// output × Output + cache writes × CacheWrite + cache reads × CacheRead,
+// rounded up. In millionths (WeightUnit), so that decimals such as 0.25
+// are exact.
+type Weights struct{ Input, Output, CacheWrite, CacheRead int64 }
 
-const weightUnit = 1_000_000
+// WeightUnit is a weight of 1.
+const WeightUnit = 1_000_000
 
-// unitWeights counts every token once.
-var unitWeights = weights{weightUnit, weightUnit, weightUnit, weightUnit}
+// UnitWeights counts every token once.
+var UnitWeights = Weights{WeightUnit, WeightUnit, WeightUnit, WeightUnit}
 
-// defaultWeights is w with the defaults of the cache's weights where w has
-// -1: a cache write counts as input (Anthropic's input-token rate limits
-// count them); a cache read counts as input for OpenAI (its rate limits
-// count cached tokens as any prompt's), nothing for Anthropic (its
-// input-token rate limits do not count them).
-func defaultWeights(from string, w weights) weights {
-	if w.cacheWrite < 0 {
-		w.cacheWrite = w.input
+// Defaults is w with the defaults of the cache's weights, for provider p,
+// where w has -1: a cache write counts as input (Anthropic's input-token
+// rate limits count them); a cache read counts as input for OpenAI (its
+// rate limits count cached tokens as any prompt's), nothing for Anthropic
+// (its input-token rate limits do not count them).
+func (w Weights) Defaults(p Provider) Weights {
+	if w.CacheWrite < 0 {
+		w.CacheWrite = w.Input
 	}
 	switch {
-	case from == settleAnthropic && w.cacheRead < 0:
-		w.cacheRead = 0
-	case w.cacheRead < 0:
-		w.cacheRead = w.input
+	case p == Anthropic && w.CacheRead < 0:
+		w.CacheRead = 0
+	case w.CacheRead < 0:
+		w.CacheRead = w.Input
 	}
 	return w
 }
 
 // unit reports whether every token of an OpenAI usage counts once, as
 // its total_tokens counts them.
-func (w weights) unit() bool {
-	return w.input == weightUnit && w.output == weightUnit && w.cacheRead == weightUnit
+func (w Weights) unit() bool {
+	return w.Input == WeightUnit && w.Output == WeightUnit && w.CacheRead == WeightUnit
 }
 
 // weigh is in × input + out × output tokens, rounded up, saturating at
 // the largest int64 (a usage that large is capped by settle max anyway).
-func (w weights) weigh(in, out int64) int64 { return w.weighParts(in, out, 0, 0) }
+func (w Weights) weigh(in, out int64) int64 { return w.weighParts(in, out, 0, 0) }
 
 // weighParts weighs a usage's parts: input, output, cache writes and cache
 // reads.
-func (w weights) weighParts(in, out, written, read int64) int64 {
-	s := saturatingAdd(saturatingAdd(saturatingMul(in, w.input), saturatingMul(out, w.output)),
-		saturatingAdd(saturatingMul(written, w.cacheWrite), saturatingMul(read, w.cacheRead)))
-	q := s / weightUnit
-	if s%weightUnit != 0 {
+func (w Weights) weighParts(in, out, written, read int64) int64 {
+	s := saturatingAdd(saturatingAdd(saturatingMul(in, w.Input), saturatingMul(out, w.Output)),
+		saturatingAdd(saturatingMul(written, w.CacheWrite), saturatingMul(read, w.CacheRead)))
+	q := s / WeightUnit
+	if s%WeightUnit != 0 {
 		q++
 	}
 	return q

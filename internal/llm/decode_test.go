@@ -1,4 +1,4 @@
-package ratelimit
+package llm
 
 import (
 	"bytes"
@@ -13,64 +13,18 @@ import (
 	"github.com/andybalholm/brotli"
 	"github.com/klauspost/compress/gzip"
 	"github.com/klauspost/compress/zstd"
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/llm/llmtest"
 )
 
-// encodeTest compresses body in the coding, flushing after each flushEvery
-// bytes as a streaming server does (0: never).
-func encodeTest(t testing.TB, coding contentCoding, body string, flushEvery int) []byte {
-	t.Helper()
-	var buf bytes.Buffer
-	var w io.WriteCloser
-	var flush func() error
-	switch coding {
-	case codingGzip:
-		zw := gzip.NewWriter(&buf)
-		w, flush = zw, zw.Flush
-	case codingDeflate: // zlib, as HTTP's deflate is
-		zw := zlib.NewWriter(&buf)
-		w, flush = zw, zw.Flush
-	case codingBrotli:
-		bw := brotli.NewWriterOptions(&buf, brotli.WriterOptions{Quality: 5, LGWin: 22})
-		w, flush = bw, bw.Flush
-	case codingZstd:
-		zw, err := zstd.NewWriter(&buf, zstd.WithWindowSize(1<<20))
-		if err != nil {
-			t.Fatal(err)
-		}
-		w, flush = zw, zw.Flush
-	default:
-		return []byte(body)
-	}
-	for len(body) > 0 {
-		n := len(body)
-		if flushEvery > 0 {
-			n = min(n, flushEvery)
-		}
-		if _, err := io.WriteString(w, body[:n]); err != nil {
-			t.Fatal(err)
-		}
-		body = body[n:]
-		if flushEvery > 0 {
-			if err := flush(); err != nil {
-				t.Fatal(err)
-			}
-		}
-	}
-	if err := w.Close(); err != nil {
-		t.Fatal(err)
-	}
-	return buf.Bytes()
-}
-
-// watchBody feeds a compressed body to a bodyWatch as the handler would,
+// watchBody feeds a compressed body to a Response as the handler would,
 // in chunks, then ends it.
-func watchBody(coding, contentType string, body []byte, chunk int) *bodyWatch {
-	b := new(bodyWatch)
-	b.start(map[string][]string{"Content-Encoding": {coding}, "Content-Type": {contentType}})
+func watchBody(coding, contentType string, body []byte, chunk int) *Response {
+	b := new(Response)
+	b.Start(map[string][]string{"Content-Encoding": {coding}, "Content-Type": {contentType}})
 	for i := 0; i < len(body); i += chunk {
 		b.Write(body[i:min(i+chunk, len(body))])
 	}
-	b.finish()
+	b.Finish()
 	return b
 }
 
@@ -90,15 +44,15 @@ func TestDecodedUsage(t *testing.T) {
 		name     string
 		sse      bool
 		text     string
-		provider int
+		provider Provider
 		usage    int64
 	}{
-		{"openai chat JSON", false, openaiChatJSON, providerOpenAI, 29},
-		{"openai chat SSE", true, openaiChatSSE, providerOpenAI, 12},
-		{"openai responses JSON", false, openaiResponsesJSON, providerOpenAI, 123},
-		{"openai responses SSE", true, openaiResponsesSSE, providerOpenAI, 48},
-		{"anthropic JSON", false, anthropicJSON, providerAnthropic, 18},
-		{"anthropic SSE", true, anthropicSSE, providerAnthropic, 40},
+		{"openai chat JSON", false, llmtest.OpenAIChatJSON, OpenAI, 29},
+		{"openai chat SSE", true, llmtest.OpenAIChatSSE, OpenAI, 12},
+		{"openai responses JSON", false, llmtest.OpenAIResponsesJSON, OpenAI, 123},
+		{"openai responses SSE", true, llmtest.OpenAIResponsesSSE, OpenAI, 48},
+		{"anthropic JSON", false, llmtest.AnthropicJSON, Anthropic, 18},
+		{"anthropic SSE", true, llmtest.AnthropicSSE, Anthropic, 40},
 	} {
 		ct := "application/json"
 		if body.sse {
@@ -107,13 +61,13 @@ func TestDecodedUsage(t *testing.T) {
 		plain := scanAll(body.text, body.sse, len(body.text))
 		for _, c := range testCodings {
 			for _, flushEvery := range []int{0, 60} {
-				encoded := encodeTest(t, c.coding, body.text, flushEvery)
+				encoded := llmtest.Encode(t, c.name, body.text, flushEvery)
 				for _, chunk := range []int{len(encoded), 1, 7, 100} {
 					b := watchBody(c.name, ct, encoded, chunk)
-					u, ok := b.scan.found.usage(body.provider, unitWeights)
-					if !ok || u != body.usage || b.scan.found != plain.found || b.unreadable() != nil {
+					u, ok := b.scan.found.usage(body.provider, UnitWeights)
+					if !ok || u != body.usage || b.scan.found != plain.found || b.Unreadable() != nil {
 						t.Errorf("%s in %s (flushed every %d, written in chunks of %d): usage %d %v, unreadable %v; found %+v, plain %+v",
-							body.name, c.name, flushEvery, chunk, u, ok, b.unreadable(), b.scan.found, plain.found)
+							body.name, c.name, flushEvery, chunk, u, ok, b.Unreadable(), b.scan.found, plain.found)
 					}
 				}
 			}
@@ -126,11 +80,11 @@ func TestDecodedUsage(t *testing.T) {
 func TestDecodeRawDeflate(t *testing.T) {
 	var buf bytes.Buffer
 	fw, _ := flate.NewWriter(&buf, flate.DefaultCompression)
-	_, _ = io.WriteString(fw, openaiChatJSON)
+	_, _ = io.WriteString(fw, llmtest.OpenAIChatJSON)
 	_ = fw.Close()
 	b := watchBody("deflate", "application/json", buf.Bytes(), 5)
-	if u, ok := b.scan.found.usage(providerOpenAI, unitWeights); !ok || u != 29 || b.unreadable() != nil {
-		t.Fatalf("raw deflate: usage %d %v, unreadable %v", u, ok, b.unreadable())
+	if u, ok := b.scan.found.usage(OpenAI, UnitWeights); !ok || u != 29 || b.Unreadable() != nil {
+		t.Fatalf("raw deflate: usage %d %v, unreadable %v", u, ok, b.Unreadable())
 	}
 }
 
@@ -138,20 +92,20 @@ func TestDecodeRawDeflate(t *testing.T) {
 // usage: an unknown coding, corrupt data, a window larger than the 8 MiB
 // read. A body cut short is not unreadable: what came is read.
 func TestDecodeUnreadable(t *testing.T) {
-	gz := encodeTest(t, codingGzip, openaiChatSSE, 0)
+	gz := llmtest.Encode(t, "gzip", llmtest.OpenAIChatSSE, 0)
 	corrupt := bytes.Clone(gz)
 	for i := 20; i < len(corrupt)-8; i += 3 {
 		corrupt[i] ^= 0x5a
 	}
 	var bigZstd bytes.Buffer // streamed (flushed), so the frame declares its window, not its size
 	zw, _ := zstd.NewWriter(&bigZstd, zstd.WithWindowSize(16<<20))
-	_, _ = io.WriteString(zw, openaiChatSSE)
+	_, _ = io.WriteString(zw, llmtest.OpenAIChatSSE)
 	_ = zw.Flush()
-	_, _ = io.WriteString(zw, openaiChatSSE)
+	_, _ = io.WriteString(zw, llmtest.OpenAIChatSSE)
 	_ = zw.Close()
 	var bigBrotli bytes.Buffer
 	bw := brotli.NewWriterOptions(&bigBrotli, brotli.WriterOptions{Quality: 5, LGWin: 24})
-	_, _ = io.WriteString(bw, openaiChatSSE)
+	_, _ = io.WriteString(bw, llmtest.OpenAIChatSSE)
 	_ = bw.Close()
 	var bomb bytes.Buffer // 32 MiB of zeros, in some kilobytes
 	zb, _ := zstd.NewWriter(&bomb)
@@ -165,26 +119,26 @@ func TestDecodeUnreadable(t *testing.T) {
 		{"an unknown coding", "compress", gz},
 		{"two codings", "gzip, br", gz},
 		{"corrupt gzip", "gzip", corrupt},
-		{"gzip that is not gzip", "gzip", []byte(openaiChatSSE)},
-		{"zstd that is not zstd", "zstd", []byte(openaiChatSSE)},
-		{"brotli that is not brotli", "br", []byte(openaiChatSSE)},
-		{"deflate that is not deflate", "deflate", []byte(openaiChatSSE)},
+		{"gzip that is not gzip", "gzip", []byte(llmtest.OpenAIChatSSE)},
+		{"zstd that is not zstd", "zstd", []byte(llmtest.OpenAIChatSSE)},
+		{"brotli that is not brotli", "br", []byte(llmtest.OpenAIChatSSE)},
+		{"deflate that is not deflate", "deflate", []byte(llmtest.OpenAIChatSSE)},
 		{"a zstd window of 16 MiB", "zstd", bigZstd.Bytes()},
 		{"a brotli window of 16 MiB", "br", bigBrotli.Bytes()},
 	} {
 		b := watchBody(tc.coding, "text/event-stream", tc.body, 64)
-		if _, ok := b.scan.found.usage(providerOpenAI, unitWeights); ok || b.unreadable() == nil {
-			t.Errorf("%s: usage found %v, unreadable %v: want no usage, and why", tc.name, ok, b.unreadable())
+		if _, ok := b.scan.found.usage(OpenAI, UnitWeights); ok || b.Unreadable() == nil {
+			t.Errorf("%s: usage found %v, unreadable %v: want no usage, and why", tc.name, ok, b.Unreadable())
 		} else {
-			t.Logf("%s: %v", tc.name, b.unreadable())
+			t.Logf("%s: %v", tc.name, b.Unreadable())
 		}
 	}
 	// Cut before its end: read as far as it came.
 	for _, c := range testCodings[1:] {
-		encoded := encodeTest(t, c.coding, openaiChatSSE, 60)
+		encoded := llmtest.Encode(t, c.name, llmtest.OpenAIChatSSE, 60)
 		b := watchBody(c.name, "text/event-stream", encoded[:len(encoded)*3/4], 9)
-		if _, ok := b.scan.found.usage(providerOpenAI, unitWeights); ok || b.unreadable() != nil || b.scan.found.text != int64(len("Hello there")) {
-			t.Errorf("%s cut at 3/4: usage %v, unreadable %v, %d bytes of text: want no usage, readable, the text", c.name, ok, b.unreadable(), b.scan.found.text)
+		if _, ok := b.scan.found.usage(OpenAI, UnitWeights); ok || b.Unreadable() != nil || b.scan.found.text != int64(len("Hello there")) {
+			t.Errorf("%s cut at 3/4: usage %v, unreadable %v, %d bytes of text: want no usage, readable, the text", c.name, ok, b.Unreadable(), b.scan.found.text)
 		}
 	}
 }
@@ -210,15 +164,15 @@ func TestDecodeStreams(t *testing.T) {
 			zw, _ := zstd.NewWriter(&buf)
 			w, flush = zw, zw.Flush
 		}
-		b := new(bodyWatch)
-		b.start(map[string][]string{"Content-Encoding": {c.name}, "Content-Type": {"text/event-stream"}})
-		_, _ = io.WriteString(w, openaiChatSSE)
+		b := new(Response)
+		b.Start(map[string][]string{"Content-Encoding": {c.name}, "Content-Type": {"text/event-stream"}})
+		_, _ = io.WriteString(w, llmtest.OpenAIChatSSE)
 		_ = flush()
 		b.Write(buf.Bytes())
-		if u, ok := b.scan.found.usage(providerOpenAI, unitWeights); !ok || u != 12 {
+		if u, ok := b.scan.found.usage(OpenAI, UnitWeights); !ok || u != 12 {
 			t.Errorf("%s: usage %d %v once the events were flushed, before the end of the body", c.name, u, ok)
 		}
-		b.finish()
+		b.Finish()
 	}
 }
 
@@ -237,7 +191,7 @@ func TestDecodeMemory(t *testing.T) {
 	event := "data: {\"choices\":[{\"delta\":{\"content\":\"" + strings.Repeat("token ", 40) + "\"}}]}\n\n"
 	body := strings.Repeat(event, size/len(event)) + "data: {\"choices\":[],\"usage\":{\"total_tokens\":77}}\n\n"
 	for _, c := range testCodings[1:] {
-		encoded := encodeTest(t, c.coding, body, 16<<10)
+		encoded := llmtest.Encode(t, c.name, body, 16<<10)
 		var before, after runtime.MemStats
 		runtime.GC()
 		runtime.ReadMemStats(&before)
@@ -245,7 +199,7 @@ func TestDecodeMemory(t *testing.T) {
 		runtime.ReadMemStats(&after)
 		allocated := after.TotalAlloc - before.TotalAlloc
 		t.Logf("%s: %d MiB decoded from %d KiB in 4 KiB writes: %d KiB allocated", c.name, len(body)>>20, len(encoded)>>10, allocated>>10)
-		if u, ok := b.scan.found.usage(providerOpenAI, unitWeights); !ok || u != 77 {
+		if u, ok := b.scan.found.usage(OpenAI, UnitWeights); !ok || u != 77 {
 			t.Fatalf("%s: usage %d %v", c.name, u, ok)
 		}
 		bound := uint64(256 << 10) // gzip and deflate: a 32 KiB window
@@ -264,14 +218,14 @@ func TestDecodeMemory(t *testing.T) {
 // TestDecodeNoLeak: a decoder's coroutine ends with its response, ended
 // early or not, finished or never started: none is left running.
 func TestDecodeNoLeak(t *testing.T) {
-	encoded := encodeTest(t, codingGzip, openaiChatSSE, 60)
+	encoded := llmtest.Encode(t, "gzip", llmtest.OpenAIChatSSE, 60)
 	base := runtime.NumGoroutine()
 	for i := range 200 {
-		b := new(bodyWatch)
-		b.start(map[string][]string{"Content-Encoding": {"gzip"}})
+		b := new(Response)
+		b.Start(map[string][]string{"Content-Encoding": {"gzip"}})
 		b.Write(encoded[:i%len(encoded)])
-		b.finish()
-		b.finish() // twice: as the handler's deferred end after charge
+		b.Finish()
+		b.Finish() // twice: as the handler's deferred end after charge
 	}
 	deadline := time.Now().Add(5 * time.Second)
 	for runtime.NumGoroutine() > base {
@@ -307,7 +261,7 @@ func TestReadableAcceptEncoding(t *testing.T) {
 		{"*", ""},
 		{"identity", "identity"},
 	} {
-		got, changed := readableAcceptEncoding(tc.in)
+		got, changed := ReadableAcceptEncoding(tc.in)
 		if got != tc.out || changed != (tc.in != tc.out) {
 			t.Errorf("Accept-Encoding %q: %q (changed %v), want %q", tc.in, got, changed, tc.out)
 		}
@@ -331,9 +285,9 @@ func TestBrotliWindowBits(t *testing.T) {
 // BenchmarkDecodedScan: what reading the usage of a gzip stream costs per
 // byte, against the plain scan.
 func BenchmarkDecodedScan(b *testing.B) {
-	body := strings.Repeat(openaiChatSSE, 50)
+	body := strings.Repeat(llmtest.OpenAIChatSSE, 50)
 	for _, c := range testCodings {
-		encoded := encodeTest(b, c.coding, body, 200)
+		encoded := llmtest.Encode(b, c.name, body, 200)
 		b.Run(c.name, func(b *testing.B) {
 			b.SetBytes(int64(len(body)))
 			b.ReportAllocs()
@@ -349,8 +303,8 @@ func BenchmarkDecodedScan(b *testing.B) {
 // negative usage; and whatever body is compressed, in whatever chunks it
 // is written, it reads what the plain body says.
 func FuzzBodyDecoder(f *testing.F) {
-	f.Add([]byte(openaiChatSSE), uint8(1), uint8(7), true)
-	f.Add([]byte(anthropicJSON), uint8(3), uint8(1), false)
+	f.Add([]byte(llmtest.OpenAIChatSSE), uint8(1), uint8(7), true)
+	f.Add([]byte(llmtest.AnthropicJSON), uint8(3), uint8(1), false)
 	f.Add([]byte("\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\xff"), uint8(1), uint8(2), false)
 	f.Add([]byte("\x28\xb5\x2f\xfd\x00\x58"), uint8(4), uint8(3), true)
 	f.Add([]byte{0x8b, 0x02, 0x80}, uint8(3), uint8(1), false)
@@ -363,13 +317,13 @@ func FuzzBodyDecoder(f *testing.F) {
 		}
 		// The bytes as they came, under the coding.
 		b := watchBody(c.name, ct, data, n)
-		if u, ok := b.scan.found.usage(providerOpenAI, unitWeights); ok && u < 0 {
+		if u, ok := b.scan.found.usage(OpenAI, UnitWeights); ok && u < 0 {
 			t.Fatalf("usage %d", u)
 		}
 		// The bytes as a body, compressed.
 		plain := scanAll(string(data), sse, len(data)+1)
-		if b := watchBody(c.name, ct, encodeTest(t, c.coding, string(data), 0), n); b.unreadable() != nil || b.scan.found != plain.found {
-			t.Fatalf("%s in chunks of %d: unreadable %v, found %+v, plain %+v", c.name, n, b.unreadable(), b.scan.found, plain.found)
+		if b := watchBody(c.name, ct, llmtest.Encode(t, c.name, string(data), 0), n); b.Unreadable() != nil || b.scan.found != plain.found {
+			t.Fatalf("%s in chunks of %d: unreadable %v, found %+v, plain %+v", c.name, n, b.Unreadable(), b.scan.found, plain.found)
 		}
 	})
 }

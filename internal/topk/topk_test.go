@@ -1,6 +1,7 @@
-package ratelimit
+package topk
 
 import (
+	"hash/maphash"
 	"strconv"
 	"testing"
 	"time"
@@ -11,20 +12,21 @@ import (
 // forgets what is older than its window.
 func TestTopDenied(t *testing.T) {
 	now := time.Unix(1_000_000, 0)
-	top := newTopDenied()
+	top := New()
 	top.now = func() time.Time { return now }
-	id := func(s string) bucketID { return topIDs.of(s) }
+	seed1, seed2 := maphash.MakeSeed(), maphash.MakeSeed()
+	id := func(s string) [2]uint64 { return [2]uint64{maphash.String(seed1, s), maphash.String(seed2, s)} }
 	for i := range 100_000 {
 		v := "visitor-" + strconv.Itoa(i)
-		top.record(id(v), v, v)
+		top.Record(id(v), v, v)
 		if i%20 == 0 {
-			top.record(id("abuser"), "k-abuser", "abuser")
+			top.Record(id("abuser"), "k-abuser", "abuser")
 		}
 		if i%50 == 0 {
-			top.record(id("second"), "k-second", "second")
+			top.Record(id("second"), "k-second", "second")
 		}
 	}
-	got, truncated := top.top(3)
+	got, truncated := top.Top(3)
 	if len(got) != 3 || got[0].Identity != "abuser" || got[1].Identity != "second" {
 		t.Fatalf("top 3: %+v, want abuser then second", got)
 	}
@@ -35,14 +37,14 @@ func TestTopDenied(t *testing.T) {
 		t.Fatalf("abuser: %d denials (error %d), want a count bounding the true 5,000", got[0].Denials, got[0].Error)
 	}
 	for _, s := range top.minutes {
-		if len(s.counters) > topCounters {
-			t.Fatalf("a summary holds %d counters, bound %d", len(s.counters), topCounters)
+		if len(s.counters) > maxCounters {
+			t.Fatalf("a summary holds %d counters, bound %d", len(s.counters), maxCounters)
 		}
 	}
 	long := string(make([]byte, 10_000))
-	top.record(id(long), "k-long", long)
-	now = now.Add(topWindow + time.Minute)
-	if got, truncated := top.top(10); len(got) != 0 || truncated {
+	top.Record(id(long), "k-long", long)
+	now = now.Add(Window + time.Minute)
+	if got, truncated := top.Top(10); len(got) != 0 || truncated {
 		t.Fatalf("after the window: %+v (truncated %v), want nothing", got, truncated)
 	}
 
@@ -50,21 +52,21 @@ func TestTopDenied(t *testing.T) {
 	for i := range 3 {
 		v := "few-" + strconv.Itoa(i)
 		for range i + 1 {
-			top.record(id(v), v, v)
+			top.Record(id(v), v, v)
 		}
 	}
-	if got, truncated := top.top(3); len(got) != 3 || truncated || got[0].Identity != "few-2" {
+	if got, truncated := top.Top(3); len(got) != 3 || truncated || got[0].Identity != "few-2" {
 		t.Errorf("top 3 of 3: %+v, truncated %v", got, truncated)
 	}
-	if got, truncated := top.top(2); len(got) != 2 || !truncated {
+	if got, truncated := top.Top(2); len(got) != 2 || !truncated {
 		t.Errorf("top 2 of 3: %+v, truncated %v, want truncated", got, truncated)
 	}
 	// One minute of more identities than the sketch holds: some forgotten.
-	for i := range topCounters + 1 {
+	for i := range maxCounters + 1 {
 		v := "many-" + strconv.Itoa(i)
-		top.record(id(v), v, v)
+		top.Record(id(v), v, v)
 	}
-	if got, truncated := top.top(1000); !truncated || len(got) > topCounters+3 {
-		t.Errorf("%d identities in a minute: %d listed, truncated %v, want truncated", topCounters+1, len(got), truncated)
+	if got, truncated := top.Top(1000); !truncated || len(got) > maxCounters+3 {
+		t.Errorf("%d identities in a minute: %d listed, truncated %v, want truncated", maxCounters+1, len(got), truncated)
 	}
 }

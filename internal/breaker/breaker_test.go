@@ -1,4 +1,4 @@
-package ratelimit
+package breaker
 
 import (
 	"fmt"
@@ -9,19 +9,19 @@ import (
 )
 
 // TestBreaker walks the circuit breaker through its states on a clock the
-// test moves: it opens after breakerFailures failed calls in a row spanning
-// breakerSpan, lets nothing through for breakerCooldown, then one probe at
+// test moves: it opens after Failures failed calls in a row spanning
+// Span, lets nothing through for Cooldown, then one probe at
 // a time, and closes on a successful probe.
 func TestBreaker(t *testing.T) {
 	now := time.Unix(1000, 0)
 	var changes []string
-	b := newBreaker(func(from, to breakerState) { changes = append(changes, from.String()+"->"+to.String()) })
+	b := New(func(from, to State) { changes = append(changes, from.String()+"->"+to.String()) })
 	b.now = func() time.Time { return now }
-	pass := func(outcome callResult) bool {
+	pass := func(outcome Result) bool {
 		t.Helper()
-		gen, ok := b.allow()
+		gen, ok := b.Allow()
 		if ok {
-			b.done(gen, outcome)
+			b.Done(gen, outcome)
 		}
 		return ok
 	}
@@ -29,13 +29,13 @@ func TestBreaker(t *testing.T) {
 	// Failures that are not consecutive, or that say nothing about Redis, do
 	// not open it.
 	for range 3 {
-		for range breakerFailures - 1 {
-			if !pass(callFailed) {
+		for range Failures - 1 {
+			if !pass(Failed) {
 				t.Fatal("refused while closed")
 			}
 		}
-		pass(callIgnored)
-		pass(callAnswered)
+		pass(Ignored)
+		pass(Answered)
 	}
 	if len(changes) != 0 {
 		t.Fatalf("changed state after interleaved failures: %v", changes)
@@ -43,52 +43,52 @@ func TestBreaker(t *testing.T) {
 
 	// Calls that were in flight together when one connection was cut fail
 	// in the same instant: however many, they are one event.
-	for range 20 * breakerFailures {
-		pass(callFailed)
+	for range 20 * Failures {
+		pass(Failed)
 	}
-	if len(changes) != 0 || !pass(callAnswered) {
-		t.Fatalf("opened on %d calls that failed at once: %v", 20*breakerFailures, changes)
+	if len(changes) != 0 || !pass(Answered) {
+		t.Fatalf("opened on %d calls that failed at once: %v", 20*Failures, changes)
 	}
 
-	// Failures in a row over breakerSpan open it.
-	for i := range breakerFailures {
+	// Failures in a row over Span open it.
+	for i := range Failures {
 		if i > 0 {
-			now = now.Add(breakerSpan / (breakerFailures - 1))
+			now = now.Add(Span / (Failures - 1))
 		}
-		pass(callFailed)
+		pass(Failed)
 	}
-	if pass(callAnswered) {
-		t.Fatalf("let a decision through right after %d failures (%v)", breakerFailures, changes)
+	if pass(Answered) {
+		t.Fatalf("let a decision through right after %d failures (%v)", Failures, changes)
 	}
-	now = now.Add(breakerCooldown - time.Millisecond)
-	if pass(callAnswered) {
+	now = now.Add(Cooldown - time.Millisecond)
+	if pass(Answered) {
 		t.Fatal("let a decision through before the cooldown ended")
 	}
 
 	// Half-open: one probe at a time. It fails: open again for a cooldown.
 	now = now.Add(time.Millisecond)
-	probe, ok := b.allow()
+	probe, ok := b.Allow()
 	if !ok {
 		t.Fatal("no probe after the cooldown")
 	}
-	if _, ok := b.allow(); ok {
+	if _, ok := b.Allow(); ok {
 		t.Fatal("a second decision went with the probe out")
 	}
-	b.done(probe, callFailed)
-	if pass(callAnswered) {
+	b.Done(probe, Failed)
+	if pass(Answered) {
 		t.Fatal("let a decision through after the probe failed")
 	}
 
 	// A probe whose client went away frees the slot for another probe,
 	// whose success closes the breaker.
-	now = now.Add(breakerCooldown)
-	probe, _ = b.allow()
-	b.done(probe, callIgnored)
-	if !pass(callAnswered) {
+	now = now.Add(Cooldown)
+	probe, _ = b.Allow()
+	b.Done(probe, Ignored)
+	if !pass(Answered) {
 		t.Fatal("no second probe after an ignored one")
 	}
 	for range 10 {
-		if !pass(callAnswered) {
+		if !pass(Answered) {
 			t.Fatal("refused after it closed")
 		}
 	}
@@ -103,31 +103,31 @@ func TestBreaker(t *testing.T) {
 // extend the cooldown, and a late success does not close it.
 func TestBreakerStaleOutcomes(t *testing.T) {
 	now := time.Unix(1000, 0)
-	b := newBreaker(nil)
+	b := New(nil)
 	b.now = func() time.Time { return now }
 	var inFlight []uint64
-	for range 2 * breakerFailures {
-		gen, _ := b.allow()
+	for range 2 * Failures {
+		gen, _ := b.Allow()
 		inFlight = append(inFlight, gen)
 	}
-	for _, gen := range inFlight[:breakerFailures] {
-		b.done(gen, callFailed)
-		now = now.Add(breakerSpan)
+	for _, gen := range inFlight[:Failures] {
+		b.Done(gen, Failed)
+		now = now.Add(Span)
 	}
-	now = now.Add(breakerCooldown)
-	probe, ok := b.allow()
+	now = now.Add(Cooldown)
+	probe, ok := b.Allow()
 	if !ok {
 		t.Fatal("no probe after the cooldown")
 	}
-	for _, gen := range inFlight[breakerFailures:] {
-		b.done(gen, callAnswered) // late: from before it opened
+	for _, gen := range inFlight[Failures:] {
+		b.Done(gen, Answered) // late: from before it opened
 	}
-	if breakerState(b.state.Load()) != breakerHalfOpen {
-		t.Fatalf("state %v after stale successes, want half-open", breakerState(b.state.Load()))
+	if State(b.state.Load()) != HalfOpen {
+		t.Fatalf("state %v after stale successes, want half-open", State(b.state.Load()))
 	}
-	b.done(probe, callAnswered)
-	if breakerState(b.state.Load()) != breakerClosed {
-		t.Fatalf("state %v after a successful probe", breakerState(b.state.Load()))
+	b.Done(probe, Answered)
+	if State(b.state.Load()) != Closed {
+		t.Fatalf("state %v after a successful probe", State(b.state.Load()))
 	}
 }
 
@@ -136,8 +136,8 @@ func TestBreakerStaleOutcomes(t *testing.T) {
 func TestBreakerConcurrent(t *testing.T) {
 	var mu sync.Mutex
 	opened := 0
-	b := newBreaker(func(from, to breakerState) {
-		if to == breakerOpen && from == breakerClosed {
+	b := New(func(from, to State) {
+		if to == Open && from == Closed {
 			mu.Lock()
 			opened++
 			mu.Unlock()
@@ -153,8 +153,8 @@ func TestBreakerConcurrent(t *testing.T) {
 		go func() {
 			defer wg.Done()
 			for range 200 {
-				if gen, ok := b.allow(); ok {
-					b.done(gen, callFailed)
+				if gen, ok := b.Allow(); ok {
+					b.Done(gen, Failed)
 				}
 			}
 		}()
@@ -170,7 +170,7 @@ func TestBreakerConcurrent(t *testing.T) {
 		through.Add(1)
 		go func() {
 			defer through.Done()
-			if gen, ok := b.allow(); ok {
+			if gen, ok := b.Allow(); ok {
 				got <- gen
 			}
 		}()

@@ -1,4 +1,10 @@
-package ratelimit
+// Package shed is the adaptive, per-instance part of a shed policy
+// (shed { latency D }): how many requests this instance lets in flight,
+// learned from the latency of the requests it passed, with priority classes
+// that keep the last places for the higher classes. No Redis: each
+// instance measures what it sees. The policy's side (its config, the
+// request path, metrics) is the root's shed_policy.go.
+package shed
 
 import (
 	"fmt"
@@ -11,21 +17,17 @@ import (
 	"time"
 )
 
-// The adaptive, per-instance part of a shed policy (shed { latency D }):
-// how many requests this instance lets in flight, learned from the latency
-// of the requests it passed, with priority classes that keep the last slots
-// for the higher classes. No Redis: each instance measures what it sees.
-
 // Priority classes: priority <placeholder> { <class> <share>% ... }, highest
 // first. A share is kept in basis points (1/100 of a percent), so a class's
 // slots are integer arithmetic that the script can repeat exactly for
 // shed { concurrent N }.
 
-const shareWhole = 10000 // 100%
+// Whole is a share of 100%, in basis points.
+const Whole = 10000
 
-// parseShare reads a class's share: "80%", "12.5%" (at most two decimals),
+// ParseShare reads a class's share: "80%", "12.5%" (at most two decimals),
 // above 0% and at most 100%. It returns basis points.
-func parseShare(s string) (int64, error) {
+func ParseShare(s string) (int64, error) {
 	num, ok := strings.CutSuffix(s, "%")
 	if !ok {
 		return 0, fmt.Errorf("share %q: want a percentage such as 80%%", s)
@@ -37,29 +39,29 @@ func parseShare(s string) (int64, error) {
 	w, _ := strconv.ParseInt(whole, 10, 64)
 	f, _ := strconv.ParseInt((frac + "00")[:2], 10, 64)
 	bp := w*100 + f
-	if bp <= 0 || bp > shareWhole {
+	if bp <= 0 || bp > Whole {
 		return 0, fmt.Errorf("share %q: want a percentage above 0%% and at most 100%%", s)
 	}
 	return bp, nil
 }
 
-// shedClasses are a policy's priority classes, highest first. A value that
+// Classes are a policy's priority classes, highest first. A value that
 // names no class (empty, unknown, hostile) is the lowest class.
-type shedClasses struct {
+type Classes struct {
 	names  []string
 	shares []int64 // basis points, strictly decreasing
 	index  map[string]int
 }
 
-// newShedClasses checks the classes as configured: at least one, names
-// non-empty and distinct, shares (basis points, from parseShare) above 0,
+// NewClasses checks the classes as configured: at least one, names
+// non-empty and distinct, shares (basis points, from ParseShare) above 0,
 // at most 100% and strictly decreasing. Without a priority block a policy
-// has one class: newShedClasses([]string{""}, []int64{shareWhole}).
-func newShedClasses(names []string, shares []int64) (*shedClasses, error) {
+// has one class: NewClasses([]string{""}, []int64{Whole}).
+func NewClasses(names []string, shares []int64) (*Classes, error) {
 	if len(names) == 0 || len(names) != len(shares) {
 		return nil, fmt.Errorf("priority: want one share per class, at least one class")
 	}
-	c := &shedClasses{names: names, shares: shares, index: make(map[string]int, len(names))}
+	c := &Classes{names: names, shares: shares, index: make(map[string]int, len(names))}
 	for i, name := range names {
 		if name == "" && len(names) > 1 {
 			return nil, fmt.Errorf("priority: class %d has no name", i+1)
@@ -68,44 +70,52 @@ func newShedClasses(names []string, shares []int64) (*shedClasses, error) {
 			return nil, fmt.Errorf("priority: class %q is listed twice", name)
 		}
 		c.index[name] = i
-		if shares[i] <= 0 || shares[i] > shareWhole {
+		if shares[i] <= 0 || shares[i] > Whole {
 			return nil, fmt.Errorf("priority: class %q: share must be above 0%% and at most 100%%", name)
 		}
 		if i > 0 && shares[i] >= shares[i-1] {
 			return nil, fmt.Errorf("priority: class %q: share %s is not below %q's %s: list classes highest first, shares decreasing",
-				name, shareString(shares[i]), names[i-1], shareString(shares[i-1]))
+				name, FormatShare(shares[i]), names[i-1], FormatShare(shares[i-1]))
 		}
 	}
 	return c, nil
 }
 
-func shareString(bp int64) string {
+// FormatShare writes a share in basis points as a percentage: 80%, 12.5%.
+func FormatShare(bp int64) string {
 	if bp%100 == 0 {
 		return strconv.FormatInt(bp/100, 10) + "%"
 	}
 	return strconv.FormatFloat(float64(bp)/100, 'f', -1, 64) + "%"
 }
 
-// of is the class of a request's priority value: its index, or the lowest
+// Of is the class of a request's priority value: its index, or the lowest
 // class's when the value names none.
-func (c *shedClasses) of(value string) int {
+func (c *Classes) Of(value string) int {
 	if i, ok := c.index[value]; ok {
 		return i
 	}
 	return len(c.names) - 1
 }
 
-// name is a class's configured name: a metric label may carry it.
-func (c *shedClasses) name(class int) string { return c.names[class] }
+// Name is a class's configured name: a metric label may carry it.
+func (c *Classes) Name(class int) string { return c.names[class] }
 
-// classSlots is how many requests, all classes together, may be in flight
+// Names are the classes' names, highest first; not to be changed.
+func (c *Classes) Names() []string { return c.names }
+
+// Shares are the classes' shares in basis points, highest first; not to be
+// changed.
+func (c *Classes) Shares() []int64 { return c.shares }
+
+// ClassLimit is how many requests, all classes together, may be in flight
 // when one of a class with share bp is admitted, out of limit: its share,
 // rounded down, so the last slots stay for the higher classes; but the
 // highest class (top) always gets at least floor, however small its share.
 // The same rule serves shed { concurrent N } (with floor 1).
-func classSlots(limit, bp int64, top bool, floor int64) int64 {
-	n := limit / shareWhole * bp // exact for a large limit, no overflow
-	n += limit % shareWhole * bp / shareWhole
+func ClassLimit(limit, bp int64, top bool, floor int64) int64 {
+	n := limit / Whole * bp // exact for a large limit, no overflow
+	n += limit % Whole * bp / Whole
 	if top {
 		n = max(n, min(floor, limit))
 	}
@@ -153,7 +163,7 @@ func classSlots(limit, bp int64, top bool, floor int64) int64 {
 //
 // Each move goes half way (Gradient2 smooths by 0.2; half is quicker to
 // recover and still damps the window's lag), so a decision takes at most a
-// quarter off; the limit stays within [shedFloor, shedCeiling].
+// quarter off; the limit stays within [minLimit, maxLimit].
 //
 // Why p90 and p95, not Envoy's p50: queueing delays every request, so the
 // tail sees it as early as the median does, and the latency a tenth of the
@@ -165,29 +175,29 @@ func classSlots(limit, bp int64, top bool, floor int64) int64 {
 //
 // A window lasts 2·D (WindowedLimit waits twice the sample latency, so a
 // window sees requests admitted under the last limit), between 10 ms and
-// 1 s, and decides on at least shedMinSamples latencies, or on any after
+// 1 s, and decides on at least minSamples latencies, or on any after
 // ten windows' time at a trickle. It closes early, once D has passed, when
-// more than a tenth of shedMinSamples or more exceed D: an overload's first
+// more than a tenth of minSamples or more exceed D: an overload's first
 // window does not wait its full length, and a decrease is never decided on
 // latencies that all finished within D of the last one. It keeps at most
-// shedSamples latencies (reservoir sampling): fixed memory whatever the
+// maxSamples latencies (reservoir sampling): fixed memory whatever the
 // rate.
 const (
-	shedFloor      = 4    // the least the limit goes to: the highest class always has that many slots
-	shedInitial    = 20   // the limit before any window (Gradient2's initial limit)
-	shedCeiling    = 1000 // the most the limit grows to (Envoy's default max_concurrency_limit)
-	shedSamples    = 256  // latencies kept per window: 2 KiB
-	shedMinSamples = 10   // a window decides on at least this many (WindowedLimit's windowSize)
-	shedSmoothing  = 0.5  // how far a window moves the limit towards its new value
-	shedMinWindow  = 10 * time.Millisecond
-	shedMaxWindow  = time.Second
-	shedLowTraffic = 10 // windows' time after which fewer samples decide
+	minLimit   = 4    // the least the limit goes to: the highest class always has that many slots
+	Initial    = 20   // the limit before any window (Gradient2's initial limit)
+	maxLimit   = 1000 // the most the limit grows to (Envoy's default max_concurrency_limit)
+	maxSamples = 256  // latencies kept per window: 2 KiB
+	minSamples = 10   // a window decides on at least this many (WindowedLimit's windowSize)
+	smoothing  = 0.5  // how far a window moves the limit towards its new value
+	minWindow  = 10 * time.Millisecond
+	maxWindow  = time.Second
+	lowTraffic = 10 // windows' time after which fewer samples decide
 )
 
-// shedLimiter is one shed policy's adaptive in-flight limit on this
-// instance. admit costs an atomic load and a compare-and-swap, done an
+// Limiter is one shed policy's adaptive in-flight limit on this
+// instance. Admit costs an atomic load and a compare-and-swap, Done an
 // atomic add and a short mutex; safe for concurrent use.
-type shedLimiter struct {
+type Limiter struct {
 	target time.Duration
 	window time.Duration
 	shares []int64 // basis points, highest class first
@@ -201,7 +211,7 @@ type shedLimiter struct {
 	estimate  float64   // the limit, unrounded
 	congested bool      // a window was above the target: slow start is over
 	start     time.Time // of the window
-	samples   [shedSamples]time.Duration
+	samples   [maxSamples]time.Duration
 	kept      int   // samples[:kept] hold latencies
 	seen      int   // latencies offered in this window
 	over      int   // of which above the target
@@ -209,48 +219,54 @@ type shedLimiter struct {
 	rng       uint64
 }
 
-// newShedLimiter makes the controller of shed { latency target } for the
-// classes' shares (basis points, highest first: shedClasses.shares, or
-// []int64{shareWhole} without classes). now is the clock: time.Now outside
+// NewLimiter makes the controller of shed { latency target } for the
+// classes' shares (basis points, highest first: Classes.Shares, or
+// []int64{Whole} without classes). now is the clock: time.Now outside
 // tests.
-func newShedLimiter(target time.Duration, shares []int64, now func() time.Time) *shedLimiter {
-	l := &shedLimiter{
+func NewLimiter(target time.Duration, shares []int64, now func() time.Time) *Limiter {
+	l := &Limiter{
 		target:   target,
-		window:   min(max(2*target, shedMinWindow), shedMaxWindow),
+		window:   min(max(2*target, minWindow), maxWindow),
 		shares:   shares,
 		now:      now,
-		estimate: shedInitial,
+		estimate: Initial,
 		rng:      0x9e3779b97f4a7c15,
 	}
-	l.current.Store(shedInitial)
+	l.current.Store(Initial)
 	return l
 }
 
-// limit is the current adaptive limit: caddy_rate_limit_shed_limit.
-func (l *shedLimiter) limit() int64 { return l.current.Load() }
+// Target is the latency the limiter keeps its upstream within: its D.
+func (l *Limiter) Target() time.Duration { return l.target }
 
-// inFlight is how many admitted requests have not finished.
-func (l *shedLimiter) inFlight() int64 { return l.inflight.Load() }
+// Shares are the classes' shares it was made for; not to be changed.
+func (l *Limiter) Shares() []int64 { return l.shares }
+
+// Limit is the current adaptive limit: caddy_rate_limit_shed_limit.
+func (l *Limiter) Limit() int64 { return l.current.Load() }
+
+// InFlight is how many admitted requests have not finished.
+func (l *Limiter) InFlight() int64 { return l.inflight.Load() }
 
 // slots is how many may be in flight, all classes together, when a request
 // of class is admitted. A class out of range is the lowest.
-func (l *shedLimiter) slots(class int) int64 {
+func (l *Limiter) slots(class int) int64 {
 	if class < 0 || class >= len(l.shares) {
 		class = len(l.shares) - 1
 	}
-	return classSlots(l.current.Load(), l.shares[class], class == 0, shedFloor)
+	return ClassLimit(l.current.Load(), l.shares[class], class == 0, minLimit)
 }
 
-// shedTicket is an admitted request's slot. Exactly one of done or cancel
+// Ticket is an admitted request's slot. Exactly one of Done or Cancel
 // must be called on it, once.
-type shedTicket struct {
-	l     *shedLimiter
+type Ticket struct {
+	l     *Limiter
 	start time.Time
 }
 
-// admit lets a request of class in while fewer than its class's slots are
+// Admit lets a request of class in while fewer than its class's slots are
 // in flight. Shed (false) otherwise.
-func (l *shedLimiter) admit(class int) (shedTicket, bool) {
+func (l *Limiter) Admit(class int) (Ticket, bool) {
 	n := l.slots(class)
 	for {
 		in := l.inflight.Load()
@@ -258,17 +274,17 @@ func (l *shedLimiter) admit(class int) (shedTicket, bool) {
 			if !l.denied.Load() { // one store per window, not a shared write per shed request
 				l.denied.Store(true)
 			}
-			return shedTicket{}, false
+			return Ticket{}, false
 		}
 		if l.inflight.CompareAndSwap(in, in+1) {
-			return shedTicket{l: l, start: l.now()}, true
+			return Ticket{l: l, start: l.now()}, true
 		}
 	}
 }
 
-// done frees the slot when the handler chain has returned and counts the
+// Done frees the slot when the handler chain has returned and counts the
 // time since admission as a latency sample.
-func (t shedTicket) done() {
+func (t Ticket) Done() {
 	l := t.l
 	now := l.now()
 	in := l.inflight.Add(-1) + 1
@@ -277,29 +293,39 @@ func (t shedTicket) done() {
 	l.mu.Unlock()
 }
 
-// cancel frees the slot of a request that never reached the upstream (a
+// Cancel frees the slot of a request that never reached the upstream (a
 // policy decided with this one denied it): no latency sample.
-func (t shedTicket) cancel() { t.l.inflight.Add(-1) }
+func (t Ticket) Cancel() { t.l.inflight.Add(-1) }
 
-// passed restarts the ticket's clock when its request is passed on: the
+// Passed restarts the ticket's clock when its request is passed on: the
 // latency the controller learns from is the upstream's, not the time the
 // request spent being decided (a Redis call, a `wait` of another policy).
 // The slot is held from admission all the same.
-func (t *shedTicket) passed() { t.start = t.l.now() }
+func (t *Ticket) Passed() { t.start = t.l.now() }
 
-// resume starts the limit where another limiter of the same policy left it:
+// Resume starts the limit where another limiter of the same policy left it:
 // a reload that changes the policy's target or classes keeps what was
 // learned of the upstream.
-func (l *shedLimiter) resume(limit int64) {
+func (l *Limiter) Resume(limit int64) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	l.estimate = float64(min(max(limit, shedFloor), shedCeiling))
+	l.estimate = float64(min(max(limit, minLimit), maxLimit))
 	l.current.Store(int64(l.estimate))
+}
+
+// Latencies are the latencies the current window holds (every one up to
+// maxSamples, in the order taken; a uniform sample past that), a copy:
+// what its decision will read. For tests of what a policy's requests make
+// the limiter measure.
+func (l *Limiter) Latencies() []time.Duration {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return slices.Clone(l.samples[:l.kept])
 }
 
 // record takes one latency, finished at now with inflight in flight
 // (itself included), and closes the window when it is due. Under l.mu.
-func (l *shedLimiter) record(now time.Time, latency time.Duration, inflight int64) {
+func (l *Limiter) record(now time.Time, latency time.Duration, inflight int64) {
 	if l.start.IsZero() {
 		l.start = now
 	}
@@ -315,9 +341,9 @@ func (l *shedLimiter) record(now time.Time, latency time.Duration, inflight int6
 	}
 	l.peak = max(l.peak, inflight)
 	elapsed := now.Sub(l.start)
-	due := elapsed >= l.window && l.seen >= shedMinSamples ||
-		elapsed >= shedLowTraffic*l.window ||
-		elapsed >= l.target && l.over >= shedMinSamples && l.over*10 > l.seen
+	due := elapsed >= l.window && l.seen >= minSamples ||
+		elapsed >= lowTraffic*l.window ||
+		elapsed >= l.target && l.over >= minSamples && l.over*10 > l.seen
 	if !due {
 		return
 	}
@@ -331,7 +357,7 @@ func (l *shedLimiter) record(now time.Time, latency time.Duration, inflight int6
 // adapt moves the limit once per window from its latencies' p90 and p95,
 // its throughput (finished per second), the most it saw in flight and
 // whether it shed any.
-func (l *shedLimiter) adapt(p90, p95 time.Duration, throughput float64, peak int64, denied bool) {
+func (l *Limiter) adapt(p90, p95 time.Duration, throughput float64, peak int64, denied bool) {
 	est := l.estimate
 	next := est
 	switch {
@@ -344,14 +370,14 @@ func (l *shedLimiter) adapt(p90, p95 time.Duration, throughput float64, peak int
 			next = max(next, min(2*est, 2*float64(peak)))
 		}
 	}
-	est += (next - est) * shedSmoothing
-	est = min(max(est, shedFloor), shedCeiling)
+	est += (next - est) * smoothing
+	est = min(max(est, minLimit), maxLimit)
 	l.estimate = est
 	l.current.Store(int64(est))
 }
 
 // random is uniform in [0, n): xorshift64*, under l.mu.
-func (l *shedLimiter) random(n int) int {
+func (l *Limiter) random(n int) int {
 	l.rng ^= l.rng >> 12
 	l.rng ^= l.rng << 25
 	l.rng ^= l.rng >> 27

@@ -1,18 +1,8 @@
-package ratelimit
-
-import (
-	"fmt"
-	"math"
-	"sync"
-	"sync/atomic"
-	"time"
-	_ "time/tzdata" // zones without /usr/share/zoneinfo: a scratch container works
-)
-
-// Calendar periods of a quota: the minute, hour, day, week (from Monday),
-// month or year that a zone's wall clock shows. Redis has no time zones, so
-// Go computes the boundaries around its own clock and the script picks, on
-// Redis TIME, the period it is in (periodBounds).
+// Package calendar computes the calendar periods of a quota: the minute,
+// hour, day, week (from Monday), month or year that a zone's wall clock
+// shows. Redis has no time zones, so Go computes the boundaries around its
+// own clock and the script picks, on Redis TIME, the period it is in
+// (Bounds).
 //
 // A boundary is the first instant at which the zone's wall clock reaches the
 // new unit, and the period of an instant is the latest unit the wall clock
@@ -29,50 +19,63 @@ import (
 // All of it is done on the zone's spans of constant offset (ZoneBounds),
 // never with time.Date on a local time, whose result for a time the clock
 // skips or repeats is not guaranteed.
+package calendar
 
-// periodUnit is the calendar unit of a quota: quota <N>/<unit>.
-type periodUnit uint8
-
-const (
-	periodMinute periodUnit = iota + 1
-	periodHour
-	periodDay
-	periodWeek
-	periodMonth
-	periodYear
+import (
+	"fmt"
+	"math"
+	"sync"
+	"sync/atomic"
+	"time"
+	_ "time/tzdata" // zones without /usr/share/zoneinfo: a scratch container works
 )
 
-var periodUnitNames = [...]string{
-	periodMinute: "minute",
-	periodHour:   "hour",
-	periodDay:    "day",
-	periodWeek:   "week",
-	periodMonth:  "month",
-	periodYear:   "year",
+// Unit is the calendar unit of a quota: quota <N>/<unit>.
+type Unit uint8
+
+const (
+	Minute Unit = iota + 1
+	Hour
+	Day
+	Week
+	Month
+	Year
+)
+
+var unitNames = [...]string{
+	Minute: "minute",
+	Hour:   "hour",
+	Day:    "day",
+	Week:   "week",
+	Month:  "month",
+	Year:   "year",
 }
 
-func (u periodUnit) String() string {
-	if u < periodMinute || u > periodYear {
-		return fmt.Sprintf("periodUnit(%d)", uint8(u))
+func (u Unit) String() string {
+	if u < Minute || u > Year {
+		return fmt.Sprintf("Unit(%d)", uint8(u))
 	}
-	return periodUnitNames[u]
+	return unitNames[u]
 }
 
-// parsePeriodUnit reads the unit of quota <N>/<unit>: exactly one of the
+// UnitNames are the units' names, minute to year: what ParseUnit reads.
+func UnitNames() []string { return append([]string(nil), unitNames[Minute:]...) }
+
+// ParseUnit reads the unit of quota <N>/<unit>: exactly one of the
 // names, lower case, singular.
-func parsePeriodUnit(s string) (periodUnit, error) {
-	for u := periodMinute; u <= periodYear; u++ {
-		if s == periodUnitNames[u] {
+func ParseUnit(s string) (Unit, error) {
+	for u := Minute; u <= Year; u++ {
+		if s == unitNames[u] {
 			return u, nil
 		}
 	}
 	return 0, fmt.Errorf("unknown calendar period %q: want minute, hour, day, week, month or year", s)
 }
 
-// parseTimezone loads an IANA zone name (America/New_York, UTC). An empty
+// ParseZone loads an IANA zone name (America/New_York, UTC). An empty
 // name is UTC, the default. "Local" is refused: the period would depend on
 // the machine each instance runs on.
-func parseTimezone(name string) (*time.Location, error) {
+func ParseZone(name string) (*time.Location, error) {
 	if name == "" {
 		return time.UTC, nil
 	}
@@ -101,19 +104,19 @@ func floorDiv(a, b int64) int64 {
 }
 
 // truncate is the start, in wall seconds, of the unit holding wall second w.
-func (u periodUnit) truncate(w int64) int64 {
+func (u Unit) truncate(w int64) int64 {
 	switch u {
-	case periodMinute:
+	case Minute:
 		return floorDiv(w, 60) * 60
-	case periodHour:
+	case Hour:
 		return floorDiv(w, 3600) * 3600
-	case periodDay:
+	case Day:
 		return floorDiv(w, secondsPerDay) * secondsPerDay
-	case periodWeek:
+	case Week:
 		// Day 0, 1970-01-01, was a Thursday: Mondays are days 4 + 7k.
 		d := floorDiv(w, secondsPerDay)
 		return (floorDiv(d-4, 7)*7 + 4) * secondsPerDay
-	case periodMonth:
+	case Month:
 		y, m, _ := time.Unix(w, 0).UTC().Date()
 		return time.Date(y, m, 1, 0, 0, 0, 0, time.UTC).Unix()
 	default:
@@ -123,17 +126,17 @@ func (u periodUnit) truncate(w int64) int64 {
 
 // next is the start, in wall seconds, of the unit after the one starting
 // at wall second l.
-func (u periodUnit) next(l int64) int64 {
+func (u Unit) next(l int64) int64 {
 	switch u {
-	case periodMinute:
+	case Minute:
 		return l + 60
-	case periodHour:
+	case Hour:
 		return l + 3600
-	case periodDay:
+	case Day:
 		return l + secondsPerDay
-	case periodWeek:
+	case Week:
 		return l + 7*secondsPerDay
-	case periodMonth:
+	case Month:
 		y, m, _ := time.Unix(l, 0).UTC().Date()
 		return time.Date(y, m+1, 1, 0, 0, 0, 0, time.UTC).Unix()
 	default:
@@ -212,33 +215,28 @@ func reached(loc *time.Location, t int64) int64 {
 
 // periodAround is the period of unit u in loc holding unix second t:
 // [start, end) in unix seconds. Boundaries fall on whole seconds.
-func periodAround(u periodUnit, loc *time.Location, t int64) (start, end int64) {
+func periodAround(u Unit, loc *time.Location, t int64) (start, end int64) {
 	l := u.truncate(reached(loc, t))
 	return firstReach(loc, l), firstReach(loc, u.next(l))
 }
 
-// period is one calendar period, [start, end) in Unix microseconds.
-type period struct{ start, end int64 }
+// Period is one calendar period, [Start, End) in Unix microseconds.
+type Period struct{ Start, End int64 }
 
-// periodAt is the period of unit u in loc holding t.
-func periodAt(u periodUnit, loc *time.Location, t time.Time) period {
+// PeriodAt is the period of unit u in loc holding t.
+func PeriodAt(u Unit, loc *time.Location, t time.Time) Period {
 	s, e := periodAround(u, loc, t.Unix())
-	return period{s * 1e6, e * 1e6}
+	return Period{s * 1e6, e * 1e6}
 }
 
-// seconds is the period's length in seconds: the w of RateLimit-Policy.
+// Seconds is the period's length in seconds: the w of RateLimit-Policy.
 // Months, and days across a daylight-saving change, differ.
-func (p period) seconds() int64 { return (p.end - p.start) / 1e6 }
+func (p Period) Seconds() int64 { return (p.End - p.Start) / 1e6 }
 
-// secondsLeft is the whole seconds from nowUS to the period's end, rounded
-// up (a boundary is never announced early): the t of RateLimit, and the
-// least Retry-After of a denied request. 0 at or after the end.
-func (p period) secondsLeft(nowUS int64) int64 { return ceilSeconds(p.end - nowUS) }
-
-// periodText is a period as the admin API's inspect shows it: RFC 3339,
+// PeriodText is a period as the admin API's inspect shows it: RFC 3339,
 // in UTC and in the policy's zone (whose offset tells a repeated wall time
 // apart).
-type periodText struct {
+type PeriodText struct {
 	Start     string `json:"period_start"`
 	End       string `json:"period_end"`
 	StartZone string `json:"period_start_local"`
@@ -246,9 +244,10 @@ type periodText struct {
 	Zone      string `json:"timezone"`
 }
 
-func (p period) text(loc *time.Location) periodText {
-	s, e := time.UnixMicro(p.start), time.UnixMicro(p.end)
-	return periodText{
+// Text is the period as PeriodText shows it, in loc.
+func (p Period) Text(loc *time.Location) PeriodText {
+	s, e := time.UnixMicro(p.Start), time.UnixMicro(p.End)
+	return PeriodText{
 		Start:     s.UTC().Format(time.RFC3339),
 		End:       e.UTC().Format(time.RFC3339),
 		StartZone: s.In(loc).Format(time.RFC3339),
@@ -257,28 +256,28 @@ func (p period) text(loc *time.Location) periodText {
 	}
 }
 
-// periodBounds are four consecutive boundaries b0 < b1 < b2 < b3 in Unix
+// Bounds are four consecutive boundaries b0 < b1 < b2 < b3 in Unix
 // microseconds, around the Go clock's t: [b1, b2) is the period holding t,
 // [b0, b1) the one before it, [b2, b3) the one after. The script reads them
 // as ARGV and picks, on Redis TIME, the i with b[i] <= now < b[i+1]; a
 // Redis clock outside [b0, b3) disagrees with Go's by more than a period,
 // and is an error. So two instances whose clocks are apart (but less than a
 // period) agree on the period: Redis's clock decides it.
-type periodBounds [4]int64
+type Bounds [4]int64
 
-// periodBoundsAt computes the bounds of unit u in loc around t. It costs a
+// BoundsAt computes the bounds of unit u in loc around t. It costs a
 // dozen zone lookups (a few µs): a policy keeps a calendar instead.
-func periodBoundsAt(u periodUnit, loc *time.Location, t time.Time) periodBounds {
+func BoundsAt(u Unit, loc *time.Location, t time.Time) Bounds {
 	s1, e1 := periodAround(u, loc, t.Unix())
 	s0, _ := periodAround(u, loc, s1-1)
 	_, e2 := periodAround(u, loc, e1)
-	return periodBounds{s0 * 1e6, s1 * 1e6, e1 * 1e6, e2 * 1e6}
+	return Bounds{s0 * 1e6, s1 * 1e6, e1 * 1e6, e2 * 1e6}
 }
 
-// pick is what the script does with the bounds: the index i (0, 1 or 2) of
+// Pick is what the script does with the bounds: the index i (0, 1 or 2) of
 // the period [b[i], b[i+1]) holding nowUS, or false when nowUS is outside
 // [b0, b3).
-func (b periodBounds) pick(nowUS int64) (int, bool) {
+func (b Bounds) Pick(nowUS int64) (int, bool) {
 	for i := range 3 {
 		if b[i] <= nowUS && nowUS < b[i+1] {
 			return i, true
@@ -287,11 +286,11 @@ func (b periodBounds) pick(nowUS int64) (int, bool) {
 	return 0, false
 }
 
-// period is the i-th period of the bounds (0, 1 or 2; 1 holds the Go
+// Period is the i-th period of the bounds (0, 1 or 2; 1 holds the Go
 // clock's t).
-func (b periodBounds) period(i int) period { return period{b[i], b[i+1]} }
+func (b Bounds) Period(i int) Period { return Period{b[i], b[i+1]} }
 
-// calendar is a quota policy's unit and zone, with the bounds around the
+// Calendar is a quota policy's unit and zone, with the bounds around the
 // present cached: on a request it costs one atomic load and two
 // comparisons, and computing anew (a few µs, under a mutex so one request
 // does it) happens once a period, when the clock passes a boundary.
@@ -299,26 +298,27 @@ func (b periodBounds) period(i int) period { return period{b[i], b[i+1]} }
 // No margin before a boundary is needed: just before b2 the bounds already
 // hold the next period for a Redis clock that is ahead, and just after it
 // the new bounds still hold the last one for a Redis clock that is behind.
-type calendar struct {
-	unit periodUnit
-	loc  *time.Location
-	span atomic.Pointer[calendarSpan]
-	mu   sync.Mutex // one computes
+type Calendar struct {
+	unit   Unit
+	loc    *time.Location
+	cached atomic.Pointer[cachedBounds]
+	mu     sync.Mutex // one computes
 }
 
-// calendarSpan is five consecutive boundaries p0..p4 (µs). The bounds for a
+// cachedBounds is five consecutive boundaries p0..p4 (µs). The bounds for a
 // t in [p2, p3) are p1..p4 and, for a request that read the clock just
-// before another moved the span on, for a t in [p1, p2): p0..p3.
-type calendarSpan [5]int64
+// before another moved them on, for a t in [p1, p2): p0..p3.
+type cachedBounds [5]int64
 
-func newCalendar(u periodUnit, loc *time.Location) *calendar {
-	return &calendar{unit: u, loc: loc}
+// New makes the calendar of unit u in zone loc.
+func New(u Unit, loc *time.Location) *Calendar {
+	return &Calendar{unit: u, loc: loc}
 }
 
-// bounds is periodBoundsAt(c.unit, c.loc, t), cached. Safe for concurrent use.
-func (c *calendar) bounds(t time.Time) periodBounds {
+// Bounds is BoundsAt(c.unit, c.loc, t), cached. Safe for concurrent use.
+func (c *Calendar) Bounds(t time.Time) Bounds {
 	us := t.UnixMicro()
-	if p := c.span.Load(); p != nil {
+	if p := c.cached.Load(); p != nil {
 		if b, ok := p.bounds(us); ok {
 			return b
 		}
@@ -326,30 +326,30 @@ func (c *calendar) bounds(t time.Time) periodBounds {
 	return c.move(t)
 }
 
-func (p *calendarSpan) bounds(us int64) (periodBounds, bool) {
+func (p *cachedBounds) bounds(us int64) (Bounds, bool) {
 	switch {
 	case p[2] <= us && us < p[3]:
-		return periodBounds{p[1], p[2], p[3], p[4]}, true
+		return Bounds{p[1], p[2], p[3], p[4]}, true
 	case p[1] <= us && us < p[2]:
-		return periodBounds{p[0], p[1], p[2], p[3]}, true
+		return Bounds{p[0], p[1], p[2], p[3]}, true
 	}
-	return periodBounds{}, false
+	return Bounds{}, false
 }
 
-// move centres the span on t's period: when the clock passed p3, or jumped
+// move centres the cached bounds on t's period: when the clock passed p3, or jumped
 // back before p1.
-func (c *calendar) move(t time.Time) periodBounds {
+func (c *Calendar) move(t time.Time) Bounds {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	us := t.UnixMicro()
-	if p := c.span.Load(); p != nil {
+	if p := c.cached.Load(); p != nil {
 		if b, ok := p.bounds(us); ok {
 			return b // another request moved it meanwhile
 		}
 	}
-	b := periodBoundsAt(c.unit, c.loc, t)
+	b := BoundsAt(c.unit, c.loc, t)
 	before, _ := periodAround(c.unit, c.loc, b[0]/1e6-1)
-	p := &calendarSpan{before * 1e6, b[0], b[1], b[2], b[3]}
-	c.span.Store(p)
+	p := &cachedBounds{before * 1e6, b[0], b[1], b[2], b[3]}
+	c.cached.Store(p)
 	return b
 }

@@ -1,4 +1,4 @@
-package ratelimit
+package shed
 
 import (
 	"container/heap"
@@ -15,7 +15,7 @@ import (
 // A deterministic simulation in virtual time: an upstream that serves at
 // most c requests at once at a service time S (the others wait in its FIFO
 // queue), driven open-loop (Poisson arrivals) by classes in a fixed mix,
-// with or without a shedLimiter in front. Nothing sleeps: the limiter reads
+// with or without a Limiter in front. Nothing sleeps: the limiter reads
 // the virtual clock.
 
 type simPhase struct {
@@ -84,7 +84,7 @@ type simEvent struct {
 type simReq struct {
 	class   int
 	arrival time.Duration
-	ticket  shedTicket
+	ticket  Ticket
 	admit   bool
 }
 
@@ -110,7 +110,7 @@ func simulate(cfg simConfig) simResult {
 	rng := rand.New(rand.NewPCG(cfg.seed, 1))
 	base := time.Unix(1_700_000_000, 0)
 	var now time.Duration
-	l := newShedLimiter(cfg.target, cfg.shares, func() time.Time { return base.Add(now) })
+	l := NewLimiter(cfg.target, cfg.shares, func() time.Time { return base.Add(now) })
 	res := simResult{classes: make([]simClass, len(cfg.mix)), lastShed: -1}
 	for i := range res.classes {
 		res.classes[i].firstShed = -1
@@ -161,7 +161,7 @@ func simulate(cfg simConfig) simResult {
 		e := heap.Pop(&events).(simEvent)
 		now = e.at
 		for cfg.traceEvery > 0 && nextTrace <= now {
-			res.trace = append(res.trace, simPoint{nextTrace, l.limit()})
+			res.trace = append(res.trace, simPoint{nextTrace, l.Limit()})
 			nextTrace += cfg.traceEvery
 		}
 		switch e.kind {
@@ -186,12 +186,12 @@ func simulate(cfg simConfig) simResult {
 			}
 			if cfg.shed {
 				if cfg.fixed > 0 {
-					r.admit = fixedInFlight < classSlots(cfg.fixed, cfg.shares[class], class == 0, shedFloor)
+					r.admit = fixedInFlight < ClassLimit(cfg.fixed, cfg.shares[class], class == 0, minLimit)
 					if r.admit {
 						fixedInFlight++
 					}
 				} else {
-					r.ticket, r.admit = l.admit(class)
+					r.ticket, r.admit = l.Admit(class)
 				}
 				if !r.admit {
 					res.sheds = append(res.sheds, now)
@@ -219,7 +219,7 @@ func simulate(cfg simConfig) simResult {
 			case cfg.shed && cfg.fixed > 0:
 				fixedInFlight--
 			case cfg.shed:
-				r.ticket.done()
+				r.ticket.Done()
 			}
 			if inMeasure(r.arrival) {
 				res.classes[r.class].latencies = append(res.classes[r.class].latencies, now-r.arrival)
@@ -517,8 +517,8 @@ func TestShedRecovery(t *testing.T) {
 					low = min(low, p.limit)
 				}
 			}
-			if low != shedFloor {
-				t.Errorf("lowest limit while slow %d, want the floor %d", low, shedFloor)
+			if low != minLimit {
+				t.Errorf("lowest limit while slow %d, want the floor %d", low, minLimit)
 			}
 			recovered := time.Duration(-1)
 			for _, p := range res.trace {
@@ -584,29 +584,29 @@ func TestParseShare(t *testing.T) {
 	}{
 		{"100%", 10000}, {"80%", 8000}, {"50%", 5000}, {"12.5%", 1250}, {"0.01%", 1}, {"7.25%", 725}, {"099%", 9900},
 	} {
-		if got, err := parseShare(c.in); err != nil || got != c.want {
-			t.Errorf("parseShare(%q) = %d, %v; want %d", c.in, got, err, c.want)
+		if got, err := ParseShare(c.in); err != nil || got != c.want {
+			t.Errorf("ParseShare(%q) = %d, %v; want %d", c.in, got, err, c.want)
 		}
 	}
 	for _, in := range []string{"", "%", "80", "0%", "0.00%", "100.01%", "101%", "-5%", "+5%", "1e2%", "12.345%", "12.%", ".5%", "5 %", "½%", "1000%", "80%%", "0x10%"} {
-		if got, err := parseShare(in); err == nil {
-			t.Errorf("parseShare(%q) = %d, want an error", in, got)
+		if got, err := ParseShare(in); err == nil {
+			t.Errorf("ParseShare(%q) = %d, want an error", in, got)
 		}
 	}
 }
 
 func TestShedClasses(t *testing.T) {
-	c, err := newShedClasses([]string{"critical", "default", "batch"}, []int64{10000, 8000, 5000})
+	c, err := NewClasses([]string{"critical", "default", "batch"}, []int64{10000, 8000, 5000})
 	if err != nil {
 		t.Fatal(err)
 	}
 	for value, want := range map[string]int{"critical": 0, "default": 1, "batch": 2, "": 2, "CRITICAL": 2, "unknown": 2, "critical ": 2} {
-		if got := c.of(value); got != want {
+		if got := c.Of(value); got != want {
 			t.Errorf("of(%q) = %d, want %d", value, got, want)
 		}
 	}
-	if c.name(1) != "default" {
-		t.Errorf("name(1) = %q", c.name(1))
+	if c.Name(1) != "default" {
+		t.Errorf("name(1) = %q", c.Name(1))
 	}
 	for _, e := range []struct {
 		name   string
@@ -623,11 +623,11 @@ func TestShedClasses(t *testing.T) {
 		{"equal", []string{"a", "b"}, []int64{8000, 8000}, "not below"},
 		{"unnamed", []string{"a", ""}, []int64{10000, 5000}, "class 2 has no name"},
 	} {
-		if _, err := newShedClasses(e.names, e.shares); err == nil || !strings.Contains(err.Error(), e.want) {
+		if _, err := NewClasses(e.names, e.shares); err == nil || !strings.Contains(err.Error(), e.want) {
 			t.Errorf("%s: error %v, want one saying %q", e.name, err, e.want)
 		}
 	}
-	if _, err := newShedClasses([]string{""}, []int64{shareWhole}); err != nil {
+	if _, err := NewClasses([]string{""}, []int64{Whole}); err != nil {
 		t.Errorf("the one class of a policy without priority: %v", err)
 	}
 }
@@ -652,8 +652,8 @@ func TestClassSlots(t *testing.T) {
 		{"fleet-wide: 12.5% of 7", 7, 1250, false, 1, 0},
 		{"large limit: exact, no overflow", 1 << 62, 3333, false, 1, (1 << 62 / 10000 * 3333) + (1<<62%10000)*3333/10000},
 	} {
-		if got := classSlots(c.limit, c.bp, c.top, c.floor); got != c.want {
-			t.Errorf("%s: classSlots(%d, %d, %v, %d) = %d, want %d", c.name, c.limit, c.bp, c.top, c.floor, got, c.want)
+		if got := ClassLimit(c.limit, c.bp, c.top, c.floor); got != c.want {
+			t.Errorf("%s: ClassLimit(%d, %d, %v, %d) = %d, want %d", c.name, c.limit, c.bp, c.top, c.floor, got, c.want)
 		}
 	}
 }
@@ -662,15 +662,15 @@ func TestClassSlots(t *testing.T) {
 // together) is below its share of the limit; done and cancel free slots.
 func TestShedAdmit(t *testing.T) {
 	clock := &fakeClock{t: time.Unix(1_700_000_000, 0)}
-	l := newShedLimiter(100*time.Millisecond, []int64{10000, 8000, 5000}, clock.now)
-	if l.limit() != shedInitial {
-		t.Fatalf("initial limit %d, want %d", l.limit(), shedInitial)
+	l := NewLimiter(100*time.Millisecond, []int64{10000, 8000, 5000}, clock.now)
+	if l.Limit() != Initial {
+		t.Fatalf("initial limit %d, want %d", l.Limit(), Initial)
 	}
-	var tickets []shedTicket
+	var tickets []Ticket
 	admitAll := func(class int) int {
 		n := 0
 		for {
-			tk, ok := l.admit(class)
+			tk, ok := l.Admit(class)
 			if !ok {
 				return n
 			}
@@ -691,16 +691,16 @@ func TestShedAdmit(t *testing.T) {
 	if n := admitAll(0); n != 4 {
 		t.Errorf("critical admitted %d on top, want 4", n)
 	}
-	if l.inFlight() != 20 {
-		t.Errorf("in flight %d, want 20", l.inFlight())
+	if l.InFlight() != 20 {
+		t.Errorf("in flight %d, want 20", l.InFlight())
 	}
 	if !l.denied.Load() {
 		t.Error("a shed request did not mark the window")
 	}
 	// cancel frees a slot and takes no sample.
-	tickets[len(tickets)-1].cancel()
+	tickets[len(tickets)-1].Cancel()
 	tickets = tickets[:len(tickets)-1]
-	if _, ok := l.admit(0); !ok {
+	if _, ok := l.Admit(0); !ok {
 		t.Error("critical not admitted after a cancel freed a slot")
 	}
 	l.mu.Lock()
@@ -711,15 +711,15 @@ func TestShedAdmit(t *testing.T) {
 	}
 	// done measures the latency on the injected clock.
 	clock.add(70 * time.Millisecond)
-	tickets[0].done()
+	tickets[0].Done()
 	l.mu.Lock()
 	got := l.samples[0]
 	l.mu.Unlock()
 	if got != 70*time.Millisecond {
 		t.Errorf("latency sample %v, want 70ms", got)
 	}
-	if l.inFlight() != 19 {
-		t.Errorf("in flight %d after a cancel, an admit and a done, want 19", l.inFlight())
+	if l.InFlight() != 19 {
+		t.Errorf("in flight %d after a cancel, an admit and a done, want 19", l.InFlight())
 	}
 }
 
@@ -727,7 +727,7 @@ func TestShedAdmit(t *testing.T) {
 // never hold more than the highest class's slots, and leave nothing in
 // flight.
 func TestShedAdmitConcurrent(t *testing.T) {
-	l := newShedLimiter(time.Millisecond, []int64{10000, 5000}, time.Now)
+	l := NewLimiter(time.Millisecond, []int64{10000, 5000}, time.Now)
 	var wg sync.WaitGroup
 	var mu sync.Mutex
 	most := int64(0)
@@ -736,31 +736,31 @@ func TestShedAdmitConcurrent(t *testing.T) {
 		go func() {
 			defer wg.Done()
 			for i := range 3000 {
-				tk, ok := l.admit((g + i) % 2)
+				tk, ok := l.Admit((g + i) % 2)
 				if !ok {
 					continue
 				}
-				in := l.inFlight()
+				in := l.InFlight()
 				mu.Lock()
 				most = max(most, in)
 				mu.Unlock()
 				if i%3 == 0 {
-					tk.cancel()
+					tk.Cancel()
 				} else {
-					tk.done()
+					tk.Done()
 				}
 			}
 		}()
 	}
 	wg.Wait()
-	if l.inFlight() != 0 {
-		t.Errorf("in flight %d after all finished", l.inFlight())
+	if l.InFlight() != 0 {
+		t.Errorf("in flight %d after all finished", l.InFlight())
 	}
-	if most > shedCeiling {
+	if most > maxLimit {
 		t.Errorf("%d in flight at once, above the ceiling", most)
 	}
-	if lim := l.limit(); lim < shedFloor || lim > shedCeiling {
-		t.Errorf("limit %d outside [%d, %d]", lim, shedFloor, shedCeiling)
+	if lim := l.Limit(); lim < minLimit || lim > maxLimit {
+		t.Errorf("limit %d outside [%d, %d]", lim, minLimit, maxLimit)
 	}
 }
 
@@ -775,7 +775,7 @@ type shedWindow struct {
 	shed     bool
 }
 
-func feedShed(l *shedLimiter, now *time.Time, w shedWindow) {
+func feedShed(l *Limiter, now *time.Time, w shedWindow) {
 	if w.shed {
 		l.denied.Store(true)
 	}
@@ -863,17 +863,17 @@ func TestShedController(t *testing.T) {
 		{name: "a slow 15% at a lower throughput (250/s × 100 ms = 25): shrinks towards 25", start: 40, steps: []step{
 			{w: shedWindow{n: 50, span: W, latency: slowShare(D, 15), inflight: 40}, reps: 3, want: []int64{32, 28, 25}},
 		}},
-		{name: "recovers from the floor past 10 in 5 windows (1 s)", start: shedFloor, steps: []step{
+		{name: "recovers from the floor past 10 in 5 windows (1 s)", start: minLimit, steps: []step{
 			{w: shedWindow{n: 40, span: W, latency: constLatency(D / 2), inflight: 10}, reps: 5, want: []int64{5, 6, 7, 8, 10}},
 		}},
-		{name: "never above the ceiling", start: shedCeiling - 3, steps: []step{
-			{w: shedWindow{n: 40, span: W, latency: constLatency(D / 2), inflight: shedCeiling}, reps: 2, want: []int64{shedCeiling, shedCeiling}},
+		{name: "never above the ceiling", start: maxLimit - 3, steps: []step{
+			{w: shedWindow{n: 40, span: W, latency: constLatency(D / 2), inflight: maxLimit}, reps: 2, want: []int64{maxLimit, maxLimit}},
 		}},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
 			now := time.Unix(1_700_000_000, 0)
-			l := newShedLimiter(D, []int64{shareWhole}, func() time.Time { return now })
+			l := NewLimiter(D, []int64{Whole}, func() time.Time { return now })
 			l.estimate = c.start
 			l.current.Store(int64(c.start))
 			l.congested = !c.slowStart
@@ -883,7 +883,7 @@ func TestShedController(t *testing.T) {
 				var got []int64
 				for range s.reps {
 					feedShed(l, &now, s.w)
-					got = append(got, l.limit())
+					got = append(got, l.Limit())
 				}
 				if s.want != nil && !slices.Equal(got, s.want) {
 					t.Errorf("limits %v, want %v", got, s.want)
@@ -899,54 +899,54 @@ func TestShedWindowClosing(t *testing.T) {
 	t0 := time.Unix(1_700_000_000, 0)
 	t.Run("a trickle waits for 10 latencies, or 10 windows' time", func(t *testing.T) {
 		now := t0
-		l := newShedLimiter(D, []int64{shareWhole}, func() time.Time { return now })
+		l := NewLimiter(D, []int64{Whole}, func() time.Time { return now })
 		l.start = now
 		feedShed(l, &now, shedWindow{n: 5, span: 5 * 2 * D, latency: constLatency(5 * D), inflight: 1})
-		if l.limit() != shedInitial {
-			t.Fatalf("decided on 5 latencies after 5 windows: limit %d", l.limit())
+		if l.Limit() != Initial {
+			t.Fatalf("decided on 5 latencies after 5 windows: limit %d", l.Limit())
 		}
 		feedShed(l, &now, shedWindow{n: 1, span: 5 * 2 * D, latency: constLatency(5 * D), inflight: 1})
-		if l.limit() >= shedInitial {
-			t.Errorf("6 slow latencies over 10 windows' time did not shrink the limit: %d", l.limit())
+		if l.Limit() >= Initial {
+			t.Errorf("6 slow latencies over 10 windows' time did not shrink the limit: %d", l.Limit())
 		}
 	})
 	t.Run("a burst of slow latencies closes the window early", func(t *testing.T) {
 		now := t0
-		l := newShedLimiter(D, []int64{shareWhole}, func() time.Time { return now })
+		l := NewLimiter(D, []int64{Whole}, func() time.Time { return now })
 		l.start = now
 		feedShed(l, &now, shedWindow{n: 5, span: D, latency: constLatency(D / 2), inflight: 20})
 		feedShed(l, &now, shedWindow{n: 12, span: D / 10, latency: constLatency(3 * D), inflight: 20})
-		if l.limit() >= shedInitial {
-			t.Errorf("12 latencies of 3 × D after D: limit %d, want it shrunk before the window's end (2 × D)", l.limit())
+		if l.Limit() >= Initial {
+			t.Errorf("12 latencies of 3 × D after D: limit %d, want it shrunk before the window's end (2 × D)", l.Limit())
 		}
-		l2 := newShedLimiter(D, []int64{shareWhole}, func() time.Time { return now })
+		l2 := NewLimiter(D, []int64{Whole}, func() time.Time { return now })
 		l2.start = now
 		feedShed(l2, &now, shedWindow{n: 12, span: D / 10, latency: constLatency(3 * D), inflight: 20})
-		if l2.limit() != shedInitial {
-			t.Errorf("decided %d on latencies that finished within D of the last decision", l2.limit())
+		if l2.Limit() != Initial {
+			t.Errorf("decided %d on latencies that finished within D of the last decision", l2.Limit())
 		}
 	})
 	t.Run("fast latencies wait for the window's end", func(t *testing.T) {
 		now := t0
-		l := newShedLimiter(D, []int64{shareWhole}, func() time.Time { return now })
+		l := NewLimiter(D, []int64{Whole}, func() time.Time { return now })
 		l.start = now
 		feedShed(l, &now, shedWindow{n: 100, span: D, latency: constLatency(D / 2), inflight: 20})
-		if l.limit() != shedInitial {
-			t.Errorf("decided %d in half a window", l.limit())
+		if l.Limit() != Initial {
+			t.Errorf("decided %d in half a window", l.Limit())
 		}
 		feedShed(l, &now, shedWindow{n: 1, span: D, latency: constLatency(D / 2), inflight: 20})
-		if l.limit() <= shedInitial {
-			t.Errorf("no growth at the window's end: %d", l.limit())
+		if l.Limit() <= Initial {
+			t.Errorf("no growth at the window's end: %d", l.Limit())
 		}
 	})
 	t.Run("memory is fixed: a window of 100000 latencies keeps 256", func(t *testing.T) {
 		now := t0
-		l := newShedLimiter(time.Hour, []int64{shareWhole}, func() time.Time { return now })
+		l := NewLimiter(time.Hour, []int64{Whole}, func() time.Time { return now })
 		l.start = now
 		feedShed(l, &now, shedWindow{n: 100000, span: time.Millisecond, latency: constLatency(D), inflight: 1})
 		l.mu.Lock()
 		defer l.mu.Unlock()
-		if l.kept != shedSamples || l.seen != 100000 {
+		if l.kept != maxSamples || l.seen != 100000 {
 			t.Errorf("kept %d of %d", l.kept, l.seen)
 		}
 	})
@@ -956,10 +956,10 @@ func TestShedWindowClosing(t *testing.T) {
 // clock readings per request are part of it), from one goroutine and from
 // all at once on one limiter.
 func BenchmarkShed(b *testing.B) {
-	newLimiter := func() *shedLimiter {
-		l := newShedLimiter(100*time.Millisecond, []int64{10000, 8000, 5000}, time.Now)
-		l.estimate = shedCeiling
-		l.current.Store(shedCeiling)
+	newLimiter := func() *Limiter {
+		l := NewLimiter(100*time.Millisecond, []int64{10000, 8000, 5000}, time.Now)
+		l.estimate = maxLimit
+		l.current.Store(maxLimit)
 		return l
 	}
 	b.Run("serial", func(b *testing.B) {
@@ -967,8 +967,8 @@ func BenchmarkShed(b *testing.B) {
 		b.ReportAllocs()
 		i := 0
 		for b.Loop() {
-			if tk, ok := l.admit(i % 3); ok {
-				tk.done()
+			if tk, ok := l.Admit(i % 3); ok {
+				tk.Done()
 			}
 			i++
 		}
@@ -979,8 +979,8 @@ func BenchmarkShed(b *testing.B) {
 		b.RunParallel(func(pb *testing.PB) {
 			i := 0
 			for pb.Next() {
-				if tk, ok := l.admit(i % 3); ok {
-					tk.done()
+				if tk, ok := l.Admit(i % 3); ok {
+					tk.Done()
 				}
 				i++
 			}
@@ -988,11 +988,11 @@ func BenchmarkShed(b *testing.B) {
 	})
 	b.Run("shed", func(b *testing.B) { // a request shed: no slot, no clock
 		l := newLimiter()
-		l.inflight.Store(shedCeiling)
+		l.inflight.Store(maxLimit)
 		b.ReportAllocs()
 		b.RunParallel(func(pb *testing.PB) {
 			for pb.Next() {
-				l.admit(2)
+				l.Admit(2)
 			}
 		})
 	})

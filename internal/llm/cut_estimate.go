@@ -1,4 +1,4 @@
-package ratelimit
+package llm
 
 // What a response cut before its usage (the client gone, the upstream cut,
 // no usage event) is charged: never less than its reservation, and never
@@ -16,24 +16,24 @@ package ratelimit
 const denseBytesPerToken = 1
 
 // cutEstimate is the usage of a response without usage, weighed as the
-// settle weighs usage, at least what reading it whole could have cost:
+// settle weighs usage (w), at least what reading it whole could have cost:
 // its prompt, as the stream counted it (Anthropic's message_start carries
 // the input, cache writes and reads: exact), or else the prompt's bytes
-// `cost openai` read at one token each; plus its answer at the ceiling the
-// request set (max_tokens, which the provider enforces: what the rest of
-// the stream could have used), or, without one, the text it delivered at
-// one token a byte.
-func cutEstimate(s *Settle, body requestBody, found *scanFound) int64 {
+// that its request's body showed (ReadRequest) at one token each; plus its
+// answer at the ceiling the request set (max_tokens, which the provider
+// enforces: what the rest of the stream could have used), or, without
+// one, the text it delivered at one token a byte.
+func cutEstimate(p Provider, w Weights, body Request, found *scanFound) int64 {
 	out := found.text / denseBytesPerToken
 	if body.ok {
 		out = body.maxTokens
 	}
-	if s.From == settleAnthropic {
+	if p == Anthropic {
 		if in, ok := found.first(slotUsageInput, slotMsgInput); ok {
 			written, _ := found.first(slotUsage+fieldCacheWrite, slotMsg+fieldCacheWrite)
 			read, _ := found.first(slotUsage+fieldCacheRead, slotMsg+fieldCacheRead)
-			return s.w.weighParts(in, out, written, read)
+			return w.weighParts(in, out, written, read)
 		}
 	}
-	return s.w.weigh(body.promptBytes/denseBytesPerToken, out)
+	return w.weigh(body.promptBytes/denseBytesPerToken, out)
 }

@@ -1,4 +1,4 @@
-package ratelimit
+package llm
 
 import (
 	"errors"
@@ -81,11 +81,11 @@ func readableCoding(coding string) bool {
 	return false
 }
 
-// readableAcceptEncoding is an Accept-Encoding field without the codings
+// ReadableAcceptEncoding is an Accept-Encoding field without the codings
 // the decoders cannot read (and without `*`, which would let the upstream
 // pick one), so that an upstream honouring it answers in a coding whose
 // usage can be read. ok is false when the field needs no change.
-func readableAcceptEncoding(v string) (filtered string, ok bool) {
+func ReadableAcceptEncoding(v string) (filtered string, ok bool) {
 	var keep []string
 	changed := false
 	for part := range strings.SplitSeq(v, ",") {
