@@ -20,7 +20,7 @@ import (
 // Everything is integer arithmetic on values below 2^53 (and one float64
 // expression that Lua evaluates the same way), so the Lua script computes
 // bit-for-bit what this file computes. lua/decide.lua is the same
-// algorithm; bucket_lua_test.go holds them to it.
+// algorithm; lua_test.go holds them to it.
 
 // maxBucketSpan bounds burst·interval (and so every TAT offset) well inside
 // the 2^53 range in which a double holds every integer exactly, even when

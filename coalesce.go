@@ -39,7 +39,7 @@ const (
 	// in flight, for a decision to ride with before it goes by itself: long
 	// enough for the next request of a busy instance to come (the response
 	// is written after the work is queued), short enough that a slot is
-	// free at once on an idle one. BenchmarkLaterRides (32 callers, 200 µs
+	// free at once on an idle one. BenchmarkAfterRides (32 callers, 200 µs
 	// between a response and the next request, as a client's round trip
 	// has it): settle and acquire_release made 0.17-0.18 calls per request,
 	// nearly 40% of them carrying only work after responses, against

@@ -302,11 +302,11 @@ func TestCoalescerDropsGone(t *testing.T) {
 	}
 }
 
-// TestCoalescerLater: work after responses (settles, charges, releases),
+// TestCoalescerAfter: work after responses (settles, charges, releases),
 // which nobody waits for, rides with the next call when calls are in
 // flight, goes at once by itself when none is, goes first in the batch it
 // rides with, and reaches its callback with the outcome.
-func TestCoalescerLater(t *testing.T) {
+func TestCoalescerAfter(t *testing.T) {
 	var mu sync.Mutex
 	var batches [][]string // what each call carried: "later" or "decision"
 	gate := make(chan struct{})
@@ -380,11 +380,11 @@ func TestCoalescerLater(t *testing.T) {
 	}
 }
 
-// TestCoalescerLaterRides: work after responses on an idle instance waits
+// TestCoalescerAfterRides: work after responses on an idle instance waits
 // for the next decision and rides with it (one call, the work first),
 // rather than making a call of its own; with no decision, it goes by
-// itself (TestCoalescerLater).
-func TestCoalescerLaterRides(t *testing.T) {
+// itself (TestCoalescerAfter).
+func TestCoalescerAfterRides(t *testing.T) {
 	var mu sync.Mutex
 	var batches [][]string
 	c := &coalescer{maxCalls: 1, wait: time.Hour, call: func(batch []*pending) {

@@ -19,17 +19,6 @@ import (
 	"github.com/ratelimit-caddy/caddy-ratelimit/internal/testredis"
 )
 
-// storeOn is a Redis store on addr with the given timeout.
-func storeOn(t *testing.T, addr string, timeout time.Duration) *redisStore {
-	t.Helper()
-	conn, err := newRedisConn(RedisConfig{Addresses: []string{addr}, Timeout: caddy.Duration(timeout)}.resolved(), zap.NewNop())
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { conn.Destruct() })
-	return &redisStore{conn: conn}
-}
-
 // durableTake is one unit of a daily quota of n whose admissions wait for d.
 func durableTake(key string, n int64, d durability) bucketRequest {
 	q := &quotaSpec{periods: calendar.New(calendar.Day, time.UTC), durable: d, name: "durable"}

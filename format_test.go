@@ -2,8 +2,12 @@ package ratelimit
 
 import (
 	"context"
+	"os/exec"
 	"strconv"
 	"testing"
+
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/calendar"
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/testcaddy"
 )
 
 func TestIntervalCodes(t *testing.T) {
@@ -104,5 +108,29 @@ func TestV2IsStoredAsAnInteger(t *testing.T) {
 		if err != nil || enc != want {
 			t.Fatalf("format %s: OBJECT ENCODING %q (%v), want %q", formatName(format), enc, err, want)
 		}
+	}
+}
+
+// TestV02ReadsQuota: v0.2, whose
+// configs have no quotas and so never read a quota's key, would read a
+// quota count as a corrupt rate bucket: it fails that request, it never
+// takes the count for a bucket with tokens to give.
+func TestV02ReadsQuota(t *testing.T) {
+	old, err := exec.Command("git", "show", testcaddy.ReleaseV02+":lua/decide.lua").Output()
+	if err != nil {
+		t.Fatalf("reading v0.2's script from git history: %v", err)
+	}
+	_, client, _ := newTestRedis(t)
+	ctx := context.Background()
+	now := redisMicros(t, client)
+	client.Set(ctx, "rl:q:{a}", encodeQuota(calendar.Period{Start: now - sec, End: now + 59*sec}, 3), 0)
+	// v0.2's ARGV: per request its bucket count, then op (2 * code + shadow),
+	// interval, burst, slack, amount, wait.
+	res, err := client.Eval(ctx, string(old), []string{"rl:q:{a}"}, 1, 2*1, 600_000, 100, 0, 1, 0).Int64Slice()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res[1] != scriptCorrupt {
+		t.Fatalf("v0.2's script on a quota count: %v, want status %d (corrupt)", res, scriptCorrupt)
 	}
 }

@@ -17,7 +17,10 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/dunglas/httpsfv"
+
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/clientaddr"
 )
 
 // Hostile input, by fuzzing: what an operator writes (Caddyfile, rates,
@@ -336,4 +339,41 @@ func clamp(v, lo, hi int64) int64 {
 		return v
 	}
 	return lo + int64(uint64(v)%span)
+}
+
+// FuzzParseTemplate: the split of any template into literals and
+// placeholders resolves as Caddy's replacer resolves the template, and
+// masking any value, as a host or host:port, never panics and is stable.
+func FuzzParseTemplate(f *testing.F) {
+	f.Add("{client_ip}-{http.request.uri.path}", "2001:db8::1")
+	f.Add(`a\{b}{user.id\}c}`, "[::ffff:1.2.3.4]:80")
+	f.Fuzz(func(t *testing.T, tmpl, value string) {
+		if len(tmpl) > 512 {
+			return
+		}
+		r := httptest.NewRequest("GET", "/a", nil)
+		repl := caddyhttp.NewTestReplacer(r)
+		repl.Set("user.id", value)
+		parts, ok := parseTemplate(tmpl)
+		if ok {
+			var long []templatePart // the parts with no address, which resolve unmasked
+			for _, p := range parts {
+				if p.addr == clientaddr.None {
+					long = append(long, p)
+				}
+			}
+			if len(long) == len(parts) {
+				if got, want := resolveParts(parts, repl, clientaddr.Mask{V4: 32, V6: 64}), repl.ReplaceAll(tmpl, ""); got != want {
+					t.Fatalf("%q: parts %+v resolve to %q, ReplaceAll to %q", tmpl, parts, got, want)
+				}
+			}
+		}
+		m := clientaddr.Mask{V4: 24, V6: 64}
+		for _, kind := range []clientaddr.Kind{clientaddr.Host, clientaddr.HostPort} {
+			once := m.Masked(value, kind)
+			if m.Masked(once, kind) != once {
+				t.Fatalf("%q masked to %q, which masks to %q", value, once, m.Masked(once, kind))
+			}
+		}
+	})
 }

@@ -3,20 +3,13 @@ package ratelimit
 import (
 	"crypto/rand"
 	"encoding/hex"
-	"encoding/json"
 	"net/http"
 	"strings"
 	"testing"
 
-	dto "github.com/prometheus/client_model/go"
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/calendar"
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/calendar/calendartest"
 )
-
-// decisionsOf reads a decisions_total child.
-func decisionsOf(policy, outcome, plan string) float64 {
-	var m dto.Metric
-	_ = decisionsTotal.WithLabelValues(policy, outcome, "", plan).Write(&m)
-	return m.GetCounter().GetValue()
-}
 
 // tenantPolicy is a policy of 6/1h per tenant whose pro plan is 60/1h burst
 // 20: the default plan's token is 600 s, pro's 60 s.
@@ -76,7 +69,7 @@ func TestServeHTTPPlans(t *testing.T) {
 		outcome, plan string
 		want          float64
 	}{{"allowed", "default", 4}, {"denied", "default", 2}, {"allowed", "pro", 16}, {"denied", "pro", 1}, {"allowed", "", 0}} {
-		if got := decisionsOf("plans_switch", m.outcome, m.plan); got != m.want {
+		if got := decisionsOf("plans_switch", m.outcome, "", m.plan); got != m.want {
 			t.Errorf("decisions_total{policy=plans_switch, outcome=%s, plan=%q} = %v, want %v", m.outcome, m.plan, got, m.want)
 		}
 	}
@@ -210,34 +203,6 @@ func TestServeHTTPPlanConcurrent(t *testing.T) {
 	}
 }
 
-// TestAdminInspectPlan: inspect reads a bucket under the plan asked for,
-// and refuses one the policy does not have.
-func TestAdminInspectPlan(t *testing.T) {
-	h := testHandler(t, &Handler{Jitter: jitterOff(), Policies: []*Policy{tenantPolicy("plans_inspect")}}, nil)
-	for range 2 {
-		serve([]*Handler{h}, nil, "X-Tenant", "acme", "X-Plan", "pro")
-	}
-	for _, tc := range []struct {
-		plan          string
-		status        int
-		planLabel     string
-		burst, tokens int64
-		says          string
-	}{
-		{"", 200, "default", 6, 4, ""},
-		{"pro", 200, "pro", 20, 18, ""},
-		{"default", 200, "default", 6, 4, ""},
-		{"gold", 400, "", 0, 0, `plan "gold": policy "plans_inspect" has no such plan`},
-	} {
-		status, body := adminDo(t, "GET", "/rate_limit/inspect?policy=plans_inspect&identity=acme&plan="+tc.plan, "")
-		var st bucketState
-		_ = json.Unmarshal([]byte(body), &st)
-		if status != tc.status || status == 200 && (st.Plan != tc.planLabel || st.Burst != tc.burst || st.Tokens != tc.tokens) || !strings.Contains(body, tc.says) {
-			t.Errorf("inspect plan %q: %d %s; want %d plan %q burst %d tokens %d %q", tc.plan, status, body, tc.status, tc.planLabel, tc.burst, tc.tokens, tc.says)
-		}
-	}
-}
-
 // TestServeHTTPPlanLocal: while the store cannot decide, `local` decides
 // under the request's plan (its share with instances): pro's burst of 20
 // over 2 instances is 10 here, the default's 6 is 3.
@@ -258,5 +223,122 @@ func TestServeHTTPPlanLocal(t *testing.T) {
 	}
 	if n := count("local-free", ""); n != 3 {
 		t.Fatalf("the default plan while the store is away: %d admitted locally, want 3 (6 over 2 instances)", n)
+	}
+}
+
+// TestServeHTTPQuotaPlans: a quota policy's plans set its N; a tenant that
+// switches plans keeps its one count in the period, read against the new
+// N on its next request (an upgrade admits at once what the new N leaves
+// of the units used, a downgrade below the units used denies at once, and
+// no plan change resets the count); RateLimit-Policy shows the plan's q;
+// decisions_total counts by plan; a value that names no plan gets the
+// policy's own N.
+func TestServeHTTPQuotaPlans(t *testing.T) {
+	c := &clock{t: calendartest.Instant(t, "2026-03-10T12:00:00Z").UnixMicro()}
+	h := testHandler(t, &Handler{Jitter: jitterOff(), Policies: []*Policy{{
+		Name: "qplans_switch", Key: "{http.request.header.X-Tenant}", Quota: "5/month",
+		Plan: &Plan{From: "{http.request.header.X-Plan}", Plans: map[string]*PlanLimit{"pro": {Quota: "12"}, "max": {Quota: "1000/month"}}},
+	}}}, newMemoryStore(c.now))
+	counted := func(outcome, plan string) float64 { return decisionsOf("qplans_switch", outcome, "", plan) }
+	before := map[[2]string]float64{}
+	for _, o := range []string{"allowed", "denied"} {
+		for _, p := range []string{"default", "pro", "max", ""} {
+			before[[2]string{o, p}] = counted(o, p) // the counters are the process's
+		}
+	}
+	burst := func(tenant, plan string, n int) (admitted int, last exchange) {
+		for admitted < n {
+			last = serve([]*Handler{h}, nil, "X-Tenant", tenant, "X-Plan", plan)
+			if last.status != 200 {
+				return admitted, last
+			}
+			admitted++
+		}
+		return admitted, last
+	}
+	q := func(x exchange) int64 { return fields(t, x.header, "RateLimit-Policy")["qplans_switch"]["q"] }
+	r := func(x exchange) int64 { return fields(t, x.header, "RateLimit")["qplans_switch"]["r"] }
+	for i, s := range []struct {
+		plan         string
+		n            int   // requests sent at most
+		admitted     int   // of them
+		status, q, r int64 // the last response's
+		why          string
+	}{
+		{"", 2, 2, 200, 5, 3, "free: 2 of 5"},
+		{"pro", 2, 2, 200, 12, 8, "upgraded: the 2 used count, 4 of 12"},
+		{"", 5, 1, 429, 5, 0, "downgraded: 4 of 5 used, one more, then denied"},
+		{"pro", 20, 7, 429, 12, 0, "upgraded again: 12 - 5 = 7, not a fresh 12"},
+		{"", 1, 0, 429, 5, 0, "downgraded below the units used (12 of 5): denied at once"},
+		{"enterprise", 1, 0, 429, 5, 0, "a plan that does not exist: the policy's own 5"},
+		{strings.Repeat("pro", 30), 1, 0, 429, 5, 0, "a value longer than any plan name: the policy's own 5"},
+		{"max", 1, 1, 200, 1000, 987, "quota 1000/month, the policy's unit"},
+	} {
+		n, x := burst("acme", s.plan, s.n)
+		if n != s.admitted || int64(x.status) != s.status || q(x) != s.q || r(x) != s.r {
+			t.Fatalf("step %d (%s): %d admitted, last %d q=%d r=%d; want %d, %d q=%d r=%d", i+1, s.why, n, x.status, q(x), r(x), s.admitted, s.status, s.q, s.r)
+		}
+	}
+	// The period's boundary: every plan starts again from 0.
+	c.t = calendartest.Instant(t, "2026-04-01T00:00:00Z").UnixMicro()
+	if n, x := burst("acme", "", 10); n != 5 || x.status != 429 {
+		t.Fatalf("in April on free: %d admitted, then %d; want 5 then 429", n, x.status)
+	}
+	if n, _ := burst("bob", "pro", 20); n != 12 {
+		t.Fatalf("another tenant on pro: %d admitted, want 12", n)
+	}
+	for _, m := range []struct {
+		outcome, plan string
+		want          float64
+	}{{"allowed", "default", 8}, {"denied", "default", 5}, {"allowed", "pro", 21}, {"denied", "pro", 2}, {"allowed", "max", 1}, {"allowed", "", 0}} {
+		if got := counted(m.outcome, m.plan) - before[[2]string{m.outcome, m.plan}]; got != m.want {
+			t.Errorf("decisions_total{policy=qplans_switch, outcome=%s, plan=%q} = %v, want %v", m.outcome, m.plan, got, m.want)
+		}
+	}
+}
+
+// TestQuotaPlanCheck: a quota policy's plans in JSON, as `caddy validate`
+// reads them: mistakes name the policy and the plan; a plan inherits the
+// policy's max_cost and settle room, scaled to its N.
+func TestQuotaPlanCheck(t *testing.T) {
+	plan := func(lim PlanLimit) *Plan { return &Plan{From: "{x}", Plans: map[string]*PlanLimit{"pro": &lim}} }
+	for _, tc := range []struct {
+		name string
+		p    Policy
+		want string
+	}{
+		{"rate in a quota policy", Policy{Quota: "5/day", Plan: plan(PlanLimit{Rate: "2/1s"})}, `plan "pro": policy "api" is a quota: its plans take quota <N> and cost max, not rate, burst or concurrent`},
+		{"burst in a quota policy", Policy{Quota: "5/day", Plan: plan(PlanLimit{Burst: 9})}, `plan "pro": policy "api" is a quota`},
+		{"concurrent in a quota policy", Policy{Quota: "5/day", Plan: plan(PlanLimit{Concurrent: 2})}, `plan "pro": policy "api" is a quota`},
+		{"quota in a rate policy", Policy{Rate: "1/1s", Plan: plan(PlanLimit{Quota: "5"})}, `plan "pro": policy "api" is a rate limit: its plans take rate, burst and cost max, not quota`},
+		{"quota in a concurrent policy", Policy{Concurrent: 2, Plan: plan(PlanLimit{Quota: "5"})}, `plan "pro": policy "api" is a concurrency limit`},
+		{"another unit", Policy{Quota: "5/day", Timezone: "Asia/Tokyo", Plan: plan(PlanLimit{Quota: "50/month"})}, `plan "pro": quota: "50/month": the period is the policy's (quota 5/day, timezone Asia/Tokyo): a plan or an override sets N only, as quota 50 or quota 50/day`},
+		{"zero", Policy{Quota: "5/day", Plan: plan(PlanLimit{Quota: "0"})}, `plan "pro": quota: "0": N must be an integer from 1 to 9007199254740992`},
+		{"beyond 2^53", Policy{Quota: "5/day", Plan: plan(PlanLimit{Quota: "9007199254740993/day"})}, `plan "pro": quota: "9007199254740993/day": N must be`},
+		{"plus sign", Policy{Quota: "5/day", Plan: plan(PlanLimit{Quota: "+5"})}, `plan "pro": quota: "+5"`},
+		{"fixed cost above the plan's N", Policy{Quota: "10/day", Cost: "5", Plan: plan(PlanLimit{Quota: "4"})}, `plan "pro": cost: 5 is more than max 4 or quota 4`},
+		{"negative max_cost", Policy{Quota: "10/day", Plan: plan(PlanLimit{Quota: "20", MaxCost: -1})}, `plan "pro": max_cost: -1`},
+	} {
+		h := &Handler{Policies: []*Policy{&tc.p}}
+		tc.p.Name, tc.p.Key = "api", "{client_ip}"
+		err := h.Validate()
+		if err == nil || !strings.Contains(err.Error(), tc.want) || !strings.HasPrefix(err.Error(), `policy "api": `) {
+			t.Errorf("%s: %v, want an error naming policy \"api\" and containing %q", tc.name, err, tc.want)
+		}
+	}
+	p := &Policy{Name: "api", Key: "k", Quota: "10/month", Timezone: "Europe/Berlin", Cost: "{c}", MaxCost: 7,
+		Settle: &Settle{From: settleHeader, Field: "X-Used"},
+		Plan:   &Plan{From: "{x}", Plans: map[string]*PlanLimit{"pro": {Quota: "100/month"}, "dear": {Quota: "40", MaxCost: 30}}}}
+	if err := p.check(); err != nil {
+		t.Fatal(err)
+	}
+	for name, want := range map[string]struct{ n, slack, maxCost int64 }{
+		"pro": {100, 200, 7}, "dear": {40, 80, 30}, // settle's room: twice the plan's N
+	} {
+		q, err := p.planPolicy(name, p.Plan.Plans[name])
+		if err != nil || q.limit != (limit{burst: want.n, slack: want.slack}) || q.costs.max != want.maxCost || q.quota == nil ||
+			q.quota.unit != calendar.Month || q.quota.loc.String() != "Europe/Berlin" || q.planLabel() != name {
+			t.Errorf("plan %s: %+v max %d quota %+v (%v), want %+v, monthly in Europe/Berlin", name, q.limit, q.costs.max, q.quota, err, want)
+		}
 	}
 }

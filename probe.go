@@ -33,7 +33,11 @@ type probeResult struct {
 	err  error
 }
 
-// probe runs one read-only decision per policy, each within callTimeout;
+// probeTries is how many times a probe that timed out is made.
+const probeTries = 3
+
+// probe runs one read-only decision per policy, each within callTimeout
+// (probeTries times while it times out);
 // after a failure that is the connection's (Redis unreachable, a wrong
 // password, no scripting), the rest fail alike without a call.
 func (c *redisConn) probe(defs []definition) []probeResult {
@@ -45,9 +49,18 @@ func (c *redisConn) probe(defs []definition) []probeResult {
 			out[i].kind, out[i].err = wide.kind, wide.err
 			continue
 		}
-		ctx, cancel := context.WithTimeout(context.Background(), c.callTimeout)
-		err := c.decideDirect(ctx, []bucketRequest{d.policy.probeRequest(d.handler)})
-		cancel()
+		var err error
+		for try := 1; ; try++ {
+			ctx, cancel := context.WithTimeout(context.Background(), c.callTimeout)
+			err = c.decideDirect(ctx, []bucketRequest{d.policy.probeRequest(d.handler)})
+			cancel()
+			// A timeout is tried again: the first call also connects and
+			// loads the script, and one slow answer of a busy host is not
+			// Redis away; probeTries in a row are.
+			if err == nil || try == probeTries || probeKind(err) != "timeout" {
+				break
+			}
+		}
 		if err == nil {
 			continue
 		}

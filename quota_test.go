@@ -1,12 +1,11 @@
 package ratelimit
 
 import (
-	"context"
-	"math"
 	"strconv"
-	"strings"
 	"testing"
 	"time"
+
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 
 	"github.com/ratelimit-caddy/caddy-ratelimit/internal/calendar"
 	"github.com/ratelimit-caddy/caddy-ratelimit/internal/calendar/calendartest"
@@ -16,39 +15,6 @@ import (
 type fixedBounds calendar.Bounds
 
 func (b fixedBounds) Bounds(time.Time) calendar.Bounds { return calendar.Bounds(b) }
-
-func TestParseQuota(t *testing.T) {
-	for s, want := range map[string]struct {
-		n    int64
-		unit calendar.Unit
-	}{
-		"1000000/month":        {1_000_000, calendar.Month},
-		"30/minute":            {30, calendar.Minute},
-		"1/year":               {1, calendar.Year},
-		"9007199254740992/day": {1 << 53, calendar.Day},
-	} {
-		n, unit, err := parseQuota(s)
-		if err != nil || n != want.n || unit != want.unit {
-			t.Errorf("parseQuota(%q) = %d, %v, %v", s, n, unit, err)
-		}
-	}
-	for s, msg := range map[string]string{
-		"1000000":              "not N/",
-		"0/month":              "from 1 to 9007199254740992",
-		"-5/day":               "from 1 to",
-		"+5/day":               "from 1 to",
-		"1.5/day":              "from 1 to",
-		"9007199254740993/day": "from 1 to",
-		"5/fortnight":          "minute, hour, day, week, month or year",
-		"5/1m":                 "minute, hour, day, week, month or year",
-		"5/Month":              "minute, hour, day, week, month or year",
-		"5/months":             "minute, hour, day, week, month or year",
-	} {
-		if _, _, err := parseQuota(s); err == nil || !strings.Contains(err.Error(), msg) {
-			t.Errorf("parseQuota(%q): error %v, want one saying %q", s, err, msg)
-		}
-	}
-}
 
 func TestQuotaAdjusted(t *testing.T) {
 	cur, past := calendar.Period{Start: 100, End: 200}, calendar.Period{Start: 0, End: 100}
@@ -101,107 +67,151 @@ func TestQuotaFormat(t *testing.T) {
 	}
 }
 
-// TestBoundaryRetryAfter: a quota's denial is never sent back before its
-// boundary, and the spread past it is jitter of the period, at most an hour.
-func TestBoundaryRetryAfter(t *testing.T) {
-	minute := calendar.Period{Start: 0, End: 60 * sec}
-	month := calendar.Period{Start: 0, End: 31 * 86400 * sec}
-	for _, c := range []struct {
-		name     string
-		p        calendar.Period
-		jitter   float64
-		wait     int64
-		min, max int64 // seconds
+// TestServeHTTPQuota: a monthly quota in New York beside a per-second rate,
+// through the handler on the in-process store, across the end of November
+// 2024 (30 days and the hour of the autumn change: w = 2,595,600): the
+// fields a client reads (q, w = the period's length, r, t = the seconds to
+// the boundary), the denial (429, Retry-After at the boundary exactly with
+// jitter 0), all-or-nothing with the rate, and the first request after the
+// boundary admitted, with December's w.
+func TestServeHTTPQuota(t *testing.T) {
+	ny := calendartest.Zone(t, "America/New_York")
+	c := &clock{t: calendartest.Instant(t, "2024-11-30T23:59:50-05:00").UnixMicro()}
+	h := testHandler(t, &Handler{Jitter: jitterOff(), Policies: []*Policy{
+		{Name: "monthly", Key: "{http.request.header.X-User}", Quota: "3/month", Timezone: ny.String()},
+		{Name: "per_second", Key: "{http.request.header.X-User}", Rate: "10/1s"},
+	}}, newMemoryStore(c.now))
+	type want struct {
+		status             int
+		w, r, t, ra        int64
+		perSecondRemaining int64
+	}
+	november, december := int64(30*86400+3600), int64(31*86400)
+	for i, s := range []struct {
+		advance time.Duration
+		want    want
 	}{
-		{"a minute, 10.2 s left, 20%", minute, 0.2, 10_200_000, 11, 11 + 12},
-		{"a minute, 1 µs left, 20%", minute, 0.2, 1, 1, 1 + 12},
-		{"a minute, jitter 0", minute, 0, 10_200_000, 11, 11},
-		{"a month, 20 days left, 20%: at most an hour past", month, 0.2, 20 * 86400 * sec, 20 * 86400, 20*86400 + 3600},
-		{"a month, 1000%", month, 10, 5 * sec, 5, 5 + 3600},
+		{0, want{200, november, 2, 10, 0, 9}},
+		{0, want{200, november, 1, 10, 0, 8}},
+		{500 * time.Millisecond, want{200, november, 0, 10, 0, 9}}, // per_second refilled to 10, less 1
+		{0, want{429, november, 0, 10, 10, 9}},                     // per_second uncharged: all or nothing
+		{9500*time.Millisecond - time.Microsecond, want{429, november, 0, 1, 1, 10}},
+		{time.Microsecond, want{200, december, 2, december, 0, 9}}, // 00:00:00 on December 1st
 	} {
-		spread := boundarySpread(c.p, c.jitter)
-		var lo, hi int64 = math.MaxInt64, 0
-		for range 2000 {
-			ra := boundaryRetryAfter(c.wait, spread)
+		c.t += s.advance.Microseconds()
+		x := serve([]*Handler{h}, nil, "X-User", "ann")
+		pol, lim := fields(t, x.header, "RateLimit-Policy"), fields(t, x.header, "RateLimit")
+		ra, _ := strconv.ParseInt(x.header.Get("Retry-After"), 10, 64)
+		got := want{x.status, pol["monthly"]["w"], lim["monthly"]["r"], lim["monthly"]["t"], ra, lim["per_second"]["r"]}
+		if got != s.want || pol["monthly"]["q"] != 3 {
+			t.Fatalf("request %d at %s: %+v (q=%d), want %+v", i+1, time.UnixMicro(c.t).In(ny).Format(time.RFC3339Nano), got, pol["monthly"]["q"], s.want)
+		}
+		if x.status == 429 {
+			if p := problemOf(t, x); len(p.ViolatedPolicies) != 1 || p.ViolatedPolicies[0] != "monthly" {
+				t.Fatalf("request %d: problem %+v", i+1, p)
+			}
+			if x.vars["decision"] != "denied" || x.vars["policy"] != "monthly" || x.vars["retry_after"] != strconv.FormatInt(ra, 10) {
+				t.Fatalf("request %d: placeholders %v", i+1, x.vars)
+			}
+		}
+	}
+}
+
+// TestServeHTTPQuotaRetryAfter: denied clients are sent back no earlier
+// than the boundary, spread over 20% of the period (a minute's 12 s), and
+// for a month at most an hour past it.
+func TestServeHTTPQuotaRetryAfter(t *testing.T) {
+	for _, c := range []struct {
+		quota    string
+		at       string
+		min, max int64
+	}{
+		{"1/minute", "2026-04-01T12:00:50Z", 10, 10 + 12},
+		{"1/month", "2026-04-30T23:00:00Z", 3600, 3600 + 3600},
+	} {
+		cl := &clock{t: calendartest.Instant(t, c.at).UnixMicro()}
+		h := testHandler(t, &Handler{Policies: []*Policy{{Name: "q", Key: "{http.request.header.X-User}", Quota: c.quota}}}, newMemoryStore(cl.now))
+		serve([]*Handler{h}, nil, "X-User", "first")
+		lo, hi := int64(1<<62), int64(0)
+		for range 300 {
+			x := serve([]*Handler{h}, nil, "X-User", "first")
+			if x.status != 429 || x.elapsed > 200*time.Millisecond {
+				t.Fatalf("%s: %d after %v: want 429 answered at once (not paced)", c.quota, x.status, x.elapsed)
+			}
+			ra, _ := strconv.ParseInt(x.header.Get("Retry-After"), 10, 64)
 			lo, hi = min(lo, ra), max(hi, ra)
 		}
-		if lo < c.min || hi > c.max || c.max > c.min && hi-lo < (c.max-c.min)/2 {
-			t.Errorf("%s: Retry-After from %d to %d s over 2000 denials, want within [%d, %d] and spread", c.name, lo, hi, c.min, c.max)
+		if lo < c.min || hi > c.max || hi-lo < (c.max-c.min)/2 {
+			t.Fatalf("%s: Retry-After from %d to %d s, want spread over [%d, %d]", c.quota, lo, hi, c.min, c.max)
 		}
 	}
 }
 
-// quotaRequest is a request to a quota bucket of n units.
-func quotaRequest(key string, n int64, q *quotaSpec, op bucketOp, cost int64) bucketRequest {
-	return bucketRequest{key: key, limit: limit{burst: n}, op: op, cost: cost, quota: q}
-}
-
-// TestMemoryStoreQuota: the in-process store counts a quota within the
-// period its clock is in, starts again from 0 at the boundary, and gives
-// back within the period only.
-func TestMemoryStoreQuota(t *testing.T) {
-	utc := calendartest.Zone(t, "UTC")
-	c := &clock{t: calendartest.Instant(t, "2026-03-31T23:59:58Z").UnixMicro()}
-	m := newMemoryStore(c.now)
-	q := &quotaSpec{periods: calendar.New(calendar.Minute, utc), name: "q"}
-	take := func(cost int64) decision {
-		t.Helper()
-		d, err := m.decide(context.Background(), []bucketRequest{quotaRequest("rl:q:{a}", 5, q, opTake, cost)})
-		if err != nil {
-			t.Fatal(err)
-		}
-		return d
+// TestServeHTTPQuotaAfterResponse: settle gives back within the period
+// what the response did not use (and the fields of that response say so);
+// charge_if gives the cost back to a response that does not match; a
+// shadow quota never denies.
+func TestServeHTTPQuotaAfterResponse(t *testing.T) {
+	c := &clock{t: calendartest.Instant(t, "2026-04-01T12:00:00Z").UnixMicro()}
+	h := testHandler(t, &Handler{Jitter: jitterOff(), Policies: []*Policy{
+		{Name: "tokens", Key: "{http.request.header.X-User}", Quota: "100/day", Cost: "10", Settle: &Settle{From: settleHeader, Field: "X-Usage"}},
+	}}, newMemoryStore(c.now))
+	x := serveWith([]*Handler{h}, nil, upstreamAnswering(200, "X-Usage", "3"), "X-User", "ann")
+	if lim := fields(t, x.header, "RateLimit")["tokens"]; x.status != 200 || lim["r"] != 97 || lim["t"] != 12*3600 {
+		t.Fatalf("settled at 3 of 10: %d %v, want r=97 t=43200", x.status, lim)
 	}
+	x = serve([]*Handler{h}, nil, "X-User", "ann")
+	if lim := fields(t, x.header, "RateLimit")["tokens"]; lim["r"] != 87 {
+		t.Fatalf("the next reservation: %v, want r=87 (97 - 10: the settle was made)", lim)
+	}
+
+	logins := testHandler(t, &Handler{Jitter: jitterOff(), Policies: []*Policy{
+		{Name: "logins", Key: "{http.request.header.X-User}", Quota: "2/week", ChargeIf: mustResponseMatcher(t, 401)},
+	}}, newMemoryStore(c.now))
 	for i := range 5 {
-		if d := take(1); !d.admitted || d.verdicts[0].remaining != int64(4-i) || d.verdicts[0].untilFits != 2*sec {
-			t.Fatalf("take %d: %+v", i, d)
+		if x := serveWith([]*Handler{logins}, nil, upstreamAnswering(200), "X-User", "bob"); x.status != 200 {
+			t.Fatalf("success %d: %d: a response that does not match is not charged", i, x.status)
 		}
 	}
-	d := take(1)
-	if d.admitted || d.verdicts[0].untilFits != 2*sec || d.verdicts[0].period != (calendar.Period{Start: c.t - 58*sec, End: c.t + 2*sec}) {
-		t.Fatalf("the sixth of 5: %+v", d)
+	for i := range 2 {
+		if x := serveWith([]*Handler{logins}, nil, upstreamAnswering(401), "X-User", "bob"); !x.passed {
+			t.Fatalf("failure %d did not reach the upstream", i)
+		}
 	}
-	if d := take(6); d.admitted || d.verdicts[0].untilFits != neverFits {
-		t.Fatalf("a cost above the quota: %+v, want never fits", d)
+	if x := serveWith([]*Handler{logins}, nil, upstreamAnswering(401), "X-User", "bob"); x.status != 429 || x.passed {
+		t.Fatalf("the third failure of 2 a week: %d passed=%v", x.status, x.passed)
 	}
-	// A refund of this period; then the boundary.
-	refund := quotaRequest("rl:q:{a}", 5, q, opAdjust, 0)
-	refund.delta, refund.period = -2, d.verdicts[0].period
-	if d, _ := m.decide(context.Background(), []bucketRequest{refund}); d.verdicts[0].remaining != 2 {
-		t.Fatalf("after a refund of 2: %+v", d)
-	}
-	c.t += 2 * sec // 00:00:00 on April 1st
-	if d, _ := m.decide(context.Background(), []bucketRequest{refund}); d.verdicts[0].remaining != 5 {
-		t.Fatalf("a refund of last minute, made in this one: %+v, want nothing given (5 left)", d)
-	}
-	if d := take(1); !d.admitted || d.verdicts[0].remaining != 4 || d.verdicts[0].untilFits != 60*sec {
-		t.Fatalf("the first request after the boundary: %+v", d)
-	}
-	if n := m.len(); n != 1 {
-		t.Fatalf("%d counts held, want 1", n)
-	}
-	reset := quotaRequest("rl:q:{a}", 5, q, opReset, 0)
-	if d, _ := m.decide(context.Background(), []bucketRequest{reset}); d.verdicts[0].remaining != 5 || m.len() != 0 {
-		t.Fatalf("reset: %+v, %d held", d, m.len())
+
+	shadow := testHandler(t, &Handler{Policies: []*Policy{{Name: "shadowed", Key: "global", Quota: "1/day", Shadow: true}}}, newMemoryStore(c.now))
+	for i := range 3 {
+		if x := serve([]*Handler{shadow}, nil); x.status != 200 || x.header.Get("RateLimit") != "" {
+			t.Fatalf("shadow quota, request %d: %d %v", i, x.status, x.header)
+		}
 	}
 }
 
-// TestMemoryStoreQuotaBound: counts of past periods are swept out, and the
-// store's memory stays bounded whatever the number of identities.
-func TestMemoryStoreQuotaBound(t *testing.T) {
-	utc := calendartest.Zone(t, "UTC")
-	c := &clock{t: calendartest.Instant(t, "2026-03-31T12:00:00Z").UnixMicro()}
-	m := newMemoryStore(c.now)
-	q := &quotaSpec{periods: calendar.New(calendar.Minute, utc), name: "q"}
-	for i := range 3 * memoryMaxBuckets / 2 {
-		if i == memoryMaxBuckets/2 {
-			c.t += 60 * sec // the first ones' minute is over
-		}
-		if _, err := m.decide(context.Background(), []bucketRequest{quotaRequest("rl:q:{"+strconv.Itoa(i)+"}", 5, q, opTake, 1)}); err != nil {
-			t.Fatal(err)
+// mustResponseMatcher is charge_if { status <code> }.
+func mustResponseMatcher(t *testing.T, code int) *caddyhttp.ResponseMatcher {
+	t.Helper()
+	return &caddyhttp.ResponseMatcher{StatusCode: []int{code}}
+}
+
+// TestServeHTTPQuotaLocal: with Redis away, on_error local gives each of
+// the instances 1/instances of the quota, in the same calendar period.
+func TestServeHTTPQuotaLocal(t *testing.T) {
+	h := testHandler(t, &Handler{OnError: "local", Instances: 2, Jitter: jitterOff(), Policies: []*Policy{
+		{Name: "quota-local-test", Key: "{http.request.header.X-User}", Quota: "4/hour"},
+	}}, failingStore{})
+	var statuses []int
+	user := "local-" + strconv.FormatInt(time.Now().UnixNano(), 10) // the fallback store is the process's
+	for range 3 {
+		x := serve([]*Handler{h}, nil, "X-User", user)
+		statuses = append(statuses, x.status)
+		if pol := fields(t, x.header, "RateLimit-Policy")["quota-local-test"]; x.status == 200 && (pol["q"] != 2 || pol["w"] != 3600) {
+			t.Fatalf("local quota fields %v, want q=2 w=3600", pol)
 		}
 	}
-	if n := m.len(); n > memoryMaxBuckets {
-		t.Fatalf("%d counts held, more than %d", n, memoryMaxBuckets)
+	if statuses[0] != 200 || statuses[1] != 200 || statuses[2] != 429 {
+		t.Fatalf("local quota of 4/hour over 2 instances: %v, want 200 200 429", statuses)
 	}
 }

@@ -10,14 +10,14 @@ import (
 	"github.com/ratelimit-caddy/caddy-ratelimit/internal/testredis"
 )
 
-// TestDestructFinishesLaterWork: a connection closed (Caddy stopping, or a
+// TestDestructFinishesAfterWork: a connection closed (Caddy stopping, or a
 // reload to another Redis) first sends what its requests left to do after
 // their responses, and the releases Redis did not confirm: the next
 // instance finds the slots free and the charge made, rather than slots
 // taken until their leases run out and a settle lost. The work after
 // responses here would wait an hour for a decision to ride with; apart,
 // each goes in a call of its own at once (as in cluster mode).
-func TestDestructFinishesLaterWork(t *testing.T) {
+func TestDestructFinishesAfterWork(t *testing.T) {
 	for _, apart := range []bool{false, true} {
 		name := "coalesced"
 		if apart {

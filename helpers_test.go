@@ -1,0 +1,73 @@
+package ratelimit
+
+import (
+	"errors"
+	"net/http/httptest"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	dto "github.com/prometheus/client_model/go"
+	"github.com/redis/go-redis/v9"
+	"go.uber.org/zap"
+
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/testredis"
+)
+
+const sec = int64(1_000_000) // µs
+
+// clock is an injected µs clock for the in-process store.
+type clock struct{ t int64 }
+
+func (c *clock) now() int64 { return c.t }
+
+// newTestRedis starts a redis-server for the test and returns it, a client
+// of it and a Redis store on it.
+func newTestRedis(t *testing.T) (*testredis.Server, *redis.Client, *redisStore) {
+	t.Helper()
+	srv := testredis.Start(t)
+	client := redis.NewClient(&redis.Options{Addr: srv.Addr})
+	t.Cleanup(func() { client.Close() })
+	return srv, client, storeOn(t, srv.Addr, time.Duration(testTimeout))
+}
+
+// storeOn is a Redis store on addr with the given timeout.
+func storeOn(t *testing.T, addr string, timeout time.Duration) *redisStore {
+	t.Helper()
+	conn, err := newRedisConn(RedisConfig{Addresses: []string{addr}, Timeout: caddy.Duration(timeout)}.resolved(), zap.NewNop())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Destruct() })
+	return &redisStore{conn: conn}
+}
+
+// counterValue reads a counter (a metric's child).
+func counterValue(c interface{ Write(*dto.Metric) error }) float64 {
+	var m dto.Metric
+	_ = c.Write(&m)
+	return m.GetCounter().GetValue()
+}
+
+// decisionsOf reads caddy_rate_limit_decisions_total{policy, outcome,
+// class, plan} ("" for no class or no plan).
+func decisionsOf(policy, outcome, class, plan string) float64 {
+	return counterValue(decisionsTotal.WithLabelValues(policy, outcome, class, plan))
+}
+
+// adminDo calls the admin API in process, as Caddy's admin server would,
+// and returns the status and the body (an error's message).
+func adminDo(t *testing.T, method, target, body string) (int, string) {
+	t.Helper()
+	r := httptest.NewRequest(method, target, strings.NewReader(body))
+	w := httptest.NewRecorder()
+	if err := (adminAPI{}).serve(w, r); err != nil {
+		var ae caddy.APIError
+		if !errors.As(err, &ae) {
+			t.Fatalf("%s %s: %v", method, target, err)
+		}
+		return ae.HTTPStatus, ae.Err.Error()
+	}
+	return w.Code, w.Body.String()
+}
