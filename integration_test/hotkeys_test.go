@@ -12,6 +12,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -733,5 +734,130 @@ func TestHotKeyRedisAway(t *testing.T) {
 	}
 	if statuses[503] == 0 {
 		t.Error("no 503 while Redis was stopped: fail_closed never applied")
+	}
+}
+
+// TestHotKeyInstanceKilled: SIGKILL an instance while it holds blocks of a
+// hot key. Nothing it held is spent by anyone else: the fleet never admits
+// more than burst + rate × elapsed. What it held is lost for at most one
+// block's lifetime (hotkey.MaxAge, 1 s): over the seconds after the kill the
+// survivors admit at least 0.95 of what one exact bucket, empty at the kill,
+// would admit of the requests they were sent, and from a block's lifetime
+// after the kill on, at least 0.95 of it as well.
+func TestHotKeyInstanceKilled(t *testing.T) {
+	const (
+		killAt   = 3 * time.Second
+		window   = 3 * time.Second // after the kill: longer than a block's lifetime
+		lifetime = time.Second     // hotkey.MaxAge
+		run      = killAt + time.Second + window + 500*time.Millisecond
+	)
+	srv := testredis.Start(t)
+	var fleet []*instance
+	for range 4 {
+		fleet = append(fleet, startCaddy(t, decidedByRedis(srv.Addr, hotPolicy()), respond()))
+	}
+	doomed := fleet[0]
+	var (
+		mu       sync.Mutex
+		admitted []time.Duration // every instance's, as their responses came
+		survived []time.Duration // the survivors' requests, as sent
+		killed   atomic.Bool
+		failed   atomic.Int64
+		wg       sync.WaitGroup
+	)
+	start := time.Now()
+	for i, in := range fleet {
+		for range 8 {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				c := newKeyClient(in, "tenant-killed")
+				defer c.close()
+				var adm, sent []time.Duration
+				for time.Since(start) < run && (i > 0 || !killed.Load()) {
+					at := time.Since(start)
+					status := c.ask()
+					switch {
+					case status == 200:
+						adm = append(adm, time.Since(start))
+					case status == 429:
+					case i == 0 && killed.Load(): // its connection died with it
+					default:
+						failed.Add(1)
+					}
+					if i > 0 {
+						sent = append(sent, at)
+					}
+				}
+				mu.Lock()
+				admitted = append(admitted, adm...)
+				survived = append(survived, sent...)
+				mu.Unlock()
+			}()
+		}
+	}
+	time.Sleep(killAt)
+	// Kill it the moment it is seen holding tokens of the key.
+	var held float64
+	for deadline := time.Now().Add(time.Second); held == 0 && time.Now().Before(deadline); {
+		held = heldGauge(doomed)
+	}
+	if held == 0 {
+		t.Fatal("the instance to kill holds no tokens of the hot key")
+	}
+	blocks := metricValue(t, doomed, "caddy_rate_limit_hot_blocks_total", map[string]string{"policy": "api_wide"})
+	killed.Store(true)
+	if err := syscall.Kill(doomed.Pid(), syscall.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	kill := time.Since(start)
+	wg.Wait()
+	sort.Slice(admitted, func(a, b int) bool { return admitted[a] < admitted[b] })
+	for i, at := range admitted {
+		if b := hotBurst + hotRate*at.Seconds(); float64(i+1) > b {
+			t.Fatalf("%d admitted by %v since the load began (an instance killed at %v holding %.0f tokens): over the budget of %.1f", i+1, at, kill, held, b)
+		}
+	}
+	// What the survivors admitted from a time on, against what one exact
+	// bucket, empty then, admits of the requests they were sent since.
+	over := func(from, to time.Duration) (got, exact int) {
+		for _, at := range admitted {
+			if at >= from && at < to {
+				got++
+			}
+		}
+		interval := int64(1_000_000 / hotRate)
+		tat := from.Microseconds() + hotBurst*interval // empty
+		sort.Slice(survived, func(a, b int) bool { return survived[a] < survived[b] })
+		for _, s := range survived {
+			if s < from || s >= to {
+				continue
+			}
+			now := s.Microseconds()
+			if base := max(tat, now); base+interval-now <= hotBurst*interval {
+				tat, exact = base+interval, exact+1
+			}
+		}
+		return got, exact
+	}
+	got, exact := over(kill, kill+window)
+	later, laterExact := over(kill+lifetime, kill+window)
+	sent := 0
+	for _, s := range survived {
+		if s >= kill && s < kill+window {
+			sent++
+		}
+	}
+	t.Logf("killed at %v holding %.0f tokens (%.0f blocks taken); in the %v after: the survivors were sent %d requests, admitted %d of the %d one exact bucket empty at the kill admits (%.4f; the rate alone: %.0f); from %v after the kill: %d of %d (%.4f); %d failed",
+		kill.Round(time.Millisecond), held, blocks, window, sent, got, exact, float64(got)/float64(exact), hotRate*window.Seconds(),
+		lifetime, later, laterExact, float64(later)/float64(laterExact), failed.Load())
+	if failed.Load() != 0 {
+		t.Errorf("%d responses of the survivors neither 200 nor 429", failed.Load())
+	}
+	if share := float64(got) / float64(exact); share < 0.95 {
+		t.Errorf("the survivors admitted %.4f of the budget in the %v after the kill, want at least 0.95: what the killed instance held stayed lost", share, window)
+	}
+	if share := float64(later) / float64(laterExact); share < 0.95 {
+		t.Errorf("from a block's lifetime after the kill, the survivors admitted %.4f of the budget, want at least 0.95", share)
 	}
 }
