@@ -861,3 +861,92 @@ func TestHotKeyInstanceKilled(t *testing.T) {
 		t.Errorf("from a block's lifetime after the kill, the survivors admitted %.4f of the budget, want at least 0.95", share)
 	}
 }
+
+// TestHotKeyChargeIf: a hot key of a charge_if policy (charged only for a
+// 401, the others' tokens given back after their responses) is decided from
+// blocks like any rate key, and what its users see still holds: the charged
+// responses never exceed burst + rate × elapsed across the fleet, a response
+// not charged leaves its token for the others (the charged ones reach at
+// least 0.95 of what one exact bucket admits of the 401s sent), and the key
+// is hot (blocks are taken).
+func TestHotKeyChargeIf(t *testing.T) {
+	const rate, burst = 2_000, 200
+	srv := testredis.Start(t)
+	policy := hotPolicy("rate", "2000/1s", "burst", burst, "charge_if", map[string]any{"status_code": []int{401}})
+	// The client says which status it gets: half the requests are charged.
+	echo := map[string]any{"handler": "static_response", "status_code": "{http.request.header.X-Status}", "body": "ok"}
+	var fleet []*instance
+	for range 3 {
+		fleet = append(fleet, startCaddy(t, decidedByRedis(srv.Addr, policy), echo))
+	}
+	if _, err := srv.Do("CONFIG", "RESETSTAT"); err != nil {
+		t.Fatal(err)
+	}
+	const run = 6 * time.Second
+	var (
+		mu                   sync.Mutex
+		charged, free        []time.Duration // 401s and 200s, as their responses came
+		chargedSent          []time.Duration // the requests sent for a 401
+		denied, failed, sent atomic.Int64
+		wg                   sync.WaitGroup
+	)
+	start := time.Now()
+	for _, in := range fleet {
+		for range 8 {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				c := newKeyClient(in, "tenant-charge-if")
+				defer c.close()
+				var ch, fr, chSent []time.Duration
+				for n := 0; time.Since(start) < run; n++ {
+					want := "200"
+					at := time.Since(start)
+					if n%2 == 0 {
+						want = "401"
+						chSent = append(chSent, at)
+					}
+					sent.Add(1)
+					switch status := c.ask("X-Status", want); {
+					case status == 429:
+						denied.Add(1)
+					case strconv.Itoa(status) != want:
+						failed.Add(1)
+					case status == 401:
+						ch = append(ch, time.Since(start))
+					default:
+						fr = append(fr, time.Since(start))
+					}
+				}
+				mu.Lock()
+				charged, free, chargedSent = append(charged, ch...), append(free, fr...), append(chargedSent, chSent...)
+				mu.Unlock()
+			}()
+		}
+	}
+	wg.Wait()
+	calls := scriptCallsOf(t, srv)
+	sort.Slice(charged, func(a, b int) bool { return charged[a] < charged[b] })
+	for i, at := range charged {
+		if b := burst + rate*at.Seconds(); float64(i+1) > b {
+			t.Fatalf("%d responses charged by %v since the load began: over the budget of %.1f", i+1, at, b)
+		}
+	}
+	var blocks float64
+	for _, in := range fleet {
+		blocks += metricValue(t, in, "caddy_rate_limit_hot_blocks_total", map[string]string{"policy": "api_wide"})
+	}
+	exact := idealAdmitsOf(chargedSent, rate, burst)
+	budget := burst + rate*run.Seconds()
+	t.Logf("3 instances, %v: %d requests, %d charged (401) of %d sent for a 401, %d not charged (200), %d denied; one exact bucket admits %d of the 401s sent (charged %.4f of that; the budget %.0f); %.0f blocks taken; %d script calls (%.4f per admission); %d failed",
+		run, sent.Load(), len(charged), len(chargedSent), len(free), denied.Load(), exact, float64(len(charged))/float64(exact), budget, blocks, calls, float64(calls)/float64(len(charged)+len(free)), failed.Load())
+	if failed.Load() != 0 {
+		t.Errorf("%d responses neither 429 nor the status asked for", failed.Load())
+	}
+	if blocks == 0 {
+		t.Error("no block taken: the charge_if key was never hot")
+	}
+	if share := float64(len(charged)) / float64(exact); share < 0.95 {
+		t.Errorf("charged %.4f of what one exact bucket admits of the 401s sent, want at least 0.95: the tokens of responses not charged did not come back", share)
+	}
+}
