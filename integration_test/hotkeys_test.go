@@ -851,6 +851,11 @@ func TestHotKeyInstanceKilled(t *testing.T) {
 	t.Logf("killed at %v holding %.0f tokens (%.0f blocks taken); in the %v after: the survivors were sent %d requests, admitted %d of the %d one exact bucket empty at the kill admits (%.4f; the rate alone: %.0f); from %v after the kill: %d of %d (%.4f); %d failed",
 		kill.Round(time.Millisecond), held, blocks, window, sent, got, exact, float64(got)/float64(exact), hotRate*window.Seconds(),
 		lifetime, later, laterExact, float64(later)/float64(laterExact), failed.Load())
+	if float64(sent) < 1.5*hotRate*window.Seconds() {
+		// The survivors then hold blocks sized to less than the budget,
+		// and what the killed one held is hidden in what they were not sent.
+		t.Logf("the machine sent the survivors %d requests, less than 1.5 times the %.0f the rate allows in the %v: what the kill strands is measured only in part", sent, hotRate*window.Seconds(), window)
+	}
 	if failed.Load() != 0 {
 		t.Errorf("%d responses of the survivors neither 200 nor 429", failed.Load())
 	}
