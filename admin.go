@@ -116,6 +116,10 @@ type bucketState struct {
 	// are then the override's.
 	Plan     string         `json:"plan,omitempty"`
 	Override *overrideEntry `json:"override,omitempty"`
+	// Held: blocks of the bucket's tokens the instance answering holds, the
+	// key being hot there (see docs/hot-keys.md): taken from the bucket
+	// (Tokens counts them out), not spent yet.
+	Held *heldHere `json:"held_here,omitempty"`
 	// A shed policy's adaptive limit on this instance (shed { latency }),
 	// and the requests in flight under it.
 	ShedLimit    *int64 `json:"shed_limit,omitempty"`
@@ -240,6 +244,11 @@ func (adminAPI) bucket(ctx context.Context, action string, def definition, req a
 		Plan: p.planLabel(),
 	}
 	showOverride(ctx, h, key, v, st)
+	if bk, ok := h.store.(blockKeeper); ok {
+		if blocks, tokens := bk.blocksOf(key); blocks > 0 {
+			st.Held = &heldHere{Blocks: blocks, Tokens: tokens}
+		}
+	}
 	if inspect.learns && action != "reset" {
 		learned := d.verdicts[0].learned
 		st.Learned = &learned

@@ -118,6 +118,7 @@ func (c *redisConn) receive(event, key string) {
 	if c.denials != nil {
 		c.denials.forget(key)
 	}
+	c.hot.forget(key) // its blocks go back: the bucket's new state reaches them
 	pacing.Forget(key)
 	e := &c.events
 	e.mu.Lock()

@@ -118,6 +118,9 @@ type bucketRequest struct {
 	// period: for a quota bucket's opAdjust, the period the charge belongs
 	// to (the one its admission was counted in); zero: the current one.
 	period calendar.Period
+	// hot: the policy's use of hot keys (hotkeys.go), nil when off: the
+	// Redis store may decide the bucket from blocks of its tokens.
+	hot *hotPolicy
 	// overrideWait and overrideDebt are the policy's rule for the slack of
 	// an override's limit (override.limitFor), sent with an overridable
 	// bucket.

@@ -438,6 +438,10 @@ func unmarshalPolicy(d *caddyfile.Dispenser) (*Policy, error) {
 			if err := s.unmarshalDurable(d, p); err != nil {
 				return nil, err
 			}
+		case "hot_keys": // hotkeys.go
+			if err := s.oneArg(d, &p.HotKeys); err != nil {
+				return nil, err
+			}
 		case "plan": // plan.go
 			if err := s.planArg(d, p); err != nil {
 				return nil, err

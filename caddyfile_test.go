@@ -545,6 +545,15 @@ func TestCaddyfileErrors(t *testing.T) {
 		// One value out of range: the error should point at its line, not
 		// only at the policy's.
 		{"wait", "longer than a day", inPolicy("wait 25h " + mark)},
+		{"hot_keys", "missing value", inPolicy("hot_keys " + mark)},
+		{"hot_keys", "extra value", inPolicy("hot_keys 100/1s off " + mark)},
+		{"hot_keys", "not a rate", inPolicy("hot_keys fast " + mark)},
+		{"hot_keys", "zero", inPolicy("hot_keys 0/1s " + mark)},
+		{"hot_keys", "fractional", inPolicy("hot_keys 1.5/1s " + mark)},
+		{"hot_keys", "twice", inPolicy("hot_keys off\n\thot_keys off " + mark)},
+		{"hot_keys", "on a quota", inQuota("hot_keys 100/1s " + mark)},
+		{"hot_keys", "on a settle policy", "policy s {\n\tkey {client_ip}\n\trate 100/1s\n\tsettle header X-Used\n\thot_keys 100/1s " + mark + "\n}\n"},
+		{"hot_keys", "on a concurrency limit", "policy c {\n\tkey {client_ip}\n\tconcurrent 3\n\thot_keys off " + mark + "\n}\n"},
 		{"ipv6_prefix", "policy: missing value", inPolicy("ipv6_prefix " + mark)},
 		{"ipv6_prefix", "policy: zero", inPolicy("ipv6_prefix 0 " + mark)},
 		{"ipv6_prefix", "policy: above 128", inPolicy("ipv6_prefix 129 " + mark)},

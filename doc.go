@@ -48,6 +48,12 @@
 //     part of the capacity it may use.
 //   - fleet: the instances that share one Redis database and key prefix
 //     (fleet.go).
+//   - hot key: a rate policy's key one instance decides often (past its
+//     hot_keys a second): it decides the key's requests from blocks, with
+//     no call each (hotkeys.go, hotkeys_store.go, internal/hotkey).
+//   - block: a hot key's tokens taken ahead in one decision (debited in
+//     Redis first) and spent here on the bucket's schedule; what is unspent
+//     goes back when the key cools, at reload and at shutdown.
 //
 // # Where things are
 //
@@ -58,5 +64,6 @@
 // implementations store_memory.go and store_redis.go, and the script's wire
 // format wire.go beside lua/decide.lua. Pieces that know nothing of this
 // package's vocabulary live under internal/ (breaker, calendar, clientaddr,
-// llm, pace, shed, topk, fleet, suggest), which never imports the root.
+// hotkey, llm, pace, shed, topk, fleet, suggest), which never imports the
+// root.
 package ratelimit

@@ -23,7 +23,7 @@ var (
 		"ipv6_prefix", "ipv4_prefix", "policy", "require_redis", "error_format", "zone", "distributed", "storage", "sweep_interval", "log_key", "disable_metrics"}
 	redisSubdirectives  = []string{"address", "cluster", "sentinel", "username", "password", "db", "tls", "timeout", "pool_size", "key_prefix"}
 	policySubdirectives = []string{"match", "key", "rate", "burst", "concurrent", "lease", "cost", "on_error", "shadow", "wait",
-		"charge_if", "settle", "ipv6_prefix", "ipv4_prefix", "quota", "timezone", "durable", "plan", "shed", "priority", "error_format"}
+		"charge_if", "settle", "ipv6_prefix", "ipv4_prefix", "quota", "timezone", "durable", "plan", "shed", "priority", "error_format", "hot_keys"}
 )
 
 // The blocks, as unknownSubdirective names them.

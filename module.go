@@ -270,6 +270,7 @@ func (h *Handler) Validate() error {
 		if p == nil {
 			return fmt.Errorf("policies[%d]: empty", i)
 		}
+		p.hot.shared = h.Redis != nil // hot keys are the Redis store's (hotkeys.go)
 		if err := p.check(); err != nil {
 			return fmt.Errorf("policy %q: %w", p.Name, err)
 		}

@@ -102,7 +102,7 @@ func (o override) valid() bool {
 // limitFor is the limit a bucket is decided under when o is the override in
 // force and sent the limit its request carries: a rate override's interval
 // and burst, with the slack the policy's rule gives them (waitUS for
-// `wait`, and debt tokens: debt itself when debt >= 0, -debt × burst
+// `wait` and hot keys' blocks, see Policy.reach, and debt tokens: debt itself when debt >= 0, -debt × burst
 // otherwise), at most what keeps tau + slack within maxBucketSpan; a slots
 // override's count, the lease unchanged. An override of another kind than
 // the bucket's leaves sent as it is.
@@ -173,7 +173,7 @@ func (p *Policy) markOverridable(rq *bucketRequest, always bool) {
 	if !always && (p.overrides == nil || !p.overrides.may(rq.key)) {
 		return
 	}
-	rq.overridable, rq.overrideWait, rq.overrideDebt = true, p.held.wait, p.debtRule()
+	rq.overridable, rq.overrideWait, rq.overrideDebt = true, p.hot.reach, p.debtRule()
 }
 
 // applyOverride is rq as decided under the override o in force (see

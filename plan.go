@@ -204,6 +204,7 @@ func (p *Policy) provisionPlans() error {
 			q.policyHdr = policyMember(nil, q.Name, qq, w)
 		}
 		q.decisions = policyCounters(q.Name, "", name)
+		q.provisionHotKeys() // a plan's limit may be hot where the policy's is not, or the other way
 		p.plans[name] = q
 	}
 	return nil

@@ -173,6 +173,20 @@ type Policy struct {
 	// Needs a redis block. Default: not waited for.
 	Durable *Durable `json:"durable,omitempty"`
 
+	// Takes blocks of a busy key's tokens ahead of its requests: when this
+	// instance decides one key of the policy more often than this
+	// (`N/duration`, decisions a second on one key here), it takes a block
+	// of the key's tokens from the shared bucket in one decision (debited
+	// there first, on Redis time), decides the key's requests from it
+	// without a round trip, spending each token no earlier than the bucket
+	// would have let it go, and fetches the next block before it runs out:
+	// never more is admitted than the bucket hands out, across the fleet.
+	// Blocks follow the instance's own rate on the key; what it holds and
+	// has not spent goes back when the key cools, at reload, at shutdown,
+	// and after a second. `off` decides every request in Redis. Only for
+	// rate policies, not those that settle. Default `200/1s`. See docs/hot-keys.md.
+	HotKeys string `json:"hot_keys,omitempty"`
+
 	// Gives the policy a limit per plan: which plan a request is on, read
 	// from a placeholder, and each plan's limit. One bucket per key whatever
 	// the plan: a plan change is read against the bucket's state on the
@@ -228,6 +242,7 @@ type Policy struct {
 	held  heldRequests // `wait`: the requests it holds on this instance
 	after afterRule    // charge_if, settle: the charges after the response
 	slots slotMetrics  // concurrent, shed { concurrent }: slots in use
+	hot   hotRule      // a rate: its keys decided from blocks when hot
 	// A quota: its calendar and durability, and where the Caddyfile set
 	// durable.
 	quota       *quotaSpec
@@ -369,6 +384,9 @@ func (p *Policy) check() error {
 	}
 	p.quota = nil
 	p.kind = kindOf(p)
+	if err := p.noHotKeys(); err != nil {
+		return err
+	}
 	switch p.kind {
 	case kindShed:
 		return p.checkShed()
@@ -402,6 +420,9 @@ func (p *Policy) check() error {
 		return err
 	}
 	p.held.wait = int64(time.Duration(p.Wait) / time.Microsecond)
+	if err := p.checkHotKeys(interval, burst); err != nil {
+		return err
+	}
 	p.after.debt, p.after.maxUsage = 0, 0
 	switch {
 	case p.ChargeIf != nil && p.Settle != nil:
@@ -418,10 +439,10 @@ func (p *Policy) check() error {
 			return err
 		}
 	}
-	if p.after.debt > (maxBucketSpan-burst*interval-p.held.wait)/interval {
+	if p.after.debt > (maxBucketSpan-burst*interval-p.hot.reach)/interval {
 		return fieldErr("burst", "burst: %d tokens and a debt of %d take too long to refill at %s", burst, p.after.debt, p.Rate)
 	}
-	p.limit = limit{interval: interval, burst: burst, slack: p.held.wait + p.after.debt*interval}
+	p.limit = limit{interval: interval, burst: burst, slack: p.hot.reach + p.after.debt*interval}
 	if p.MaxCost < 0 || p.MaxCost > maxJSONInteger {
 		return fieldErr("max_cost", "max_cost: %d must be from 1 to %d", p.MaxCost, int64(maxJSONInteger))
 	}
@@ -548,6 +569,7 @@ func (p *Policy) provision(ctx caddy.Context, h *Handler) error {
 	p.slots.retries = releaseRetries.WithLabelValues(p.Name)
 	p.held.n = new(atomic.Int64)
 	p.held.gauge = waiting.WithLabelValues(p.Name)
+	p.provisionHotKeys()
 	if p.MaxHeld == 0 {
 		p.MaxHeld = defaultMaxHeld
 	}

@@ -64,6 +64,16 @@ func TestJSONConfigErrors(t *testing.T) {
 			want:    []string{`policy "api"`, `rate: "100/1fortnight": bad duration`},
 		},
 		{
+			name:    "hot_keys not a rate",
+			handler: `{"policies":[{"name":"api","key":"{client_ip}","rate":"100/1s","hot_keys":"often"}]}`,
+			want:    []string{`policy "api"`, `hot_keys: "often" is not N/duration`, "or off"},
+		},
+		{
+			name:    "hot_keys on a concurrency limit",
+			handler: `{"policies":[{"name":"api","key":"{client_ip}","concurrent":3,"hot_keys":"off"}]}`,
+			want:    []string{`policy "api"`, "hot_keys: a concurrent policy has no tokens to take ahead"},
+		},
+		{
 			name:    "rate missing",
 			handler: `{"policies":[{"name":"api","key":"{client_ip}"}]}`,
 			want:    []string{`policy "api"`, "rate:"},

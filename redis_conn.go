@@ -67,6 +67,8 @@ type redisConn struct {
 	// (fleet.go).
 	db    int
 	fleet fleetView
+	// hot decides hot keys from blocks of their tokens (hotkeys_store.go).
+	hot *hotKeys
 }
 
 // Destruct closes the connection once no handler uses it: Caddy stopped,
@@ -77,6 +79,7 @@ type redisConn struct {
 // callTimeout: else a stopped instance's last slots stay taken until their
 // leases run out, and its last settles are lost.
 func (c *redisConn) Destruct() error {
+	c.hot.close() // its blocks' unspent tokens go back with the work below
 	c.finishAfterWork(time.Now().Add(c.callTimeout))
 	c.events.close()
 	close(c.closed)
@@ -176,6 +179,7 @@ func newRedisConn(c RedisConfig, logger *zap.Logger) (*redisConn, error) {
 			conn.coalescer = &coalescer{call: conn.call, maxCalls: c.poolSize()}
 		}
 	}
+	conn.hot = newHotKeys(conn)
 	go conn.checkEviction()
 	go conn.followFormat()
 	go conn.followFleet()

@@ -121,6 +121,16 @@ type overrideKeeper interface {
 	overrideFilter(prefix string) overrideFilter
 }
 
+// blockKeeper is a store that may decide a busy key's requests from blocks
+// of its tokens taken ahead (hot keys, hotkeys_store.go): inspect shows
+// what this instance has taken of a bucket and not spent. In process,
+// every decision is local already. Implemented by redisStore.
+type blockKeeper interface {
+	// blocksOf is the blocks this instance holds of the bucket under key,
+	// and their unspent tokens.
+	blocksOf(key string) (blocks int, tokens int64)
+}
+
 // openStore returns the store a handler's buckets live in: this process's
 // without a redis block; otherwise a Redis one, on a connection shared with
 // every config that connects the same way (so that it survives reloads,
@@ -151,6 +161,9 @@ func openStore(cfg *RedisConfig, keyPrefix string, logger *zap.Logger) (s store,
 			return nil
 		}
 		released = true
+		// A reload: what hot keys hold goes back; the new config takes its
+		// own blocks, under its own limits.
+		rs.conn.hot.releaseAll()
 		_, err := redisConns.Delete(key)
 		return err
 	}, nil

@@ -2,7 +2,6 @@ package ratelimit
 
 import (
 	"context"
-	_ "embed"
 	"errors"
 	"time"
 
@@ -16,9 +15,8 @@ import (
 // this instance (coalesce.go), guarded by the circuit breaker, with the
 // deny cache in front (denycache.go).
 
-//go:embed lua/decide.lua
-var decideLua string
-
+// decideLua is lua/decide.lua (script.go), or, in a build for make bench's
+// scenario (z), a script that decides nothing (script_noop.go).
 var decideSHA = redis.NewScript(decideLua).Hash()
 
 // decideSHAArg is decideSHA as a call's argument, boxed once rather than
@@ -58,6 +56,15 @@ type redisStore struct {
 }
 
 func (s *redisStore) decide(ctx context.Context, reqs []bucketRequest) (decision, error) {
+	if s.conn.hot.covers(reqs) { // hot keys' blocks first (hotkeys_store.go)
+		return s.conn.hot.decide(ctx, reqs)
+	}
+	return s.decideShared(ctx, reqs)
+}
+
+// decideShared decides reqs against the buckets in Redis: the deny cache,
+// the circuit breaker, then one script call (one per hash slot in a Cluster).
+func (s *redisStore) decideShared(ctx context.Context, reqs []bucketRequest) (decision, error) {
 	if s.conn.denials != nil {
 		d, answer, gate := s.conn.denials.answer(reqs)
 		switch answer {

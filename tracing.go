@@ -34,13 +34,14 @@ type callStats struct {
 	// redisUS: the call's round trip, from sending it to its reply, µs
 	// (the longest of several).
 	redisUS int64
-	// cached: the deny cache answered, with no call.
-	cached bool
+	// cached: the deny cache answered, with no call; hot: blocks of hot
+	// keys this instance holds answered, with no call (hotkeys_store.go).
+	cached, hot bool
 }
 
 // merge adds another call's stats (a decision across slots).
 func (c callStats) merge(o callStats) callStats {
-	return callStats{calls: c.calls + o.calls, requests: max(c.requests, o.requests), redisUS: max(c.redisUS, o.redisUS), cached: c.cached && o.cached}
+	return callStats{calls: c.calls + o.calls, requests: max(c.requests, o.requests), redisUS: max(c.redisUS, o.redisUS), cached: c.cached && o.cached, hot: c.hot && o.hot}
 }
 
 // decide makes the request's decision (admit), in a rate_limit.decide span
@@ -114,6 +115,8 @@ func (h *Handler) traceDecision(span trace.Span, res *admission, shedBy *Policy)
 			attribute.Int64("rate_limit.call.redis_us", c.redisUS))
 	} else if c.cached {
 		attrs = append(attrs, attribute.Bool("rate_limit.deny_cache", true))
+	} else if c.hot {
+		attrs = append(attrs, attribute.Bool("rate_limit.hot_key", true))
 	}
 	span.SetAttributes(attrs...)
 	switch outcome {

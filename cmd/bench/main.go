@@ -1,12 +1,13 @@
 // Command bench measures what the limiter costs, side by side with plain
-// Caddy in one run: eleven Caddy instances (plain `respond`; rate_limit with
+// Caddy in one run: thirteen Caddy instances (plain `respond`; rate_limit with
 // Redis and 10,000 identities, nothing denied; the same in-process; one
 // abusive identity, nearly everything denied; two policies per request; a
 // reservation settled after the response; a concurrency slot; the abusive
 // identity again with Retry-After pacing off; the 10,000 identities on
 // three plans, without overrides and with 1,000 of them overridden; a
-// monthly quota) are
-// loaded in turn with wrk, round after round, each run of a limited one
+// monthly quota; one key at full speed, a hot key decided from blocks of
+// its tokens; (b)'s round trips on a Caddy whose script decides nothing)
+// are loaded in turn with wrk, round after round, each run of a limited one
 // paired with a run of plain Caddy next to it; the medians of the pairs'
 // ratios are the results. It also reads Redis's own cost per script call,
 // round trips per request and bytes per key, the CPU time wrk, Caddy and
@@ -45,7 +46,7 @@ var (
 	duration    = flag.Duration("duration", 5*time.Second, "wrk run per scenario and round")
 	connections = flag.Int("connections", 32, "wrk connections")
 	threads     = flag.Int("threads", 2, "wrk threads")
-	only        = flag.String("only", "abcdefghijq", "scenarios to run (plain Caddy, (a), always runs); the latency and key-size parts need b and d")
+	only        = flag.String("only", "abcdefghijqkz", "scenarios to run (plain Caddy, (a), always runs); the latency and key-size parts need b and d, the decision's own cost b and z")
 	previous    = flag.String("previous", testcaddy.PreviousRelease, "commit of the build to compare with, side by side, on (b), (c), (d), (f) and (g) (empty: no comparison)")
 	overrides   = flag.Int("overrides", 1000, "overrides set, of as many of the 10,000 identities, in scenario (j)")
 	latency     = flag.Bool("latency", true, "with b: also measure latency one request at a time and open loop")
@@ -59,6 +60,8 @@ type scenario struct {
 	usage       bool   // the response reports a usage (X-Usage-Tokens)
 	script      string // wrk Lua: how requests vary
 	in          *testcaddy.Instance
+	// noop: run on the Caddy whose script decides nothing (scenario (z)).
+	noop        bool
 	runs        []wrkRun
 	calls       []float64 // Redis script calls per request, per run
 	usecPerCall []float64
@@ -110,6 +113,13 @@ request = function()
 end
 `
 
+// oneKeyLua is every request on one identity: a hot key.
+const oneKeyLua = `
+request = function()
+  return wrk.format("GET", "/", {["X-User"] = "the-one"})
+end
+`
+
 const abuserLua = `
 request = function()
   return wrk.format("GET", "/", {["X-User"] = "abuser"})
@@ -149,6 +159,7 @@ func main() {
 		return p
 	}
 	identities, abuser, reserving := writeScript("identities.lua", identitiesLua), writeScript("abuser.lua", abuserLua), writeScript("reserving.lua", reservingLua)
+	oneKey := writeScript("one-key.lua", oneKeyLua)
 	planned := writeScript("plans.lua", plansLua)
 
 	limiter := func(withRedis bool, policies ...map[string]any) map[string]any {
@@ -184,6 +195,15 @@ func main() {
 		{name: "i", label: "rate_limit, Redis, 10,000 identities on three plans", redis: true, script: planned, handler: limiter(true, onPlans("tenants"))},
 		{name: "j", label: fmt.Sprintf("rate_limit, Redis, 10,000 identities on three plans, %d overrides", *overrides), redis: true, script: planned,
 			handler: limiter(true, onPlans("tenants_overridden")), setup: func(sc *scenario) { setOverrides(s, sc, "tenants_overridden", *overrides) }},
+		// One key at full speed through one instance, nothing denied: hot,
+		// decided from blocks of its tokens (docs/hot-keys.md).
+		{name: "k", label: "rate_limit, Redis, one key at full speed (a hot key)", redis: true, script: oneKey, handler: limiter(true,
+			map[string]any{"name": "per_key", "key": "{http.request.header.X-User}", "rate": "1000000/1s"})},
+		// (b)'s calls, arguments and replies, on a Caddy whose script
+		// decides nothing (built with -tags ratelimit_noop_script): the
+		// round trip's own cost, against which (b) shows what a decision
+		// adds.
+		{name: "z", label: "(b) with a script that decides nothing", redis: true, script: identities, handler: limiter(true, perUser), noop: true},
 		// (b) with a monthly quota instead of the rate: a count per
 		// identity in its calendar period, nothing denied.
 		{name: "q", label: "rate_limit, Redis, quota per month, 10,000 identities", redis: true, script: identities, handler: limiter(true,
@@ -211,7 +231,19 @@ func main() {
 			return testcaddy.Start(s, bin, nil, sc.handler, respond)
 		}
 	}
+	var noopBin string
+	if byName["z"] != nil {
+		fmt.Println("Building Caddy with the script that decides nothing (-tags ratelimit_noop_script), for (z)...")
+		noopBin = filepath.Join(s.TempDir(), "caddy-noop")
+		if err := testcaddy.BuildTags(noopBin, "ratelimit_noop_script"); err != nil {
+			s.Fatalf("building caddy for (z): %v", err)
+		}
+	}
 	for _, sc := range scenarios {
+		if sc.noop {
+			sc.in = start(noopBin, sc)
+			continue
+		}
 		sc.in = start(bin, sc)
 	}
 	// This build's buckets are written in the compact format (v2), as a
@@ -303,6 +335,7 @@ func main() {
 			redisCPU, wrkCPU+caddyCPU+redisCPU, 100*m(func(w wrkRun) float64 { return w.busy }))
 	}
 	tw.Flush()
+	decisionCost(plain, byName["b"], byName["z"])
 	if d := byName["d"]; d != nil {
 		deniedShare := median(pick(d.runs, func(w wrkRun) float64 { return w.non2xx / w.requests }))
 		fmt.Printf("\n(d): %.4f of requests denied; Redis calls per denied request %.4f\n", deniedShare, median(d.calls)/deniedShare)
@@ -323,7 +356,7 @@ func main() {
 	// trip.
 	fmt.Printf("\nOne connection, one request at a time (wrk -t1 -c1), %s each, alternating, 3 rounds:\n", *duration)
 	oneAtATime := []*scenario{b}
-	for _, name := range []string{"f", "g"} {
+	for _, name := range []string{"f", "g", "c", "k"} {
 		if sc := byName[name]; sc != nil {
 			oneAtATime = append(oneAtATime, sc)
 		}
@@ -760,4 +793,20 @@ func setOverrides(s *testcaddy.Session, sc *scenario, policy string, n int) {
 		}
 	}
 	fmt.Printf("(%s): %d overrides set in %v\n", sc.name, n, time.Since(start).Round(time.Millisecond))
+}
+
+// decisionCost prints the Caddy CPU per request that (b)'s Redis decisions
+// add to plain Caddy's, against what (z) adds: the same coalesced round
+// trips, arguments and replies, with a script that decides nothing. Their
+// difference is what a decision costs Caddy beyond its round trip.
+func decisionCost(plain, b, z *scenario) {
+	if b == nil || z == nil {
+		return
+	}
+	cpu := func(sc *scenario) float64 { return median(pick(sc.runs, func(w wrkRun) float64 { return w.caddyCPU })) }
+	calls := func(sc *scenario) float64 { return median(sc.calls) }
+	addB, addZ := cpu(b)-cpu(plain), cpu(z)-cpu(plain)
+	fmt.Printf("\nWhat a decision adds (Caddy CPU per request, medians of this run): (b) %.1f µs over plain Caddy's %.1f; (z), the same round trips "+
+		"(%.3f calls per request, against (b)'s %.3f) with a script that decides nothing, %.1f: (b) adds %.2f times what (z) adds (target: at most 1.25).\n",
+		addB, cpu(plain), calls(z), calls(b), addZ, addB/addZ)
 }

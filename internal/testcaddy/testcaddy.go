@@ -27,8 +27,15 @@ const Package = "github.com/ratelimit-caddy/caddy-ratelimit/cmd/caddy"
 // Build builds the Caddy command with the module into out. It must run
 // inside the module (any directory of it), as the tests and `go run
 // ./cmd/demo` do. The go command's output goes to stderr.
-func Build(out string) error {
-	build := exec.Command("go", "build", "-o", out, Package)
+func Build(out string) error { return BuildTags(out, "") }
+
+// BuildTags is Build with build tags (comma-separated; "" for none).
+func BuildTags(out, tags string) error {
+	args := []string{"build", "-o", out}
+	if tags != "" {
+		args = append(args, "-tags", tags)
+	}
+	build := exec.Command("go", append(args, Package)...)
 	build.Stdout, build.Stderr = os.Stderr, os.Stderr
 	return build.Run()
 }
