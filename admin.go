@@ -119,7 +119,7 @@ type bucketState struct {
 	// Held: blocks of the bucket's tokens the instance answering holds, the
 	// key being hot there (see docs/hot-keys.md): taken from the bucket
 	// (Tokens counts them out), not spent yet.
-	Held *heldHere `json:"held_here,omitempty"`
+	BlocksHere *blocksHere `json:"blocks_here,omitempty"`
 	// A shed policy's adaptive limit on this instance (shed { latency }),
 	// and the requests in flight under it.
 	ShedLimit    *int64 `json:"shed_limit,omitempty"`
@@ -246,7 +246,7 @@ func (adminAPI) bucket(ctx context.Context, action string, def definition, req a
 	showOverride(ctx, h, key, v, st)
 	if bk, ok := h.store.(blockKeeper); ok {
 		if blocks, tokens := bk.blocksOf(key); blocks > 0 {
-			st.Held = &heldHere{Blocks: blocks, Tokens: tokens}
+			st.BlocksHere = &blocksHere{Blocks: blocks, Tokens: tokens}
 		}
 	}
 	if inspect.learns && action != "reset" {

@@ -242,8 +242,8 @@ func printAnswer(w io.Writer, action string, raw []byte) error {
 		fmt.Fprintf(tw, "key\t%s\n", st.Key)
 		fmt.Fprintf(tw, "store\t%s\n", st.Store)
 		fmt.Fprintf(tw, "tokens\t%d of %d; %s\n", st.Tokens, st.Burst, full)
-		if st.Held != nil {
-			fmt.Fprintf(tw, "held here\t%d tokens in %d blocks, taken and not spent yet (a hot key on this instance)\n", st.Held.Tokens, st.Held.Blocks)
+		if st.BlocksHere != nil {
+			fmt.Fprintf(tw, "blocks here\t%d tokens in %d blocks, taken and not spent yet (a hot key on this instance)\n", st.BlocksHere.Tokens, st.BlocksHere.Blocks)
 		}
 		if st.Learned != nil && *st.Learned > 0 {
 			fmt.Fprintf(tw, "learned\t%d: its recent requests used up to this beyond their reservations; each now reserves at least this (at most the burst)\n", *st.Learned)

@@ -40,15 +40,15 @@ type hotPolicy struct {
 	// threshold: decisions a second on one key, on this instance, from
 	// which the key is hot.
 	threshold float64
-	// held: tokens this instance holds in blocks of the policy's keys, not
+	// unspent: tokens this instance holds in blocks of the policy's keys, not
 	// yet spent; blocks: blocks taken.
-	held   prometheus.Gauge
-	blocks prometheus.Counter
+	unspent prometheus.Gauge
+	blocks  prometheus.Counter
 }
 
 var (
-	hotTokensHeld = prometheus.NewGaugeVec(prometheus.GaugeOpts{
-		Namespace: "caddy", Subsystem: "rate_limit", Name: "hot_tokens_held",
+	hotTokensUnspent = prometheus.NewGaugeVec(prometheus.GaugeOpts{
+		Namespace: "caddy", Subsystem: "rate_limit", Name: "hot_tokens_unspent",
 		Help: "Tokens this instance holds in blocks of its hot keys (taken from the shared buckets ahead of their requests, debited there first) and has not spent yet, by policy: the budget other instances cannot reach until it is spent or given back. See docs/hot-keys.md.",
 	}, []string{"policy"})
 	hotBlocksTaken = prometheus.NewCounterVec(prometheus.CounterOpts{
@@ -115,7 +115,7 @@ func (p *Policy) noHotKeys() error {
 func (p *Policy) provisionHotKeys() {
 	p.hot.use = nil
 	if p.hot.threshold > 0 && p.kind == kindRate {
-		p.hot.use = &hotPolicy{threshold: p.hot.threshold, held: hotTokensHeld.WithLabelValues(p.Name), blocks: hotBlocksTaken.WithLabelValues(p.Name)}
+		p.hot.use = &hotPolicy{threshold: p.hot.threshold, unspent: hotTokensUnspent.WithLabelValues(p.Name), blocks: hotBlocksTaken.WithLabelValues(p.Name)}
 	}
 }
 
@@ -123,9 +123,9 @@ func (p *Policy) provisionHotKeys() {
 // their age go back, keys that cooled give back what they hold.
 const hotSweep = 100 * time.Millisecond
 
-// heldHere is what inspect shows of a hot key's blocks on the instance
+// blocksHere is what inspect shows of a hot key's blocks on the instance
 // answering.
-type heldHere struct {
+type blocksHere struct {
 	Blocks int   `json:"blocks"`
 	Tokens int64 `json:"tokens"`
 }

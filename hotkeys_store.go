@@ -19,7 +19,7 @@ import (
 // over-admits). The pure parts, the schedule of a block, the ledger, the
 // rates and the sizing, are internal/hotkey's.
 //
-// A request whose buckets are all hot and held is decided here; one with a
+// A request whose buckets are all hot and unspent is decided here; one with a
 // hot bucket and others takes from the block tentatively, sends the others
 // to Redis, and puts the tokens back if they deny it: all or nothing, as
 // ever. Hotness is per instance: a key is hot on an instance that decides it
@@ -71,7 +71,7 @@ type hotKey struct {
 	// plan, drops the blocks) and the override rule.
 	rq bucketRequest
 	// decided is the limit the last block was decided under (an override's,
-	// or the one sent); left the whole tokens the bucket held after it.
+	// or the one sent); left the whole tokens the bucket unspent after it.
 	decided limit
 	left    int64
 	// redisNow and received date the last reply, to estimate Redis's clock.
@@ -324,17 +324,17 @@ func (h *hotKeys) try(rq *bucketRequest, now int64, pt *hotPart, mayWait bool) {
 	ok, at, taken := e.ledger.Take(rq.cost, now, rq.wait)
 	switch {
 	case ok:
-		e.policy.held.Sub(float64(rq.cost))
+		e.policy.unspent.Sub(float64(rq.cost))
 		pt.answer, pt.taken = hotTook, taken
 		pt.v = verdict{allowed: true, delay: at - now, limit: e.decided}
 		pt.v.remaining = e.ledger.Ready(now) + max(0, e.left)
-		if next, held := e.ledger.Next(); held && pt.v.remaining < e.decided.burst {
+		if next, unspent := e.ledger.Next(); unspent && pt.v.remaining < e.decided.burst {
 			pt.v.untilFits = max(0, next-now)
-		} else if !held {
+		} else if !unspent {
 			pt.v.untilFits = e.decided.interval
 		}
 		h.prefetch(e, now, 0)
-	case at > 0: // held, but not ready in time: the bucket's schedule says no
+	case at > 0: // unspent, but not ready in time: the bucket's schedule says no
 		pt.answer = hotDenied
 		pt.v = verdict{untilFits: at - now, limit: e.decided}
 		h.prefetch(e, now, 0)
@@ -361,15 +361,15 @@ func (h *hotKeys) prefetch(e *hotKey, now, need int64) {
 	if e.fetching || e.gone || e.block == 0 || now < e.retryAt || now < e.failedUntil || e.ledger.Blocks() == hotkey.MaxBlocks {
 		return
 	}
-	held := e.ledger.Held()
-	size, fetch := hotkey.Next(held, e.ledger.Ready(now), e.lead, e.block, need)
+	unspent := e.ledger.Unspent()
+	size, fetch := hotkey.Next(unspent, e.ledger.Ready(now), e.lead, e.block, need)
 	if !fetch {
 		return
 	}
 	e.fetching, e.landed = true, make(chan struct{})
 	rq := e.rq
 	rq.cost, rq.wait = size, hotkey.Horizon
-	urgent := need > 0 || held == 0
+	urgent := need > 0 || unspent == 0
 	h.store.takeBlock(rq, urgent, func(r blockReply) { h.land(e, rq, r) })
 }
 
@@ -420,7 +420,7 @@ func (h *hotKeys) land(e *hotKey, rq bucketRequest, r blockReply) {
 		h.giveBackRequest(rq, rq.cost)
 		return
 	}
-	e.policy.held.Add(float64(rq.cost))
+	e.policy.unspent.Add(float64(rq.cost))
 	e.policy.blocks.Inc()
 	e.decided, e.left, e.redisNow, e.received = l, r.remaining, r.redisNow, r.received
 	e.deniedUntil, e.retryAt, e.failedUntil = 0, 0, 0
@@ -447,7 +447,7 @@ func (h *hotKeys) putBack(parts []hotPart) {
 		if pt.e.gone {
 			gone = tokens // dropped with its blocks: to Redis
 		}
-		pt.e.policy.held.Add(float64(tokens - gone))
+		pt.e.policy.unspent.Add(float64(tokens - gone))
 		if gone > 0 {
 			h.giveBackRequest(pt.e.rq, gone) // spent from the gauge already
 		}
@@ -480,7 +480,7 @@ func (h *hotKeys) giveBack(e *hotKey, n int64) {
 	if n <= 0 {
 		return
 	}
-	e.policy.held.Sub(float64(n))
+	e.policy.unspent.Sub(float64(n))
 	h.giveBackRequest(e.rq, n)
 }
 
@@ -530,7 +530,7 @@ func (h *hotKeys) releaseAll() {
 	}
 }
 
-// close stops taking blocks and gives back those held: the connection
+// close stops taking blocks and gives back those unspent: the connection
 // closes (Caddy stops, or the last config using it went).
 func (h *hotKeys) close() {
 	if h == nil || h.closed.Swap(true) {
@@ -543,12 +543,12 @@ func (h *hotKeys) close() {
 // blocksOf is the blocks this instance holds of the bucket under key, and
 // their unspent tokens (blockKeeper, for inspect).
 func (s *redisStore) blocksOf(key string) (blocks int, tokens int64) {
-	return s.conn.hot.held(key)
+	return s.conn.hot.unspent(key)
 }
 
-// held is the blocks and unspent tokens this instance holds of the bucket
+// unspent is the blocks and unspent tokens this instance holds of the bucket
 // under key.
-func (h *hotKeys) held(key string) (blocks int, tokens int64) {
+func (h *hotKeys) unspent(key string) (blocks int, tokens int64) {
 	if h == nil {
 		return 0, 0
 	}
@@ -556,7 +556,7 @@ func (h *hotKeys) held(key string) (blocks int, tokens int64) {
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
 	if e := sh.keys[key]; e != nil {
-		return e.ledger.Blocks(), e.ledger.Held()
+		return e.ledger.Blocks(), e.ledger.Unspent()
 	}
 	return 0, 0
 }
@@ -611,7 +611,7 @@ func (h *hotKeys) sweepOnce(now int64) (left int) {
 	return left
 }
 
-// count is the hot keys held.
+// count is the hot keys unspent.
 func (h *hotKeys) count() (n int) {
 	for i := range h.shards {
 		sh := &h.shards[i]

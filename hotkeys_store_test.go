@@ -24,8 +24,8 @@ import (
 // metrics of its own.
 func hotTestPolicy(name string) *hotPolicy {
 	return &hotPolicy{threshold: hotThreshold(defaultHotKeys),
-		held:   prometheus.NewGauge(prometheus.GaugeOpts{Name: name + "_held"}),
-		blocks: prometheus.NewCounter(prometheus.CounterOpts{Name: name + "_blocks"})}
+		unspent: prometheus.NewGauge(prometheus.GaugeOpts{Name: name + "_held"}),
+		blocks:  prometheus.NewCounter(prometheus.CounterOpts{Name: name + "_blocks"})}
 }
 
 // hotLimit is the key: 5,000/s, burst 500, with the reach hot keys
@@ -222,29 +222,29 @@ func TestHotKeysGiveBack(t *testing.T) {
 			start := time.Now()
 			spent := int64(heat(t, rs, 400, rq)) // 400 in a few ms: hot
 			landed(t, rs, key)
-			blocks, held := rs.conn.hot.held(key)
-			if blocks == 0 || held == 0 {
-				t.Fatalf("not hot after 400 decisions: %d blocks, %d tokens held", blocks, held)
+			blocks, unspent := rs.conn.hot.unspent(key)
+			if blocks == 0 || unspent == 0 {
+				t.Fatalf("not hot after 400 decisions: %d blocks, %d tokens unspent", blocks, unspent)
 			}
 			before := bucketTokens(t, reader, key, slowHot)
 			read := time.Now()
-			if least := slowHot.burst - spent - held; before < least || before > least+refilled(start, read) {
-				t.Errorf("Redis holds %d tokens with %d spent and %d held here, want %d + what refilled (blocks debited first)", before, spent, held, least)
+			if least := slowHot.burst - spent - unspent; before < least || before > least+refilled(start, read) {
+				t.Errorf("Redis holds %d tokens with %d spent and %d unspent here, want %d + what refilled (blocks debited first)", before, spent, unspent, least)
 			}
 			tc.end(rs, key)
 			var after int64
 			for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(10 * time.Millisecond) {
 				after = bucketTokens(t, reader, key, slowHot)
-				if after >= before+held || time.Now().After(deadline) {
+				if after >= before+unspent || time.Now().After(deadline) {
 					break
 				}
 			}
-			if got := after - before; got < held || got > held+refilled(read, time.Now()) {
-				t.Errorf("after %s: Redis holds %d tokens, %d before: want the %d held back, and what refilled since", tc.name, after, before, held)
+			if got := after - before; got < unspent || got > unspent+refilled(read, time.Now()) {
+				t.Errorf("after %s: Redis holds %d tokens, %d before: want the %d unspent back, and what refilled since", tc.name, after, before, unspent)
 			}
 			if tc.name != "closed" {
-				if _, left := rs.conn.hot.held(key); left != 0 {
-					t.Errorf("after %s: still %d tokens held", tc.name, left)
+				if _, left := rs.conn.hot.unspent(key); left != 0 {
+					t.Errorf("after %s: still %d tokens unspent", tc.name, left)
 				}
 			}
 		})
@@ -264,7 +264,7 @@ func TestHotKeysAllOrNothing(t *testing.T) {
 	start := time.Now()
 	spent := int64(heat(t, rs, 400, hot))
 	landed(t, rs, hot.key)
-	if _, held := rs.conn.hot.held(hot.key); held == 0 {
+	if _, unspent := rs.conn.hot.unspent(hot.key); unspent == 0 {
 		t.Fatal("not hot after 400 decisions")
 	}
 	// Decided from the block alone, its span says so (tracing.go).
@@ -289,7 +289,7 @@ func TestHotKeysAllOrNothing(t *testing.T) {
 		}
 	}
 	landed(t, rs, hot.key)
-	rs.conn.receive(eventChanged, hot.key) // what is held goes back
+	rs.conn.receive(eventChanged, hot.key) // what is unspent goes back
 	var got int64
 	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(10 * time.Millisecond) {
 		got = bucketTokens(t, rs, hot.key, slowHot)
@@ -323,7 +323,7 @@ func TestHotKeysRedisAway(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer srv.Resume()
-	_, held := rs.conn.hot.held(rq.key)
+	_, unspent := rs.conn.hot.unspent(rq.key)
 	admitted, failed := 0, 0
 	for deadline := time.Now().Add(5 * time.Second); failed < 5 && time.Now().Before(deadline); {
 		d, err := rs.decide(context.Background(), []bucketRequest{rq})
@@ -334,12 +334,12 @@ func TestHotKeysRedisAway(t *testing.T) {
 			admitted++
 		}
 	}
-	t.Logf("held %d when Redis stopped; then %d admitted, %d failed (on_error)", held, admitted, failed)
-	if int64(admitted) > held {
-		t.Errorf("admitted %d with Redis away, holding %d: more than it held", admitted, held)
+	t.Logf("unspent %d when Redis stopped; then %d admitted, %d failed (on_error)", unspent, admitted, failed)
+	if int64(admitted) > unspent {
+		t.Errorf("admitted %d with Redis away, holding %d: more than it unspent", admitted, unspent)
 	}
 	if admitted == 0 || failed == 0 {
-		t.Errorf("admitted %d then failed %d: want what was held spent, then the store's error", admitted, failed)
+		t.Errorf("admitted %d then failed %d: want what was unspent spent, then the store's error", admitted, failed)
 	}
 }
 
@@ -393,7 +393,7 @@ func TestHotKeysLearnedUsage(t *testing.T) {
 		}
 	}
 	landed(t, rs, key)
-	if blocks, held := rs.conn.hot.held(key); blocks > 0 {
-		t.Fatalf("%d tokens held in %d blocks of a key whose reservations its learned usage raises", held, blocks)
+	if blocks, unspent := rs.conn.hot.unspent(key); blocks > 0 {
+		t.Fatalf("%d tokens unspent in %d blocks of a key whose reservations its learned usage raises", unspent, blocks)
 	}
 }

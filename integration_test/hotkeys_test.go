@@ -49,7 +49,7 @@ type hotRun struct {
 	failed int64
 	// sent: when each request was sent, since the load began.
 	sent []time.Duration
-	// peakHeld is the highest caddy_rate_limit_hot_tokens_held each
+	// peakHeld is the highest caddy_rate_limit_hot_tokens_unspent each
 	// instance showed while the load ran (scraped every 100 ms), and
 	// peakFleet the highest sum of the four at one scrape.
 	peakHeld  []float64
@@ -136,7 +136,7 @@ func hotLoad(t *testing.T, fleet []*instance, conns, skew []int, d time.Duration
 			}()
 		}
 	}
-	// The gauge of tokens held, scraped while the load runs.
+	// The gauge of unspent tokens, scraped while the load runs.
 	done := make(chan struct{})
 	scraped := make(chan struct{})
 	go func() {
@@ -169,9 +169,9 @@ func hotLoad(t *testing.T, fleet []*instance, conns, skew []int, d time.Duration
 	return run
 }
 
-var heldLine = regexp.MustCompile(`(?m)^caddy_rate_limit_hot_tokens_held\{policy="api_wide"\} (\S+)$`)
+var heldLine = regexp.MustCompile(`(?m)^caddy_rate_limit_hot_tokens_unspent\{policy="api_wide"\} (\S+)$`)
 
-// heldGauge is an instance's caddy_rate_limit_hot_tokens_held of the
+// heldGauge is an instance's caddy_rate_limit_hot_tokens_unspent of the
 // policy (0 when it cannot be read).
 func heldGauge(in *instance) float64 {
 	resp, err := http.Get(in.Admin + "/metrics")
@@ -283,7 +283,7 @@ func TestHotKeyFleet(t *testing.T) {
 	}
 	shares := r.shares()
 	t.Logf("4 instances, %.1f s: %d requests (%.0f/s), admitted %d of a budget of %.1f (%.4f); %d script calls, %.4f per admission; "+
-		"requests by instance %v, admitted %v, share of admissions over share of requests %.3f; tokens held at most %v by instance, %.0f by the fleet; %d failed",
+		"requests by instance %v, admitted %v, share of admissions over share of requests %.3f; unspent tokens at most %v by instance, %.0f by the fleet; %d failed",
 		r.elapsed.Seconds(), sent, float64(sent)/r.elapsed.Seconds(), admitted, budget, float64(admitted)/budget, calls, float64(calls)/float64(admitted),
 		r.requests, counts(r.admitted), shares, r.peakHeld, r.peakFleet, r.failed)
 	var blocks []float64
@@ -591,8 +591,8 @@ func TestHotKeyChangesReachBlocks(t *testing.T) {
 				t.Errorf("override: %d %s", status, body)
 			}
 		})
-		if !strings.Contains(held, `"held_here":{"blocks":`) {
-			t.Errorf("inspect of the hot key on an instance holding blocks of it: %s, want held_here", held)
+		if !strings.Contains(held, `"blocks_here":{"blocks":`) {
+			t.Errorf("inspect of the hot key on an instance holding blocks of it: %s, want blocks_here", held)
 		}
 		within(t, admitted, changed+time.Second, 5*time.Second)
 	})

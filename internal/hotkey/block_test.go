@@ -82,7 +82,7 @@ func TestNeverOverBudget(t *testing.T) {
 						in.led.Add(Block{First: first, Interval: interval, Size: in.size, Taken: local})
 					}
 				}
-				if !in.fetching && in.led.Held() < 2*burst/BurstShare && rng.IntN(3) == 0 {
+				if !in.fetching && in.led.Unspent() < 2*burst/BurstShare && rng.IntN(3) == 0 {
 					// The call is sent now; Redis runs it a while later, and
 					// the reply lands later still.
 					in.size = 1 + rng.Int64N(max(1, burst/BurstShare))

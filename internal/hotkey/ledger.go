@@ -51,8 +51,8 @@ func (l *Ledger) Add(b Block) bool {
 // Blocks is the number of blocks held.
 func (l *Ledger) Blocks() int { return l.n }
 
-// Held is the unspent tokens of every block, ready or not.
-func (l *Ledger) Held() int64 {
+// Unspent is the tokens of every block not spent yet, ready or not.
+func (l *Ledger) Unspent() int64 {
 	var n int64
 	for i := range l.n {
 		n += l.blocks[i].Left()
@@ -88,7 +88,7 @@ func (l *Ledger) When(cost, now int64) (int64, bool) {
 	if cost <= 0 {
 		return now, true
 	}
-	if l.Held() < cost {
+	if l.Unspent() < cost {
 		return 0, false
 	}
 	if l.Ready(now) >= cost {
@@ -180,7 +180,7 @@ func (l *Ledger) Expire(now, maxAge int64) (returned int64) {
 
 // Drop drops every block and returns their unspent tokens.
 func (l *Ledger) Drop() (returned int64) {
-	returned = l.Held()
+	returned = l.Unspent()
 	l.n = 0
 	return returned
 }

@@ -23,15 +23,15 @@ func TestLedgerTake(t *testing.T) {
 	}{
 		{"ready now", [][2]int64{{0, 10}}, 3, 100, 0, true, 100, 7},
 		{"one short: when it will be", [][2]int64{{100, 10}}, 3, 100, 0, false, 120, 1},
-		{"one short, within the wait: taken, held until then", [][2]int64{{100, 10}}, 3, 100, 20, true, 120, 0},
+		{"one short, within the wait: taken, unspent until then", [][2]int64{{100, 10}}, 3, 100, 20, true, 120, 0},
 		{"across two blocks", [][2]int64{{0, 2}, {0, 5}}, 4, 100, 0, true, 100, 3},
 		{"a newer block ready before an older one", [][2]int64{{1000, 5}, {0, 5}}, 3, 100, 0, true, 100, 2},
-		{"fewer held than the cost", [][2]int64{{0, 2}}, 3, 100, 1000, false, 0, 2},
+		{"fewer unspent than the cost", [][2]int64{{0, 2}}, 3, 100, 1000, false, 0, 2},
 		{"future tokens only", [][2]int64{{500, 5}}, 1, 100, 0, false, 500, 0},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			l := ledgerOf(10, tc.blocks...)
-			held := l.Held()
+			unspent := l.Unspent()
 			ok, at, taken := l.Take(tc.cost, tc.now, tc.wait)
 			if ok != tc.ok || at != tc.at {
 				t.Fatalf("Take(%d, %d, %d) = %v, %d; want %v, %d", tc.cost, tc.now, tc.wait, ok, at, tc.ok, tc.at)
@@ -39,11 +39,11 @@ func TestLedgerTake(t *testing.T) {
 			if got := l.Ready(tc.now); got != tc.readyAfter {
 				t.Errorf("%d ready after, want %d", got, tc.readyAfter)
 			}
-			if ok && (taken.Tokens() != tc.cost || l.Held() != held-tc.cost) {
-				t.Errorf("took %d, held %d of %d; want %d taken", taken.Tokens(), l.Held(), held, tc.cost)
+			if ok && (taken.Tokens() != tc.cost || l.Unspent() != unspent-tc.cost) {
+				t.Errorf("took %d, unspent %d of %d; want %d taken", taken.Tokens(), l.Unspent(), unspent, tc.cost)
 			}
-			if gone := l.PutBack(taken); gone != 0 || l.Held() != held {
-				t.Errorf("put back: %d gone, %d held; want 0 gone, %d held", gone, l.Held(), held)
+			if gone := l.PutBack(taken); gone != 0 || l.Unspent() != unspent {
+				t.Errorf("put back: %d gone, %d unspent; want 0 gone, %d unspent", gone, l.Unspent(), unspent)
 			}
 		})
 	}
@@ -59,8 +59,8 @@ func TestLedgerPutBackGone(t *testing.T) {
 	if gone := l.PutBack(taken); gone != 3 {
 		t.Errorf("%d tokens of blocks gone, want 3 (for the caller to give back)", gone)
 	}
-	if l.Held() != 2+1+1 {
-		t.Errorf("held %d, want 4", l.Held())
+	if l.Unspent() != 2+1+1 {
+		t.Errorf("unspent %d, want 4", l.Unspent())
 	}
 }
 
@@ -69,11 +69,11 @@ func TestLedgerExpireAndDrop(t *testing.T) {
 	l.Add(Block{First: 0, Interval: 10, Size: 5, Taken: 0})
 	l.Add(Block{First: 0, Interval: 10, Size: 7, Taken: 600_000})
 	l.Take(2, 100, 0)
-	if got := l.Expire(1_200_000, MaxAge); got != 3 || l.Blocks() != 1 || l.Held() != 7 {
-		t.Errorf("Expire: %d returned, %d blocks, %d held; want 3, 1, 7", got, l.Blocks(), l.Held())
+	if got := l.Expire(1_200_000, MaxAge); got != 3 || l.Blocks() != 1 || l.Unspent() != 7 {
+		t.Errorf("Expire: %d returned, %d blocks, %d unspent; want 3, 1, 7", got, l.Blocks(), l.Unspent())
 	}
-	if got := l.Drop(); got != 7 || l.Held() != 0 || l.Blocks() != 0 {
-		t.Errorf("Drop: %d returned, %d held; want 7, 0", got, l.Held())
+	if got := l.Drop(); got != 7 || l.Unspent() != 0 || l.Blocks() != 0 {
+		t.Errorf("Drop: %d returned, %d unspent; want 7, 0", got, l.Unspent())
 	}
 	for range MaxBlocks {
 		if !l.Add(Block{Interval: 10, Size: 1}) {
@@ -96,6 +96,6 @@ func TestLedgerNext(t *testing.T) {
 	}
 	l.Drop()
 	if _, ok := l.Next(); ok {
-		t.Error("Next with nothing held")
+		t.Error("Next with nothing unspent")
 	}
 }

@@ -8,7 +8,7 @@ const (
 	BlockPeriod = 50_000 // µs
 	// LeadPeriod is how far ahead of its rate the instance keeps tokens
 	// taken: the next block is fetched while a lead of about this much of
-	// the rate is still held, long before the round trip it takes.
+	// the rate is still unspent, long before the round trip it takes.
 	LeadPeriod = 25_000 // µs
 	// BurstShare: a block is at most 1/BurstShare of the bucket's burst, so
 	// that one instance never takes the whole of a full bucket at once.
@@ -39,7 +39,7 @@ const (
 
 // Size is the block an instance takes of a bucket of the given interval and
 // burst when its decisions ask for tokensPerSec, and the lead: the tokens
-// held below which it fetches the next block. line is how long, in µs, its
+// unspent below which it fetches the next block. line is how long, in µs, its
 // last block waited in the bucket's line for its first token (0 or less:
 // none). block is 0 when the bucket is too small or too slow for blocks
 // (see MinBlock).
@@ -80,20 +80,20 @@ func Cap(interval, burst int64) int64 {
 	return min(burst/BurstShare, Horizon/interval/4)
 }
 
-// Next says whether an instance holding held unspent tokens of a key (ready
+// Next says whether an instance holding unspent tokens of a key (ready
 // of them spendable now) sends for one more block, and of what size. It
-// does while its tokens still in the bucket's line (held − ready) are
+// does while its tokens still in the bucket's line (unspent − ready) are
 // fewer than its lead: the tokens it holds ready do not count, as what it
 // admits over the budget follows what it has in the line, which is what
 // keeps its share in proportion to its rate; but not while it holds lead
 // + 2 blocks or more, so that a lull does not pile tokens up. A request
-// that needs more than is held (need > held) sends for a block of at least
+// that needs more than is unspent (need > unspent) sends for a block of at least
 // need at once.
-func Next(held, ready, lead, block, need int64) (size int64, fetch bool) {
-	if need > held {
+func Next(unspent, ready, lead, block, need int64) (size int64, fetch bool) {
+	if need > unspent {
 		return max(block, need), true
 	}
-	if block <= 0 || held-ready >= lead || held >= lead+2*block {
+	if block <= 0 || unspent-ready >= lead || unspent >= lead+2*block {
 		return 0, false
 	}
 	return block, true
