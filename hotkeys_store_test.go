@@ -251,6 +251,59 @@ func TestHotKeysGiveBack(t *testing.T) {
 	}
 }
 
+// TestHotKeysGiveBackAtReload: a reload (the new config opens the same
+// connection before the old one lets go of it) gives back what the old
+// config's hot keys hold; the connection, shared, stays open.
+func TestHotKeysGiveBackAtReload(t *testing.T) {
+	srv := testredis.Start(t)
+	reader := hotInstances(t, srv, 1)[0]
+	cfg := &RedisConfig{Addresses: []string{srv.Addr}, Timeout: testTimeout}
+	old, closeOld, err := openStore(cfg, "rl:", zap.NewNop())
+	if err != nil {
+		t.Fatal(err)
+	}
+	rs := old.(*redisStore)
+	key := "rl:give_back:{reload}"
+	rq := bucketRequest{key: key, limit: slowHot, op: opTake, cost: 1, hot: hotTestPolicy("give_back")}
+	heat(t, rs, 400, rq)
+	landed(t, rs, key)
+	_, unspent := rs.conn.hot.unspent(key)
+	if unspent == 0 {
+		t.Fatal("not hot after 400 decisions")
+	}
+	before := bucketTokens(t, reader, key, slowHot)
+	read := time.Now()
+	renewed, closeNew, err := openStore(cfg, "rl:", zap.NewNop()) // the new config
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = closeNew() }()
+	if err := closeOld(); err != nil {
+		t.Fatal(err)
+	}
+	// At once, not when the key cools (which it would, unused, within
+	// seconds): the old config's blocks are dropped as it lets go.
+	if blocks, left := rs.conn.hot.unspent(key); blocks != 0 || left != 0 {
+		t.Errorf("once the old config let go: still %d blocks, %d tokens unspent here", blocks, left)
+	}
+	var after int64
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		after = bucketTokens(t, reader, key, slowHot)
+		if after >= before+unspent || time.Now().After(deadline) {
+			break
+		}
+	}
+	if got := after - before; got < unspent || got > unspent+refilled(read, time.Now()) {
+		t.Errorf("after a reload: Redis holds %d tokens, %d before: want the %d unspent back, and what refilled since", after, before, unspent)
+	}
+	if renewed.(*redisStore).conn != rs.conn {
+		t.Fatal("the reload opened another connection: not the case this test is about")
+	}
+	if d, err := renewed.decide(context.Background(), []bucketRequest{{key: "rl:after_reload", limit: slowHot, op: opTake, cost: 1}}); err != nil || !d.admitted {
+		t.Errorf("the new config's first decision on the shared connection: %+v, %v", d, err)
+	}
+}
+
 // TestHotKeysAllOrNothing: a request needing a hot key and a cold one takes
 // the hot key's tokens from its block only if Redis admits the rest; when
 // the cold bucket denies, they go back to the block, and Redis charged
