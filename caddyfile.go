@@ -149,6 +149,11 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			if err := top.oneArg(d, &h.KeySecret); err != nil {
 				return err
 			}
+			if h.KeySecret == "" {
+				// "" would mean no secret: plain SHA-256, which anyone can
+				// reverse for IPv4 addresses.
+				return d.Errf(`key_secret: "" is no secret: storage keys would be plain SHA-256 hashes of identities, which can be reversed; give a secret, or {env.RATE_LIMIT_SECRET}, or leave key_secret out`)
+			}
 		case "on_error":
 			if err := top.oneArg(d, &h.OnError); err != nil {
 				return err

@@ -332,6 +332,7 @@ func TestCaddyfileErrors(t *testing.T) {
 		{"redis", "twice", "redis {\n\taddress a:1\n}\nredis { " + mark + "\n\taddress b:1\n}\n" + base},
 		{"key_secret", "missing value", "key_secret " + mark + "\n" + base},
 		{"key_secret", "extra value", "key_secret a b " + mark + "\n" + base},
+		{"key_secret", "empty", "key_secret \"\" " + mark + "\n" + base},
 		{"on_error", "missing value", "on_error " + mark + "\n" + base},
 		{"on_error", "extra value", "on_error fail_open fail_closed " + mark + "\n" + base},
 		{"on_error", "wrong value", "on_error retry " + mark + "\n" + base},
