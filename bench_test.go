@@ -41,7 +41,6 @@ func BenchmarkPath(b *testing.B) {
 	conn := benchConn(b)
 	rs := &redisStore{conn: conn}
 	keys := benchKeys(10_000)
-	wide := limit{interval: 10, burst: 1_000_000}
 	run := func(b *testing.B, one func(key string) error) {
 		var n atomic.Int64
 		b.SetParallelism(16) // 32 callers on 2 cores
@@ -57,35 +56,9 @@ func BenchmarkPath(b *testing.B) {
 		})
 		b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "decisions/s")
 	}
-	b.Run("take", func(b *testing.B) {
-		run(b, func(key string) error {
-			_, err := rs.decide(context.Background(), []bucketRequest{{key: key, limit: wide, op: opTake, cost: 1}})
-			return err
-		})
-	})
-	b.Run("settle", func(b *testing.B) {
-		run(b, func(key string) error {
-			rq := bucketRequest{key: key, limit: wide, op: opTake, cost: 10, givesBack: true}
-			if _, err := rs.decide(context.Background(), []bucketRequest{rq}); err != nil {
-				return err
-			}
-			rq.op, rq.delta, rq.cost = opAdjust, -7, 0
-			rs.decideAfter([]bucketRequest{rq}, func(decision, error) {})
-			return nil
-		})
-	})
-	b.Run("acquire_release", func(b *testing.B) {
-		slots := limit{interval: 30_000_000, burst: 100}
-		run(b, func(key string) error {
-			rq := bucketRequest{key: key, limit: slots, op: opAcquire, lease: leaseIDs(), events: "rl:bench:events"}
-			if _, err := rs.decide(context.Background(), []bucketRequest{rq}); err != nil {
-				return err
-			}
-			rq.op = opRelease
-			rs.decideAfter([]bucketRequest{rq}, func(decision, error) {})
-			return nil
-		})
-	})
+	for _, path := range benchPaths(rs) {
+		b.Run(path.name, func(b *testing.B) { run(b, path.one) })
+	}
 	b.Run("deny_cache_hit", func(b *testing.B) {
 		// One drained bucket (a token a minute), learned once.
 		drained := []bucketRequest{{key: keys[0], limit: limit{interval: 60_000_000, burst: 1}, op: opTake, cost: 1}}
@@ -342,36 +315,7 @@ func BenchmarkAfterRides(b *testing.B) {
 	}
 	rs := &redisStore{conn: conn}
 	keys := benchKeys(10_000)
-	wide := limit{interval: 10, burst: 1_000_000}
-	slots := limit{interval: 30_000_000, burst: 100}
-	paths := []struct {
-		name string
-		one  func(key string) error
-	}{
-		{"take", func(key string) error {
-			_, err := rs.decide(context.Background(), []bucketRequest{{key: key, limit: wide, op: opTake, cost: 1}})
-			return err
-		}},
-		{"settle", func(key string) error {
-			rq := bucketRequest{key: key, limit: wide, op: opTake, cost: 10, givesBack: true}
-			if _, err := rs.decide(context.Background(), []bucketRequest{rq}); err != nil {
-				return err
-			}
-			rq.op, rq.delta, rq.cost = opAdjust, -7, 0
-			rs.decideAfter([]bucketRequest{rq}, func(decision, error) {})
-			return nil
-		}},
-		{"acquire_release", func(key string) error {
-			rq := bucketRequest{key: key, limit: slots, op: opAcquire, lease: leaseIDs(), events: "rl:bench:events"}
-			if _, err := rs.decide(context.Background(), []bucketRequest{rq}); err != nil {
-				return err
-			}
-			rq.op = opRelease
-			rs.decideAfter([]bucketRequest{rq}, func(decision, error) {})
-			return nil
-		}},
-	}
-	for _, path := range paths {
+	for _, path := range benchPaths(rs) {
 		b.Run(path.name, func(b *testing.B) {
 			calls.Store(0)
 			afterOnly.Store(0)
@@ -580,4 +524,42 @@ func benchConn(b *testing.B) *redisConn {
 	}
 	b.Cleanup(func() { _ = conn.Destruct() })
 	return conn
+}
+
+// benchPath is one path of decisions through the Redis store, for one key.
+type benchPath struct {
+	name string
+	one  func(key string) error
+}
+
+// benchPaths are the paths BenchmarkPath and BenchmarkAfterRides measure:
+// a take, a settle (a take, then its adjustment after the response), and a
+// concurrency slot acquired then released.
+func benchPaths(rs *redisStore) []benchPath {
+	wide := limit{interval: 10, burst: 1_000_000}
+	slots := limit{interval: 30_000_000, burst: 100}
+	return []benchPath{
+		{"take", func(key string) error {
+			_, err := rs.decide(context.Background(), []bucketRequest{{key: key, limit: wide, op: opTake, cost: 1}})
+			return err
+		}},
+		{"settle", func(key string) error {
+			rq := bucketRequest{key: key, limit: wide, op: opTake, cost: 10, givesBack: true}
+			if _, err := rs.decide(context.Background(), []bucketRequest{rq}); err != nil {
+				return err
+			}
+			rq.op, rq.delta, rq.cost = opAdjust, -7, 0
+			rs.decideAfter([]bucketRequest{rq}, func(decision, error) {})
+			return nil
+		}},
+		{"acquire_release", func(key string) error {
+			rq := bucketRequest{key: key, limit: slots, op: opAcquire, lease: leaseIDs(), events: "rl:bench:events"}
+			if _, err := rs.decide(context.Background(), []bucketRequest{rq}); err != nil {
+				return err
+			}
+			rq.op = opRelease
+			rs.decideAfter([]bucketRequest{rq}, func(decision, error) {})
+			return nil
+		}},
+	}
 }
