@@ -59,28 +59,12 @@ func TestRedisEnvPlaceholdersAtLoad(t *testing.T) {
 			t.Fatalf("adapted: %s lacks %s", out, want)
 		}
 	}
-	var handlerJSON []byte
-	var find func(v any)
-	find = func(v any) {
-		switch x := v.(type) {
-		case map[string]any:
-			if x["handler"] == "rate_limit" {
-				delete(x, "handler")
-				handlerJSON, _ = json.Marshal(x)
-				return
-			}
-			for _, e := range x {
-				find(e)
-			}
-		case []any:
-			for _, e := range x {
-				find(e)
-			}
-		}
+	found := rateLimitHandlers(t, out)
+	if len(found) != 1 {
+		t.Fatalf("%d rate_limit handlers in %s", len(found), out)
 	}
-	var cfg any
-	_ = json.Unmarshal(out, &cfg)
-	find(cfg)
+	delete(found[0], "handler")
+	handlerJSON, _ := json.Marshal(found[0])
 
 	provision := func() error {
 		h := new(Handler)
