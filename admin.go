@@ -30,7 +30,7 @@ func init() {
 // stored or logged, and this API's answers are the one place an identity
 // is shown. Inspect, reset and grant run through the policy's store, its
 // script and Redis clock, as decisions do; reset and grant reach every
-// instance at once (see redisConn.announce).
+// instance at once (see redisStore.announce).
 //
 //	GET  /rate_limit/inspect?policy=<name>&identity=<id>
 //	POST /rate_limit/reset   {"policy": "<name>", "identity": "<id>"}

@@ -78,7 +78,7 @@ func (adminAPI) fleet(w http.ResponseWriter, r *http.Request) error {
 // operator's listing may take longer than the decisions' timeout, and
 // SELECT changes a connection's database, which must not go back to the
 // decisions' pool.
-func (c *redisConn) readFleets(ctx context.Context) (fleetStore, error) {
+func (c *redisStore) readFleets(ctx context.Context) (fleetStore, error) {
 	st := fleetStore{Store: "Redis " + c.name}
 	client := c.listingClient()
 	defer client.Close()
@@ -101,7 +101,7 @@ func (c *redisConn) readFleets(ctx context.Context) (fleetStore, error) {
 
 // liveRecords reads the records of the live instances of the connection's
 // database, on a client of its own, as readFleets does.
-func (c *redisConn) liveRecords(ctx context.Context) (db int, records []fleet.Record, err error) {
+func (c *redisStore) liveRecords(ctx context.Context) (db int, records []fleet.Record, err error) {
 	client := c.listingClient()
 	defer client.Close()
 	now, live, err := fleetCall(ctx, client, "", "", nil, true)
@@ -119,7 +119,7 @@ const listingTimeout = 2 * time.Second
 
 // listingClient is a client of one connection to the connection's Redis
 // (each node's, for a Cluster), whose reads may take listingTimeout.
-func (c *redisConn) listingClient() redis.UniversalClient {
+func (c *redisStore) listingClient() redis.UniversalClient {
 	switch cl := c.client.(type) {
 	case *redis.ClusterClient:
 		opt := *cl.Options()

@@ -200,7 +200,9 @@ type afterResponse struct {
 }
 
 func (w *afterResponse) WriteHeader(status int) {
-	if !w.wroteHeader && status >= 200 || status == http.StatusSwitchingProtocols {
+	// The response's status: its first final one, or a 101 Switching
+	// Protocols (below 200, yet the response an upgrade gets).
+	if (!w.wroteHeader && status >= 200) || status == http.StatusSwitchingProtocols {
 		w.wroteHeader, w.status = true, status
 		hdr := w.Header()
 		w.res.responseKnown(status, hdr)

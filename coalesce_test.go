@@ -41,13 +41,13 @@ func scriptCalls(t *testing.T, srv *testredis.Server) int {
 // down to 0, each once.
 func TestCoalescedDecisions(t *testing.T) {
 	srv := testredis.Start(t)
-	conn, err := newRedisConn(RedisConfig{Addresses: []string{srv.Addr}, Timeout: testTimeout}.resolved(), zap.NewNop())
+	conn, err := newRedisStore(RedisConfig{Addresses: []string{srv.Addr}, Timeout: testTimeout}.resolved(), zap.NewNop())
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { conn.Destruct() })
 	conn.denials = nil // no deny cache: every decision reaches Redis
-	rs := &redisStore{conn: conn}
+	rs := conn
 	ctx := context.Background()
 
 	// Alone: one call per decision.

@@ -106,7 +106,7 @@ type durableCalls struct {
 // coalescerFor is the coalescer a request's call goes through: durable
 // requests have their own, so that no other request waits for a
 // confirmation.
-func (c *redisConn) coalescerFor(reqs []bucketRequest) *coalescer {
+func (c *redisStore) coalescerFor(reqs []bucketRequest) *coalescer {
 	if !requestConfirmation(reqs).wanted() {
 		return c.coalescer
 	}
@@ -120,7 +120,7 @@ func (c *redisConn) coalescerFor(reqs []bucketRequest) *coalescer {
 // its confirmation: the primary's (in a Cluster, the master of the call's
 // slot: a MOVED during resharding fails the call), with a read timeout that
 // leaves room for the script and both waits.
-func (c *redisConn) confirmingClient(ctx context.Context, batch []*pending) (*redis.Client, error) {
+func (c *redisStore) confirmingClient(ctx context.Context, batch []*pending) (*redis.Client, error) {
 	var base *redis.Client
 	switch cl := c.client.(type) {
 	case *redis.Client: // a single server, or Sentinel's failover client
@@ -143,13 +143,13 @@ func (c *redisConn) confirmingClient(ctx context.Context, batch []*pending) (*re
 
 // waitMillis is the wait of WAIT and WAITAOF: the redis block's timeout,
 // at least 1 ms (0 would wait for ever).
-func (c *redisConn) waitMillis() int64 { return max(1, c.timeout.Milliseconds()) }
+func (c *redisStore) waitMillis() int64 { return max(1, c.timeout.Milliseconds()) }
 
 // evalDurable is eval for a call whose requests include durable ones: the
 // script and its confirmation pipelined on one connection. The accounting
 // is eval's; then each admitted request whose confirmation fell short gets
 // an error (its policies follow on_error) and its charges are refunded.
-func (c *redisConn) evalDurable(batch []*pending, want confirmation) breaker.Result {
+func (c *redisStore) evalDurable(batch []*pending, want confirmation) breaker.Result {
 	ctx, cancel := context.WithTimeout(context.Background(), c.callTimeout)
 	defer cancel()
 	args := encodeCall(batch, int(c.format.Load()))
@@ -237,7 +237,7 @@ func (c *redisConn) evalDurable(batch []*pending, want confirmation) breaker.Res
 	}
 	if len(refunds) > 0 {
 		// Not waited for: a lost refund over-denies, never over-admits.
-		go func() { _, _ = (&redisStore{conn: c}).decide(context.Background(), refunds) }()
+		go func() { _, _ = (c).decide(context.Background(), refunds) }()
 	}
 	return breaker.Answered
 }

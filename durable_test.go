@@ -195,12 +195,12 @@ func TestDurableQuotaCluster(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	conn, err := newRedisConn(RedisConfig{Addresses: c.Addrs(), Cluster: true, Timeout: caddy.Duration(time.Second)}.resolved(), zap.NewNop())
+	conn, err := newRedisStore(RedisConfig{Addresses: c.Addrs(), Cluster: true, Timeout: caddy.Duration(time.Second)}.resolved(), zap.NewNop())
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { conn.Destruct() })
-	rs := &redisStore{conn: conn}
+	rs := conn
 	ctx := context.Background()
 	// The replicas may still be taking their first copy: a bounded wait
 	// for the first confirmation.

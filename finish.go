@@ -31,7 +31,7 @@ func (aw *afterResponse) finish(err error) {
 	res := aw.res
 	reqs, charged := aw.charges(err)
 	n := len(reqs)
-	rels, relPolicies := res.slotReleases(false)
+	rels, relPolicies := res.callerSlotReleases()
 	reqs = append(reqs, rels...)
 	if len(reqs) == 0 {
 		return

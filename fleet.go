@@ -101,7 +101,7 @@ type fleetKnown struct {
 
 // join registers a provisioned handler, whose policies the connection
 // announces once its config runs.
-func (c *redisConn) join(h *Handler) {
+func (c *redisStore) join(h *Handler) {
 	v := &c.fleet
 	v.regsMu.Lock()
 	v.regs = append(v.regs, fleetReg{h.config, h})
@@ -110,7 +110,7 @@ func (c *redisConn) join(h *Handler) {
 }
 
 // part unregisters a handler being cleaned up.
-func (c *redisConn) part(h *Handler) {
+func (c *redisStore) part(h *Handler) {
 	v := &c.fleet
 	v.regsMu.Lock()
 	v.regs = slices.DeleteFunc(v.regs, func(r fleetReg) bool { return r.h == h })
@@ -118,7 +118,7 @@ func (c *redisConn) part(h *Handler) {
 	c.nudgeFleet()
 }
 
-func (c *redisConn) nudgeFleet() {
+func (c *redisStore) nudgeFleet() {
 	select {
 	case c.fleet.nudge <- struct{}{}:
 	default:
@@ -166,7 +166,7 @@ func (v *fleetView) registered() []*Policy {
 
 // followFleet refreshes the connection's part in the fleet every
 // fleetEvery, and when nudged, until the connection closes.
-func (c *redisConn) followFleet() {
+func (c *redisStore) followFleet() {
 	tick := time.NewTicker(fleetEvery)
 	defer tick.Stop()
 	for {
@@ -195,7 +195,7 @@ func (c *redisConn) followFleet() {
 // refreshFleet probes Redis for a config that started running, writes
 // this instance's record, reads the others' and notes the disagreements.
 // It returns false while the registered config has not started.
-func (c *redisConn) refreshFleet() bool {
+func (c *redisStore) refreshFleet() bool {
 	v := &c.fleet
 	config, hs, pending := v.running()
 	if pending {
@@ -271,7 +271,7 @@ func (c *redisConn) refreshFleet() bool {
 
 // fleetRecord is what this instance announces on the connection: the
 // policies of hs that use Redis.
-func (c *redisConn) fleetRecord(hs []*Handler) fleet.Record {
+func (c *redisStore) fleetRecord(hs []*Handler) fleet.Record {
 	r := fleet.Record{
 		ID: instanceID, Host: hostName, PID: os.Getpid(), Version: Version,
 		Format: formatName(int(c.format.Load())), DB: c.db, Started: processStarted,
@@ -308,7 +308,7 @@ func recordPrefixes(r fleet.Record) []string {
 
 // readRecords reads the records of the live instances whose record
 // changed since last read, and forgets those no longer live.
-func (c *redisConn) readRecords(ctx context.Context, live []fleetEntry) error {
+func (c *redisStore) readRecords(ctx context.Context, live []fleetEntry) error {
 	v := &c.fleet
 	if v.known == nil {
 		v.known = map[string]fleetKnown{}
@@ -407,7 +407,7 @@ func parseFleetReply(res []any, withRecords bool) (int64, []fleetEntry, error) {
 // fleetFailed logs a failed refresh once per kind of failure: Redis being
 // away is the decisions' to report; a Redis user without the fleet's keys
 // is told how to grant them.
-func (c *redisConn) fleetFailed(err error) {
+func (c *redisStore) fleetFailed(err error) {
 	if errors.Is(err, redis.ErrClosed) {
 		return
 	}
@@ -434,7 +434,7 @@ func (c *redisConn) fleetFailed(err error) {
 // deadline), so that the others see at once that it stopped, and takes
 // its disagreements off the gauge. Nothing is announced on the connection
 // after it.
-func (c *redisConn) leaveFleet(deadline time.Time) {
+func (c *redisStore) leaveFleet(deadline time.Time) {
 	v := &c.fleet
 	v.mu.Lock()
 	defer v.mu.Unlock()
@@ -458,7 +458,7 @@ func (c *redisConn) leaveFleet(deadline time.Time) {
 
 // noteSplits logs the disagreements that appeared (WARN) and those gone
 // (INFO), and counts those there in the gauge.
-func (c *redisConn) noteSplits(splits []fleet.Split) {
+func (c *redisStore) noteSplits(splits []fleet.Split) {
 	v := &c.fleet
 	now := make(map[splitKey]bool, len(splits))
 	still := map[policyIn]bool{}

@@ -113,7 +113,7 @@ func TestParseFleetReply(t *testing.T) {
 // the gauge meanwhile.
 func TestNoteSplits(t *testing.T) {
 	core, logs := observer.New(zap.InfoLevel)
-	c := &redisConn{logger: zap.New(core), name: "redis:6379"}
+	c := &redisStore{logger: zap.New(core), name: "redis:6379"}
 	value := func() float64 {
 		var m dto.Metric
 		_ = fleetDisagreements.Write(&m)
@@ -182,7 +182,7 @@ func TestFleetRecord(t *testing.T) {
 			{Name: "adaptive", Key: "global", Shed: &Shed{Latency: caddy.Duration(50 * time.Millisecond)}},
 		},
 	}, nil)
-	c := h.store.(*redisStore).conn
+	c := h.store.(*redisStore)
 	r := c.fleetRecord([]*Handler{h})
 	raw, _ := fleet.Encode(r)
 	if strings.Contains(string(raw), "horse") {

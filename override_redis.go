@@ -31,7 +31,7 @@ type overrideFlags struct {
 }
 
 // overrideSet returns the filter of prefix, following it from now on.
-func (c *redisConn) overrideSet(prefix string) *overrideSet {
+func (c *redisStore) overrideSet(prefix string) *overrideSet {
 	f := &c.overrides
 	f.mu.Lock()
 	defer f.mu.Unlock()
@@ -76,7 +76,7 @@ func (f *overrideFlags) changed(key string) {
 }
 
 // followOverrides reads the sets until the connection closes.
-func (c *redisConn) followOverrides() {
+func (c *redisStore) followOverrides() {
 	t := time.NewTicker(overridesEvery)
 	defer t.Stop()
 	for {
@@ -93,7 +93,7 @@ func (c *redisConn) followOverrides() {
 // readOverrideSets reads, for every policy prefix, the keys its index
 // lists (HKEYS: some 22 bytes per override), first pruning a few expired
 // entries.
-func (c *redisConn) readOverrideSets() {
+func (c *redisStore) readOverrideSets() {
 	f := &c.overrides
 	f.mu.Lock()
 	prefixes := make([]string, 0, len(f.sets))
@@ -136,7 +136,7 @@ func (c *redisConn) readOverrideSets() {
 
 // pruneOverrides deletes the expired entries among a few of the index's,
 // from cursor on, and returns where to go on.
-func (c *redisConn) pruneOverrides(ctx context.Context, prefix string, cursor uint64, nowMS int64) (uint64, error) {
+func (c *redisStore) pruneOverrides(ctx context.Context, prefix string, cursor uint64, nowMS int64) (uint64, error) {
 	index := overrideIndex(prefix)
 	kv, next, err := c.client.HScan(ctx, index, cursor, "", overridesPruned).Result()
 	if err != nil {
@@ -173,7 +173,7 @@ local at = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + tonumber(
 redis.call('SET', KEYS[1], ARGV[1], 'PXAT', at)
 return at`)
 
-func (c *redisConn) setOverride(ctx context.Context, key string, o override, e overrideEntry, d time.Duration) (overrideEntry, error) {
+func (c *redisStore) setOverride(ctx context.Context, key string, o override, e overrideEntry, d time.Duration) (overrideEntry, error) {
 	prefix, hash := policyPrefixOf(key), hashOf(key)
 	index := overrideIndex(prefix)
 	e.Format, e.Hash, e.Key, e.Set = 1, "", "", time.Now().UnixMilli()
@@ -204,7 +204,7 @@ func (c *redisConn) setOverride(ctx context.Context, key string, o override, e o
 	return e, nil
 }
 
-func (c *redisConn) deleteOverride(ctx context.Context, key string) (bool, error) {
+func (c *redisStore) deleteOverride(ctx context.Context, key string) (bool, error) {
 	n, err := c.client.Del(ctx, overrideKey(key)).Result()
 	if err != nil {
 		return false, err
@@ -216,7 +216,7 @@ func (c *redisConn) deleteOverride(ctx context.Context, key string) (bool, error
 	return n > 0, nil
 }
 
-func (c *redisConn) overridesOf(ctx context.Context, prefix string) ([]overrideEntry, error) {
+func (c *redisStore) overridesOf(ctx context.Context, prefix string) ([]overrideEntry, error) {
 	all, err := c.client.HGetAll(ctx, overrideIndex(prefix)).Result()
 	if err != nil {
 		return nil, err
@@ -240,7 +240,7 @@ func (c *redisConn) overridesOf(ctx context.Context, prefix string) ([]overrideE
 
 // overrideOf reads the override key, which says whether one is in force
 // (it expires by itself), then its entry for the rest.
-func (c *redisConn) overrideOf(ctx context.Context, key string) (*overrideEntry, error) {
+func (c *redisStore) overrideOf(ctx context.Context, key string) (*overrideEntry, error) {
 	v, err := c.client.Get(ctx, overrideKey(key)).Result()
 	if errors.Is(err, redis.Nil) {
 		return nil, nil

@@ -646,19 +646,3 @@ func (p *Policy) matches(r *http.Request) (bool, error) {
 	}
 	return p.matchers.MatchWithError(r)
 }
-
-// takeHeldPlace takes one of the policy's places for a held request: false when all
-// MaxHeld are taken, or when the policy never waits.
-func (p *Policy) takeHeldPlace() bool {
-	if p.Wait == 0 || p.shadow {
-		return false
-	}
-	if p.held.n.Add(1) > int64(p.MaxHeld) {
-		p.held.n.Add(-1)
-		return false
-	}
-	return true
-}
-
-// giveHeldPlace gives back a place taken by hold.
-func (p *Policy) giveHeldPlace() { p.held.n.Add(-1) }

@@ -19,15 +19,15 @@ import (
 // shares: the client, the circuit breaker, the coalescing of calls, the
 // deny cache, and the reports of what went wrong.
 
-// redisConns shares Redis connections across config loads: Caddy
+// redisStores shares Redis connections across config loads: Caddy
 // provisions a new config before it cleans up the old one, so a reload
 // reuses the open connections (and the circuit breaker's state) instead of
 // redialling.
-var redisConns = caddy.NewUsagePool()
+var redisStores = caddy.NewUsagePool()
 
-// redisConn is one Redis client with what every config using it shares:
+// redisStore is one Redis client with what every config using it shares:
 // the circuit breaker, the coalescing of calls and the deny cache.
-type redisConn struct {
+type redisStore struct {
 	client redis.UniversalClient
 	name   string // the addresses, for logs
 	// coalescer merges concurrent requests into one script call (see
@@ -47,7 +47,7 @@ type redisConn struct {
 	logger      *zap.Logger
 	reported    redisReports
 	events      redisEvents
-	leases      leaseBook
+	leases      *leaseBook // concurrency slots held (lease_book.go)
 	// format is the format buckets are written in (format.go), from the
 	// fleet marker (upgrade.go); formatChanged asks to read the marker again.
 	format        atomic.Int32
@@ -78,7 +78,7 @@ type redisConn struct {
 // the releases not yet confirmed once more, waited for at most
 // callTimeout: else a stopped instance's last slots stay taken until their
 // leases run out, and its last settles are lost.
-func (c *redisConn) Destruct() error {
+func (c *redisStore) Destruct() error {
 	c.hot.close() // its blocks' unspent tokens go back with the work below
 	c.finishAfterWork(time.Now().Add(c.callTimeout))
 	c.events.close()
@@ -90,9 +90,9 @@ func (c *redisConn) Destruct() error {
 // finishAfterWork sends what requests left to do after their responses,
 // and the releases the store has not confirmed once more, and waits for
 // them until deadline.
-func (c *redisConn) finishAfterWork(deadline time.Time) {
+func (c *redisStore) finishAfterWork(deadline time.Time) {
 	if rels, policies := c.leases.unconfirmed(); len(rels) > 0 {
-		c.sendReleases(&redisStore{conn: c}, rels, policies)
+		c.leases.sendReleases(rels, policies)
 	}
 	var done <-chan struct{}
 	if c.coalescer != nil {
@@ -141,12 +141,12 @@ func (cc *callCount) drained() <-chan struct{} {
 // comparing.
 var noCoalescing = false
 
-func newRedisConn(c RedisConfig, logger *zap.Logger) (*redisConn, error) {
+func newRedisStore(c RedisConfig, logger *zap.Logger) (*redisStore, error) {
 	client, err := c.newClient()
 	if err != nil {
 		return nil, err
 	}
-	conn := &redisConn{
+	conn := &redisStore{
 		client:      client,
 		name:        strings.Join(c.Addresses, ","),
 		cluster:     c.Cluster,
@@ -179,6 +179,7 @@ func newRedisConn(c RedisConfig, logger *zap.Logger) (*redisConn, error) {
 			conn.coalescer = &coalescer{call: conn.call, maxCalls: c.poolSize()}
 		}
 	}
+	conn.leases = &leaseBook{call: conn.call, cluster: c.Cluster, decideAfter: conn.decideAfter, closed: conn.closed}
 	conn.hot = newHotKeys(conn)
 	go conn.checkEviction()
 	go conn.followFormat()
@@ -189,7 +190,7 @@ func newRedisConn(c RedisConfig, logger *zap.Logger) (*redisConn, error) {
 // checkEviction warns, once, when Redis may evict buckets to make room: a
 // bucket evicted is a full bucket, a budget given back. A managed Redis
 // that refuses CONFIG GET is not an error.
-func (c *redisConn) checkEviction() {
+func (c *redisStore) checkEviction() {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	res, err := c.client.ConfigGet(ctx, "maxmemory-policy").Result()
@@ -222,7 +223,7 @@ const reportInterval = 10 * time.Second
 // reportInterval. Errors of the configuration (a password, an ACL, a
 // replica) are logged at ERROR with what to change; a Redis that does not
 // answer at WARN.
-func (c *redisConn) report(kind string, err error) {
+func (c *redisStore) report(kind string, err error) {
 	if !c.claimReport(kind, true) {
 		return
 	}

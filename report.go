@@ -41,7 +41,9 @@ func (res *admission) setPlaceholders(rs *requestState, retryAfter int64) (enfor
 			continue // the service's capacity, not a budget left to the caller
 		}
 		e := !res.shown[i].shadow
-		if tightest < 0 || e && !enforced || e == enforced && tighter(v, d.verdicts[tightest]) {
+		// The first verdict; else an enforced one over a shadow one; else,
+		// between two alike, the tighter.
+		if tightest < 0 || (e && !enforced) || (e == enforced && tighter(v, d.verdicts[tightest])) {
 			tightest, enforced = i, e
 		}
 	}

@@ -248,70 +248,6 @@ func (h *Handler) reserve(r *http.Request, res *admission) {
 	}
 }
 
-// waitForSlot holds a request denied only for want of concurrency slots,
-// on policies that `wait`, until its decision admits it (taking the slot as
-// soon as one is freed, in arrival order among this instance's waiters),
-// the wait runs out, or the client goes away. It returns the last
-// decision.
-func (h *Handler) waitForSlot(r *http.Request, res *admission, d decision) (decision, error) {
-	var key string
-	var wait time.Duration
-	for i, v := range d.verdicts {
-		p := res.policies[i]
-		if v.allowed || p.shadow {
-			continue
-		}
-		if res.reqs[i].op != opAcquire || p.Wait == 0 {
-			return d, nil // denied by more than a full set of slots
-		}
-		if key == "" {
-			key = res.reqs[i].key
-		}
-		wait = max(wait, time.Duration(p.Wait))
-	}
-	// A place among the requests each policy holds at once, for the wait.
-	var held []*Policy
-	defer func() {
-		for _, p := range held {
-			p.held.gauge.Dec()
-			p.giveHeldPlace()
-		}
-	}()
-	for i, p := range res.policies {
-		if !d.verdicts[i].allowed && !p.shadow {
-			if !p.takeHeldPlace() {
-				return d, nil
-			}
-			held = append(held, p)
-			p.held.gauge.Inc()
-		}
-	}
-	w := slotQueues.join(key)
-	defer slotQueues.leave(key, w)
-	deadline := time.NewTimer(wait)
-	defer deadline.Stop()
-	poll := time.NewTicker(slotPoll)
-	defer poll.Stop()
-	for {
-		select {
-		case <-w:
-		case <-poll.C:
-		case <-deadline.C:
-			return d, nil
-		case <-r.Context().Done():
-			return d, nil
-		}
-		if !slotQueues.first(key, w) {
-			continue
-		}
-		next, err := h.store.decide(r.Context(), res.reqs)
-		if err != nil || next.admitted {
-			return next, err
-		}
-		d = next
-	}
-}
-
 // withoutStore applies each policy's on_error when the store could not
 // decide: one fail_closed policy answers 503 for the request; local
 // policies are decided by in-process buckets; fail_open policies admit.
@@ -364,44 +300,6 @@ func (h *Handler) localRequest(rq bucketRequest) bucketRequest {
 		rq.limit.burst = max(1, rq.limit.burst/n)
 	}
 	return rq
-}
-
-// holdUntilDue holds an admitted request until the time its `wait`
-// reserved. It returns false when the client went away first.
-func (res *admission) holdUntilDue(r *http.Request) bool {
-	res.heldNow = res.heldNowBuf[:0]
-	for _, p := range res.heldPlaces {
-		for i, q := range res.policies {
-			if q == p && res.d.verdicts[i].delay > 0 {
-				res.heldNow = append(res.heldNow, p)
-				p.held.gauge.Inc()
-			}
-		}
-	}
-	if res.d.delay <= 0 {
-		return true
-	}
-	timer := time.NewTimer(time.Duration(res.d.delay) * time.Microsecond)
-	defer timer.Stop()
-	select {
-	case <-timer.C:
-		return true
-	case <-r.Context().Done():
-		return false
-	}
-}
-
-// giveBack gives back what the request holds: its `wait` places and its
-// concurrency slots. It is safe to call more than once.
-func (res *admission) giveBack() {
-	for _, p := range res.heldNow {
-		p.held.gauge.Dec()
-	}
-	for _, p := range res.heldPlaces {
-		p.giveHeldPlace()
-	}
-	res.heldNow, res.heldPlaces = nil, nil
-	res.freeSlots()
 }
 
 // count adds a decision to each policy's decisions_total: a policy that

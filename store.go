@@ -28,31 +28,11 @@ type store interface {
 }
 
 // What only some stores can do is a capability of its own, a small
-// interface the caller asks its store for (`if ls, ok := s.(leaseStore)`),
+// interface the caller asks its store for (`if a, ok := s.(announcer)`),
 // so that neither the request path nor the admin API names a concrete
 // store: a store without the capability has nothing to do there, and the
 // caller says what happens instead. The Redis store (redisStore) has them
 // all; the in-process one (memoryStore) keeps overrides only.
-
-// leaseStore is a store whose concurrency slots are leases that run out,
-// because the instance holding one may die (lease.go): renewed while their
-// requests run, released after the response, a release that fails sent
-// again until it lands or its lease has run out anyway. In process, a slot
-// lasts until it is freed, which never fails. Implemented by redisStore.
-type leaseStore interface {
-	// renewLeases keeps leases an admitted request took renewed until they
-	// are released.
-	renewLeases(leases []lease)
-	// releasing stops renewing leases: the requests that free them, for
-	// the caller to send (sendReleases).
-	releasing(leases []lease) (rels []bucketRequest, policies []*Policy)
-	// sendReleases frees slots with the store's next call, and wakes this
-	// instance's requests waiting for them once they are free; a release
-	// that fails is kept, to send again.
-	sendReleases(rels []bucketRequest, policies []*Policy)
-	// retryReleases keeps releases the store did not take, to send again.
-	retryReleases(rels []bucketRequest, policies []*Policy)
-}
 
 // announcer is a store that a fleet of instances shares: an operator's
 // change to a bucket (a reset, a grant, an override set or deleted) is
@@ -147,14 +127,14 @@ func openStore(cfg *RedisConfig, keyPrefix string, logger *zap.Logger) (s store,
 	key := rc.poolKey()
 	// Caddy must start and reload while Redis is unreachable: the client
 	// connects lazily and each call bounds its own wait.
-	v, _, err := redisConns.LoadOrNew(key, func() (caddy.Destructor, error) {
-		return newRedisConn(rc, logger)
+	v, _, err := redisStores.LoadOrNew(key, func() (caddy.Destructor, error) {
+		return newRedisStore(rc, logger)
 	})
 	if err != nil {
 		return nil, nil, fmt.Errorf("redis: %v", err)
 	}
-	rs := &redisStore{conn: v.(*redisConn)}
-	rs.conn.watch(keyPrefix)
+	rs := v.(*redisStore)
+	rs.watch(keyPrefix)
 	released := false
 	return rs, func() error {
 		if released {
@@ -163,8 +143,8 @@ func openStore(cfg *RedisConfig, keyPrefix string, logger *zap.Logger) (s store,
 		released = true
 		// A reload: what hot keys hold goes back; the new config takes its
 		// own blocks, under its own limits.
-		rs.conn.hot.releaseAll()
-		_, err := redisConns.Delete(key)
+		rs.hot.releaseAll()
+		_, err := redisStores.Delete(key)
 		return err
 	}, nil
 }

@@ -195,6 +195,9 @@ func (m *memoryStore) decide(_ context.Context, reqs []bucketRequest) (decision,
 }
 
 // decideAfter decides at once: in process, nothing is saved by waiting.
+// slotLeases: a slot in process lasts until it is freed, which never fails.
+func (m *memoryStore) slotLeases() leaseKeeper { return freedAtOnce{m} }
+
 func (m *memoryStore) decideAfter(reqs []bucketRequest, then func(decision, error)) {
 	then(m.decide(context.Background(), reqs))
 }

@@ -6,7 +6,6 @@ import (
 	"time"
 
 	"github.com/ratelimit-caddy/caddy-ratelimit/internal/breaker"
-	"github.com/ratelimit-caddy/caddy-ratelimit/internal/fleet"
 	"github.com/redis/go-redis/v9"
 )
 
@@ -50,14 +49,9 @@ func (e *badBucketError) Error() string {
 	return "rate limit store: key " + e.key + " holds a string that is not a bucket"
 }
 
-// redisStore decides against buckets in Redis.
-type redisStore struct {
-	conn *redisConn
-}
-
 func (s *redisStore) decide(ctx context.Context, reqs []bucketRequest) (decision, error) {
-	if s.conn.hot.covers(reqs) { // hot keys' blocks first (hotkeys_store.go)
-		return s.conn.hot.decide(ctx, reqs)
+	if s.hot.covers(reqs) { // hot keys' blocks first (hotkeys_store.go)
+		return s.hot.decide(ctx, reqs)
 	}
 	return s.decideShared(ctx, reqs)
 }
@@ -65,8 +59,8 @@ func (s *redisStore) decide(ctx context.Context, reqs []bucketRequest) (decision
 // decideShared decides reqs against the buckets in Redis: the deny cache,
 // the circuit breaker, then one script call (one per hash slot in a Cluster).
 func (s *redisStore) decideShared(ctx context.Context, reqs []bucketRequest) (decision, error) {
-	if s.conn.denials != nil {
-		d, answer, gate := s.conn.denials.answer(reqs)
+	if s.denials != nil {
+		d, answer, gate := s.denials.answer(reqs)
 		switch answer {
 		case denied:
 			d.call.cached = true
@@ -74,21 +68,21 @@ func (s *redisStore) decideShared(ctx context.Context, reqs []bucketRequest) (de
 		case uncertain:
 			// One flight at a time for this bucket: once the one in the air
 			// lands, the cache knows what Redis said.
-			f, after := s.conn.denials.flights.board(gate)
-			defer s.conn.denials.flights.land(gate, f)
+			f, after := s.denials.flights.board(gate)
+			defer s.denials.flights.land(gate, f)
 			if after != nil {
 				<-after
-				if d, answer, _ := s.conn.denials.answer(reqs); answer == denied {
+				if d, answer, _ := s.denials.answer(reqs); answer == denied {
 					return d, nil
 				}
 			}
 		}
 	}
-	if s.conn.breaker.Skipping() {
+	if s.breaker.Skipping() {
 		circuitOpenErrors.Inc()
 		return decision{}, errCircuitOpen
 	}
-	if s.conn.cluster {
+	if s.cluster {
 		if groups := hashSlotGroups(reqs); len(groups) > 1 {
 			return s.decideAcrossHashSlots(ctx, reqs, groups)
 		}
@@ -101,32 +95,32 @@ func (s *redisStore) decideShared(ctx context.Context, reqs []bucketRequest) (de
 // with the decisions instead of making a call of its own, and no response
 // waits for it.
 func (s *redisStore) decideAfter(reqs []bucketRequest, then func(decision, error)) {
-	if s.conn.coalescer == nil { // Cluster: a call per slot group, apart
-		s.conn.afterApart.add(1)
+	if s.coalescer == nil { // Cluster: a call per slot group, apart
+		s.afterApart.add(1)
 		go func() {
-			defer s.conn.afterApart.add(-1)
+			defer s.afterApart.add(-1)
 			then(s.decide(context.Background(), reqs))
 		}()
 		return
 	}
-	if s.conn.breaker.Skipping() {
+	if s.breaker.Skipping() {
 		circuitOpenErrors.Inc()
 		then(decision{}, errCircuitOpen)
 		return
 	}
 	p := newPending(reqs, nil)
 	p.then = func(p *pending) { then(p.d, p.err) }
-	s.conn.coalescer.submitAfter(p)
+	s.coalescer.submitAfter(p)
 }
 
 // decideAwaited decides work after a response that the response waits for
 // (finish.go): with the next call when calls are in flight, at once by
 // itself when none is.
 func (s *redisStore) decideAwaited(reqs []bucketRequest) (decision, error) {
-	if s.conn.coalescer == nil { // Cluster: a call per slot group
+	if s.coalescer == nil { // Cluster: a call per slot group
 		return s.decide(context.Background(), reqs)
 	}
-	if s.conn.breaker.Skipping() {
+	if s.breaker.Skipping() {
 		circuitOpenErrors.Inc()
 		return decision{}, errCircuitOpen
 	}
@@ -138,7 +132,7 @@ func (s *redisStore) decideAwaited(reqs []bucketRequest) (decision, error) {
 		d, err = p.d, p.err
 		done <- struct{}{}
 	}
-	s.conn.coalescer.submitAwaited(p)
+	s.coalescer.submitAwaited(p)
 	<-done
 	return d, err
 }
@@ -147,91 +141,46 @@ func (s *redisStore) decideAwaited(reqs []bucketRequest) (decision, error) {
 // Redis, or one Redis Cluster slot.
 func (s *redisStore) decideInOneCall(ctx context.Context, reqs []bucketRequest) (decision, error) {
 	p := newPending(reqs, ctx)
-	if s.conn.coalescer != nil {
-		s.conn.coalescerFor(reqs).submit(p) // durable requests apart
+	if s.coalescer != nil {
+		s.coalescerFor(reqs).submit(p) // durable requests apart
 	} else {
 		p.err = errCallAborted
-		s.conn.call(p.one[:])
+		s.call(p.one[:])
 	}
 	d, err := p.d, p.err
-	if err == nil && s.conn.denials != nil {
-		s.conn.denials.learn(reqs, d, p.tats, p.sent, p.received)
+	if err == nil && s.denials != nil {
+		s.denials.learn(reqs, d, p.tats, p.sent, p.received)
 	}
 	p.recycle()
 	return d, err
 }
 
-// What only Redis can do (store.go): its capabilities, each the
-// connection's.
+// What only Redis can do (store.go), beyond its services' own methods.
 
-func (s *redisStore) renewLeases(leases []lease) { s.conn.hold(leases) }
+func (s *redisStore) slotLeases() leaseKeeper { return s.leases }
 
-func (s *redisStore) releasing(leases []lease) ([]bucketRequest, []*Policy) {
-	return s.conn.releasing(leases)
-}
-
-func (s *redisStore) sendReleases(rels []bucketRequest, policies []*Policy) {
-	s.conn.sendReleases(s, rels, policies)
-}
-
-func (s *redisStore) retryReleases(rels []bucketRequest, policies []*Policy) {
-	s.conn.retryReleases(rels, policies)
-}
-
-func (s *redisStore) announce(ctx context.Context, prefix, key string) error {
-	return s.conn.announce(ctx, prefix, key)
-}
-
-func (s *redisStore) announceOverride(ctx context.Context, prefix, key string) error {
-	return s.conn.announceOverride(ctx, prefix, key)
-}
-
-func (s *redisStore) join(h *Handler) { s.conn.join(h) }
-
-func (s *redisStore) part(h *Handler) { s.conn.part(h) }
-
-func (s *redisStore) fleetRecord(hs []*Handler) fleet.Record { return s.conn.fleetRecord(hs) }
-
-func (s *redisStore) readFleets(ctx context.Context) (fleetStore, error) {
-	return s.conn.readFleets(ctx)
-}
-
-func (s *redisStore) liveRecords(ctx context.Context) (int, []fleet.Record, error) {
-	return s.conn.liveRecords(ctx)
-}
-
-func (s *redisStore) fleetView() *fleetView { return &s.conn.fleet }
-
-func (s *redisStore) probe(defs []definition) []probeResult { return s.conn.probe(defs) }
-
-func (s *redisStore) setFormat(ctx context.Context, prefix, marker string) error {
-	if err := s.conn.setFormat(ctx, prefix, marker); err != nil {
-		return err
-	}
-	s.conn.readFormat()
-	return nil
-}
+func (s *redisStore) fleetView() *fleetView { return &s.fleet }
 
 func (s *redisStore) formatOf(ctx context.Context, prefix string) (marker, writes string, err error) {
-	marker, err = s.conn.client.Get(ctx, formatMarker(prefix)).Result()
+	marker, err = s.client.Get(ctx, formatMarker(prefix)).Result()
 	if err != nil && !errors.Is(err, redis.Nil) {
 		return "", "", err
 	}
 	if marker != markerV2 {
 		marker = markerV1
 	}
-	return marker, formatName(int(s.conn.format.Load())), nil
+	return marker, formatName(int(s.format.Load())), nil
 }
 
-func (s *redisStore) overridesKept() overrideStore { return s.conn }
+func (s *redisStore) overridesKept() overrideStore { return s }
 
 func (s *redisStore) overrideFilter(prefix string) overrideFilter {
-	return s.conn.overrideSet(prefix)
+	return s.overrideSet(prefix)
 }
 
 // The capabilities it has.
 var (
-	_ leaseStore     = (*redisStore)(nil)
+	_ slotStore      = (*redisStore)(nil)
 	_ announcer      = (*redisStore)(nil)
 	_ fleetMember    = (*redisStore)(nil)
 	_ prober         = (*redisStore)(nil)
@@ -241,7 +190,7 @@ var (
 
 // call makes one script call for a batch, past the circuit breaker, and
 // tells the breaker how it went.
-func (c *redisConn) call(batch []*pending) {
+func (c *redisStore) call(batch []*pending) {
 	gen, ok := c.breaker.Allow()
 	if !ok {
 		for _, p := range batch {
@@ -257,7 +206,7 @@ func (c *redisConn) call(batch []*pending) {
 
 // eval decides the requests of a batch, in order, in one call of
 // lua/decide.lua.
-func (c *redisConn) eval(batch []*pending) breaker.Result {
+func (c *redisStore) eval(batch []*pending) breaker.Result {
 	if want := batchConfirmation(batch); want.wanted() {
 		return c.evalDurable(batch, want) // with its WAIT or WAITAOF
 	}
@@ -316,7 +265,7 @@ func (c *callContext) Deadline() (time.Time, bool) { return c.deadline, true }
 // reportBadBucket counts and reports err if it is a request's own bucket's
 // (badBucketError). Apart from eval, so that what errors.As fills in is
 // allocated only for an error, not for every request.
-func (c *redisConn) reportBadBucket(err error) {
+func (c *redisStore) reportBadBucket(err error) {
 	var bad *badBucketError
 	if errors.As(err, &bad) {
 		storeErrors.WithLabelValues(bad.kind).Inc()

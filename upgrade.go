@@ -33,7 +33,7 @@ func formatMarker(prefix string) string { return prefix + "format" }
 
 // followFormat reads the fleet markers every formatEvery until the
 // connection closes.
-func (c *redisConn) followFormat() {
+func (c *redisStore) followFormat() {
 	t := time.NewTicker(formatEvery)
 	defer t.Stop()
 	for {
@@ -50,7 +50,7 @@ func (c *redisConn) followFormat() {
 // readFormat sets the format buckets are written in: v2 when the marker
 // of every key prefix this connection serves says v2, v1 otherwise (and
 // when the markers cannot be read).
-func (c *redisConn) readFormat() {
+func (c *redisStore) readFormat() {
 	ctx, cancel := context.WithTimeout(context.Background(), c.callTimeout)
 	defer cancel()
 	format := int32(formatV2)
@@ -84,8 +84,9 @@ func formatName(format int) string {
 	return markerV1
 }
 
-// setFormat sets the fleet marker of prefix and tells every instance.
-func (c *redisConn) setFormat(ctx context.Context, prefix, marker string) error {
+// setFormat sets the fleet marker of prefix, tells every instance, and
+// writes in what the markers now say at once.
+func (c *redisStore) setFormat(ctx context.Context, prefix, marker string) error {
 	var err error
 	if marker == markerV2 {
 		err = c.client.Set(ctx, formatMarker(prefix), markerV2, 0).Err()
@@ -95,5 +96,9 @@ func (c *redisConn) setFormat(ctx context.Context, prefix, marker string) error 
 	if err != nil {
 		return err
 	}
-	return c.client.Publish(ctx, eventsChannel(prefix), eventFormat+" "+prefix).Err()
+	if err := c.client.Publish(ctx, eventsChannel(prefix), eventFormat+" "+prefix).Err(); err != nil {
+		return err
+	}
+	c.readFormat() // this instance writes in what the markers say at once
+	return nil
 }
