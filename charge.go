@@ -276,7 +276,7 @@ type writerOnly struct{ io.Writer }
 
 // afterCharge is what one policy charges after the response.
 type afterCharge struct {
-	i       int   // the policy's index in the admission
+	i       int   // the policy's part in the admission (res.parts)
 	charge  bool  // charge_if matched: charge the cost
 	usage   int64 // settle: the usage reported, capped; -1 none
 	settled bool  // the usage is known
@@ -318,8 +318,9 @@ func (h *Handler) watchResponse(w http.ResponseWriter, r *http.Request, rs *requ
 	res.after = res.afterbuf[:0]
 	var body *llm.Response
 	afterBody, fromTrailer := false, false
-	for i, p := range res.shown {
-		if !res.d.verdicts[i].allowed || p.ChargeIf == nil && p.Settle == nil {
+	for i, pt := range res.decidedParts() {
+		p := pt.policy
+		if !pt.v.allowed || (p.ChargeIf == nil && p.Settle == nil) {
 			continue
 		}
 		res.after = append(res.after, afterCharge{i: i, usage: -1, lost: -1})
@@ -374,7 +375,7 @@ func acceptsTrailers(r *http.Request) bool {
 func (res *admission) responseKnown(status int, hdr http.Header) {
 	for k := range res.after {
 		a := &res.after[k]
-		p := res.shown[a.i]
+		p := res.parts[a.i].policy
 		switch {
 		case p.ChargeIf != nil:
 			a.charge = p.ChargeIf.Match(status, hdr)
@@ -418,7 +419,7 @@ func (aw *afterResponse) charges(err error) (reqs []bucketRequest, policies []*P
 		}
 		res.responseKnown(status, aw.Header())
 		for k := range res.after {
-			if gone && res.shown[res.after[k].i].ChargeIf != nil {
+			if gone && res.parts[res.after[k].i].policy.ChargeIf != nil {
 				res.after[k].charge = true
 			}
 		}
@@ -433,7 +434,7 @@ func (aw *afterResponse) charges(err error) (reqs []bucketRequest, policies []*P
 	var charged []int // indexes in res.after
 	for k := range res.after {
 		a := &res.after[k]
-		p, rq := res.shown[a.i], res.shownReqs[a.i]
+		p, rq := res.parts[a.i].policy, res.parts[a.i].rq
 		delta := int64(0)
 		switch {
 		case p.ChargeIf != nil:
@@ -476,16 +477,15 @@ func (aw *afterResponse) charges(err error) (reqs []bucketRequest, policies []*P
 		// placeholders, which access logs read after the response, and the
 		// trailer say what it leaves, as this decision's state predicts.
 		for j, k := range charged {
-			i := res.after[k].i
-			p := res.shown[i]
-			res.d.verdicts[i].remaining, res.d.verdicts[i].untilFits = res.decidedLimit(i, p).adjusted(res.d.verdicts[i], reqs[j].delta)
-			policies = append(policies, p)
+			pt := &res.parts[res.after[k].i]
+			pt.v.remaining, pt.v.untilFits = pt.decidedLimit().adjusted(pt.v, reqs[j].delta)
+			policies = append(policies, pt.policy)
 		}
 		res.setPlaceholders(rs, rs.retryAfter)
 	}
 	for k := range res.after {
 		if a := &res.after[k]; a.lost >= 0 {
-			aw.chargeLost(res.shown[a.i], a.lost)
+			aw.chargeLost(res.parts[a.i].policy, a.lost)
 		}
 	}
 	if aw.trailers {
@@ -554,7 +554,7 @@ func (l *lostLog) due(now time.Time) (int64, bool) {
 // no usage) at most once per lostLogInterval per policy and reason.
 func (w *afterResponse) chargeLost(p *Policy, reason int) {
 	p.after.lost[reason].Inc()
-	if reason != lostUnreadable && reason != lostNoUsage || p.Settle == nil {
+	if (reason != lostUnreadable && reason != lostNoUsage) || p.Settle == nil {
 		return
 	}
 	n, due := p.after.logs[reason].due(time.Now())
@@ -582,17 +582,18 @@ func (w *afterResponse) chargeLost(p *Policy, reason int) {
 // response's own charge is made, as far as it is known when the headers
 // are written: its whole tokens, and the µs until the next (0 when full).
 func (res *admission) predicted(i int) (remaining, untilNext int64) {
-	v := res.d.verdicts[i]
+	pt := &res.parts[i]
+	v := pt.v
 	for _, a := range res.after {
 		if a.i != i {
 			continue
 		}
-		p, rq := res.shown[i], res.shownReqs[i]
+		p, rq := pt.policy, pt.rq
 		switch {
 		case p.ChargeIf != nil && !a.charge:
-			return res.decidedLimit(i, p).adjusted(v, -rq.cost)
+			return pt.decidedLimit().adjusted(v, -rq.cost)
 		case p.Settle != nil && a.settled:
-			return res.decidedLimit(i, p).adjusted(v, a.usage-rq.cost)
+			return pt.decidedLimit().adjusted(v, a.usage-rq.cost)
 		}
 	}
 	return v.remaining, v.untilFits

@@ -134,18 +134,16 @@ func withLearned(reqs []bucketRequest, learned []int64) []bucketRequest {
 	return out
 }
 
-// reserved updates the requests of a decision with what they reserved:
-// the cost a bucket that learns was decided with (raised to what its key
-// learned), keeping the request's own in asked; a settle then charges
-// what it used against what was reserved, and remembers a usage beyond
-// asked.
-func reserved(reqs []bucketRequest, d decision) {
-	for i := range reqs {
-		if rq := &reqs[i]; rq.learns && i < len(d.verdicts) {
-			rq.asked = rq.cost
-			if c := d.verdicts[i].cost; c > rq.cost {
-				rq.cost = c
-			}
+// reserved updates a request of a decision with what it reserved: the
+// cost a bucket that learns was decided with (raised to what its key
+// learned, v.cost), keeping the request's own in asked; a settle then
+// charges what it used against what was reserved, and remembers a usage
+// beyond asked.
+func (rq *bucketRequest) reserved(v verdict) {
+	if rq.learns {
+		rq.asked = rq.cost
+		if v.cost > rq.cost {
+			rq.cost = v.cost
 		}
 	}
 }

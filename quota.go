@@ -137,15 +137,13 @@ func quotaAdmits(used int64, rq bucketRequest) bool {
 	return quotaFits(rq.limit.burst, used, rq.cost)
 }
 
-// notePeriods records, in each quota bucket request, the period its
-// decision counted it in: a charge after the response (settle, charge_if)
-// belongs to that period, and is dropped if it is over by then.
-func notePeriods(reqs []bucketRequest, d decision) {
-	for i := range reqs {
-		if reqs[i].quota != nil && i < len(d.verdicts) {
-			reqs[i].period = d.verdicts[i].period
-			observeQuotaUsed(reqs[i].quota.used, d.verdicts[i], reqs[i])
-		}
+// notePeriod records, in a quota bucket request, the period its decision
+// counted it in: a charge after the response (settle, charge_if) belongs
+// to that period, and is dropped if it is over by then.
+func (rq *bucketRequest) notePeriod(v verdict) {
+	if rq.quota != nil {
+		rq.period = v.period
+		observeQuotaUsed(rq.quota.used, v, *rq)
 	}
 }
 

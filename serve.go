@@ -4,7 +4,6 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
-	"sync"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
@@ -31,19 +30,19 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	if err := h.match(r, repl, rs, res); err != nil {
 		return err
 	}
-	if len(res.reqs) == 0 && len(res.adaptive) == 0 {
+	if len(res.parts) == 0 && len(res.adaptive) == 0 {
 		return next.ServeHTTP(w, r)
 	}
 	if len(res.adaptive) > 0 {
 		defer res.finishAdaptive() // before recycle
 	}
-	if p := h.decide(r, res); p != nil { // admit, traced (tracing.go)
-		return h.shed(w, r, rs, p)
-	}
-	if res.clientGone {
+	h.decideTraced(r, res) // decide (admission.go), in a span when traced (tracing.go)
+	switch {
+	case res.shedBy != nil:
+		return h.shed(w, r, rs, res.shedBy)
+	case res.clientGone:
 		return nil // nobody to answer
-	}
-	if !res.admitted() {
+	case !res.admitted():
 		return h.deny(w, r, rs, res)
 	}
 	h.report(w, rs, res, 0)
@@ -54,92 +53,10 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	return h.serveWatched(w, r, next, rs, res)
 }
 
-// admit decides the request in two steps: the shed step, shed policies'
-// adaptive limits on this instance alone (a request they shed costs no
-// store call: their policy is returned), then its one decision by the
-// store (reserve).
-func (h *Handler) admit(r *http.Request, res *admission) *Policy {
-	if p := res.admitAdaptive(); p != nil {
-		return p
-	}
-	h.reserve(r, res)
-	return nil
-}
-
-// admissions are reused from request to request: an admission and its
-// inline buffers are a few KB, and nothing holds on to one once its request
-// returns (what outlives it, the placeholders and response fields, are
-// strings of their own).
-var admissions = sync.Pool{New: func() any { return new(admission) }}
-
-// recycle gives back what the request holds and returns the admission to
-// the pool.
-func (res *admission) recycle() {
-	res.giveBack()
-	*res = admission{}
-	admissions.Put(res)
-}
-
-// admission is one request's decision and what the request holds until
-// it returns: its held places (among the MaxHeld requests each `wait`
-// policy may hold) and its concurrency slots, all given back in one place
-// (giveBack).
-type admission struct {
-	policies []*Policy
-	reqs     []bucketRequest
-	d        decision
-	outcome  outcome
-	// decidedBy is the store that decided the request, which holds its
-	// slots and takes its charges after the response: the handler's, or the
-	// `local` fallback while that failed; nil when nothing decided it.
-	decidedBy store
-	// shown are the policies the decision's verdicts are of, in order, and
-	// their requests: all the policies, the `local` ones when the store
-	// failed, none for fail_open.
-	shown     []*Policy
-	shownReqs []bucketRequest
-	// identities are the resolved keys of policies, as sent (for top).
-	identities []string
-	// failClosed is the policy whose fail_closed answers 503.
-	failClosed *Policy
-	// clientGone: the client went away while its decision queued.
-	clientGone bool
-	heldPlaces []*Policy // `wait` policies whose held places it took
-	heldNow    []*Policy // of those, the ones holding the request now
-	// after are the policies charged after the response (charge_if,
-	// settle).
-	after []afterCharge
-	// The RateLimit fields of the handlers the request passed before, and
-	// whether this one added its own (which a response may update).
-	outerPolicyField, outerLimitField string
-	fieldsSent                        bool
-	// allPolicyField is the handler's RateLimit-Policy when the request
-	// matched every policy (report): the same for most requests.
-	allPolicyField string
-
-	// leases are the concurrency slots the request holds, in decidedBy.
-	leases []lease
-
-	pbuf, heldPlacesBuf, heldNowBuf [4]*Policy
-	rbuf                            [4]bucketRequest
-	ibuf                            [4]string
-	afterbuf                        [4]afterCharge
-	leasebuf                        [4]lease
-
-	// adaptive are the request's places under shed policies' adaptive
-	// limits (shed_policy.go); passed: the request was passed on.
-	adaptive    []shedAdmission
-	adaptivebuf [2]shedAdmission
-	passed      bool
-}
-
-// admitted reports whether the request goes on.
-func (res *admission) admitted() bool { return res.failClosed == nil && res.d.admitted }
-
 // match finds the policies the request matches (skipping those a rate_limit
 // handler it passed through already decided) and their bucket requests.
 func (h *Handler) match(r *http.Request, repl *caddy.Replacer, rs *requestState, res *admission) error {
-	res.policies, res.reqs, res.identities, res.adaptive = res.pbuf[:0], res.rbuf[:0], res.ibuf[:0], res.adaptivebuf[:0]
+	res.parts, res.adaptive = res.partbuf[:0], res.adaptivebuf[:0]
 	for _, p := range h.Policies {
 		ok, err := p.matches(r)
 		if err != nil {
@@ -167,160 +84,23 @@ func (h *Handler) match(r *http.Request, repl *caddy.Replacer, rs *requestState,
 			key = p.storageKey(h.hasher, identity)
 			p.emptyKey.note(p, identity, h.logger) // credential.go
 		}
-		res.policies = append(res.policies, p)
-		res.identities = append(res.identities, identity)
 		rq := bucketRequest{key: key, op: p.admissionOp(), limit: p.limit, cost: p.cost(r, repl), shadow: p.shadow, givesBack: p.givesBack(), learns: p.learns(), hot: p.hot.use}
 		rq.quota = p.quota // nil unless a quota
 		if rq.op == opAcquire {
 			rq.lease, rq.events, rq.leasesExpired = leaseIDs(), h.events, p.slots.expired
 		}
 		p.markOverridable(&rq, false)
-		res.reqs = append(res.reqs, rq)
+		res.parts = append(res.parts, part{policy: p, rq: rq, identity: identity})
 	}
-	for _, p := range res.policies {
-		rs.policies = append(rs.policies, p.Name)
+	for i := range res.parts {
+		rs.policies = append(rs.policies, res.parts[i].policy.Name)
 	}
 	for _, a := range res.adaptive {
-		if a.policy.Shed.Concurrent == 0 { // not among res.policies
+		if a.policy.Shed.Concurrent == 0 { // not among res.parts
 			rs.policies = append(rs.policies, a.policy.Name)
 		}
 	}
 	return nil
-}
-
-// reserve makes the request's one decision, taking the `wait` places it
-// may hold, or, when the store cannot decide, applies each policy's
-// on_error.
-func (h *Handler) reserve(r *http.Request, res *admission) {
-	// A policy with `wait` may reserve a future turn only while it has room
-	// to hold the request until then.
-	res.heldPlaces = res.heldPlacesBuf[:0]
-	if len(res.reqs) == 0 { // only shed policies' adaptive limits, which admitted it
-		res.d, res.outcome = decision{admitted: true}, outcomeAllowed
-		return
-	}
-	for i, p := range res.policies {
-		if p.kind != kindConcurrent && p.takeHeldPlace() {
-			res.reqs[i].wait = p.held.wait
-			res.heldPlaces = append(res.heldPlaces, p)
-		}
-	}
-	d, err := h.store.decide(r.Context(), res.reqs)
-	waited := false
-	if err == nil && !d.admitted {
-		// Denied for want of a concurrency slot, by policies that wait.
-		d, err = h.waitForSlot(r, res, d)
-		waited = d.admitted
-	}
-	if errors.Is(err, errClientGone) {
-		res.clientGone = true
-		return
-	}
-	if err != nil {
-		res.giveBack() // a request decided without the store is never held
-		h.withoutStore(r, res)
-		return
-	}
-	res.d, res.shown, res.shownReqs, res.decidedBy = d, res.policies, res.reqs, h.store
-	reserved(res.reqs, d) // what each learning bucket reserved
-	notePeriods(res.reqs, d)
-	admitted := outcomeAllowed
-	if waited {
-		admitted = outcomeDelayed // it waited for a concurrency slot
-	}
-	count(res.policies, d, admitted, outcomeDenied)
-	if d.admitted {
-		res.takeSlots()
-	}
-	switch {
-	case !d.admitted:
-		res.outcome = outcomeDenied
-	case d.delay > 0 || waited:
-		res.outcome = outcomeDelayed
-	default:
-		res.outcome = outcomeAllowed
-		for i, v := range d.verdicts {
-			if !v.allowed {
-				res.outcome = outcomeShadowDenied
-				h.logger.Debug("shadow policy would deny", zap.String("policy", res.policies[i].Name))
-			}
-		}
-	}
-}
-
-// withoutStore applies each policy's on_error when the store could not
-// decide: one fail_closed policy answers 503 for the request; local
-// policies are decided by in-process buckets; fail_open policies admit.
-func (h *Handler) withoutStore(r *http.Request, res *admission) {
-	var local []bucketRequest
-	var localPolicies []*Policy
-	var localIdentities []string
-	for i, p := range res.policies {
-		switch {
-		case p.onError == failClosed && !p.shadow:
-			p.decisions[outcomeFailClosed].Inc()
-			res.failClosed, res.outcome = p, outcomeFailClosed
-			return
-		case p.onError == failLocal:
-			local = append(local, h.localRequest(res.reqs[i]))
-			localPolicies = append(localPolicies, p)
-			localIdentities = append(localIdentities, res.identities[i])
-		}
-	}
-	res.d, res.shown, res.shownReqs, res.outcome = decision{admitted: true}, nil, nil, outcomeFailOpen
-	if len(local) > 0 {
-		res.d, _ = localFallback.decide(r.Context(), local)
-		reserved(local, res.d)
-		notePeriods(local, res.d)
-		res.shown, res.shownReqs, res.identities, res.decidedBy = localPolicies, local, localIdentities, localFallback
-		count(localPolicies, res.d, outcomeLocalAllowed, outcomeLocalDenied)
-		res.outcome = outcomeLocalAllowed
-		if !res.d.admitted {
-			res.outcome = outcomeLocalDenied
-		} else {
-			res.takeSlots()
-		}
-	}
-	for _, p := range res.policies {
-		if p.onError != failLocal {
-			p.decisions[outcomeFailOpen].Inc()
-		}
-	}
-}
-
-// localRequest is a policy's request to its in-process fallback bucket,
-// which holds 1/instances of the policy's budget. It never waits: while
-// Redis is away, a request that does not fit now is denied.
-func (h *Handler) localRequest(rq bucketRequest) bucketRequest {
-	rq.wait = 0
-	if n := int64(h.Instances); n > 1 {
-		if !rq.op.slots() { // a slot's interval is its lease
-			rq.limit.interval = min(rq.limit.interval, maxBucketSpan/n) * n
-		}
-		rq.limit.burst = max(1, rq.limit.burst/n)
-	}
-	return rq
-}
-
-// count adds a decision to each policy's decisions_total: a policy that
-// denied counts as denied (shadow_denied for a shadow policy); one that
-// admitted counts as allowed when the request was admitted and it was
-// charged, and not at all when another policy denied the request.
-func count(policies []*Policy, d decision, allowed, denied outcome) {
-	for i, v := range d.verdicts {
-		switch {
-		case !v.allowed && policies[i].shadow:
-			policies[i].decisions[outcomeShadowDenied].Inc()
-		case !v.allowed && policies[i].kind == kindShed:
-			policies[i].decisions[outcomeShed].Inc()
-		case !v.allowed:
-			policies[i].decisions[denied].Inc()
-		case d.admitted && v.delay > 0:
-			policies[i].decisions[outcomeDelayed].Inc()
-		case d.admitted:
-			policies[i].decisions[allowed].Inc()
-		}
-	}
 }
 
 // errRateLimited is the error of a denial handed to a site's handle_errors.
@@ -341,7 +121,7 @@ func (h *Handler) deny(w http.ResponseWriter, r *http.Request, rs *requestState,
 		}
 		return writeProblem(w, reducedCapacity())
 	}
-	if res.shedOnly() {
+	if res.outcome == outcomeShed { // only shed policies' slots denied it
 		return h.denyShed(w, r, rs, res)
 	}
 
@@ -349,28 +129,24 @@ func (h *Handler) deny(w http.ResponseWriter, r *http.Request, rs *requestState,
 	var violated []string
 	var wait, stride int64
 	var key string
-	var boundary calendar.Period // the period of the quota whose wait is the longest
-	var denier *Policy           // the last policy that denied
-	for i, v := range res.d.verdicts {
-		p := res.shown[i]
-		if v.allowed || p.shadow || p.kind == kindShed { // a shed policy protects the service: it is no caller's budget
-			continue
-		}
+	var boundary calendar.Period          // the period of the quota whose wait is the longest
+	var denier *Policy                    // the last policy that denied
+	for pt := range res.callerDenials() { // a shed policy protects the service: it is no caller's budget
+		p, v, rq := pt.policy, pt.v, &pt.rq
 		denier = p
 		violated = append(violated, p.Name)
-		k := res.shownReqs[i].key
-		p.top.Record(topIDs.of(k), k, res.identities[i])
+		p.top.Record(topIDs.of(rq.key), rq.key, pt.identity)
 		switch {
 		case v.untilFits == neverFits || wait == neverFits:
 			wait = neverFits
 		case v.untilFits >= wait:
-			wait, key = v.untilFits, res.shownReqs[i].key
-			stride = res.shownReqs[i].cost * res.decidedLimit(i, p).interval * int64(max(1, h.Instances))
-			if res.shownReqs[i].op.slots() {
+			wait, key = v.untilFits, rq.key
+			stride = rq.cost * pt.decidedLimit().interval * int64(max(1, h.Instances))
+			if rq.op.slots() {
 				key = "" // slots come free when requests end: nothing to pace
 			}
 			boundary = calendar.Period{}
-			if res.shownReqs[i].quota != nil {
+			if rq.quota != nil {
 				boundary = v.period // a quota comes back whole at its boundary
 			}
 		}
@@ -404,8 +180,8 @@ func (res *admission) paced(r *http.Request, key string, wait, stride int64, jit
 	ra, hold := pacing.Pace(r.RemoteAddr, key, wait, stride, jitter)
 	if hold > 0 {
 		pacing.HoldDenial(r, hold)
-		for i := range res.d.verdicts {
-			if v := &res.d.verdicts[i]; !v.allowed && v.untilFits != neverFits {
+		for _, pt := range res.decidedParts() {
+			if v := &pt.v; !v.allowed && v.untilFits != neverFits {
 				v.untilFits = max(0, v.untilFits-hold.Microseconds())
 			}
 		}

@@ -67,24 +67,6 @@ func (res *admission) finishAdaptive() {
 	}
 }
 
-// shedOnly reports whether every enforced policy that denied the request
-// is a shed policy: the service is at capacity, and the caller broke no
-// policy of its own (which, if it did, answers 429).
-func (res *admission) shedOnly() bool {
-	shed := false
-	for i, v := range res.d.verdicts {
-		p := res.shown[i]
-		if v.allowed || p.shadow {
-			continue
-		}
-		if p.kind != kindShed {
-			return false
-		}
-		shed = true
-	}
-	return shed
-}
-
 // errShed is the error of a shed request handed to a site's handle_errors.
 var errShed = errors.New("service overloaded: request shed")
 
@@ -115,7 +97,6 @@ func (h *Handler) shed(w http.ResponseWriter, r *http.Request, rs *requestState,
 // { concurrent }): 503, with the RateLimit fields of its other policies,
 // none of which charged it.
 func (h *Handler) denyShed(w http.ResponseWriter, r *http.Request, rs *requestState, res *admission) error {
-	res.outcome = outcomeShed
 	ra := retryAfter(slotWait, h.jitter)
 	h.report(w, rs, res, ra)
 	return writeShed(w, r, ra)

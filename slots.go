@@ -174,16 +174,15 @@ func (q *waitQueues) wake(key string) {
 // decided it: renewed while it runs, freed by release.
 func (res *admission) takeSlots() {
 	res.leases = res.leasebuf[:0]
-	for i, p := range res.shown {
-		rq := res.shownReqs[i]
-		if rq.op != opAcquire {
+	for _, pt := range res.decidedParts() {
+		if pt.rq.op != opAcquire {
 			continue
 		}
-		if !res.d.verdicts[i].allowed {
+		if !pt.v.allowed {
 			continue // a shadow policy's slot, not taken
 		}
-		res.leases = append(res.leases, lease{policy: p, rq: rq})
-		p.slots.inFlight.Inc()
+		res.leases = append(res.leases, lease{policy: pt.policy, rq: pt.rq})
+		pt.policy.slots.inFlight.Inc()
 	}
 	if len(res.leases) == 0 {
 		return
@@ -314,19 +313,19 @@ func (p *Policy) giveHeldPlace() { p.held.n.Add(-1) }
 // soon as one is freed, in arrival order among this instance's waiters),
 // the wait runs out, or the client goes away. It returns the last
 // decision.
-func (h *Handler) waitForSlot(r *http.Request, res *admission, d decision) (decision, error) {
+func (h *Handler) waitForSlot(r *http.Request, res *admission, reqs []bucketRequest, d decision) (decision, error) {
 	var key string
 	var wait time.Duration
 	for i, v := range d.verdicts {
-		p := res.policies[i]
+		p := res.parts[i].policy
 		if v.allowed || p.shadow {
 			continue
 		}
-		if res.reqs[i].op != opAcquire || p.Wait == 0 {
+		if reqs[i].op != opAcquire || p.Wait == 0 {
 			return d, nil // denied by more than a full set of slots
 		}
 		if key == "" {
-			key = res.reqs[i].key
+			key = reqs[i].key
 		}
 		wait = max(wait, time.Duration(p.Wait))
 	}
@@ -338,8 +337,8 @@ func (h *Handler) waitForSlot(r *http.Request, res *admission, d decision) (deci
 			p.giveHeldPlace()
 		}
 	}()
-	for i, p := range res.policies {
-		if !d.verdicts[i].allowed && !p.shadow {
+	for i, v := range d.verdicts {
+		if p := res.parts[i].policy; !v.allowed && !p.shadow {
 			if !p.takeHeldPlace() {
 				return d, nil
 			}
@@ -365,7 +364,7 @@ func (h *Handler) waitForSlot(r *http.Request, res *admission, d decision) (deci
 		if !slotQueues.first(key, w) {
 			continue
 		}
-		next, err := h.store.decide(r.Context(), res.reqs)
+		next, err := h.store.decide(r.Context(), reqs)
 		if err != nil || next.admitted {
 			return next, err
 		}
@@ -378,8 +377,8 @@ func (h *Handler) waitForSlot(r *http.Request, res *admission, d decision) (deci
 func (res *admission) holdUntilDue(r *http.Request) bool {
 	res.heldNow = res.heldNowBuf[:0]
 	for _, p := range res.heldPlaces {
-		for i, q := range res.policies {
-			if q == p && res.d.verdicts[i].delay > 0 {
+		for _, pt := range res.decidedParts() {
+			if pt.policy == p && pt.v.delay > 0 {
 				res.heldNow = append(res.heldNow, p)
 				p.held.gauge.Inc()
 			}
