@@ -194,10 +194,10 @@ func (m *memoryStore) decide(_ context.Context, reqs []bucketRequest) (decision,
 	return d, nil
 }
 
-// decideAfter decides at once: in process, nothing is saved by waiting.
 // slotLeases: a slot in process lasts until it is freed, which never fails.
 func (m *memoryStore) slotLeases() leaseKeeper { return freedAtOnce{m} }
 
+// decideAfter decides at once: in process, nothing is saved by waiting.
 func (m *memoryStore) decideAfter(reqs []bucketRequest, then func(decision, error)) {
 	then(m.decide(context.Background(), reqs))
 }
