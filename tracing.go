@@ -22,28 +22,6 @@ const spanName = "rate_limit.decide"
 // tracerName is the instrumentation scope of the spans: the module.
 const tracerName = "github.com/ratelimit-caddy/caddy-ratelimit"
 
-// callStats is what a decision knows of the store call that made it, for
-// its span.
-type callStats struct {
-	// calls: the script calls that decided it (several across Redis
-	// Cluster slots); 0 when none did (in process, or the deny cache).
-	calls int
-	// requests: the requests that rode the call (the largest of several),
-	// decisions and work after responses: 1 when it went alone.
-	requests int
-	// redisUS: the call's round trip, from sending it to its reply, µs
-	// (the longest of several).
-	redisUS int64
-	// cached: the deny cache answered, with no call; hot: blocks of hot
-	// keys this instance holds answered, with no call (hotkeys_store.go).
-	cached, hot bool
-}
-
-// merge adds another call's stats (a decision across slots).
-func (c callStats) merge(o callStats) callStats {
-	return callStats{calls: c.calls + o.calls, requests: max(c.requests, o.requests), redisUS: max(c.redisUS, o.redisUS), cached: c.cached && o.cached, hot: c.hot && o.hot}
-}
-
 // decideTraced makes the request's decision (decide, admission.go), in a
 // rate_limit.decide span when the request is traced: the span only reads
 // the admission.
