@@ -293,7 +293,7 @@ func (h *Handler) withoutStore(r *http.Request, res *admission) {
 func (h *Handler) localRequest(rq bucketRequest) bucketRequest {
 	rq.wait = 0
 	if n := int64(h.Instances); n > 1 {
-		if !rq.op.slots() { // a slot's interval is its lease
+		if rq.kind() != slotsBucket { // a slot's interval is its lease
 			rq.limit.interval = min(rq.limit.interval, maxBucketSpan/n) * n
 		}
 		rq.limit.burst = max(1, rq.limit.burst/n)

@@ -42,7 +42,7 @@ func (res *admission) retryable(wait, ra int64) bool {
 		return false
 	}
 	for pt := range res.denials() {
-		if pt.rq.quota != nil {
+		if pt.rq.kind() == quotaBucket {
 			return false
 		}
 	}

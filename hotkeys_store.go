@@ -108,7 +108,7 @@ func newHotKeys(conn *redisStore) *hotKeys {
 // nor one whose key learns its usage (a settle's: the script raises each
 // reservation to what the key learned, which blocks would not).
 func (rq *bucketRequest) hotEligible() bool {
-	return rq.hot != nil && rq.op == opTake && rq.quota == nil && !rq.shadow && !rq.learns && rq.cost <= rq.limit.burst
+	return rq.hot != nil && rq.op == opTake && rq.kind() != quotaBucket && !rq.shadow && !rq.learns && rq.cost <= rq.limit.burst
 }
 
 // covers reports whether any bucket of reqs may be decided from blocks.

@@ -179,11 +179,11 @@ func (p *Policy) markOverridable(rq *bucketRequest, always bool) {
 // applyOverride is rq as decided under the override o in force (see
 // limitFor, quotaLimitFor).
 func (rq bucketRequest) applyOverride(o override) bucketRequest {
-	if rq.quota != nil {
+	if rq.kind() == quotaBucket {
 		rq.limit = o.quotaLimitFor(rq.limit, rq.overrideDebt)
 		return rq
 	}
-	rq.limit = o.limitFor(rq.limit, rq.op.slots(), rq.overrideWait, rq.overrideDebt)
+	rq.limit = o.limitFor(rq.limit, rq.kind() == slotsBucket, rq.overrideWait, rq.overrideDebt)
 	return rq
 }
 

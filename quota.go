@@ -73,7 +73,7 @@ func (d durability) wanted() bool { return d.replicas > 0 || d.aof }
 // counted it in: a charge after the response (settle, charge_if) belongs
 // to that period, and is dropped if it is over by then.
 func (rq *bucketRequest) notePeriod(v verdict) {
-	if rq.quota != nil {
+	if rq.kind() == quotaBucket {
 		rq.period = v.period
 		observeQuotaUsed(rq.quota.used, v, *rq)
 	}

@@ -87,7 +87,7 @@ func (res *admission) writeFields(hdr http.Header, rs *requestState, charged boo
 		if charged {
 			remaining, until = res.predicted(i)
 		}
-		if pt.rq.quota != nil {
+		if pt.rq.kind() == quotaBucket {
 			until = v.untilFits // a quota's t is its boundary's, charged or not
 		}
 		if p.kind == kindConcurrent {

@@ -142,11 +142,11 @@ func (h *Handler) deny(w http.ResponseWriter, r *http.Request, rs *requestState,
 		case v.untilFits >= wait:
 			wait, key = v.untilFits, rq.key
 			stride = rq.cost * pt.decidedLimit().interval * int64(max(1, h.Instances))
-			if rq.op.slots() {
+			if rq.kind() == slotsBucket {
 				key = "" // slots come free when requests end: nothing to pace
 			}
 			boundary = calendar.Period{}
-			if rq.quota != nil {
+			if rq.kind() == quotaBucket {
 				boundary = v.period // a quota comes back whole at its boundary
 			}
 		}

@@ -139,11 +139,11 @@ func (m *memoryStore) decide(_ context.Context, reqs []bucketRequest) (decision,
 		tats = append(tats, 0)
 	}
 	for i, rq := range reqs {
-		if rq.quota != nil {
+		if rq.kind() == quotaBucket {
 			tats[i] = m.shards[shards[i]].quotaUsed(ids[i], rq, now)
 			continue
 		}
-		if rq.op.slots() {
+		if rq.kind() == slotsBucket {
 			tats[i] = int64(len(m.shards[shards[i]].slots[ids[i]]))
 			continue
 		}
@@ -177,11 +177,11 @@ func (m *memoryStore) decide(_ context.Context, reqs []bucketRequest) (decision,
 			continue
 		}
 		s := &m.shards[shards[i]]
-		if rq.quota != nil {
+		if rq.kind() == quotaBucket {
 			s.storeQuota(ids[i], d.verdicts[i].period, next[i], now)
 			continue
 		}
-		if rq.op.slots() {
+		if rq.kind() == slotsBucket {
 			d.verdicts[i].allowed = s.applySlots(ids[i], rq) || rq.op != opRenew
 			continue
 		}
