@@ -18,6 +18,43 @@ import (
 	"go.uber.org/zap"
 )
 
+// announcer is a store that a fleet of instances shares: an operator's
+// change to a bucket (a reset, a grant, an override set or deleted) is
+// announced to every instance, which forgets what it remembered of the
+// bucket. In process, the change is this instance's own. Implemented by
+// redisStore (announce.go, override_redis.go).
+type announcer interface {
+	// announce tells every instance the bucket under key changed, and
+	// returns once the announcement went round (or after a second).
+	announce(ctx context.Context, prefix, key string) error
+	// announceOverride tells every instance the override of the bucket
+	// under key changed, and waits for each to confirm it (a second at
+	// most: errUnconfirmed).
+	announceOverride(ctx context.Context, prefix, key string) error
+}
+
+// blockKeeper is a store that may decide a busy key's requests from blocks
+// of its tokens taken ahead (hot keys, hotkeys_store.go): inspect shows
+// what this instance has taken of a bucket and not spent. In process,
+// every decision is local already. Implemented by redisStore.
+type blockKeeper interface {
+	// blocksOf is the blocks this instance holds of the bucket under key,
+	// and their unspent tokens.
+	blocksOf(key string) (blocks int, tokens int64)
+}
+
+// formatStore is a store whose buckets outlive a release: a fleet writes
+// them in the storage format its marker says, so that a mixed fleet reads
+// them both ways (format.go, upgrade.go). Implemented by redisStore.
+type formatStore interface {
+	// setFormat sets the fleet's marker of the buckets under prefix, tells
+	// every instance, and writes in what the markers now say at once.
+	setFormat(ctx context.Context, prefix, marker string) error
+	// formatOf is the fleet's marker of the buckets under prefix, and the
+	// format this instance writes them in.
+	formatOf(ctx context.Context, prefix string) (marker, writes string, err error)
+}
+
 func init() {
 	caddy.RegisterModule(adminAPI{})
 }

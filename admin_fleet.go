@@ -13,6 +13,27 @@ import (
 	"github.com/redis/go-redis/v9"
 )
 
+// fleetMember is a store whose instances form a fleet: each records its
+// policies for the others to compare (fleet.go), and the admin API lists
+// them (admin_fleet.go). Implemented by redisStore.
+type fleetMember interface {
+	// join registers a provisioned handler, announced to the fleet once
+	// its config runs; part unregisters it when it is cleaned up.
+	join(h *Handler)
+	part(h *Handler)
+	// fleetRecord is what this instance announces of the policies of hs.
+	fleetRecord(hs []*Handler) fleet.Record
+	// readFleets reads the live instances and their fleets, for a listing;
+	// liveRecords the records of those of the store's database (db), for
+	// a comparison.
+	readFleets(ctx context.Context) (fleetStore, error)
+	liveRecords(ctx context.Context) (db int, records []fleet.Record, err error)
+	// fleetView is what this instance knows of its fleet: stores that
+	// share one (on one connection) read the same fleets, which a listing
+	// shows once.
+	fleetView() *fleetView
+}
+
 // GET /rate_limit/fleet: the live instances on each Redis of the loaded
 // config, as they announce themselves (fleet.go), grouped in fleets by
 // database and key_prefix, with the policies each fleet's instances

@@ -9,6 +9,17 @@ import (
 	"time"
 )
 
+// overrideKeeper is a store that may keep operators' overrides of its
+// buckets' limits (override_store.go). Implemented by redisStore and
+// memoryStore (whose `local` fallback keeps none).
+type overrideKeeper interface {
+	// overridesKept is where they are kept; nil when the store keeps none.
+	overridesKept() overrideStore
+	// overrideFilter says which buckets of the policy whose keys start with
+	// prefix may have one.
+	overrideFilter(prefix string) overrideFilter
+}
+
 // Where overrides live: in Redis beside their buckets (lua/decide.lua reads
 // them), or in this process without a redis block; and the filters that say
 // which buckets may have one, so that the others never pay a read.

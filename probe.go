@@ -11,6 +11,14 @@ import (
 	"go.uber.org/zap"
 )
 
+// prober is a store that may be unable to decide for a policy (unreachable,
+// refused by an ACL, without scripting), which a probe finds out before a
+// request does: at start, with require_redis, and in `caddy rate-limit
+// check` (probe.go, check.go). Implemented by redisStore.
+type prober interface {
+	probe(defs []definition) []probeResult
+}
+
 // Loud at start. Once a config with a redis block runs (the fleet's
 // goroutine notices it, fleet.go), each of its policies on the connection
 // is probed with one read-only decision sent straight to Redis (past the

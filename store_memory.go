@@ -197,6 +197,8 @@ func (m *memoryStore) decide(_ context.Context, reqs []bucketRequest) (decision,
 // slotLeases: a slot in process lasts until it is freed, which never fails.
 func (m *memoryStore) slotLeases() leaseKeeper { return freedAtOnce{m} }
 
+var _ slotStore = (*memoryStore)(nil)
+
 // decideAfter decides at once: in process, nothing is saved by waiting.
 func (m *memoryStore) decideAfter(reqs []bucketRequest, then func(decision, error)) {
 	then(m.decide(context.Background(), reqs))
