@@ -320,3 +320,18 @@ func printQuota(w io.Writer, action string, st bucketState) error {
 	}
 	return nil
 }
+
+// printShed prints what inspect or reset answered of a shed policy.
+func printShed(w io.Writer, action string, st bucketState) {
+	fmt.Fprintf(w, "%s (shed policy, key %s)", st.Policy, st.Key)
+	if st.InUse != nil {
+		fmt.Fprintf(w, ": fleet-wide, %d of %d slots in use", *st.InUse, st.Slots)
+		if action == "reset" && st.Dropped != nil {
+			fmt.Fprintf(w, "; reset: %d running, kept; %d stale, dropped", *st.InUse, *st.Dropped)
+		}
+	}
+	if st.ShedLimit != nil && st.ShedInFlight != nil {
+		fmt.Fprintf(w, "; this instance: %d in flight, adaptive limit %d", *st.ShedInFlight, *st.ShedLimit)
+	}
+	fmt.Fprintln(w, ".")
+}
