@@ -19,13 +19,13 @@ func (a adminAPI) shed(ctx context.Context, action string, def definition, req a
 		return nil, apiError(http.StatusBadRequest, "policy %q sheds load: it has capacity, not tokens, to grant", p.Name)
 	}
 	st := &bucketState{Policy: p.Name, Kind: p.kindName(), Identity: req.Identity, Key: key, Store: h.storeName()}
-	if p.Shed.Concurrent > 0 {
+	if p.capacity().has(slotCapacity) {
 		var err error
 		if st, err = a.slots(ctx, action, def, req, key); err != nil {
 			return nil, err
 		}
 	}
-	if p.shed != nil && p.shed.limiter != nil {
+	if p.capacity().has(adaptiveCapacity) {
 		limit, in := p.shed.limiter.Limit(), p.shed.limiter.InFlight()
 		st.ShedLimit, st.ShedInFlight = &limit, &in
 	}

@@ -27,6 +27,29 @@ import (
 // does when a stream is cut), on the store that admitted it
 // (admission.decidedBy).
 
+// chargeKind is when a policy's requests are charged: at admission (the
+// default), after the response when it matches charge_if, or by the usage
+// the response reports (settle).
+type chargeKind uint8
+
+const (
+	chargedAtAdmission chargeKind = iota
+	chargedIfMatched              // charge_if
+	chargedBySettle               // settle
+)
+
+// charging is when the policy's requests are charged (a config sets one
+// of charge_if and settle at most, checkRate).
+func (p *Policy) charging() chargeKind {
+	switch {
+	case p.ChargeIf != nil:
+		return chargedIfMatched
+	case p.Settle != nil:
+		return chargedBySettle
+	}
+	return chargedAtAdmission
+}
+
 // Settle takes a policy's true cost from the response.
 type Settle struct {
 	// Where the usage is: `header` (a response header, read when the
@@ -320,11 +343,11 @@ func (h *Handler) watchResponse(w http.ResponseWriter, r *http.Request, rs *requ
 	afterBody, fromTrailer := false, false
 	for i, pt := range res.decidedParts() {
 		p := pt.policy
-		if !pt.v.allowed || (p.ChargeIf == nil && p.Settle == nil) {
+		if !pt.v.allowed || p.charging() == chargedAtAdmission {
 			continue
 		}
 		res.after = append(res.after, afterCharge{i: i, usage: -1, lost: -1})
-		if p.Settle == nil {
+		if p.charging() != chargedBySettle {
 			continue
 		}
 		afterBody = afterBody || p.Settle.From != settleHeader
@@ -377,7 +400,7 @@ func (res *admission) responseKnown(status int, hdr http.Header) {
 		a := &res.after[k]
 		p := res.parts[a.i].policy
 		switch {
-		case p.ChargeIf != nil:
+		case p.charging() == chargedIfMatched:
 			a.charge = p.ChargeIf.Match(status, hdr)
 		case p.Settle.From == settleHeader:
 			a.usage, a.settled = parseUsage(hdr.Get(p.Settle.Field), p.after.maxUsage)
@@ -419,7 +442,7 @@ func (aw *afterResponse) charges(err error) (reqs []bucketRequest, policies []*P
 		}
 		res.responseKnown(status, aw.Header())
 		for k := range res.after {
-			if gone && res.parts[res.after[k].i].policy.ChargeIf != nil {
+			if gone && res.parts[res.after[k].i].policy.charging() == chargedIfMatched {
 				res.after[k].charge = true
 			}
 		}
@@ -437,7 +460,7 @@ func (aw *afterResponse) charges(err error) (reqs []bucketRequest, policies []*P
 		p, rq := res.parts[a.i].policy, res.parts[a.i].rq
 		delta := int64(0)
 		switch {
-		case p.ChargeIf != nil:
+		case p.charging() == chargedIfMatched:
 			if a.charge {
 				continue // the reservation is the charge
 			}
@@ -554,7 +577,7 @@ func (l *lostLog) due(now time.Time) (int64, bool) {
 // no usage) at most once per lostLogInterval per policy and reason.
 func (w *afterResponse) chargeLost(p *Policy, reason int) {
 	p.after.lost[reason].Inc()
-	if (reason != lostUnreadable && reason != lostNoUsage) || p.Settle == nil {
+	if (reason != lostUnreadable && reason != lostNoUsage) || p.charging() != chargedBySettle {
 		return
 	}
 	n, due := p.after.logs[reason].due(time.Now())
@@ -590,9 +613,9 @@ func (res *admission) predicted(i int) (remaining, untilNext int64) {
 		}
 		p, rq := pt.policy, pt.rq
 		switch {
-		case p.ChargeIf != nil && !a.charge:
+		case p.charging() == chargedIfMatched && !a.charge:
 			return pt.decidedLimit().adjusted(v, -rq.cost)
-		case p.Settle != nil && a.settled:
+		case p.charging() == chargedBySettle && a.settled:
 			return pt.decidedLimit().adjusted(v, a.usage-rq.cost)
 		}
 	}

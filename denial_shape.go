@@ -56,7 +56,7 @@ func (h *Handler) writeDenial(w http.ResponseWriter, res *admission, violated []
 	format, tokens := "", false
 	for pt := range res.callerDenials() {
 		p := pt.policy
-		tokens = tokens || p.Settle != nil || p.costs.fromBody
+		tokens = tokens || p.charging() == chargedBySettle || p.costs.fromBody
 		if format == "" {
 			format = p.ErrorFormat
 		}

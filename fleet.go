@@ -294,7 +294,7 @@ func (c *redisStore) fleetRecord(hs []*Handler) fleet.Record {
 // usesStore reports whether the policy's buckets are in the handler's
 // store: all but a shed policy's adaptive limit alone, which is this
 // instance's.
-func (p *Policy) usesStore() bool { return p.kind != kindShed || p.Shed.Concurrent > 0 }
+func (p *Policy) usesStore() bool { return p.kind != kindShed || p.capacity().has(slotCapacity) }
 
 func recordPrefixes(r fleet.Record) []string {
 	var out []string

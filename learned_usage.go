@@ -105,7 +105,7 @@ func decodeLearned(v string) learnedUsage {
 // policy that settles. (A quota's count is charged in full within its
 // period, and starts again from 0.)
 func (p *Policy) learns() bool {
-	return p.kind == kindRate && p.Settle != nil
+	return p.kind == kindRate && p.charging() == chargedBySettle
 }
 
 // learnedCost is the cost a take of rq is decided with when its key has

@@ -228,7 +228,7 @@ func (c shedLimitCollector) Describe(ch chan<- *prometheus.Desc) { ch <- c.desc 
 
 func (c shedLimitCollector) Collect(ch chan<- prometheus.Metric) {
 	for _, p := range budgets.policies() {
-		if p.shed != nil && p.shed.limiter != nil {
+		if p.capacity().has(adaptiveCapacity) {
 			ch <- prometheus.MustNewConstMetric(c.desc, prometheus.GaugeValue, float64(p.shed.limiter.Limit()), p.Name)
 		}
 	}

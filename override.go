@@ -158,7 +158,7 @@ func ownCopy(out, reqs []bucketRequest) []bucketRequest {
 // or its own `debt`.
 func (p *Policy) debtRule() int64 {
 	switch {
-	case p.Settle == nil:
+	case p.charging() != chargedBySettle:
 		return 0
 	case p.kind == kindQuota && p.Settle.Debt == 0:
 		return -2

@@ -607,7 +607,7 @@ func (p *Policy) admissionOp() bucketOp {
 // givesBack reports whether the policy's buckets may be given tokens back
 // after the response (charge_if, settle): what a decision said of them is
 // then no lower bound on their state, and the deny cache leaves them alone.
-func (p *Policy) givesBack() bool { return p.ChargeIf != nil || p.Settle != nil }
+func (p *Policy) givesBack() bool { return p.charging() != chargedAtAdmission }
 
 // cost resolves what this request costs under the policy.
 func (p *Policy) cost(r *http.Request, repl *caddy.Replacer) int64 {

@@ -68,12 +68,12 @@ func (h *Handler) match(r *http.Request, repl *caddy.Replacer, rs *requestState,
 		if p.kind == kindShed {
 			class := p.shed.classOf(p, r, repl)
 			p = p.shed.byClass[class] // the policy as the request's priority class limits it
-			if p.shed.limiter != nil {
+			if p.capacity().has(adaptiveCapacity) {
 				// A place under the adaptive limit, which the shed step takes
 				// (admitAdaptive) before the store decides.
 				res.adaptive = append(res.adaptive, shedAdmission{policy: p, class: class})
 			}
-			if p.Shed.Concurrent == 0 {
+			if !p.capacity().has(slotCapacity) {
 				continue // nothing for the store to decide
 			}
 		}
@@ -96,7 +96,7 @@ func (h *Handler) match(r *http.Request, repl *caddy.Replacer, rs *requestState,
 		rs.policies = append(rs.policies, res.parts[i].policy.Name)
 	}
 	for _, a := range res.adaptive {
-		if a.policy.Shed.Concurrent == 0 { // not among res.parts
+		if !a.policy.capacity().has(slotCapacity) { // not among res.parts
 			rs.policies = append(rs.policies, a.policy.Name)
 		}
 	}

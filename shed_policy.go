@@ -35,6 +35,32 @@ import (
 //     another policy denies the request, measured when the handler chain
 //     returns.
 
+// shedCapacity is what a shed policy keeps the service within, either or
+// both: an adaptive limit of the requests in flight on this instance
+// (shed { latency }), and slots the fleet shares (shed { concurrent }).
+type shedCapacity uint8
+
+const (
+	adaptiveCapacity shedCapacity = 1 << iota
+	slotCapacity
+)
+
+// capacity is what the policy keeps the service within: none unless it is
+// a shed policy.
+func (p *Policy) capacity() shedCapacity {
+	var c shedCapacity
+	if p.shed != nil && p.shed.limiter != nil {
+		c |= adaptiveCapacity
+	}
+	if p.Shed != nil && p.Shed.Concurrent > 0 {
+		c |= slotCapacity
+	}
+	return c
+}
+
+// has reports whether the capacity includes k.
+func (c shedCapacity) has(k shedCapacity) bool { return c&k != 0 }
+
 // Shed is the capacity a shed policy keeps the service within: one or
 // both of `concurrent` and `latency`.
 type Shed struct {

@@ -43,7 +43,7 @@ func (res *admission) passAdaptive() {
 			continue
 		}
 		a.ticket.Passed()
-		if a.policy.Shed.Concurrent == 0 { // otherwise counted with its slots (count)
+		if !a.policy.capacity().has(slotCapacity) { // otherwise counted with its slots (count)
 			a.policy.decisions[outcomeAllowed].Inc()
 		}
 	}
