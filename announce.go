@@ -272,7 +272,7 @@ func (c *redisStore) announceOverride(ctx context.Context, prefix, key string) e
 func (c *redisStore) subscribers(ctx context.Context, ch string) int64 {
 	var cmd *redis.MapStringIntCmd
 	if cc, ok := c.client.(*redis.ClusterClient); ok {
-		// Every instance subscribes on the master of the channel's slot.
+		// Every instance subscribes on the master of the channel's hash slot.
 		node, err := cc.MasterForKey(ctx, ch)
 		if err != nil {
 			return 1

@@ -27,7 +27,7 @@ import (
 // as commands of their own, right after the EVALSHA, pipelined on the same
 // connection (go-redis runs a pipeline on one connection: a single server's
 // client and Sentinel's failover client are one pool of connections to the
-// primary; in a Cluster the pipeline goes to the master of the call's slot).
+// primary; in a Cluster the pipeline goes to the master of the call's hash slot).
 // One confirmation per script call: a call carrying many durable requests
 // sends one WAIT. Durable requests are coalesced apart from the others, so
 // a request that needs no confirmation never waits for one.
@@ -118,7 +118,7 @@ func (c *redisStore) coalescerFor(reqs []bucketRequest) *coalescer {
 
 // confirmingClient is the client whose one connection carries the call and
 // its confirmation: the primary's (in a Cluster, the master of the call's
-// slot: a MOVED during resharding fails the call), with a read timeout that
+// hash slot: a MOVED during resharding fails the call), with a read timeout that
 // leaves room for the script and both waits.
 func (c *redisStore) confirmingClient(ctx context.Context, batch []*pending) (*redis.Client, error) {
 	var base *redis.Client

@@ -20,7 +20,7 @@ import (
 // learnRecords settles, or learnTTL after its last.
 //
 // The memory is kept beside the bucket, under <bucket key>:usage, in the
-// bucket's Redis Cluster slot (its hash tag), as "l1 <u1> <u2> ..." newest
+// bucket's Redis Cluster hash slot (its hash tag), as "l1 <u1> <u2> ..." newest
 // first: written by the script call that settles, read by the call that
 // reserves (no round trip of its own), expiring learnTTL after it was last
 // written. The release before this one never reads it. In process, the

@@ -7,7 +7,7 @@ import (
 
 // Overrides: one identity's limit, set by an operator, in place of the
 // limit its plan (or its policy) gives it. An override is stored beside the
-// identity's bucket, under the same hash and in the same Redis Cluster slot
+// identity's bucket, under the same hash and in the same Redis Cluster hash slot
 // (<key_prefix><policy>:{<hash>}:override), and read by the same script call
 // that decides: a bucket whose request has the overridable bit reads its
 // override key and, when an override of its kind is there, is decided under

@@ -58,7 +58,7 @@ const (
 )
 
 // overrideKey is where the override of the bucket under bucketKey is:
-// beside it, under the same hash tag (so in the same Cluster slot), the
+// beside it, under the same hash tag (so in the same Cluster hash slot), the
 // script's cheapest key to derive.
 func overrideKey(bucketKey string) string { return bucketKey + ":override" }
 

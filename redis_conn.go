@@ -35,7 +35,7 @@ type redisStore struct {
 	coalescer *coalescer
 	breaker   *breaker.Breaker
 	// denials is shared by every config on this Redis: what one learned of
-	// a bucket holds for all. Nil in cluster mode, whose cross-slot refunds
+	// a bucket holds for all. Nil in cluster mode, whose cross-hash-slot refunds
 	// move TATs back.
 	denials *denyCache
 	// cluster: a Redis Cluster, where a script call reaches one slot, so

@@ -11,7 +11,7 @@ import "net/http"
 // the policy that tells it and that policy's storage key, the whole tokens
 // that policy has left (-1: nothing to tell) and the Retry-After sent.
 func (rs *requestState) decidedAs(o outcome, policy, key string, remaining, retryAfter int64) {
-	rs.decided, rs.decision, rs.policy, rs.key, rs.remaining, rs.retryAfter = true, o, policy, key, remaining, retryAfter
+	rs.decided, rs.outcome, rs.policy, rs.key, rs.remaining, rs.retryAfter = true, o, policy, key, remaining, retryAfter
 }
 
 // report sets the placeholders and the RateLimit fields. Every placeholder

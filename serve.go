@@ -47,7 +47,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	}
 	h.report(w, rs, res, 0)
 	if !res.holdUntilDue(r) {
-		return nil // the client went away; its slot stays consumed
+		return nil // the client went away; its turn stays consumed
 	}
 	res.passAdaptive()
 	return h.serveWatched(w, r, next, rs, res)

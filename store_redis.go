@@ -95,7 +95,7 @@ func (s *redisStore) decideShared(ctx context.Context, reqs []bucketRequest) (de
 // with the decisions instead of making a call of its own, and no response
 // waits for it.
 func (s *redisStore) decideAfter(reqs []bucketRequest, then func(decision, error)) {
-	if s.coalescer == nil { // Cluster: a call per slot group, apart
+	if s.coalescer == nil { // Cluster: a call per hash slot group, apart
 		s.afterApart.add(1)
 		go func() {
 			defer s.afterApart.add(-1)
@@ -117,7 +117,7 @@ func (s *redisStore) decideAfter(reqs []bucketRequest, then func(decision, error
 // (finish.go): with the next call when calls are in flight, at once by
 // itself when none is.
 func (s *redisStore) decideAwaited(reqs []bucketRequest) (decision, error) {
-	if s.coalescer == nil { // Cluster: a call per slot group
+	if s.coalescer == nil { // Cluster: a call per hash slot group
 		return s.decide(context.Background(), reqs)
 	}
 	if s.breaker.Skipping() {
@@ -138,7 +138,7 @@ func (s *redisStore) decideAwaited(reqs []bucketRequest) (decision, error) {
 }
 
 // decideInOneCall decides buckets that one script call can reach: a single
-// Redis, or one Redis Cluster slot.
+// Redis, or one Redis Cluster hash slot.
 func (s *redisStore) decideInOneCall(ctx context.Context, reqs []bucketRequest) (decision, error) {
 	p := newPending(reqs, ctx)
 	if s.coalescer != nil {

@@ -363,7 +363,7 @@ local WRONGTYPE, CORRUPT, CLOCK = -1, -2, -3
 -- from A[a]; limit and slack: the N and the units beyond it it is decided
 -- under; touched: the keys the call touched so far): the request's status,
 -- the keys touched, and the bucket's index, the units used before it and
--- after it, whether it alone would admit (or CORRUPT, CLOCK), and the
+-- after it (next), whether it alone would admit (or CORRUPT, CLOCK), and the
 -- period Redis picked.
 local function quota_decide(C, key, op, code, limit, slack, A, a, status, touched)
   local verb, amount, now = code - 11, A[a + 3], C.now -- verb: code - QUOTA + TAKE
@@ -376,7 +376,7 @@ local function quota_decide(C, key, op, code, limit, slack, A, a, status, touche
     C.quota[bucket] = true
     C.q_held[bucket], C.q_start[bucket], C.q_end[bucket], C.q_used[bucket], C.bad[bucket] = quota_read(key)
   end
-  local before, after, allowed, s, e = 0, 0, 1, nil, nil
+  local before, next, allowed, s, e = 0, 0, 1, nil, nil
   -- The period holding Redis's clock.
   for j = a + 6, a + 8 do
     local lo, hi = A[j], A[j + 1]
@@ -394,13 +394,13 @@ local function quota_decide(C, key, op, code, limit, slack, A, a, status, touche
   else
     local used = 0
     if C.q_start[bucket] == s and C.q_end[bucket] == e then used = C.q_used[bucket] end
-    before, after = used, used
+    before, next = used, used
     if verb == 1 or verb == 2 then -- TAKE, CHECK
       if amount > limit - used then
         allowed = 0
         if status == 1 and op % 2 == 0 then status = 0 end -- unless shadow
       end
-      after = used + amount
+      next = used + amount
     elseif verb == 3 then -- ADJUST
       local of = A[a + 4]
       if of == 0 or (of == s and A[a + 5] == e) then
@@ -408,21 +408,21 @@ local function quota_decide(C, key, op, code, limit, slack, A, a, status, touche
         -- never beyond quota + slack by a charge.
         local charged = used + amount
         if amount > 0 then charged = math.min(charged, math.max(used, limit + slack)) end
-        after = math.max(charged, 0)
+        next = math.max(charged, 0)
       end
     end
-    return status, touched, bucket, before, after, allowed, s, e
+    return status, touched, bucket, before, next, allowed, s, e
   end
-  return status, touched, bucket, before, after, allowed, 0, 0
+  return status, touched, bucket, before, next, allowed, 0, 0
 end
 
 -- quota_apply applies a quota bucket's part of a request whose status is
 -- known, and writes the bucket's part of the reply from out[n].
-local function quota_apply(C, code, status, bucket, allowed, before, after, s, e, out, n)
+local function quota_apply(C, code, status, bucket, allowed, before, next, s, e, out, n)
   if status >= 0 then
     local verb = code - 11 -- code - QUOTA + TAKE
     if verb == 1 and status == 1 and allowed == 1 or verb == 3 then -- TAKE admitted, or ADJUST
-      C.q_start[bucket], C.q_end[bucket], C.q_used[bucket], C.q_dirty[bucket] = s, e, after, true
+      C.q_start[bucket], C.q_end[bucket], C.q_used[bucket], C.q_dirty[bucket] = s, e, next, true
     elseif verb == 5 then -- RESET
       C.q_start[bucket], C.q_end[bucket], C.q_used[bucket], C.q_dirty[bucket] = 0, 0, 0, true
     end
@@ -534,15 +534,15 @@ local first_key, arg = 0, 1 -- the request's first KEYS index less one; its firs
 -- Per bucket of the request: its op, first number's index in A, code and
 -- interval; its kind's verdict (whether it alone would admit), and what
 -- its kind's apply needs: at (rate, quota: the bucket's index), before
--- and after (rate: its TAT before, rebased, and the TAT a take or adjust
--- leaves it with; quota: the units used; slots: the leases held, and the
--- expired ones removed).
-local ops, argat, codes, intervals, allowed, at, before, after = {}, {}, {}, {}, {}, {}, {}, {}
--- Made when a call first needs them: the start and end of the period
--- picked (quotas); the burst and slack it is decided under (slots,
--- overridable buckets); the index of its learned number and the usage its
--- key had learned (buckets that learn).
-local starts, ends, bursts, slacks, lws, lvals
+-- (rate: its TAT before, rebased; quota: the units used; slots: the leases
+-- held) and next (rate: the TAT a take or adjust leaves it with; quota:
+-- the units used it leaves; as in decideBuckets).
+local ops, argat, codes, intervals, allowed, at, before, next = {}, {}, {}, {}, {}, {}, {}, {}
+-- Made when a call first needs them: the expired leases removed (slots);
+-- the start and end of the period picked (quotas); the burst and slack it
+-- is decided under (slots, overridable buckets); the index of its learned
+-- number and the usage its key had learned (buckets that learn).
+local expired, starts, ends, bursts, slacks, lws, lvals
 
 while arg <= n_args do
   local count = A[arg]
@@ -638,12 +638,12 @@ while arg <= n_args do
           allowed[i] = 0
           if status == 1 and op % 2 == 0 then status = 0 end -- unless shadow
         end
-        after[i] = tat + amount * interval
+        next[i] = tat + amount * interval
       elseif code == ADJUST then
         local delta = amount -- tokens charged (> 0) or given back (< 0): Go's bucketRequest.delta
         slack = slack or A[arg + 3]
-        after[i] = min(tat + delta * interval, now + tau + slack)
-        if after[i] <= now then after[i] = 0 end -- never beyond a full bucket
+        next[i] = min(tat + delta * interval, now + tau + slack)
+        if next[i] <= now then next[i] = 0 end -- never beyond a full bucket
       end
     elseif code >= QUOTA then
       if not starts then starts, ends = {}, {} end
@@ -658,11 +658,12 @@ while arg <= n_args do
           quota = {}, q_start = {}, q_end = {}, q_used = {}, q_held = {}, q_dirty = {}}
         quota = C.quota
       end
-      status, touched, at[i], before[i], after[i], allowed[i], starts[i], ends[i] = quota_decide(C, key, op, code, limit, q_slack, A, arg, status, touched)
+      status, touched, at[i], before[i], next[i], allowed[i], starts[i], ends[i] = quota_decide(C, key, op, code, limit, q_slack, A, arg, status, touched)
     else
       if not bursts then bursts, slacks = {}, {} end
       bursts[i] = burst
-      status, before[i], after[i], allowed[i] = slots_decide(key, op, code, burst, status, now)
+      if not expired then expired = {} end
+      status, before[i], expired[i], allowed[i] = slots_decide(key, op, code, burst, status, now)
     end
     arg = arg + width
   end
@@ -675,7 +676,7 @@ while arg <= n_args do
       local bucket = at[i]
       if status >= 0 then
         if code == TAKE and status == 1 and allowed[i] == 1 or code == ADJUST then
-          tat_now[bucket], interval_now[bucket] = after[i], intervals[i]
+          tat_now[bucket], interval_now[bucket] = next[i], intervals[i]
         elseif code == RESET then
           tat_now[bucket] = 0
         end
@@ -693,9 +694,9 @@ while arg <= n_args do
       out[n_out + 1], out[n_out + 2] = bad[bucket] or allowed[i], before[i]
       n_out = n_out + 2
     elseif code >= QUOTA then
-      n_out = quota_apply(C, code, status, at[i], allowed[i], before[i], after[i], starts[i], ends[i], out, n_out)
+      n_out = quota_apply(C, code, status, at[i], allowed[i], before[i], next[i], starts[i], ends[i], out, n_out)
     else
-      n_out = slots_apply(KEYS[first_key + i], code, status, intervals[i], bursts[i], allowed[i], before[i], after[i], A, argat[i], out, n_out, now)
+      n_out = slots_apply(KEYS[first_key + i], code, status, intervals[i], bursts[i], allowed[i], before[i], expired[i], A, argat[i], out, n_out, now)
     end
     if ops[i] % 4 >= 2 then -- overridable: the limit it was decided under
       out[n_out + 1], out[n_out + 2], out[n_out + 3] = intervals[i], bursts[i], slacks[i]
