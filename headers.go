@@ -2,12 +2,15 @@ package ratelimit
 
 import (
 	"encoding/json"
+	"errors"
 	"math"
 	"math/rand/v2"
 	"net/http"
 	"strconv"
 	"strings"
 	"time"
+
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 )
 
 // The response side of the contract: the RateLimit-Policy and RateLimit
@@ -193,4 +196,31 @@ func boundaryRetryAfter(waitUS, spreadUS int64) int64 {
 		at += int64(float64(spreadUS) * rand.Float64())
 	}
 	return max(ceilSeconds(at), ceilSeconds(waitUS), 1)
+}
+
+// errRateLimited is the error of a denial handed to a site's handle_errors.
+var errRateLimited = errors.New("rate limit exceeded")
+
+// errStoreUnavailable is the error of a fail_closed 503 handed to a site's
+// handle_errors.
+var errStoreUnavailable = errors.New("rate limiter unavailable")
+
+// handlesErrors reports whether the server has an error route that would
+// take this request's error of the given status: a site's handle_errors.
+func handlesErrors(r *http.Request, status int) bool {
+	srv, ok := r.Context().Value(caddyhttp.ServerCtxKey).(*caddyhttp.Server)
+	if !ok || srv == nil || srv.Errors == nil || len(srv.Errors.Routes) == 0 {
+		return false
+	}
+	// Match as Caddy will, with the error's placeholders set.
+	er := srv.Errors.WithError(r, caddyhttp.Error(status, errRateLimited))
+	for _, route := range srv.Errors.Routes {
+		if len(route.MatcherSets) == 0 {
+			return true
+		}
+		if ok, err := route.MatcherSets.AnyMatchWithError(er); ok && err == nil {
+			return true
+		}
+	}
+	return false
 }

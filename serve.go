@@ -1,7 +1,6 @@
 package ratelimit
 
 import (
-	"errors"
 	"fmt"
 	"net/http"
 	"time"
@@ -103,9 +102,6 @@ func (h *Handler) match(r *http.Request, repl *caddy.Replacer, rs *requestState,
 	return nil
 }
 
-// errRateLimited is the error of a denial handed to a site's handle_errors.
-var errRateLimited = errors.New("rate limit exceeded")
-
 // deny answers a denied request: 429 when a policy denied it, 503 when a
 // fail_closed policy could not be decided. A site with handle_errors routes
 // for the request gets the denial as a Caddy error instead, with the
@@ -187,28 +183,4 @@ func (res *admission) paced(r *http.Request, key string, wait, stride int64, jit
 		}
 	}
 	return ra
-}
-
-// errStoreUnavailable is the error of a fail_closed 503 handed to a site's
-// handle_errors.
-var errStoreUnavailable = errors.New("rate limiter unavailable")
-
-// handlesErrors reports whether the server has an error route that would
-// take this request's error of the given status: a site's handle_errors.
-func handlesErrors(r *http.Request, status int) bool {
-	srv, ok := r.Context().Value(caddyhttp.ServerCtxKey).(*caddyhttp.Server)
-	if !ok || srv == nil || srv.Errors == nil || len(srv.Errors.Routes) == 0 {
-		return false
-	}
-	// Match as Caddy will, with the error's placeholders set.
-	er := srv.Errors.WithError(r, caddyhttp.Error(status, errRateLimited))
-	for _, route := range srv.Errors.Routes {
-		if len(route.MatcherSets) == 0 {
-			return true
-		}
-		if ok, err := route.MatcherSets.AnyMatchWithError(er); ok && err == nil {
-			return true
-		}
-	}
-	return false
 }
