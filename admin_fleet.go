@@ -1,7 +1,6 @@
 package ratelimit
 
 import (
-	"context"
 	"encoding/json"
 	"net/http"
 	"slices"
@@ -11,23 +10,15 @@ import (
 )
 
 // fleetMember is a store whose instances form a fleet: each records its
-// policies for the others to compare (fleet.go), and the admin API lists
-// them (admin_fleet.go). Implemented by redisStore.
+// policies for the others to compare, and the admin API lists them.
+// Implemented by redisStore. Its fleetView (fleet.go) joins a provisioned
+// handler (announced to the fleet once its config runs) and parts it when
+// it is cleaned up, says what this instance announces (fleetRecord), and
+// reads the live instances and their fleets, for a listing (readFleets),
+// or the records of those of its database, for a comparison
+// (liveRecords). Stores that share a view (one connection) read the same
+// fleets, which a listing shows once.
 type fleetMember interface {
-	// join registers a provisioned handler, announced to the fleet once
-	// its config runs; part unregisters it when it is cleaned up.
-	join(h *Handler)
-	part(h *Handler)
-	// fleetRecord is what this instance announces of the policies of hs.
-	fleetRecord(hs []*Handler) fleet.Record
-	// readFleets reads the live instances and their fleets, for a listing;
-	// liveRecords the records of those of the store's database (db), for
-	// a comparison.
-	readFleets(ctx context.Context) (fleetStore, error)
-	liveRecords(ctx context.Context) (db int, records []fleet.Record, err error)
-	// fleetView is what this instance knows of its fleet: stores that
-	// share one (on one connection) read the same fleets, which a listing
-	// shows once.
 	fleetView() *fleetView
 }
 
@@ -78,7 +69,7 @@ func (adminAPI) fleet(w http.ResponseWriter, r *http.Request) error {
 			continue
 		}
 		seen = append(seen, fm.fleetView())
-		st, err := fm.readFleets(r.Context())
+		st, err := fm.fleetView().readFleets(r.Context())
 		if err != nil {
 			return storeAPIError(err)
 		}

@@ -106,7 +106,7 @@ func (c *redisStore) receive(event, key string) {
 		return
 	case eventFleet:
 		if key != instanceID { // another instance's record changed
-			c.nudgeFleet()
+			c.fleet.nudgeFleet()
 		}
 		return
 	case eventOverride:

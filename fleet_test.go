@@ -113,7 +113,7 @@ func TestParseFleetReply(t *testing.T) {
 // the gauge meanwhile.
 func TestNoteSplits(t *testing.T) {
 	core, logs := observer.New(zap.InfoLevel)
-	c := &redisStore{logger: zap.New(core), name: "redis:6379"}
+	c := &fleetView{logger: zap.New(core), name: "redis:6379"}
 	value := func() float64 {
 		var m dto.Metric
 		_ = fleetDisagreements.Write(&m)
@@ -183,7 +183,7 @@ func TestFleetRecord(t *testing.T) {
 		},
 	}, nil)
 	c := h.store.(*redisStore)
-	r := c.fleetRecord([]*Handler{h})
+	r := c.fleet.fleetRecord([]*Handler{h})
 	raw, _ := fleet.Encode(r)
 	if strings.Contains(string(raw), "horse") {
 		t.Fatalf("the record holds the secret: %s", raw)

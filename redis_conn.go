@@ -83,7 +83,7 @@ func (c *redisStore) Destruct() error {
 	c.finishAfterWork(time.Now().Add(c.callTimeout))
 	c.events.close()
 	close(c.closed)
-	c.leaveFleet(time.Now().Add(c.callTimeout))
+	c.fleet.leaveFleet(time.Now().Add(c.callTimeout))
 	return c.client.Close()
 }
 
@@ -159,7 +159,9 @@ func newRedisStore(c RedisConfig, logger *zap.Logger) (*redisStore, error) {
 		closed:        make(chan struct{}),
 	}
 	conn.format.Store(formatV1)
-	conn.fleet.nudge = make(chan struct{}, 1)
+	conn.fleet = fleetView{client: client, name: conn.name, db: c.DB, logger: logger, callTimeout: conn.callTimeout, closed: conn.closed,
+		format: func() string { return formatName(int(conn.format.Load())) }, prefixes: conn.events.prefixes, probe: conn.probeStarted,
+		nudge: make(chan struct{}, 1)}
 	conn.breaker = breaker.New(func(from, to breaker.State) {
 		switch {
 		case to == breaker.Open && from == breaker.Closed:
@@ -183,7 +185,7 @@ func newRedisStore(c RedisConfig, logger *zap.Logger) (*redisStore, error) {
 	conn.hot = newHotKeys(conn)
 	go conn.checkEviction()
 	go conn.followFormat()
-	go conn.followFleet()
+	go conn.fleet.followFleet()
 	return conn, nil
 }
 
