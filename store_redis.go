@@ -3,10 +3,13 @@ package ratelimit
 import (
 	"context"
 	"errors"
+	"strings"
+	"sync/atomic"
 	"time"
 
 	"github.com/ratelimit-caddy/caddy-ratelimit/internal/breaker"
 	"github.com/redis/go-redis/v9"
+	"go.uber.org/zap"
 )
 
 // The Redis store: every request's operations in one call of
@@ -47,6 +50,147 @@ func (e *badBucketError) Error() string {
 		return "rate limit store: WRONGTYPE: key " + e.key + " holds a value of another type, not a bucket"
 	}
 	return "rate limit store: key " + e.key + " holds a string that is not a bucket"
+}
+
+// redisStore is the Redis store: one Redis client, which every config
+// connecting the same way shares (redisStores), with its services, each
+// holding what it needs: the circuit breaker, the coalescing of calls, the
+// deny cache, the events between instances, the lease book, the format,
+// durable calls, overrides, the fleet and hot keys.
+type redisStore struct {
+	client redis.UniversalClient
+	name   string // the addresses, for logs
+	// coalescer merges concurrent requests into one script call (see
+	// coalesce.go); nil in cluster mode, where a call reaches one slot only.
+	coalescer *coalescer
+	breaker   *breaker.Breaker
+	// denials is shared by every config on this Redis: what one learned of
+	// a bucket holds for all. Nil in cluster mode, whose cross-hash-slot refunds
+	// move TATs back.
+	denials *denyCache
+	// cluster: a Redis Cluster, where a script call reaches one slot, so
+	// requests whose buckets span slots take one call per slot.
+	cluster bool
+	// callTimeout bounds a call as a whole: waiting for a connection,
+	// connecting, and EVALSHA then EVAL when Redis lost the script.
+	callTimeout time.Duration
+	logger      *zap.Logger
+	reported    redisReports
+	events      redisEvents
+	leases      *leaseBook // concurrency slots held (lease_book.go)
+	// format is the format buckets are written in (format.go), from the
+	// fleet marker (upgrade.go); formatChanged asks to read the marker again.
+	format        atomic.Int32
+	formatChanged chan struct{}
+	closed        chan struct{}
+	// timeout is the redis block's, which durable quotas' WAIT and WAITAOF
+	// wait at most; durable coalesces their calls (durable.go).
+	timeout time.Duration
+	durable durableCalls
+	// overrides say which buckets may have overrides in this Redis
+	// (override_redis.go).
+	overrides overrideFlags
+	// afterApart counts the work after responses on its way in calls of
+	// its own: in cluster mode, which has no coalescer to ride.
+	afterApart callCount
+	// db is the database its buckets are in; fleet its part in the fleet
+	// (fleet.go).
+	db    int
+	fleet fleetView
+	// hot decides hot keys from blocks of their tokens (hotkeys_store.go).
+	hot *hotKeys
+}
+
+// noCoalescing sends every request in its own script call, for benchmarks
+// comparing.
+var noCoalescing = false
+
+func newRedisStore(c RedisConfig, logger *zap.Logger) (*redisStore, error) {
+	client, err := c.newClient()
+	if err != nil {
+		return nil, err
+	}
+	conn := &redisStore{
+		client:      client,
+		name:        strings.Join(c.Addresses, ","),
+		cluster:     c.Cluster,
+		callTimeout: c.dialTimeout() + 3*time.Duration(c.Timeout),
+		logger:      logger,
+		timeout:     time.Duration(c.Timeout),
+		db:          c.DB,
+
+		formatChanged: make(chan struct{}, 1),
+		closed:        make(chan struct{}),
+	}
+	conn.format.Store(formatV1)
+	conn.fleet = fleetView{client: client, name: conn.name, db: c.DB, logger: logger, callTimeout: conn.callTimeout, closed: conn.closed,
+		format: func() string { return formatName(int(conn.format.Load())) }, prefixes: conn.events.prefixes, probe: conn.probeStarted,
+		nudge: make(chan struct{}, 1)}
+	conn.breaker = breaker.New(func(from, to breaker.State) {
+		switch {
+		case to == breaker.Open && from == breaker.Closed:
+			circuitOpen.Inc()
+			logger.Warn("Redis unavailable: calls failed for "+breaker.Span.String()+"; requests follow on_error until a probe succeeds",
+				zap.String("redis", conn.name), zap.Duration("probe_every", breaker.Cooldown))
+		case to == breaker.Closed:
+			circuitOpen.Dec()
+			logger.Info("Redis available again: circuit closed", zap.String("redis", conn.name))
+		default:
+			logger.Debug("circuit breaker", zap.String("redis", conn.name), zap.Stringer("from", from), zap.Stringer("to", to))
+		}
+	})
+	if !c.Cluster {
+		conn.denials = newDenyCache(monotonicMicros)
+		if !noCoalescing {
+			conn.coalescer = &coalescer{call: conn.call, maxCalls: c.poolSize()}
+		}
+	}
+	conn.leases = &leaseBook{call: conn.call, cluster: c.Cluster, decideAfter: conn.decideAfter, closed: conn.closed}
+	conn.hot = newHotKeys(conn)
+	go conn.checkEviction()
+	go conn.followFormat()
+	go conn.fleet.followFleet()
+	return conn, nil
+}
+
+// Destruct closes the connection once no handler uses it: Caddy stopped,
+// after its requests ended, or the last request of a config reloaded to
+// other connection settings ended (storeUse). What those requests left to
+// do after their responses (releases, settles, charges) is sent first, and
+// the releases not yet confirmed once more, waited for at most
+// callTimeout: else a stopped instance's last slots stay taken until their
+// leases run out, and its last settles are lost.
+func (c *redisStore) Destruct() error {
+	c.hot.close() // its blocks' unspent tokens go back with the work below
+	c.finishAfterWork(time.Now().Add(c.callTimeout))
+	c.events.close()
+	close(c.closed)
+	c.fleet.leaveFleet(time.Now().Add(c.callTimeout))
+	return c.client.Close()
+}
+
+// finishAfterWork sends what requests left to do after their responses,
+// and the releases the store has not confirmed once more, and waits for
+// them until deadline.
+func (c *redisStore) finishAfterWork(deadline time.Time) {
+	if rels, policies := c.leases.unconfirmed(); len(rels) > 0 {
+		c.leases.sendReleases(rels, policies)
+	}
+	var done <-chan struct{}
+	if c.coalescer != nil {
+		done = c.coalescer.drained()
+	} else {
+		done = c.afterApart.drained()
+	}
+	wait := time.Until(deadline)
+	timer := time.NewTimer(wait)
+	defer timer.Stop()
+	select {
+	case <-done:
+	case <-timer.C:
+		c.logger.Warn("closing: Redis did not answer the work after the last responses (releases, settles, charges) in time; their slots come back when their leases run out",
+			zap.String("redis", c.name), zap.Duration("waited", wait))
+	}
 }
 
 func (s *redisStore) decide(ctx context.Context, reqs []bucketRequest) (decision, error) {
