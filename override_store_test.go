@@ -27,7 +27,7 @@ func TestOverrideAnnouncement(t *testing.T) {
 	b := conn()
 	a.watch("rl:")
 	b.watch("rl:")
-	set := b.overrideSet("rl:p:")
+	set := b.overrides.overrideSet("rl:p:")
 	ctx := context.Background()
 	deadline := time.Now().Add(5 * time.Second)
 	for (client.PubSubNumSub(ctx, "rl:events").Val()["rl:events"] < 2 || set.may("rl:p:{h}")) && time.Now().Before(deadline) {
@@ -39,7 +39,7 @@ func TestOverrideAnnouncement(t *testing.T) {
 	// Stored first, as the admin API does: the announcement makes b read it
 	// at once, and the read of the index b makes on the event (which, with
 	// nothing stored, would empty b's set again) keeps it.
-	if _, err := a.setOverride(ctx, "rl:p:{h}", override{kind: overrideRate, interval: 3, burst: 300}, overrideEntry{}, 0); err != nil {
+	if _, err := a.overrides.setOverride(ctx, "rl:p:{h}", override{kind: overrideRate, interval: 3, burst: 300}, overrideEntry{}, 0); err != nil {
 		t.Fatalf("storing the override: %v", err)
 	}
 	start := time.Now()

@@ -145,6 +145,7 @@ func newRedisStore(c RedisConfig, logger *zap.Logger) (*redisStore, error) {
 			conn.coalescer = &coalescer{call: conn.call, maxCalls: c.poolSize()}
 		}
 	}
+	conn.overrides.client, conn.overrides.callTimeout, conn.overrides.closed = client, conn.callTimeout, conn.closed
 	conn.leases = &leaseBook{call: conn.call, cluster: c.Cluster, decideAfter: conn.decideAfter, closed: conn.closed}
 	conn.hot = newHotKeys(conn)
 	go conn.checkEviction()
@@ -316,10 +317,10 @@ func (s *redisStore) formatOf(ctx context.Context, prefix string) (marker, write
 	return marker, formatName(int(s.format.Load())), nil
 }
 
-func (s *redisStore) overridesKept() overrideStore { return s }
+func (s *redisStore) overridesKept() overrideStore { return &s.overrides }
 
 func (s *redisStore) overrideFilter(prefix string) overrideFilter {
-	return s.overrideSet(prefix)
+	return s.overrides.overrideSet(prefix)
 }
 
 // The capabilities it has.
