@@ -274,4 +274,5 @@ func (f *overrideFlags) overrideOf(ctx context.Context, key string) (*overrideEn
 	e.Hash, e.Key = hashOf(key), key
 	return &e, nil
 }
+
 var _ overrideStore = (*overrideFlags)(nil)
