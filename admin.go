@@ -45,14 +45,13 @@ type blockKeeper interface {
 
 // formatStore is a store whose buckets outlive a release: a fleet writes
 // them in the storage format its marker says, so that a mixed fleet reads
-// them both ways (format.go, upgrade.go). Implemented by redisStore.
+// them both ways (format.go, upgrade.go). Implemented by redisStore. Its
+// storage format sets the fleet's marker of the buckets under a prefix,
+// tells every instance and writes in what the markers now say at once
+// (setFormat), and says the marker and the format this instance writes
+// (formatOf).
 type formatStore interface {
-	// setFormat sets the fleet's marker of the buckets under prefix, tells
-	// every instance, and writes in what the markers now say at once.
-	setFormat(ctx context.Context, prefix, marker string) error
-	// formatOf is the fleet's marker of the buckets under prefix, and the
-	// format this instance writes them in.
-	formatOf(ctx context.Context, prefix string) (marker, writes string, err error)
+	storage() *storageFormat
 }
 
 func init() {
@@ -448,12 +447,12 @@ func (adminAPI) format(w http.ResponseWriter, r *http.Request) error {
 		seen[h.storeName()] = true
 		ctx := r.Context()
 		if set != "" {
-			if err := fs.setFormat(ctx, h.keyPrefix, set); err != nil {
+			if err := fs.storage().setFormat(ctx, h.keyPrefix, set); err != nil {
 				return storeAPIError(err)
 			}
 			h.logger.Info("rate limit storage format set", zap.String("store", h.storeName()), zap.String("format", set))
 		}
-		marker, writes, err := fs.formatOf(ctx, h.keyPrefix)
+		marker, writes, err := fs.storage().formatOf(ctx, h.keyPrefix)
 		if err != nil {
 			return storeAPIError(err)
 		}

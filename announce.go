@@ -71,7 +71,7 @@ func (c *redisStore) watch(prefix string) {
 	e.channels[ch] = true
 	e.watched = append(e.watched, prefix)
 	select {
-	case c.formatChanged <- struct{}{}: // read the new prefix's marker
+	case c.format.changed <- struct{}{}: // read the new prefix's marker
 	default:
 	}
 	if e.ps != nil {
@@ -100,7 +100,7 @@ func (c *redisStore) receive(event, key string) {
 		return
 	case eventFormat:
 		select {
-		case c.formatChanged <- struct{}{}:
+		case c.format.changed <- struct{}{}:
 		default:
 		}
 		return

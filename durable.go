@@ -152,7 +152,7 @@ func (c *redisStore) waitMillis() int64 { return max(1, c.timeout.Milliseconds()
 func (c *redisStore) evalDurable(batch []*pending, want confirmation) breaker.Result {
 	ctx, cancel := context.WithTimeout(context.Background(), c.callTimeout)
 	defer cancel()
-	args := encodeCall(batch, int(c.format.Load()))
+	args := encodeCall(batch, c.format.current())
 	sent := monotonicMicros()
 	var cmd *redis.IntSliceCmd
 	var wait, waitAOF *redis.Cmd

@@ -101,7 +101,7 @@ func (p *Policy) probeRequest(h *Handler) bucketRequest {
 func (c *redisStore) decideDirect(ctx context.Context, reqs []bucketRequest) error {
 	p := newPending(reqs, nil)
 	defer p.recycle()
-	args := encodeCall(p.one[:], int(c.format.Load()))
+	args := encodeCall(p.one[:], c.format.current())
 	cmd := redis.NewIntSliceCmd(ctx, args...)
 	_ = c.client.Process(ctx, cmd)
 	if redis.HasErrorPrefix(cmd.Err(), "NOSCRIPT") {

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"strings"
-	"sync/atomic"
 	"time"
 
 	"github.com/ratelimit-caddy/caddy-ratelimit/internal/breaker"
@@ -79,10 +78,9 @@ type redisStore struct {
 	events      redisEvents
 	leases      *leaseBook // concurrency slots held (lease_book.go)
 	// format is the format buckets are written in (format.go), from the
-	// fleet marker (upgrade.go); formatChanged asks to read the marker again.
-	format        atomic.Int32
-	formatChanged chan struct{}
-	closed        chan struct{}
+	// fleet markers (upgrade.go).
+	format storageFormat
+	closed chan struct{}
 	// timeout is the redis block's, which durable quotas' WAIT and WAITAOF
 	// wait at most; durable coalesces their calls (durable.go).
 	timeout time.Duration
@@ -119,12 +117,13 @@ func newRedisStore(c RedisConfig, logger *zap.Logger) (*redisStore, error) {
 		timeout:     time.Duration(c.Timeout),
 		db:          c.DB,
 
-		formatChanged: make(chan struct{}, 1),
-		closed:        make(chan struct{}),
+		closed: make(chan struct{}),
 	}
-	conn.format.Store(formatV1)
+	conn.format = storageFormat{client: client, name: conn.name, logger: logger, callTimeout: conn.callTimeout, closed: conn.closed,
+		prefixes: conn.events.prefixes, changed: make(chan struct{}, 1)}
+	conn.format.writes.Store(formatV1)
 	conn.fleet = fleetView{client: client, name: conn.name, db: c.DB, logger: logger, callTimeout: conn.callTimeout, closed: conn.closed,
-		format: func() string { return formatName(int(conn.format.Load())) }, prefixes: conn.events.prefixes, probe: conn.probeStarted,
+		format: func() string { return formatName(conn.format.current()) }, prefixes: conn.events.prefixes, probe: conn.probeStarted,
 		nudge: make(chan struct{}, 1)}
 	conn.breaker = breaker.New(func(from, to breaker.State) {
 		switch {
@@ -149,7 +148,7 @@ func newRedisStore(c RedisConfig, logger *zap.Logger) (*redisStore, error) {
 	conn.leases = &leaseBook{call: conn.call, cluster: c.Cluster, decideAfter: conn.decideAfter, closed: conn.closed}
 	conn.hot = newHotKeys(conn)
 	go conn.checkEviction()
-	go conn.followFormat()
+	go conn.format.followFormat()
 	go conn.fleet.followFleet()
 	return conn, nil
 }
@@ -306,16 +305,7 @@ func (s *redisStore) slotLeases() leaseKeeper { return s.leases }
 
 func (s *redisStore) fleetView() *fleetView { return &s.fleet }
 
-func (s *redisStore) formatOf(ctx context.Context, prefix string) (marker, writes string, err error) {
-	marker, err = s.client.Get(ctx, formatMarker(prefix)).Result()
-	if err != nil && !errors.Is(err, redis.Nil) {
-		return "", "", err
-	}
-	if marker != markerV2 {
-		marker = markerV1
-	}
-	return marker, formatName(int(s.format.Load())), nil
-}
+func (s *redisStore) storage() *storageFormat { return &s.format }
 
 func (s *redisStore) overridesKept() overrideStore { return &s.overrides }
 
@@ -356,7 +346,7 @@ func (c *redisStore) eval(batch []*pending) breaker.Result {
 		return c.evalDurable(batch, want) // with its WAIT or WAITAOF
 	}
 	ctx := &callContext{Context: context.Background(), deadline: time.Now().Add(c.callTimeout)}
-	args := encodeCall(batch, int(c.format.Load()))
+	args := encodeCall(batch, c.format.current())
 	sent := monotonicMicros()
 	cmd := redis.NewIntSliceCmd(ctx, args...)
 	_ = c.client.Process(ctx, cmd)
