@@ -55,6 +55,9 @@ func (h *Handler) traceDecision(span trace.Span, res *admission) {
 	for i := range res.parts {
 		pt := &res.parts[i]
 		names[i], costs[i], remaining[i] = pt.policy.Name, pt.rq.cost, -1
+		if res.decidedBy == localFallback && pt.rq.learns {
+			costs[i] = pt.rq.asked // the cost the store was asked, not the fallback's reservation
+		}
 		if pt.decided { // all, the local ones, or none (fail_open)
 			remaining[i] = pt.v.remaining
 		}
