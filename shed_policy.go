@@ -21,7 +21,7 @@ import (
 // Two capacities, either or both:
 //
 //   - shed { concurrent N }: fleet-wide, at most N requests in flight on all
-//     instances together. They are concurrency slots (lease.go), one set
+//     instances together. They are concurrency slots (slots.go), one set
 //     for all classes, taken in the request's one atomic decision: a
 //     request of a class is admitted only while fewer than its class's
 //     slots (shed.ClassLimit of N for its share) are in use, so a burst of the

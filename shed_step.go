@@ -8,7 +8,7 @@ import (
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 )
 
-// The shed step of the request path (serve.go): a request's places under
+// The shed step of the request's decision (admission.go): its places under
 // shed policies' adaptive limits, taken before the store decides and given
 // back when its handler chain returns, and the 503 of a shed request.
 

@@ -299,7 +299,8 @@ func (s *redisStore) decideInOneCall(ctx context.Context, reqs []bucketRequest) 
 	return d, err
 }
 
-// What only Redis can do (store.go), beyond its services' own methods.
+// What only Redis can do (the capabilities of store.go's note): each answered
+// by the service that does it.
 
 func (s *redisStore) slotLeases() leaseKeeper { return s.leases }
 
