@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/calendar"
 )
 
 // The response side of the contract: the RateLimit-Policy and RateLimit
@@ -223,4 +224,38 @@ func handlesErrors(r *http.Request, status int) bool {
 		}
 	}
 	return false
+}
+
+// A quota's fields: its RateLimit-Policy member, and its Retry-After past
+// the boundary.
+
+// quotaMember is a cached RateLimit-Policy member, for one quota and period.
+type quotaMember struct {
+	n      int64
+	p      calendar.Period
+	member []byte
+}
+
+// policyMember is the RateLimit-Policy member of a quota of n units in
+// period p: "name";q=n;w=<p's length in seconds>, built once a period.
+func (q *quotaSpec) policyMember(n int64, p calendar.Period) []byte {
+	if m := q.member.Load(); m != nil && m.p == p && m.n == n {
+		return m.member
+	}
+	m := &quotaMember{n: n, p: p, member: policyMember(nil, q.name, min(n, maxSFInteger), min(p.Seconds(), maxSFInteger))}
+	q.member.Store(m)
+	return m.member
+}
+
+// maxBoundarySpread bounds how far past a quota's boundary Retry-After
+// sends the clients it denied.
+const maxBoundarySpread = time.Hour
+
+// boundarySpread is how far past its boundary a quota spreads the return
+// of the clients it denied: jitter of the period's length (a minute's 12 s
+// at 20%), at most maxBoundarySpread. Of the period rather than of each
+// client's wait: clients denied in the period's last second would
+// otherwise all come back in the next one's first.
+func boundarySpread(p calendar.Period, jitter float64) int64 {
+	return min(int64(float64(p.End-p.Start)*jitter), maxBoundarySpread.Microseconds())
 }
