@@ -281,11 +281,19 @@ func (res *admission) holdsClientSlots() bool {
 	return false
 }
 
-// retryReleases keeps releases the store did not take, to send again
-// (Redis; in process, a release never fails).
-func (res *admission) retryReleases(rels []bucketRequest, policies []*Policy) {
-	if len(rels) > 0 {
-		leasesOf(res.decidedBy).retryReleases(rels, policies)
+// releasesSent follows up releases of the request's slots sent with other
+// work (finish.go): the requests this instance has waiting for them try
+// once they are free; a release the store did not take (err) is kept, to
+// send again (Redis; in process, a release never fails).
+func (res *admission) releasesSent(rels []bucketRequest, policies []*Policy, err error) {
+	if err != nil {
+		if len(rels) > 0 {
+			leasesOf(res.decidedBy).retryReleases(rels, policies)
+		}
+		return
+	}
+	for _, rq := range rels {
+		slotQueues.wake(rq.key)
 	}
 }
 
