@@ -21,8 +21,8 @@ import (
 // announcer is a store that a fleet of instances shares: an operator's
 // change to a bucket (a reset, a grant, an override set or deleted) is
 // announced to every instance, which forgets what it remembered of the
-// bucket. In process, the change is this instance's own. Implemented by
-// redisStore (announce.go, override_redis.go).
+// bucket. Implemented by redisStore (announce.go, override_redis.go), and
+// trivially by memoryStore: in process, the change is this instance's own.
 type announcer interface {
 	// announce tells every instance the bucket under key changed, and
 	// returns once the announcement went round (or after a second).
@@ -35,8 +35,9 @@ type announcer interface {
 
 // blockKeeper is a store that may decide a busy key's requests from blocks
 // of its tokens taken ahead (hot keys, hotkeys_store.go): inspect shows
-// what this instance has taken of a bucket and not spent. In process,
-// every decision is local already. Implemented by redisStore.
+// what this instance has taken of a bucket and not spent. Implemented by
+// redisStore, and trivially by memoryStore: in process, every decision is
+// local already.
 type blockKeeper interface {
 	// blocksOf is the blocks this instance holds of the bucket under key,
 	// and their unspent tokens.
@@ -305,8 +306,6 @@ func (adminAPI) bucket(ctx context.Context, action string, def definition, req a
 			announced = false
 			h.logger.Warn("announcing a rate-limit change", zap.String("policy", p.Name), zap.String("key", key), zap.Error(err))
 		}
-	} else {
-		pacing.Forget(key)
 	}
 	st.Announced = &announced
 	h.logger.Info("rate limit bucket "+action, zap.String("policy", p.Name), zap.String("key", key), zap.Int64("tokens", v.remaining), zap.Int64("granted", granted))

@@ -30,10 +30,11 @@ type store interface {
 // s.(announcer)`), so that neither the request path nor the admin API
 // names a concrete store: a store without the capability has nothing to do
 // there, and the caller says what happens instead. The request path asks
-// for one, the lease interface (slots.go), which both stores answer; the
-// others are the admin API's, the fleet's and the probe's (admin.go,
-// admin_fleet.go, probe.go, override_store.go), and Redis alone has them, but
-// for overrides, which the in-process store keeps too.
+// for one, the lease interface (slots.go); the others are the admin API's,
+// the fleet's and the probe's (admin.go, admin_fleet.go, probe.go,
+// override_store.go). The Redis store has them all; the in-process one
+// answers those where it has nothing to do trivially (leases, announcer,
+// blockKeeper) and keeps overrides.
 
 // openStore returns the store a handler's buckets live in: this process's
 // without a redis block; otherwise a Redis one, on a connection shared with

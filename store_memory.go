@@ -194,6 +194,27 @@ func (m *memoryStore) decide(_ context.Context, reqs []bucketRequest) (decision,
 	return d, nil
 }
 
+// announce: in process, an operator's change is this instance's own: it
+// forgets what it remembered of the bucket (its pacing), as an instance
+// hearing an announcement does (announce.go).
+func (m *memoryStore) announce(_ context.Context, _, key string) error {
+	pacing.Forget(key)
+	return nil
+}
+
+// announceOverride: as announce; there is nobody else to confirm it.
+func (m *memoryStore) announceOverride(ctx context.Context, prefix, key string) error {
+	return m.announce(ctx, prefix, key)
+}
+
+// blocksOf: in process, every decision is local already: no blocks.
+func (m *memoryStore) blocksOf(string) (blocks int, tokens int64) { return 0, 0 }
+
+var (
+	_ announcer   = (*memoryStore)(nil)
+	_ blockKeeper = (*memoryStore)(nil)
+)
+
 // slotLeases: a slot in process lasts until it is freed, which never fails.
 func (m *memoryStore) slotLeases() leaseKeeper { return freedAtOnce{m} }
 
