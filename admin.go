@@ -33,6 +33,11 @@ type announcer interface {
 	announceOverride(ctx context.Context, prefix, key string) error
 }
 
+var (
+	_ announcer = (*redisStore)(nil)
+	_ announcer = (*memoryStore)(nil)
+)
+
 // blockKeeper is a store that may decide a busy key's requests from blocks
 // of its tokens taken ahead (hot keys, hotkeys_store.go): inspect shows
 // what this instance has taken of a bucket and not spent. Implemented by
@@ -44,6 +49,11 @@ type blockKeeper interface {
 	blocksOf(key string) (blocks int, tokens int64)
 }
 
+var (
+	_ blockKeeper = (*redisStore)(nil)
+	_ blockKeeper = (*memoryStore)(nil)
+)
+
 // formatStore is a store whose buckets outlive a release: a fleet writes
 // them in the storage format its marker says, so that a mixed fleet reads
 // them both ways (format.go, upgrade.go). Implemented by redisStore. Its
@@ -54,6 +64,8 @@ type blockKeeper interface {
 type formatStore interface {
 	storage() *storageFormat
 }
+
+var _ formatStore = (*redisStore)(nil)
 
 func init() {
 	caddy.RegisterModule(adminAPI{})

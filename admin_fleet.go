@@ -22,6 +22,8 @@ type fleetMember interface {
 	fleetView() *fleetView
 }
 
+var _ fleetMember = (*redisStore)(nil)
+
 // GET /rate_limit/fleet: the live instances on each Redis of the loaded
 // config, as they announce themselves (fleet.go), grouped in fleets by
 // database and key_prefix, with the policies each fleet's instances

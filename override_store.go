@@ -20,6 +20,11 @@ type overrideKeeper interface {
 	overrideFilter(prefix string) overrideFilter
 }
 
+var (
+	_ overrideKeeper = (*redisStore)(nil)
+	_ overrideKeeper = (*memoryStore)(nil)
+)
+
 // Where overrides live: in Redis beside their buckets (lua/decide.lua reads
 // them), or in this process without a redis block; and the filters that say
 // which buckets may have one, so that the others never pay a read.

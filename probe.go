@@ -19,6 +19,8 @@ type prober interface {
 	probe(defs []definition) []probeResult
 }
 
+var _ prober = (*redisStore)(nil)
+
 // Loud at start. Once a config with a redis block runs (the fleet's
 // goroutine notices it, fleet.go), each of its policies on the connection
 // is probed with one read-only decision sent straight to Redis (past the

@@ -84,6 +84,11 @@ type slotStore interface {
 	slotLeases() leaseKeeper
 }
 
+var (
+	_ slotStore = (*redisStore)(nil)
+	_ slotStore = (*memoryStore)(nil)
+)
+
 // leasesOf is the lease interface of the store s.
 func leasesOf(s store) leaseKeeper {
 	if ss, ok := s.(slotStore); ok {

@@ -210,15 +210,8 @@ func (m *memoryStore) announceOverride(ctx context.Context, prefix, key string) 
 // blocksOf: in process, every decision is local already: no blocks.
 func (m *memoryStore) blocksOf(string) (blocks int, tokens int64) { return 0, 0 }
 
-var (
-	_ announcer   = (*memoryStore)(nil)
-	_ blockKeeper = (*memoryStore)(nil)
-)
-
 // slotLeases: a slot in process lasts until it is freed, which never fails.
 func (m *memoryStore) slotLeases() leaseKeeper { return freedAtOnce{m} }
-
-var _ slotStore = (*memoryStore)(nil)
 
 // decideAfter decides at once: in process, nothing is saved by waiting.
 func (m *memoryStore) decideAfter(reqs []bucketRequest, then func(decision, error)) {

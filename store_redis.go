@@ -314,16 +314,6 @@ func (s *redisStore) overrideFilter(prefix string) overrideFilter {
 	return s.overrides.overrideSet(prefix)
 }
 
-// The capabilities it has.
-var (
-	_ slotStore      = (*redisStore)(nil)
-	_ announcer      = (*redisStore)(nil)
-	_ fleetMember    = (*redisStore)(nil)
-	_ prober         = (*redisStore)(nil)
-	_ formatStore    = (*redisStore)(nil)
-	_ overrideKeeper = (*redisStore)(nil)
-)
-
 // call makes one script call for a batch, past the circuit breaker, and
 // tells the breaker how it went.
 func (c *redisStore) call(batch []*pending) {
