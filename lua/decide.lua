@@ -189,51 +189,6 @@ local function stored(key, value, interval)
   return tat, stored_interval
 end
 
--- slots reads a concurrency key: it removes the expired leases and
--- returns the leases held and how many expired, or nil for a key of
--- another type (a rate bucket left by an earlier config that gave the name
--- to another kind of policy is replaced).
-local function slots(key, now)
-  local expired = redis.pcall('ZREMRANGEBYSCORE', key, '-inf', now)
-  if type(expired) == 'table' then
-    if not string.find(expired.err or '', 'WRONGTYPE', 1, true) then
-      error(expired) -- an ACL without the command, not a key of another type
-    end
-    if redis.call('TYPE', key).ok ~= 'string' then
-      return nil
-    end
-    redis.call('DEL', key)
-    expired = 0
-  end
-  return redis.call('ZCARD', key), expired
-end
-
--- quota_read reads a quota key: whether Redis holds a value for it, the
--- period and units used it holds (0 0 0: none), and what is in the way:
--- WRONGTYPE (-1) or CORRUPT (-2), or nil.
-local function quota_read(key)
-  local value = redis.pcall('GET', key)
-  if not value then
-    return false, 0, 0, 0
-  end
-  if type(value) == 'table' then -- an error reply
-    if not string.find(value.err or '', 'WRONGTYPE', 1, true) then
-      error(value)
-    end
-    if redis.call('TYPE', key).ok == 'zset' then
-      return true, 0, 0, 0 -- a concurrency policy's slots: replaced
-    end
-    return false, 0, 0, 0, -1
-  end
-  local s, e, used = string.match(value, '^q:(%d+):(%d+):(%d+)$')
-  if s then
-    return true, tonumber(s), tonumber(e), tonumber(used)
-  elseif not decode(value, 1) then -- not a rate bucket either (which is replaced)
-    return true, 0, 0, 0, -2
-  end
-  return true, 0, 0, 0
-end
-
 -- Overrides (override.go): "o1 r <interval> <burst>" for a rate bucket,
 -- "o1 c 0 <slots>" for slots, "o1 q 0 <N>" for a quota, in the key beside
 -- the bucket's, read once per call. A value that is not an override is
@@ -349,150 +304,208 @@ local WRONGTYPE, CORRUPT, CLOCK = -1, -2, -3
 -- dispatches each bucket of a request to its kind's decide, then, once the
 -- request's status is known, to its kind's apply, which writes the
 -- bucket's part of the reply; and at the end of the call to its kind's
--- write. A quota's and slots' are the functions below: they name the codes
--- above by their numbers and the library by its tables, so that the only
--- local of the script they refer to is their kind's reader (quota_read,
--- slots); a quota's keep what the call knows of its keys in C (below). A
--- rate bucket's, the common path, are written inline in the main loop,
--- each under its own heading: as functions they cost Redis some 0.5 µs a
+-- write. A quota's and slots' functions, their readers included, are made
+-- by quota_kind and slots_kind when a call first has a bucket of their
+-- kind, so that a call without one makes none of them; they name the
+-- codes above by their numbers and the library by its tables, and keep
+-- what the call knows of its keys in C (a quota's, below). A rate
+-- bucket's, the common path, are written inline in the main loop, each
+-- under its own heading: as functions they cost Redis some 0.5 µs a
 -- request more (measured side by side: a quarter more for a take).
 
 -- Quota buckets.
 
--- quota_decide decides a quota bucket's part of a request (its numbers
--- from A[a]; limit and slack: the N and the units beyond it it is decided
--- under; touched: the keys the call touched so far): the request's status,
--- the keys touched, and the bucket's index, the units used before it and
--- after it (next), whether it alone would admit (or CORRUPT, CLOCK), and the
--- period Redis picked.
-local function quota_decide(C, key, op, code, limit, slack, A, a, status, touched)
-  local verb, amount, now = code - 11, A[a + 3], C.now -- verb: code - QUOTA + TAKE
-  local bucket = C.index_of[key]
-  if not bucket then
-    touched = touched + 1
-    bucket = touched
-    C.index_of[key], C.key_at[bucket] = bucket, key
-    C.tat_now[bucket], C.interval_now[bucket], C.tat_stored[bucket], C.interval_stored[bucket] = 0, 0, 0, 0
-    C.quota[bucket] = true
-    C.q_held[bucket], C.q_start[bucket], C.q_end[bucket], C.q_used[bucket], C.bad[bucket] = quota_read(key)
-  end
-  local before, next, allowed, s, e = 0, 0, 1, nil, nil
-  -- The period holding Redis's clock.
-  for j = a + 6, a + 8 do
-    local lo, hi = A[j], A[j + 1]
-    if lo <= now and now < hi then
-      s, e = lo, hi
-      break
+-- quota_kind makes a quota's functions, with the call's first quota bucket
+-- (a function the script defines is made anew by every call that runs the
+-- definition, used or not).
+local function quota_kind()
+  -- quota_read reads a quota key: whether Redis holds a value for it, the
+  -- period and units used it holds (0 0 0: none), and what is in the way:
+  -- WRONGTYPE (-1) or CORRUPT (-2), or nil.
+  local function quota_read(key)
+    local value = redis.pcall('GET', key)
+    if not value then
+      return false, 0, 0, 0
     end
-  end
-  if C.bad[bucket] then
-    status = C.bad[bucket]
-  elseif not C.quota[bucket] then
-    allowed, status = -2, -2 -- CORRUPT: a rate bucket's key earlier in this call
-  elseif not s then
-    allowed, status = -3, -3 -- CLOCK
-  else
-    local used = 0
-    if C.q_start[bucket] == s and C.q_end[bucket] == e then used = C.q_used[bucket] end
-    before, next = used, used
-    if verb == 1 or verb == 2 then -- TAKE, CHECK
-      if amount > limit - used then
-        allowed = 0
-        if status == 1 and op % 2 == 0 then status = 0 end -- unless shadow
+    if type(value) == 'table' then -- an error reply
+      if not string.find(value.err or '', 'WRONGTYPE', 1, true) then
+        error(value)
       end
-      next = used + amount
-    elseif verb == 3 then -- ADJUST
-      local of = A[a + 4]
-      if of == 0 or (of == s and A[a + 5] == e) then
-        -- Within the period the charge belongs to: never below 0 used,
-        -- never beyond quota + slack by a charge.
-        local charged = used + amount
-        if amount > 0 then charged = math.min(charged, math.max(used, limit + slack)) end
-        next = math.max(charged, 0)
+      if redis.call('TYPE', key).ok == 'zset' then
+        return true, 0, 0, 0 -- a concurrency policy's slots: replaced
+      end
+      return false, 0, 0, 0, -1
+    end
+    local s, e, used = string.match(value, '^q:(%d+):(%d+):(%d+)$')
+    if s then
+      return true, tonumber(s), tonumber(e), tonumber(used)
+    elseif not decode(value, 1) then -- not a rate bucket either (which is replaced)
+      return true, 0, 0, 0, -2
+    end
+    return true, 0, 0, 0
+  end
+
+  -- quota_decide decides a quota bucket's part of a request (its numbers
+  -- from A[a]; limit and slack: the N and the units beyond it it is decided
+  -- under; touched: the keys the call touched so far): the request's status,
+  -- the keys touched, and the bucket's index, the units used before it and
+  -- after it (next), whether it alone would admit (or CORRUPT, CLOCK), and the
+  -- period Redis picked.
+  local function quota_decide(C, key, op, code, limit, slack, A, a, status, touched)
+    local verb, amount, now = code - 11, A[a + 3], C.now -- verb: code - QUOTA + TAKE
+    local bucket = C.index_of[key]
+    if not bucket then
+      touched = touched + 1
+      bucket = touched
+      C.index_of[key], C.key_at[bucket] = bucket, key
+      C.tat_now[bucket], C.interval_now[bucket], C.tat_stored[bucket], C.interval_stored[bucket] = 0, 0, 0, 0
+      C.quota[bucket] = true
+      C.q_held[bucket], C.q_start[bucket], C.q_end[bucket], C.q_used[bucket], C.bad[bucket] = quota_read(key)
+    end
+    local before, next, allowed, s, e = 0, 0, 1, nil, nil
+    -- The period holding Redis's clock.
+    for j = a + 6, a + 8 do
+      local lo, hi = A[j], A[j + 1]
+      if lo <= now and now < hi then
+        s, e = lo, hi
+        break
       end
     end
-    return status, touched, bucket, before, next, allowed, s, e
+    if C.bad[bucket] then
+      status = C.bad[bucket]
+    elseif not C.quota[bucket] then
+      allowed, status = -2, -2 -- CORRUPT: a rate bucket's key earlier in this call
+    elseif not s then
+      allowed, status = -3, -3 -- CLOCK
+    else
+      local used = 0
+      if C.q_start[bucket] == s and C.q_end[bucket] == e then used = C.q_used[bucket] end
+      before, next = used, used
+      if verb == 1 or verb == 2 then -- TAKE, CHECK
+        if amount > limit - used then
+          allowed = 0
+          if status == 1 and op % 2 == 0 then status = 0 end -- unless shadow
+        end
+        next = used + amount
+      elseif verb == 3 then -- ADJUST
+        local of = A[a + 4]
+        if of == 0 or (of == s and A[a + 5] == e) then
+          -- Within the period the charge belongs to: never below 0 used,
+          -- never beyond quota + slack by a charge.
+          local charged = used + amount
+          if amount > 0 then charged = math.min(charged, math.max(used, limit + slack)) end
+          next = math.max(charged, 0)
+        end
+      end
+      return status, touched, bucket, before, next, allowed, s, e
+    end
+    return status, touched, bucket, before, next, allowed, 0, 0
   end
-  return status, touched, bucket, before, next, allowed, 0, 0
-end
 
--- quota_apply applies a quota bucket's part of a request whose status is
--- known, and writes the bucket's part of the reply from out[n].
-local function quota_apply(C, code, status, bucket, allowed, before, next, s, e, out, n)
-  if status >= 0 then
-    local verb = code - 11 -- code - QUOTA + TAKE
-    if verb == 1 and status == 1 and allowed == 1 or verb == 3 then -- TAKE admitted, or ADJUST
-      C.q_start[bucket], C.q_end[bucket], C.q_used[bucket], C.q_dirty[bucket] = s, e, next, true
-    elseif verb == 5 then -- RESET
-      C.q_start[bucket], C.q_end[bucket], C.q_used[bucket], C.q_dirty[bucket] = 0, 0, 0, true
+  -- quota_apply applies a quota bucket's part of a request whose status is
+  -- known, and writes the bucket's part of the reply from out[n].
+  local function quota_apply(C, code, status, bucket, allowed, before, next, s, e, out, n)
+    if status >= 0 then
+      local verb = code - 11 -- code - QUOTA + TAKE
+      if verb == 1 and status == 1 and allowed == 1 or verb == 3 then -- TAKE admitted, or ADJUST
+        C.q_start[bucket], C.q_end[bucket], C.q_used[bucket], C.q_dirty[bucket] = s, e, next, true
+      elseif verb == 5 then -- RESET
+        C.q_start[bucket], C.q_end[bucket], C.q_used[bucket], C.q_dirty[bucket] = 0, 0, 0, true
+      end
+    end
+    out[n + 1], out[n + 2], out[n + 3] = C.bad[bucket] or allowed, before, s
+    return n + 3
+  end
+
+  -- quota_write writes a quota bucket once the call is done, if it changed.
+  local function quota_write(C, bucket)
+    if not C.bad[bucket] and C.q_dirty[bucket] then
+      if C.q_used[bucket] > 0 then
+        -- Expire a second after the period: a count of a past one is 0.
+        redis.call('SET', C.key_at[bucket], string.format('q:%d:%d:%d', C.q_start[bucket], C.q_end[bucket], C.q_used[bucket]),
+          'PX', math.ceil((C.q_end[bucket] - C.now) / 1000) + 1000)
+      elseif C.q_held[bucket] then
+        redis.call('DEL', C.key_at[bucket])
+      end
     end
   end
-  out[n + 1], out[n + 2], out[n + 3] = C.bad[bucket] or allowed, before, s
-  return n + 3
-end
 
--- quota_write writes a quota bucket once the call is done, if it changed.
-local function quota_write(C, bucket)
-  if not C.bad[bucket] and C.q_dirty[bucket] then
-    if C.q_used[bucket] > 0 then
-      -- Expire a second after the period: a count of a past one is 0.
-      redis.call('SET', C.key_at[bucket], string.format('q:%d:%d:%d', C.q_start[bucket], C.q_end[bucket], C.q_used[bucket]),
-        'PX', math.ceil((C.q_end[bucket] - C.now) / 1000) + 1000)
-    elseif C.q_held[bucket] then
-      redis.call('DEL', C.key_at[bucket])
-    end
-  end
+  return quota_decide, quota_apply, quota_write
 end
 
 -- Concurrency slots: read and written at once, not at the end of the call.
 
--- slots_decide decides a slots key's part of a request: the request's
--- status, and the leases held before it, the expired ones removed, and
--- whether it alone would admit (or WRONGTYPE).
-local function slots_decide(key, op, code, burst, status, now)
-  local leases, gone = slots(key, now)
-  if not leases then
-    return -1, 0, 0, -1 -- WRONGTYPE
-  end
-  local allowed = 1
-  if code == 6 and leases >= burst then -- ACQUIRE
-    allowed = 0
-    if status == 1 and op % 2 == 0 then status = 0 end -- unless shadow
-  end
-  return status, leases, gone, allowed
-end
-
--- slots_apply applies a slots key's part of a request whose status is
--- known (its numbers from A[a]; burst: the slots it was decided under),
--- and writes its part of the reply from out[n].
-local function slots_apply(key, code, status, interval, burst, allowed, before, expired, A, a, out, n, now)
-  if status >= 0 then
-    local member = ARGV[A[a + 4]] -- free: nil (its amount is µs)
-    local rcall = redis.call
-    if code == 6 and status == 1 and allowed == 1 then -- ACQUIRE, admitted
-      rcall('ZADD', key, now + interval, member)
-      rcall('PEXPIRE', key, math.ceil(2 * interval / 1000))
-    elseif code == 8 then -- RENEW
-      allowed = rcall('ZADD', key, 'XX', 'CH', now + interval, member)
-      if allowed == 1 then rcall('PEXPIRE', key, math.ceil(2 * interval / 1000)) end
-    elseif code == 7 then -- RELEASE
-      -- A slot freed from a full set: waiters on every instance may try.
-      if rcall('ZREM', key, member) == 1 and before >= burst then
-        rcall('PUBLISH', ARGV[A[a + 5]], 'freed ' .. key)
+-- slots_kind makes slots' functions, with the call's first slots bucket.
+local function slots_kind()
+  -- slots reads a concurrency key: it removes the expired leases and
+  -- returns the leases held and how many expired, or nil for a key of
+  -- another type (a rate bucket left by an earlier config that gave the name
+  -- to another kind of policy is replaced).
+  local function slots(key, now)
+    local expired = redis.pcall('ZREMRANGEBYSCORE', key, '-inf', now)
+    if type(expired) == 'table' then
+      if not string.find(expired.err or '', 'WRONGTYPE', 1, true) then
+        error(expired) -- an ACL without the command, not a key of another type
       end
-    elseif code == 11 then -- RESTORE
-      rcall('ZADD', key, now + interval, member)
-      rcall('PEXPIRE', key, math.ceil(2 * interval / 1000))
-    elseif code == 10 then -- FREE
-      local stale = rcall('ZREMRANGEBYSCORE', key, '-inf', now + A[a + 4])
-      before, expired = before - stale, expired + stale
-      if stale > 0 then
-        rcall('PUBLISH', ARGV[A[a + 5]], 'freed ' .. key)
+      if redis.call('TYPE', key).ok ~= 'string' then
+        return nil
+      end
+      redis.call('DEL', key)
+      expired = 0
+    end
+    return redis.call('ZCARD', key), expired
+  end
+
+  -- slots_decide decides a slots key's part of a request: the request's
+  -- status, and the leases held before it, the expired ones removed, and
+  -- whether it alone would admit (or WRONGTYPE).
+  local function slots_decide(key, op, code, burst, status, now)
+    local leases, gone = slots(key, now)
+    if not leases then
+      return -1, 0, 0, -1 -- WRONGTYPE
+    end
+    local allowed = 1
+    if code == 6 and leases >= burst then -- ACQUIRE
+      allowed = 0
+      if status == 1 and op % 2 == 0 then status = 0 end -- unless shadow
+    end
+    return status, leases, gone, allowed
+  end
+
+  -- slots_apply applies a slots key's part of a request whose status is
+  -- known (its numbers from A[a]; burst: the slots it was decided under),
+  -- and writes its part of the reply from out[n].
+  local function slots_apply(key, code, status, interval, burst, allowed, before, expired, A, a, out, n, now)
+    if status >= 0 then
+      local member = ARGV[A[a + 4]] -- free: nil (its amount is µs)
+      local rcall = redis.call
+      if code == 6 and status == 1 and allowed == 1 then -- ACQUIRE, admitted
+        rcall('ZADD', key, now + interval, member)
+        rcall('PEXPIRE', key, math.ceil(2 * interval / 1000))
+      elseif code == 8 then -- RENEW
+        allowed = rcall('ZADD', key, 'XX', 'CH', now + interval, member)
+        if allowed == 1 then rcall('PEXPIRE', key, math.ceil(2 * interval / 1000)) end
+      elseif code == 7 then -- RELEASE
+        -- A slot freed from a full set: waiters on every instance may try.
+        if rcall('ZREM', key, member) == 1 and before >= burst then
+          rcall('PUBLISH', ARGV[A[a + 5]], 'freed ' .. key)
+        end
+      elseif code == 11 then -- RESTORE
+        rcall('ZADD', key, now + interval, member)
+        rcall('PEXPIRE', key, math.ceil(2 * interval / 1000))
+      elseif code == 10 then -- FREE
+        local stale = rcall('ZREMRANGEBYSCORE', key, '-inf', now + A[a + 4])
+        before, expired = before - stale, expired + stale
+        if stale > 0 then
+          rcall('PUBLISH', ARGV[A[a + 5]], 'freed ' .. key)
+        end
       end
     end
+    out[n + 1], out[n + 2], out[n + 3] = allowed, before, expired
+    return n + 3
   end
-  out[n + 1], out[n + 2], out[n + 3] = allowed, before, expired
-  return n + 3
+
+  return slots_decide, slots_apply
 end
 
 -- The call.
@@ -514,6 +527,9 @@ local touched = 0
 -- them, whether Redis holds a value for the key, and whether the call
 -- changed it. quota is C.quota: whether a key is a quota's.
 local C, quota
+-- A quota's and slots' functions (quota_kind, slots_kind), made with the
+-- call's first bucket of their kind.
+local quota_decide, quota_apply, quota_write, slots_decide, slots_apply
 -- redis.REDIS_VERSION_NUM and SET ... NX GET both came with Redis 7.0.
 local set_get = redis.REDIS_VERSION_NUM ~= nil
 -- The formats of format.go: v1 "<tat>:<interval>"; v2 one integer, the
@@ -653,6 +669,7 @@ while arg <= n_args do
         intervals[i], bursts[i], slacks[i] = 0, limit, q_slack
       end
       if not C then
+        quota_decide, quota_apply, quota_write = quota_kind()
         C = {now = now, index_of = index_of, key_at = key_at, tat_now = tat_now, interval_now = interval_now,
           tat_stored = tat_stored, interval_stored = interval_stored, bad = bad,
           quota = {}, q_start = {}, q_end = {}, q_used = {}, q_held = {}, q_dirty = {}}
@@ -662,7 +679,7 @@ while arg <= n_args do
     else
       if not bursts then bursts, slacks = {}, {} end
       bursts[i] = burst
-      if not expired then expired = {} end
+      if not expired then expired, slots_decide, slots_apply = {}, slots_kind() end
       status, before[i], expired[i], allowed[i] = slots_decide(key, op, code, burst, status, now)
     end
     arg = arg + width
