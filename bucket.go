@@ -337,22 +337,22 @@ func decideRate(d *decision, v *verdict, tat, now int64, rq bucketRequest) (next
 	return next
 }
 
-// decideSlots applies the decision to slots of which held are held: the
-// leases held after, and what the verdict tells.
-func decideSlots(v *verdict, held int64, rq bucketRequest, admitted bool) int64 {
+// decideSlots applies the decision to slots of which inUse are in use:
+// the slots in use after, and what the verdict tells.
+func decideSlots(v *verdict, inUse int64, rq bucketRequest, admitted bool) int64 {
 	switch {
 	case rq.op == opAcquire && admitted && v.allowed:
-		held++
+		inUse++
 	case rq.op == opRelease:
-		held = max(0, held-1)
+		inUse = max(0, inUse-1)
 	}
 	// Free slots after the decision; a denied request waits a second, as
 	// long as anyone can say.
-	v.remaining = rq.limit.burst - held
+	v.remaining = rq.limit.burst - inUse
 	if !v.allowed {
 		v.untilFits = slotWait
 	}
-	return held
+	return inUse
 }
 
 // Quota buckets: the units used in the period holding now (quota.go).

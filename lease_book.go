@@ -38,13 +38,13 @@ type leaseBook struct {
 	closed      <-chan struct{}
 
 	mu      sync.Mutex
-	leases  map[string]*heldLease
+	leases  map[string]*bookedLease
 	pending map[string]*pendingRelease
 	tick    time.Duration // how often the renewer looks
 	running bool
 }
 
-type heldLease struct {
+type bookedLease struct {
 	rq      bucketRequest
 	policy  *Policy
 	renewed time.Time // when its last renewal (or acquire) was sent
@@ -76,11 +76,11 @@ func (b *leaseBook) hold(leases []lease) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if b.leases == nil {
-		b.leases, b.pending, b.tick = map[string]*heldLease{}, map[string]*pendingRelease{}, renewEvery
+		b.leases, b.pending, b.tick = map[string]*bookedLease{}, map[string]*pendingRelease{}, renewEvery
 	}
 	now := time.Now()
 	for _, l := range leases {
-		b.leases[l.rq.lease] = &heldLease{rq: l.rq, policy: l.policy, renewed: now}
+		b.leases[l.rq.lease] = &bookedLease{rq: l.rq, policy: l.policy, renewed: now}
 		b.tick = min(b.tick, leaseOf(l.rq)/12)
 	}
 	if !b.running {
@@ -167,7 +167,7 @@ func (b *leaseBook) renew() {
 			return
 		case <-time.After(tick):
 		}
-		var due []*heldLease
+		var due []*bookedLease
 		var reqs []bucketRequest
 		var retries []*pendingRelease
 		now := time.Now()
@@ -210,7 +210,7 @@ func (b *leaseBook) renew() {
 // (due's first, then retries'), each its own request so that one bad key
 // fails alone, in one script call (one per slot in cluster mode), and
 // records what the store said.
-func (b *leaseBook) renewNow(due []*heldLease, reqs []bucketRequest, retries []*pendingRelease) {
+func (b *leaseBook) renewNow(due []*bookedLease, reqs []bucketRequest, retries []*pendingRelease) {
 	results := make([]*pending, len(reqs))
 	groups := [][]int{nil}
 	for i := range reqs {
@@ -257,7 +257,7 @@ func (b *leaseBook) renewNow(due []*heldLease, reqs []bucketRequest, retries []*
 	}
 	// The leases the store lost are put back now, not a tick later: until
 	// then others may take the slots they look to leave free.
-	var restores []*heldLease
+	var restores []*bookedLease
 	var restoreReqs []bucketRequest
 	for _, l := range due {
 		if l.lost && !l.released {

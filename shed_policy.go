@@ -135,7 +135,7 @@ type shedAdmission struct {
 	policy *Policy // the class's (shedState.byClass)
 	class  int
 	ticket shed.Ticket
-	held   bool // ticket is the request's place under the adaptive limit
+	taken  bool // ticket is the request's place under the adaptive limit
 }
 
 // checkShed checks a shed policy and derives its classes and slots: as a

@@ -22,7 +22,7 @@ func (res *admission) admitAdaptive() *Policy {
 		tk, ok := a.policy.shed.limiter.Admit(a.class)
 		switch {
 		case ok:
-			a.ticket, a.held = tk, true
+			a.ticket, a.taken = tk, true
 		case a.policy.shadow:
 			a.policy.decisions[outcomeShadowDenied].Inc()
 		default:
@@ -39,7 +39,7 @@ func (res *admission) passAdaptive() {
 	res.passed = true
 	for i := range res.adaptive {
 		a := &res.adaptive[i]
-		if !a.held {
+		if !a.taken {
 			continue
 		}
 		a.ticket.Passed()
@@ -55,10 +55,10 @@ func (res *admission) passAdaptive() {
 func (res *admission) finishAdaptive() {
 	for i := range res.adaptive {
 		a := &res.adaptive[i]
-		if !a.held {
+		if !a.taken {
 			continue
 		}
-		a.held = false
+		a.taken = false
 		if res.passed {
 			a.ticket.Done()
 		} else {

@@ -170,8 +170,8 @@ func TestLeaseBookReleaseDuringRestore(t *testing.T) {
 	}, closed: make(chan struct{})}
 	l := lease{rq: bucketRequest{key: "rl:c:{a}", op: opAcquire, lease: "x", limit: limit{interval: 30_000_000, burst: 1}}}
 	b.mu.Lock()
-	b.leases, b.pending, b.tick, b.running = map[string]*heldLease{}, map[string]*pendingRelease{}, renewEvery, true // no renewer
-	b.leases["x"] = &heldLease{rq: l.rq, restoring: true}
+	b.leases, b.pending, b.tick, b.running = map[string]*bookedLease{}, map[string]*pendingRelease{}, renewEvery, true // no renewer
+	b.leases["x"] = &bookedLease{rq: l.rq, restoring: true}
 	b.mu.Unlock()
 	if rels, _ := b.releasing([]lease{l}); len(rels) != 0 {
 		t.Fatalf("released during a restore: %+v", rels)
