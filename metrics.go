@@ -48,7 +48,7 @@ var (
 	})
 	storeErrors = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Namespace: "caddy", Subsystem: "rate_limit", Name: "store_errors_total",
-		Help: "Redis calls that failed, by kind (timeout, connection, wrongpass, noauth, noperm, readonly, oom, loading, busy, masterdown, clusterdown, redis, script); requests that skipped Redis (circuit_open); requests whose own bucket key holds something else (wrongtype, corrupt), or whose quota's bounds Redis's clock is outside of (clock); calls whose durable quotas Redis did not confirm (not_durable, waitaof_unsupported, aof_disabled).",
+		Help: "Redis calls that failed, by kind (timeout, connection, wrongpass, noauth, noperm, readonly, oom, loading, busy, masterdown, clusterdown, undeclared, redis, script); requests that skipped Redis (circuit_open); requests whose own bucket key holds something else (wrongtype, corrupt), or whose quota's bounds Redis's clock is outside of (clock); calls whose durable quotas Redis did not confirm (not_durable, waitaof_unsupported, aof_disabled).",
 	}, []string{"kind"})
 	// circuitOpenErrors is the circuit_open child, counted on the path
 	// that must stay cheapest while Redis is down.
@@ -165,6 +165,12 @@ func errorKind(err error) string {
 		}
 		if strings.Contains(redisErr.Error(), "user executing the script can't") {
 			return "noperm" // an ACL without a command the script runs: ERR, not NOPERM
+		}
+		if strings.Contains(redisErr.Error(), "OOM command not allowed") {
+			return "oom" // raised inside a script: Redis 6.2 wraps it in ERR
+		}
+		if strings.Contains(redisErr.Error(), "undeclared key") {
+			return "undeclared" // Dragonfly: a script touched a key its call did not declare
 		}
 		return "redis"
 	case errors.Is(err, context.DeadlineExceeded), errors.As(err, &netErr) && netErr.Timeout():

@@ -199,12 +199,23 @@ func failuresOf(results []probeResult) []probeFailure {
 }
 
 // describe says what stops Redis deciding, and what to change.
-func (f probeFailure) describe() string {
-	cause, ok := probeCauses[f.kind]
-	if !ok {
-		cause = "Redis answered an error (" + f.kind + ")"
+func (f probeFailure) describe() string { return f.describeOn("") }
+
+// describeOn is describe naming the server, when it said who it is.
+func (f probeFailure) describeOn(server string) string {
+	return fmt.Sprintf("Redis cannot decide for %s: %s: %s", policiesText(f.policies), causeOf(f.kind, server), fixOf(f.kind))
+}
+
+// causeOf says what a kind of probe failure means; server names the
+// server (from INFO server), or is "" when it did not say.
+func causeOf(kind, server string) string {
+	if kind == "noscripting" {
+		return scriptsRefused(server)
 	}
-	return fmt.Sprintf("Redis cannot decide for %s: %s: %s", policiesText(f.policies), cause, fixOf(f.kind))
+	if cause, ok := probeCauses[kind]; ok {
+		return cause
+	}
+	return "Redis answered an error (" + kind + ")"
 }
 
 // probeStarted probes the policies of a config that started running and
@@ -215,6 +226,11 @@ func (c *redisConn) probeStarted(hs []*Handler) {
 	if len(defs) == 0 {
 		return
 	}
+	var ps []*Policy
+	for _, d := range defs {
+		ps = append(ps, d.policy)
+	}
+	server, _ := c.identify(ps)
 	failures := failuresOf(c.probe(defs))
 	v := &c.fleet
 	v.probeAgain = len(failures) > 0
@@ -223,11 +239,8 @@ func (c *redisConn) probeStarted(hs []*Handler) {
 	}
 	if len(failures) == 0 {
 		if !v.probeOK {
-			var ps []*Policy
-			for _, d := range defs {
-				ps = append(ps, d.policy)
-			}
-			c.logger.Info("Redis decides for "+policiesText(ps), zap.String("redis", c.name), zap.Int("db", c.db))
+			c.logger.Info("Redis decides for "+policiesText(ps)+": "+c.serverName(), zap.String("redis", c.name), zap.Int("db", c.db),
+				zap.String("server", server.Name), zap.String("version", server.Version))
 		}
 		v.probeOK = true
 		return
@@ -240,7 +253,7 @@ func (c *redisConn) probeStarted(hs []*Handler) {
 		if !c.claimReport(f.kind, permanent) {
 			continue
 		}
-		c.logger.Error(f.describe()+". "+failureModes(f.policies),
+		c.logger.Error(f.describeOn(c.serverName())+". "+failureModes(f.policies),
 			zap.String("redis", c.name), zap.Int("db", c.db), zap.String("kind", f.kind), zap.Error(f.err))
 	}
 }

@@ -129,6 +129,11 @@ func TestProbeKind(t *testing.T) {
 		redisError("WRONGPASS invalid username-password pair or user is disabled."):                                           "wrongpass",
 		redisError("LOADING Redis is loading the dataset in memory"):                                                          "loading",
 		redisError("ERR The user executing the script can't run this command or subcommand script: 7580, on @user_script:1."): "noperm",
+		// Redis 6.2 wraps what a script raised in ERR.
+		redisError("ERR Error running script (call to f_75): @user_script:203: The user executing the script can't run this command or subcommand"): "noperm",
+		redisError("ERR Error running script (call to f_75): @user_script:1: OOM command not allowed when used memory > 'maxmemory'."):              "oom",
+		// Dragonfly's default: a key the call did not declare.
+		redisError("ERR Error running script (call to f_75): @user_script:1: script tried accessing undeclared key"): "undeclared",
 	} {
 		if got := probeKind(err); got != want {
 			t.Errorf("%v: %s, want %s", err, got, want)

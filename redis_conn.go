@@ -11,6 +11,7 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/ratelimit-caddy/caddy-ratelimit/internal/breaker"
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/redisinfo"
 	"github.com/redis/go-redis/v9"
 	"go.uber.org/zap"
 )
@@ -69,6 +70,8 @@ type redisConn struct {
 	fleet fleetView
 	// hot decides hot keys from blocks of their tokens (hotkeys_store.go).
 	hot *hotKeys
+	// server is who the server said it is, last asked (redis_server.go).
+	server atomic.Pointer[redisinfo.Server]
 }
 
 // Destruct closes the connection once no handler uses it: Caddy stopped,
@@ -262,4 +265,8 @@ var errorFixes = map[string]string{
 	"wrongtype": "a bucket's key holds a value of another type (was it written by hand?): DEL the key named in this log; the requests of that key follow on_error until then",
 	"corrupt":   "a bucket's key holds a string that is not a bucket (was it written by hand?): DEL the key named in this log; the requests of that key follow on_error until then",
 	"script":    "the script's reply does not match this build: is another version of the module using the same Redis and key_prefix?",
+	// Dragonfly refuses, by default, a script that touches a key its call
+	// did not declare; this build declares every one (lua/decide.lua).
+	"undeclared": "the server refuses a script that touches a key its call did not declare (Dragonfly's default); this release declares every key: " +
+		"is an instance of an older release using this server? Upgrade it; or start Dragonfly with --default_lua_flags=allow-undeclared-keys, which locks the whole store for each script",
 }

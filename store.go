@@ -8,6 +8,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/ratelimit-caddy/caddy-ratelimit/internal/fleet"
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/redisinfo"
 )
 
 // store holds the buckets and decides requests against them atomically.
@@ -96,6 +97,8 @@ type fleetMember interface {
 // check` (probe.go, check.go). Implemented by redisStore.
 type prober interface {
 	probe(defs []definition) []probeResult
+	// serverInfo is who the server says it is (redis_server.go).
+	serverInfo(ctx context.Context) (redisinfo.Server, error)
 }
 
 // formatStore is a store whose buckets outlive a release: a fleet writes

@@ -7,6 +7,7 @@ import (
 
 	"github.com/ratelimit-caddy/caddy-ratelimit/internal/breaker"
 	"github.com/ratelimit-caddy/caddy-ratelimit/internal/fleet"
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/redisinfo"
 	"github.com/redis/go-redis/v9"
 )
 
@@ -203,6 +204,10 @@ func (s *redisStore) liveRecords(ctx context.Context) (int, []fleet.Record, erro
 func (s *redisStore) fleetView() *fleetView { return &s.conn.fleet }
 
 func (s *redisStore) probe(defs []definition) []probeResult { return s.conn.probe(defs) }
+
+func (s *redisStore) serverInfo(ctx context.Context) (redisinfo.Server, error) {
+	return s.conn.serverInfo(ctx)
+}
 
 func (s *redisStore) setFormat(ctx context.Context, prefix, marker string) error {
 	if err := s.conn.setFormat(ctx, prefix, marker); err != nil {

@@ -168,7 +168,8 @@ end
 local function stored(key, value, interval)
   if type(value) == 'table' then -- an error reply
     if not string.find(value.err or '', 'WRONGTYPE', 1, true) then
-      error(value)
+      if redis.REDIS_VERSION_NUM then error(value) end
+      error(value.err, 0) -- Redis 6.2 cannot raise an error reply: its text
     end
     if redis.call('TYPE', key).ok == 'zset' then
       -- A concurrency policy's slots, left by an earlier config that gave
@@ -197,7 +198,9 @@ local function slots(key, now)
   local expired = redis.pcall('ZREMRANGEBYSCORE', key, '-inf', now)
   if type(expired) == 'table' then
     if not string.find(expired.err or '', 'WRONGTYPE', 1, true) then
-      error(expired) -- an ACL without the command, not a key of another type
+      -- An ACL without the command, not a key of another type.
+      if redis.REDIS_VERSION_NUM then error(expired) end
+      error(expired.err, 0) -- Redis 6.2 cannot raise an error reply: its text
     end
     if redis.call('TYPE', key).ok ~= 'string' then
       return nil
@@ -218,7 +221,8 @@ local function quota_read(key)
   end
   if type(value) == 'table' then -- an error reply
     if not string.find(value.err or '', 'WRONGTYPE', 1, true) then
-      error(value)
+      if redis.REDIS_VERSION_NUM then error(value) end
+      error(value.err, 0) -- Redis 6.2 cannot raise an error reply: its text
     end
     if redis.call('TYPE', key).ok == 'zset' then
       return true, 0, 0, 0 -- a concurrency policy's slots: replaced

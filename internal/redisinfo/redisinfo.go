@@ -89,3 +89,22 @@ func majorMinor(v string) (major, minor int, ok bool) {
 	}
 	return maj, min, true
 }
+
+// FromHello is the server HELLO names (its server and version fields):
+// what a user whose ACL refuses INFO may still learn. Valkey's HELLO gives
+// its own version, not the Redis one it speaks.
+func FromHello(server, version, mode string) Server {
+	s := Server{Version: version, Mode: mode}
+	switch strings.ToLower(server) {
+	case "valkey":
+		s.Name = "Valkey"
+		if maj, _, ok := majorMinor(version); ok && maj >= 7 {
+			s.Redis = "7.2" // Valkey began as Redis 7.2.4
+		}
+	case "redis", "":
+		s.Name, s.Redis = "Redis", version
+	default:
+		s.Name, s.Redis = server, version
+	}
+	return s
+}
