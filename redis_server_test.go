@@ -194,4 +194,3 @@ func readCommand(r *bufio.Reader) ([]string, error) {
 	}
 	return args, nil
 }
-
