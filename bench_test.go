@@ -122,12 +122,21 @@ func BenchmarkRedisHotKey(b *testing.B) {
 // BenchmarkRedisDecide measures one decision through the Redis store with
 // many concurrent callers and 10,000 identities, with concurrent decisions
 // coalesced into one script call and with one call per decision;
-// allocations per decision included.
+// allocations per decision included. The settle cases decide a bucket of
+// a settle policy that may have overrides: its call also reads (and
+// declares in KEYS) the bucket's override and learned usage.
 func BenchmarkRedisDecide(b *testing.B) {
 	srv := testredis.Start(b)
-	for _, coalesce := range []bool{false, true} {
-		b.Run(fmt.Sprintf("coalesced=%v", coalesce), func(b *testing.B) {
-			noCoalescing = !coalesce
+	for _, tc := range []struct {
+		name     string
+		coalesce bool
+		settle   bool
+	}{
+		{"coalesced=false", false, false}, {"coalesced=true", true, false},
+		{"settle,coalesced=false", false, true}, {"settle,coalesced=true", true, true},
+	} {
+		b.Run(tc.name, func(b *testing.B) {
+			noCoalescing = !tc.coalesce
 			defer func() { noCoalescing = false }()
 			conn, err := newRedisConn(RedisConfig{Addresses: []string{srv.Addr}, Timeout: testTimeout}.resolved(), zap.NewNop())
 			if err != nil {
@@ -143,8 +152,11 @@ func BenchmarkRedisDecide(b *testing.B) {
 			b.RunParallel(func(pb *testing.PB) {
 				for pb.Next() {
 					i := n.Add(1)
-					reqs := []bucketRequest{{key: keys[i%int64(len(keys))], limit: limit{interval: 1000, burst: 1_000_000}, op: opTake, cost: 1}}
-					if _, err := rs.decide(context.Background(), reqs); err != nil {
+					rq := bucketRequest{key: keys[i%int64(len(keys))], limit: limit{interval: 1000, burst: 1_000_000}, op: opTake, cost: 1}
+					if tc.settle {
+						rq.learns, rq.overridable, rq.overrideDebt = true, true, 1_000_000
+					}
+					if _, err := rs.decide(context.Background(), []bucketRequest{rq}); err != nil {
 						b.Error(err)
 						return
 					}
