@@ -3,7 +3,14 @@
 -- decided atomically, in order. The same algorithm as bucket.go (rebase,
 -- decideBuckets, adjust); keep the two in step.
 --
--- KEYS   the buckets of every request, request after request
+-- KEYS   the buckets of every request, request after request; then every
+--        other key the call touches, once each: the override of each
+--        overridable bucket (<bucket>:override) and the learned usage of
+--        each bucket that learns (<bucket>:usage). The script names those
+--        from the bucket's key and reads them from no index: they are
+--        declared so that a server that refuses a script touching a key
+--        its call did not declare (Dragonfly, by default) runs it
+--        (wire.go, touchedKeys: the names, on the Go side).
 -- ARGV   first the format buckets are written in (1 or 2, see format.go);
 --        then the call's numbers in one string, little-endian doubles
 --        (exact: every value stays below 2^53), read by one struct.unpack:
