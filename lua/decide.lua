@@ -683,4 +683,11 @@ if learned then
     end
   end
 end
+-- Lua 5.3 and later (Dragonfly runs 5.4, Redis and Valkey 5.1) tell
+-- integers from floats, and a server replies a float as a double where
+-- Redis replies every number as an integer: the reply's numbers are all
+-- integers (below 2^53), so they are sent as such.
+if math.type then
+  for i = 1, n_out do out[i] = math.tointeger(out[i]) or out[i] end
+end
 return out
