@@ -163,8 +163,10 @@ func errorKind(err error) string {
 		case "wrongpass", "noauth", "noperm", "readonly", "oom", "loading", "busy", "masterdown", "clusterdown":
 			return word
 		}
-		if strings.Contains(redisErr.Error(), "user executing the script can't") {
-			return "noperm" // an ACL without a command the script runs: ERR, not NOPERM
+		if strings.Contains(redisErr.Error(), "user executing the script can't") || strings.Contains(redisErr.Error(), "ACL failure in script") {
+			// An ACL without a command the script runs: ERR, not NOPERM
+			// (Redis; Valkey says "ACL failure in script").
+			return "noperm"
 		}
 		if strings.Contains(redisErr.Error(), "OOM command not allowed") {
 			return "oom" // raised inside a script: Redis 6.2 wraps it in ERR
