@@ -37,8 +37,8 @@ func (c *redisConn) serverInfo(ctx context.Context) (redisinfo.Server, error) {
 	if err == nil {
 		return redisinfo.Parse(info), nil
 	}
-	if !isRedisError(err) {
-		return redisinfo.Server{}, err // not answered: nothing to fall back on
+	if !isRedisError(err) || connectionWide(probeKind(err)) && probeKind(err) != "noscripting" {
+		return redisinfo.Server{}, err // not answered, or not to this user: nothing to fall back on
 	}
 	hello, herr := c.client.Do(ctx, "HELLO").Result()
 	if herr != nil {
