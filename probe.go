@@ -230,7 +230,7 @@ func (c *redisConn) probeStarted(hs []*Handler) {
 	for _, d := range defs {
 		ps = append(ps, d.policy)
 	}
-	server, _ := c.identify(ps)
+	c.identify(ps)
 	failures := failuresOf(c.probe(defs))
 	v := &c.fleet
 	v.probeAgain = len(failures) > 0
@@ -239,8 +239,8 @@ func (c *redisConn) probeStarted(hs []*Handler) {
 	}
 	if len(failures) == 0 {
 		if !v.probeOK {
-			c.logger.Info("Redis decides for "+policiesText(ps)+": "+c.serverName(), zap.String("redis", c.name), zap.Int("db", c.db),
-				zap.String("server", server.Name), zap.String("version", server.Version))
+			c.logger.Info("Redis decides for "+policiesText(ps), zap.String("redis", c.name), zap.Int("db", c.db),
+				zap.String("server", c.serverName()))
 		}
 		v.probeOK = true
 		return
