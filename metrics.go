@@ -158,7 +158,14 @@ func errorKind(err error) string {
 	case errors.Is(err, errScriptReply):
 		return "script"
 	case errors.As(err, &redisErr):
-		word, _, _ := strings.Cut(redisErr.Error(), " ")
+		msg := redisErr.Error()
+		word, _, _ := strings.Cut(msg, " ")
+		if i := strings.LastIndex(msg, ": -"); i >= 0 && strings.HasPrefix(msg, "ERR Error running script") {
+			// Redis 6.2 wraps an error a command of the script
+			// answered: "ERR Error running script (…): @user_script:1:
+			// @user_script: 1: -READONLY You can't write …".
+			word, _, _ = strings.Cut(msg[i+3:], " ")
+		}
 		switch word = strings.ToLower(word); word {
 		case "wrongpass", "noauth", "noperm", "readonly", "oom", "loading", "busy", "masterdown", "clusterdown":
 			return word

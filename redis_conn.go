@@ -253,7 +253,7 @@ func perKey(kind string) bool { return kind == "wrongtype" || kind == "corrupt" 
 // that is not a bucket; the sorted-set commands for concurrency slots; the
 // hash commands for overrides and the fleet), and PUBLISH and SUBSCRIBE
 // for the events between instances.
-const limiterACL = "~rl:* ~rate_limit:{fleet}* &rl:* +evalsha +eval +time +get +set +del +type +publish +subscribe +zadd +zrem +zcard +zremrangebyscore +pexpire +hset +hdel +hget +hgetall +hkeys +hscan +pubsub|numsub"
+const limiterACL = "~rl:* ~rate_limit:{fleet}* resetchannels &rl:* +evalsha +eval +time +get +set +del +type +publish +subscribe +zadd +zrem +zcard +zremrangebyscore +pexpire +hset +hdel +hget +hgetall +hkeys +hscan +pubsub|numsub"
 
 // errorFixes is what to change for each permanent error kind.
 var errorFixes = map[string]string{
