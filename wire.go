@@ -21,11 +21,19 @@ const learnsOp = 128
 // whose buckets it writes in the given format (see format.go): the keys,
 // the format, the numbers packed in one argument, then the strings.
 func encodeCall(batch []*pending, format int) []any {
-	n := 0
+	n, touched := 0, 0
 	for _, p := range batch {
 		n += len(p.reqs)
+		for i := range p.reqs {
+			if p.reqs[i].overridable {
+				touched++
+			}
+			if p.reqs[i].learns {
+				touched++
+			}
+		}
 	}
-	args := make([]any, 3, 5+n)
+	args := make([]any, 3, 5+n+touched)
 	args[0], args[1] = "evalsha", decideSHAArg
 	for _, p := range batch {
 		for _, rq := range p.reqs {
@@ -117,10 +125,14 @@ func declareTouched(args []any, batch []*pending) []any {
 // one place they are declared from.
 func touchedKeys(rq *bucketRequest) [2]string {
 	var out [2]string
-	if rq.overridable {
+	switch {
+	case rq.overridable && rq.learns: // both from one allocation
+		both := rq.key + overrideSuffix + rq.key + learnedSuffix
+		cut := len(rq.key) + len(overrideSuffix)
+		out[0], out[1] = both[:cut], both[cut:]
+	case rq.overridable:
 		out[0] = overrideKey(rq.key)
-	}
-	if rq.learns {
+	case rq.learns:
 		out[1] = learnedKey(rq.key)
 	}
 	return out
