@@ -88,7 +88,7 @@ func (c *redisConn) identify(ps []*Policy) (redisinfo.Server, bool) {
 	}
 	c.server.Store(&s)
 	if tooOld(s) && c.claimReport("version", true) {
-		c.logger.Error(tooOldText(s)+". Until then, "+policiesText(ps)+" are decided by it where it can; where it refuses a call, "+failureModes(ps),
+		c.logger.Error(tooOldText(s)+". Meanwhile it still decides for "+policiesText(ps)+"; where it refuses a call, "+failureModes(ps),
 			zap.String("redis", c.name), zap.String("server", s.String()))
 	}
 	return s, true
