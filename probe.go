@@ -230,12 +230,14 @@ func (c *redisConn) probeStarted(hs []*Handler) {
 	for _, d := range defs {
 		ps = append(ps, d.policy)
 	}
-	c.identify(ps)
 	failures := failuresOf(c.probe(defs))
 	v := &c.fleet
 	v.probeAgain = len(failures) > 0
 	for _, f := range failures {
 		v.probeAgain = v.probeAgain && away(f.kind)
+	}
+	if !v.probeAgain { // it answered: who is it? (not asked of a Redis away, which would only wait again)
+		c.identify(ps)
 	}
 	if len(failures) == 0 {
 		if !v.probeOK {
