@@ -585,3 +585,76 @@ func benchPaths(rs *redisStore) []benchPath {
 		}},
 	}
 }
+
+// BenchmarkDeclaredKeysCost: what declaring a bucket's override and
+// learned usage in KEYS costs Redis, as CPU time (schedstat), the same
+// calls with and without those keys in KEYS, each on its own
+// redis-server, in turn: 8 takes a call of a settle policy that may have
+// overrides (the script reads both keys either way), over 10,000
+// identities. The ratio is the median of the rounds' ratios, each round
+// 500 calls of each.
+//
+//	go test -run '^$' -bench BenchmarkDeclaredKeysCost -benchtime 20x .
+func BenchmarkDeclaredKeysCost(b *testing.B) {
+	ctx := context.Background()
+	type side struct {
+		client *redis.Client
+		pid    int
+		cpu    []float64
+	}
+	start := func() *side {
+		srv := testredis.Start(b)
+		client := redis.NewClient(&redis.Options{Addr: srv.Addr})
+		b.Cleanup(func() { client.Close() })
+		if err := client.ScriptLoad(ctx, decideLua).Err(); err != nil {
+			b.Fatal(err)
+		}
+		return &side{client: client, pid: srv.Pid()}
+	}
+	undeclared, declared := start(), start()
+	p, kh := &Policy{keyPrefix: "rl:tokens:"}, newKeyHasher("secret")
+	keys := make([]string, 10_000)
+	for i := range keys {
+		keys[i] = p.storageKey(kh, strconv.Itoa(i))
+	}
+	l := limit{interval: 10, burst: 100_000}
+	const calls, per = 500, 8
+	c := 0
+	call := func(s *side, args []any) {
+		res, err := s.client.Do(ctx, args...).Int64Slice()
+		if err != nil || len(res) == 0 {
+			b.Fatal(err)
+		}
+	}
+	b.ResetTimer()
+	for range b.N {
+		cpu0 := []int64{schedMicros(b, undeclared.pid), schedMicros(b, declared.pid)}
+		for range calls {
+			c++
+			batch := make([]*pending, per)
+			for q := range batch {
+				i := (c*per + q) * 7919 % len(keys)
+				batch[q] = &pending{reqs: []bucketRequest{{key: keys[i], limit: l, op: opTake, cost: 1, learns: true, overridable: true}}}
+			}
+			args := encodeCall(batch, formatV2)
+			call(declared, args)
+			// The same call with KEYS the buckets' alone, as before.
+			n := args[2].(int)
+			short := append(append([]any{args[0], args[1], per}, args[3:3+per]...), args[3+n:]...)
+			call(undeclared, short)
+		}
+		undeclared.cpu = append(undeclared.cpu, float64(schedMicros(b, undeclared.pid)-cpu0[0])/(calls*per))
+		declared.cpu = append(declared.cpu, float64(schedMicros(b, declared.pid)-cpu0[1])/(calls*per))
+	}
+	b.StopTimer()
+	ratios := make([]float64, b.N)
+	for i := range ratios {
+		ratios[i] = declared.cpu[i] / undeclared.cpu[i]
+	}
+	med := func(v []float64) float64 { v = slices.Clone(v); slices.Sort(v); return v[len(v)/2] }
+	b.ReportMetric(med(undeclared.cpu), "redis-cpu-µs/request-undeclared")
+	b.ReportMetric(med(declared.cpu), "redis-cpu-µs/request")
+	b.ReportMetric(med(ratios), "ratio")
+	b.ReportMetric(slices.Min(ratios), "ratio-min")
+	b.ReportMetric(slices.Max(ratios), "ratio-max")
+}
