@@ -4,12 +4,15 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"time"
 
 	"github.com/ratelimit-caddy/caddy-ratelimit/internal/breaker"
 	"github.com/redis/go-redis/v9"
+	"go.uber.org/zap"
 )
 
 // Durable quotas: `durable replicas <n>` and `durable aof`. A Redis primary
@@ -27,7 +30,7 @@ import (
 // as commands of their own, right after the EVALSHA, pipelined on the same
 // connection (go-redis runs a pipeline on one connection: a single server's
 // client and Sentinel's failover client are one pool of connections to the
-// primary; in a Cluster the pipeline goes to the master of the call's slot).
+// primary; in a Cluster the pipeline goes to the master of the call's hash slot).
 // One confirmation per script call: a call carrying many durable requests
 // sends one WAIT. Durable requests are coalesced apart from the others, so
 // a request that needs no confirmation never waits for one.
@@ -106,7 +109,7 @@ type durableCalls struct {
 // coalescerFor is the coalescer a request's call goes through: durable
 // requests have their own, so that no other request waits for a
 // confirmation.
-func (c *redisConn) coalescerFor(reqs []bucketRequest) *coalescer {
+func (c *redisStore) coalescerFor(reqs []bucketRequest) *coalescer {
 	if !requestConfirmation(reqs).wanted() {
 		return c.coalescer
 	}
@@ -118,9 +121,9 @@ func (c *redisConn) coalescerFor(reqs []bucketRequest) *coalescer {
 
 // confirmingClient is the client whose one connection carries the call and
 // its confirmation: the primary's (in a Cluster, the master of the call's
-// slot: a MOVED during resharding fails the call), with a read timeout that
+// hash slot: a MOVED during resharding fails the call), with a read timeout that
 // leaves room for the script and both waits.
-func (c *redisConn) confirmingClient(ctx context.Context, batch []*pending) (*redis.Client, error) {
+func (c *redisStore) confirmingClient(ctx context.Context, batch []*pending) (*redis.Client, error) {
 	var base *redis.Client
 	switch cl := c.client.(type) {
 	case *redis.Client: // a single server, or Sentinel's failover client
@@ -143,16 +146,16 @@ func (c *redisConn) confirmingClient(ctx context.Context, batch []*pending) (*re
 
 // waitMillis is the wait of WAIT and WAITAOF: the redis block's timeout,
 // at least 1 ms (0 would wait for ever).
-func (c *redisConn) waitMillis() int64 { return max(1, c.timeout.Milliseconds()) }
+func (c *redisStore) waitMillis() int64 { return max(1, c.timeout.Milliseconds()) }
 
 // evalDurable is eval for a call whose requests include durable ones: the
 // script and its confirmation pipelined on one connection. The accounting
 // is eval's; then each admitted request whose confirmation fell short gets
 // an error (its policies follow on_error) and its charges are refunded.
-func (c *redisConn) evalDurable(batch []*pending, want confirmation) breaker.Result {
+func (c *redisStore) evalDurable(batch []*pending, want confirmation) breaker.Result {
 	ctx, cancel := context.WithTimeout(context.Background(), c.callTimeout)
 	defer cancel()
-	args := encodeCall(batch, int(c.format.Load()))
+	args := encodeCall(batch, c.format.current())
 	sent := monotonicMicros()
 	var cmd *redis.IntSliceCmd
 	var wait, waitAOF *redis.Cmd
@@ -207,13 +210,13 @@ func (c *redisConn) evalDurable(batch []*pending, want confirmation) breaker.Res
 	}
 	got, cerr := readConfirmation(wait, waitAOF)
 	var refunds []bucketRequest
-	short := false
+	var short []string // the durable policies of the requests not confirmed
 	for _, p := range batch {
 		need := requestConfirmation(p.reqs)
 		if p.err != nil || !p.d.admitted || !need.wanted() || cerr == nil && need.confirms(got) {
 			continue
 		}
-		short = true
+		short = durablePolicies(short, p.reqs)
 		if cerr != nil {
 			p.err = cerr
 		} else {
@@ -221,7 +224,7 @@ func (c *redisConn) evalDurable(batch []*pending, want confirmation) breaker.Res
 		}
 		refunds = append(refunds, undo(p.reqs, p.d)...)
 	}
-	if short {
+	if len(short) > 0 {
 		// Counted per call, as every store error is.
 		kind := "not_durable"
 		var de *durabilityError
@@ -233,13 +236,71 @@ func (c *redisConn) evalDurable(batch []*pending, want confirmation) breaker.Res
 		if e == nil {
 			e = &durabilityError{kind: kind, want: want, got: got, timeout: c.timeout}
 		}
-		c.report(kind, e)
+		c.reportDurable(kind, e, short)
 	}
 	if len(refunds) > 0 {
 		// Not waited for: a lost refund over-denies, never over-admits.
-		go func() { _, _ = (&redisStore{conn: c}).decide(context.Background(), refunds) }()
+		go func() { _, _ = (c).decide(context.Background(), refunds) }()
 	}
 	return breaker.Answered
+}
+
+// durablePolicies adds to names those of the durable quotas of reqs.
+func durablePolicies(names []string, reqs []bucketRequest) []string {
+	for _, rq := range reqs {
+		if rq.quota != nil && rq.quota.durable.wanted() && rq.op == opTake && !rq.shadow && !slices.Contains(names, rq.quota.name) {
+			names = append(names, rq.quota.name)
+		}
+	}
+	return names
+}
+
+// reportDurable logs, at most once per 10 s per kind, a durable quota whose
+// usage Redis did not confirm. Redis answered: it is not "unavailable", and
+// only the durable policies' requests follow on_error; the line says which,
+// why, and what to change.
+func (c *redisStore) reportDurable(kind string, err error, policies []string) {
+	if !c.claimReport(kind, true) {
+		return
+	}
+	var names []string
+	for _, n := range policies {
+		names = append(names, strconv.Quote(n))
+	}
+	which := "policy " + strings.Join(names, ", ")
+	if len(names) > 1 {
+		which = "policies " + strings.Join(names, ", ")
+	}
+	fields := []zap.Field{zap.String("redis", c.name), zap.String("kind", kind), zap.Strings("policies", policies), zap.Error(err)}
+	meanwhile := ". Meanwhile each of its requests follows the policy's on_error (fail_closed answers 503, fail_open admits it uncounted), its usage given back. "
+	switch kind {
+	case "waitaof_unsupported":
+		c.logger.Error(which+": durable aof needs WAITAOF, which this Redis does not have (it came with Redis 7.2)"+meanwhile+
+			"Upgrade Redis to 7.2 or later, use durable replicas <n> instead, or remove durable from the policy", fields...)
+	case "aof_disabled":
+		c.logger.Error(which+": durable aof needs Redis's append-only file, which is off on this Redis (appendonly no)"+meanwhile+
+			"Set appendonly yes on Redis, use durable replicas <n> instead, or remove durable from the policy", fields...)
+	default:
+		c.logger.Warn(which+": Redis answered, but did not confirm the usage as durable asks: "+durableShortfall(err)+meanwhile+
+			"durable replicas <n> needs n replicas connected to this Redis (INFO replication: connected_slaves) that acknowledge within the redis timeout: "+
+			"add a replica, raise the redis timeout, or remove durable from the policy", fields...)
+	}
+}
+
+// durableShortfall is what Redis confirmed of what a durability error asked.
+func durableShortfall(err error) string {
+	var de *durabilityError
+	if !errors.As(err, &de) || de.err != nil {
+		return err.Error()
+	}
+	var parts []string
+	if de.want.replicas > 0 {
+		parts = append(parts, fmt.Sprintf("%d of %d replicas had it", de.got.replicas, de.want.replicas))
+	}
+	if de.want.aof {
+		parts = append(parts, fmt.Sprintf("the append-only file was fsynced on %d of 1 primary and %d of %d replicas", de.got.local, de.got.aofReplicas, de.want.aofReplicas))
+	}
+	return strings.Join(parts, ", ") + " within the redis timeout (" + de.timeout.String() + ")"
 }
 
 // readConfirmation reads the replies of WAIT (replicas that acknowledged)

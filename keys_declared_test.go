@@ -403,13 +403,13 @@ func TestScriptsDeclareEveryKey(t *testing.T) {
 	}
 
 	// The fleet's records: written, read, left.
-	if _, _, err := fleetCall(ctx, rs.conn.client, "kd-instance", "d1", []byte(`{"id":"kd-instance"}`), true); err != nil {
+	if _, _, err := fleetCall(ctx, rs.client, "kd-instance", "d1", []byte(`{"id":"kd-instance"}`), true); err != nil {
 		t.Fatal(err)
 	}
-	if _, _, err := rs.conn.liveRecords(ctx); err != nil {
+	if _, _, err := rs.fleet.liveRecords(ctx); err != nil {
 		t.Fatal(err)
 	}
-	if _, _, err := fleetCall(ctx, rs.conn.client, "kd-instance", "", nil, false); err != nil {
+	if _, _, err := fleetCall(ctx, rs.client, "kd-instance", "", nil, false); err != nil {
 		t.Fatal(err)
 	}
 

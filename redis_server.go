@@ -32,7 +32,7 @@ const (
 
 // serverInfo asks the server who it is: INFO server, or HELLO when INFO
 // is refused.
-func (c *redisConn) serverInfo(ctx context.Context) (redisinfo.Server, error) {
+func (c *redisStore) serverInfo(ctx context.Context) (redisinfo.Server, error) {
 	info, err := c.client.Info(ctx, "server").Result()
 	if err == nil {
 		return redisinfo.Parse(info), nil
@@ -78,7 +78,7 @@ func tooOldText(s redisinfo.Server) string {
 
 // identify names the server at start, once per connection, and says
 // loudly when it is too old; ps are the policies that use it.
-func (c *redisConn) identify(ps []*Policy) (redisinfo.Server, bool) {
+func (c *redisStore) identify(ps []*Policy) (redisinfo.Server, bool) {
 	ctx, cancel := context.WithTimeout(context.Background(), c.callTimeout)
 	defer cancel()
 	s, err := c.serverInfo(ctx)
@@ -96,7 +96,7 @@ func (c *redisConn) identify(ps []*Policy) (redisinfo.Server, bool) {
 
 // serverName is the server as last identified, for logs: "Valkey 8.0.1
 // (redis_version 7.2.4)", or "Redis" before it answered.
-func (c *redisConn) serverName() string {
+func (c *redisStore) serverName() string {
 	if s := c.server.Load(); s != nil {
 		return s.String()
 	}

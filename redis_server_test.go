@@ -34,7 +34,7 @@ func TestServerNamed(t *testing.T) {
 			cfg.Username, cfg.Password = user, "pw"
 		}
 		h := probeHandler(t, &cfg, "")
-		c := h.store.(*redisStore).conn
+		c := h.store.(*redisStore)
 		core, logs := observer.New(zap.InfoLevel)
 		c.logger = zap.New(core)
 		got, ok := c.identify([]*Policy{h.Policies[0]})
@@ -65,7 +65,7 @@ func TestServerTooOld(t *testing.T) {
 	addr := fakeServer(t, "# Server\r\nredis_version:6.0.20\r\nredis_mode:standalone\r\n")
 	cfg := RedisConfig{Addresses: []string{addr}}
 	h := probeHandler(t, &cfg, failClosed)
-	c := h.store.(*redisStore).conn
+	c := h.store.(*redisStore)
 	core, logs := observer.New(zap.InfoLevel)
 	c.logger = zap.New(core)
 	c.probeStarted([]*Handler{h})
