@@ -35,6 +35,10 @@ const learnTTL = 24 * time.Hour
 // learnedSuffix names the key of a bucket's learned usage.
 const learnedSuffix = ":usage"
 
+// learnedKey is the key of the learned usage of the bucket under
+// bucketKey.
+func learnedKey(bucketKey string) string { return bucketKey + learnedSuffix }
+
 // learnedUsage is a key's last settles' usage, newest first.
 type learnedUsage struct {
 	records [learnRecords]int64

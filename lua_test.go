@@ -467,14 +467,21 @@ func TestLuaQuotaKeys(t *testing.T) {
 func TestLuaMatchesGoBucket(t *testing.T) {
 	_, client, _ := newTestRedis(t)
 	const probe = "redis.REDIS_VERSION_NUM ~= nil"
-	if v, err := client.Eval(context.Background(), "return "+probe, nil).Bool(); err != nil || !v {
-		t.Fatalf("this test wants Redis 7 or later (%v, %v)", v, err)
+	// Redis 6.2 (REDIS_SERVER) has no SET NX GET: only the other path runs.
+	setGet, err := client.Eval(context.Background(), "return "+probe, nil).Bool()
+	if err != nil && err != redis.Nil {
+		t.Fatal(err)
 	}
 	if !strings.Contains(decideLua, probe) {
 		t.Fatalf("decide.lua no longer chooses its path with %q", probe)
 	}
 	for _, format := range []int{formatV1, formatV2} {
-		t.Run("SET NX GET, "+formatName(format), func(t *testing.T) { luaMatchesGoBucket(t, client, decideLua, format) })
+		t.Run("SET NX GET, "+formatName(format), func(t *testing.T) {
+			if !setGet {
+				t.Skip("the server is older than Redis 7.0: SET takes no NX and GET together, and the script does not use them")
+			}
+			luaMatchesGoBucket(t, client, decideLua, format)
+		})
 		client.FlushAll(context.Background())
 		t.Run("GET then SET, "+formatName(format), func(t *testing.T) {
 			luaMatchesGoBucket(t, client, strings.Replace(decideLua, probe, "false", 1), format)

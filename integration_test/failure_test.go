@@ -278,7 +278,7 @@ func redisClients(t *testing.T, srv *testredis.Server) clients {
 		}
 		subscribed := func(k string) bool { return fields[k] != "" && fields[k] != "0" }
 		switch {
-		case fields["cmd"] == "client|list":
+		case fields["cmd"] == "client|list" || fields["cmd"] == "client": // this one (6.2 names no subcommand)
 		case subscribed("sub") || subscribed("psub") || subscribed("ssub"):
 			c.subscribed++
 		default:

@@ -3,7 +3,14 @@
 -- decided atomically, in order. The same algorithm as bucket.go (rebase,
 -- decideBuckets, adjust); keep the two in step.
 --
--- KEYS   the buckets of every request, request after request
+-- KEYS   the buckets of every request, request after request; then every
+--        other key the call touches, once each: the override of each
+--        overridable bucket (<bucket>:override) and the learned usage of
+--        each bucket that learns (<bucket>:usage). The script names those
+--        from the bucket's key and reads them from no index: they are
+--        declared so that a server that refuses a script touching a key
+--        its call did not declare (Dragonfly, by default) runs it
+--        (wire.go, touchedKeys: the names, on the Go side).
 -- ARGV   first the format buckets are written in (1 or 2, see format.go);
 --        then the call's numbers in one string, little-endian doubles
 --        (exact: every value stays below 2^53), read by one struct.unpack:
@@ -168,7 +175,8 @@ end
 local function stored(key, value, interval)
   if type(value) == 'table' then -- an error reply
     if not string.find(value.err or '', 'WRONGTYPE', 1, true) then
-      error(value)
+      if redis.REDIS_VERSION_NUM then error(value) end
+      error(value.err, 0) -- Redis 6.2 cannot raise an error reply: its text
     end
     if redis.call('TYPE', key).ok == 'zset' then
       -- A concurrency policy's slots, left by an earlier config that gave
@@ -329,7 +337,8 @@ local function quota_kind()
     end
     if type(value) == 'table' then -- an error reply
       if not string.find(value.err or '', 'WRONGTYPE', 1, true) then
-        error(value)
+        if redis.REDIS_VERSION_NUM then error(value) end
+        error(value.err, 0) -- Redis 6.2 cannot raise an error reply: its text
       end
       if redis.call('TYPE', key).ok == 'zset' then
         return true, 0, 0, 0 -- a concurrency policy's slots: replaced
@@ -445,7 +454,9 @@ local function slots_kind()
     local expired = redis.pcall('ZREMRANGEBYSCORE', key, '-inf', now)
     if type(expired) == 'table' then
       if not string.find(expired.err or '', 'WRONGTYPE', 1, true) then
-        error(expired) -- an ACL without the command, not a key of another type
+        -- An ACL without the command, not a key of another type.
+        if redis.REDIS_VERSION_NUM then error(expired) end
+        error(expired.err, 0) -- Redis 6.2 cannot raise an error reply: its text
       end
       if redis.call('TYPE', key).ok ~= 'string' then
         return nil
@@ -757,5 +768,12 @@ if learned then
       end
     end
   end
+end
+-- Lua 5.3 and later (Dragonfly runs 5.4, Redis and Valkey 5.1) tell
+-- integers from floats, and a server replies a float as a double where
+-- Redis replies every number as an integer: the reply's numbers are all
+-- integers (below 2^53), so they are sent as such.
+if math.type then
+  for i = 1, n_out do out[i] = math.tointeger(out[i]) or out[i] end
 end
 return out
