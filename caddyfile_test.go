@@ -554,6 +554,7 @@ func TestCaddyfileErrors(t *testing.T) {
 		{"hot_keys", "twice", inPolicy("hot_keys off\n\thot_keys off " + mark)},
 		{"hot_keys", "on a quota", inQuota("hot_keys 100/1s " + mark)},
 		{"hot_keys", "on a settle policy", "policy s {\n\tkey {client_ip}\n\trate 100/1s\n\tsettle header X-Used\n\thot_keys 100/1s " + mark + "\n}\n"},
+		{"hot_keys", "on a charge_if policy", "policy s {\n\tkey {client_ip}\n\trate 100/1s\n\tcharge_if status 401\n\thot_keys 100/1s " + mark + "\n}\n"},
 		{"hot_keys", "on a concurrency limit", "policy c {\n\tkey {client_ip}\n\tconcurrent 3\n\thot_keys off " + mark + "\n}\n"},
 		{"ipv6_prefix", "policy: missing value", inPolicy("ipv6_prefix " + mark)},
 		{"ipv6_prefix", "policy: zero", inPolicy("ipv6_prefix 0 " + mark)},

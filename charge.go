@@ -466,6 +466,12 @@ func (aw *afterResponse) charges(err error) (reqs []bucketRequest, policies []*P
 			}
 		}
 		rq.op, rq.delta, rq.cost, rq.wait = opAdjust, delta, 0, 0
+		if delta < 0 {
+			// Only the tokens still due go back (bucket.go, givenBack): a
+			// long response's refund must not forgive what the bucket has
+			// refilled since.
+			rq.due = res.d.verdicts[a.i].due
+		}
 		reqs = append(reqs, rq)
 		charged = append(charged, k)
 	}

@@ -63,7 +63,7 @@ func encodeCall(batch []*pending, format int) []any {
 			amount, wait := rq.cost, rq.wait
 			switch {
 			case rq.op == opAdjust:
-				amount = rq.delta
+				amount, wait = rq.delta, rq.due // a give-back's tokens' due (bucket.go, givenBack)
 			case rq.op == opFree:
 				args = append(args, rq.events)
 				amount, wait = rq.delta, int64(len(args)-argv)

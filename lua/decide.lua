@@ -28,6 +28,11 @@
 --                    or given back (< 0); slots: the lease's member (a
 --                    string); free: the µs a lease must have left to be kept
 --          wait      take: µs ahead a slot may be reserved (policy `wait`);
+--                    adjust: for a give-back (amount < 0), the Redis µs at
+--                    which the last token given back is due (0: any): only
+--                    those still due go back; negative for a hot key's
+--                    block, given back only while the TAT is not past its
+--                    own (bucket.go, givenBack);
 --                    slots: the channel of events between instances (a
 --                    string)
 --        a quota bucket (codes 12 take, 13 check, 14 adjust, 15 inspect,
@@ -481,6 +486,16 @@ while arg <= n_args do
         after[i] = tat + amount * interval
       elseif code == ADJUST then
         local delta = amount -- tokens charged (> 0) or given back (< 0): Go's bucketRequest.delta
+        local due = A[arg + 5] -- a give-back's last token is due then (0: any): only those still due go back
+        if delta < 0 and due ~= 0 then
+          if due < 0 then -- a hot key's block: only while no token was taken after its own
+            due = -due
+            if tat > due then delta = 0 end
+          end
+          local left = 0
+          if due > now then left = ceil((due - now) / interval) end
+          if -delta > left then delta = -left end
+        end
         slack = slack or A[arg + 3]
         after[i] = min(tat + delta * interval, now + tau + slack)
         if after[i] <= now then after[i] = 0 end -- never beyond a full bucket
