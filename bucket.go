@@ -250,18 +250,20 @@ func (l limit) adjust(tat, now, delta, due int64) int64 {
 // given back, it would be handed out twice, and a give-back that reached
 // the store late (a long response's refund, a block's unspent tokens)
 // would forgive what the window spent. A block's give-back (due < 0, its
-// tokens due by -due) goes back only while no token was taken after its
-// own (base at most -due): a block held elsewhere is spent on the schedule
-// of the TAT it was taken at, and moving its tokens forward in the line
-// would let its holder and a new take spend the same due times. Lua
+// tokens due by -due) goes back only while its tokens end the bucket's
+// line (base is -due): no token was taken after them, as a block held
+// elsewhere is spent on the schedule of the TAT it was taken at, and
+// moving its tokens forward in the line would let its holder and a new
+// take spend the same due times; nor did the line move back since (a
+// reset, a grant, another limit), which gave them back already. Lua
 // evaluates the same double expression.
 func (l limit) givenBack(delta, base, now, due int64) int64 {
 	if delta >= 0 || due == 0 {
 		return delta
 	}
 	if due < 0 {
-		if due = -due; base > due {
-			return 0 // taken after them: they stay, and lapse
+		if due = -due; base != due {
+			return 0 // not the end of the line: they stay, and lapse
 		}
 	}
 	left := int64(0)

@@ -31,7 +31,7 @@ import (
 
 // hotKeys is one Redis connection's hot keys, shared by every config on it.
 type hotKeys struct {
-	store  *redisStore // fetches blocks and gives them back
+	store  blockStore // decides what blocks do not, fetches blocks and gives them back
 	seed   maphash.Seed
 	now    func() int64 // monotonic µs
 	rates  hotkey.Rates
@@ -98,8 +98,23 @@ type hotKey struct {
 	counted int64
 }
 
+// blockStore is what the hot keys need of the store behind them (the
+// Redis store; the simulation's, sim_test.go): a decision in one call, a
+// block's take, and work sent with the next call.
+type blockStore interface {
+	decideShared(ctx context.Context, reqs []bucketRequest) (decision, error)
+	takeBlock(rq bucketRequest, urgent bool, then func(blockReply))
+	decideAfter(reqs []bucketRequest, then func(decision, error))
+}
+
 func newHotKeys(conn *redisConn) *hotKeys {
-	h := &hotKeys{store: &redisStore{conn: conn}, seed: maphash.MakeSeed(), now: monotonicMicros, stop: make(chan struct{}), wait: conn.callTimeout}
+	return newHotKeysOn(&redisStore{conn: conn}, monotonicMicros, conn.callTimeout)
+}
+
+// newHotKeysOn is the hot keys of a store, on a clock of µs, waiting at
+// most wait for a block on its way.
+func newHotKeysOn(store blockStore, now func() int64, wait time.Duration) *hotKeys {
+	h := &hotKeys{store: store, seed: maphash.MakeSeed(), now: now, stop: make(chan struct{}), wait: wait}
 	for i := range h.shards {
 		h.shards[i].keys = map[string]*hotKey{}
 	}
@@ -438,8 +453,8 @@ type blockReply struct {
 	// at (or before) which the call was sent; received: the local µs at (or
 	// after) which the reply came back.
 	tat, redisNow, sent, received int64
-	limit                   limit // decided under
-	remaining               int64
+	limit                         limit // decided under
+	remaining                     int64
 }
 
 // land adds a block that came back to its key's ledger, or gives it back

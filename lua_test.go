@@ -513,8 +513,8 @@ func luaMatchesGoBucket(t *testing.T, client *redis.Client, script string, forma
 	}
 	ops := []bucketOp{opTake, opTake, opTake, opTake, opTake, opCheck, opAdjust, opAdjust, opInspect}
 	learns := func(li int) bool { return li == 2 || li == 3 } // settle policies
-	var lastNow int64                                          // Redis's clock in the last call
-	var model map[string]storedBucket                          // the Go side's own state
+	var lastNow int64                                         // Redis's clock in the last call
+	var model map[string]storedBucket                         // the Go side's own state
 	randomRequest := func() []bucketRequest {
 		if rng.IntN(40) == 0 { // an operator's reset
 			li := rng.IntN(len(limits))

@@ -31,8 +31,8 @@
 --                    adjust: for a give-back (amount < 0), the Redis µs at
 --                    which the last token given back is due (0: any): only
 --                    those still due go back; negative for a hot key's
---                    block, given back only while the TAT is not past its
---                    own (bucket.go, givenBack);
+--                    block, given back only while the TAT is its own end
+--                    (bucket.go, givenBack);
 --                    slots: the channel of events between instances (a
 --                    string)
 --        a quota bucket (codes 12 take, 13 check, 14 adjust, 15 inspect,
@@ -488,9 +488,9 @@ while arg <= n_args do
         local delta = amount -- tokens charged (> 0) or given back (< 0): Go's bucketRequest.delta
         local due = A[arg + 5] -- a give-back's last token is due then (0: any): only those still due go back
         if delta < 0 and due ~= 0 then
-          if due < 0 then -- a hot key's block: only while no token was taken after its own
+          if due < 0 then -- a hot key's block: only while its tokens end the line
             due = -due
-            if tat > due then delta = 0 end
+            if tat ~= due then delta = 0 end
           end
           local left = 0
           if due > now then left = ceil((due - now) / interval) end

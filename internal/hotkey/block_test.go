@@ -198,8 +198,8 @@ func (g *gcra) take(now, cost, wait int64) (int64, bool) {
 // those still due, and only when no token was taken after them (the
 // script's givenBack for a block's give-back).
 func (g *gcra) giveBack(now, tokens, due int64) {
-	if max(g.tat, now) > due {
-		tokens = 0 // taken after them: they stay, and lapse
+	if max(g.tat, now) != due {
+		tokens = 0 // not the end of the line: they stay, and lapse
 	}
 	if due > now {
 		tokens = min(tokens, (due-now+g.interval-1)/g.interval)

@@ -1,5 +1,7 @@
 package hotkey
 
+import "slices"
+
 // MaxBlocks bounds the blocks one key holds on an instance: one more is
 // fetched only while what is held is below the lead (see Size), so a
 // ledger at its bound holds several leads' worth.
@@ -64,6 +66,15 @@ func (l *Ledger) Add(b Block, now int64) bool {
 	l.blocks[l.n] = b
 	l.n++
 	return true
+}
+
+// End is the store's µs at which the last token held is due (0: none).
+func (l *Ledger) End() int64 {
+	var end int64
+	for i := range l.n {
+		end = max(end, l.blocks[i].End)
+	}
+	return end
 }
 
 // Blocks is the number of blocks held.
@@ -247,7 +258,7 @@ func (b *Block) dropEmptyHoles() {
 
 // Expire drops the blocks taken before now − maxAge, and those with
 // nothing left at now, and returns what is left of them, for the caller to
-// give back.
+// give back, the latest taken first (see Drop).
 func (l *Ledger) Expire(now, maxAge int64) (returned []Return) {
 	k := 0
 	for i := range l.n {
@@ -263,12 +274,16 @@ func (l *Ledger) Expire(now, maxAge int64) (returned []Return) {
 		k++
 	}
 	l.n = k
+	slices.Reverse(returned)
 	return returned
 }
 
-// Drop drops every block and returns what is left of them at now.
+// Drop drops every block and returns what is left of them at now, the
+// latest taken first: a block's tokens go back only while they end the
+// bucket's line, which the later blocks' going back first leaves them
+// doing.
 func (l *Ledger) Drop(now int64) (returned []Return) {
-	for i := range l.n {
+	for i := l.n - 1; i >= 0; i-- {
 		if left := l.blocks[i].live(now); left > 0 {
 			returned = append(returned, Return{Tokens: left, Due: l.blocks[i].End})
 		}
