@@ -206,9 +206,12 @@ func (l limit) rebase(tat, storedInterval, now int64) int64 {
 	}
 	ahead := tat - now
 	if storedInterval != l.interval && storedInterval > 0 {
-		// The tokens owed, ahead/storedInterval, at the current interval.
+		// The tokens owed, ahead/storedInterval, at the current interval,
+		// rounded up: a µs rounded away at each change of limit would let
+		// a token go early (found by the simulation: instances on two
+		// limits during a reload read each other's writes, each rounding).
 		// Lua evaluates this double expression the same way.
-		ahead = int64(math.Floor(float64(ahead) * float64(l.interval) / float64(storedInterval)))
+		ahead = int64(math.Ceil(float64(ahead) * float64(l.interval) / float64(storedInterval)))
 	}
 	return now + min(ahead, l.tau()+l.slack)
 }

@@ -469,7 +469,7 @@ while arg <= n_args do
       if tat > now then
         local ahead = tat - now
         if interval_now[bucket] ~= interval then
-          ahead = floor(ahead * interval / interval_now[bucket])
+          ahead = ceil(ahead * interval / interval_now[bucket]) -- rounded up, as bucket.go
         end
         slack = slack or A[arg + 3]
         tat = now + min(ahead, tau + slack)
