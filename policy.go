@@ -284,6 +284,9 @@ type afterRule struct {
 	debt     int64
 	lost     [numLostReasons]prometheus.Counter
 	logs     *[numLostReasons]lostLog
+	// failed limits the lines of the provider's errors given back
+	// (charge_failed.go).
+	failed *lostLog
 }
 
 // slotMetrics are a slot policy's metrics: in flight on this instance,
@@ -563,7 +566,7 @@ func (p *Policy) provision(ctx caddy.Context, h *Handler) error {
 	for reason := range numLostReasons {
 		p.after.lost[reason] = chargesLost.WithLabelValues(p.Name, lostReasonNames[reason])
 	}
-	p.after.logs = new([numLostReasons]lostLog)
+	p.after.logs, p.after.failed = new([numLostReasons]lostLog), new(lostLog)
 	p.slots.inFlight = inFlight.WithLabelValues(p.Name)
 	p.slots.expired = leasesExpired.WithLabelValues(p.Name)
 	p.slots.retries = releaseRetries.WithLabelValues(p.Name)
