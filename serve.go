@@ -29,6 +29,9 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	res := admissions.Get().(*admission)
 	defer res.recycle()
 	if err := h.match(r, repl, rs, res); err != nil {
+		if errors.Is(err, errTwoCredentials) {
+			return refuseTwoCredentials(w, r.Header) // credential.go
+		}
 		return err
 	}
 	if len(res.reqs) == 0 && len(res.adaptive) == 0 {
@@ -162,6 +165,9 @@ func (h *Handler) match(r *http.Request, repl *caddy.Replacer, rs *requestState,
 		}
 		p = p.planned(r, repl) // the policy as the request's plan limits it
 		key, identity := p.fixedKey, p.keyTmpl.text
+		if key == "" && !p.shadow && p.keyTmpl.usesCredential() && twoCredentials(r.Header) != nil {
+			return errTwoCredentials // one credential a request (credential.go)
+		}
 		if key == "" {
 			identity = p.key(r, repl)
 			key = p.storageKey(h.hasher, identity)
