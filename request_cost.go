@@ -1,6 +1,7 @@
 package ratelimit
 
 import (
+	"errors"
 	"net/http"
 
 	"github.com/ratelimit-caddy/caddy-ratelimit/internal/llm"
@@ -22,4 +23,40 @@ func requestBodyOf(r *http.Request, rs *requestState) llm.Request {
 		rs.body, rs.bodyRead = llm.ReadRequest(r), true
 	}
 	return rs.body
+}
+
+// unboundedRefuse is `unbounded refuse`; unboundedMax, its default.
+const (
+	unboundedMax    = "max"
+	unboundedRefuse = "refuse"
+)
+
+// checkUnbounded checks `cost openai ... unbounded <max|refuse>`.
+func (p *Policy) checkUnbounded() error {
+	p.costs.refuse = p.Unbounded == unboundedRefuse
+	switch {
+	case p.Unbounded == "":
+		return nil
+	case p.Unbounded != unboundedMax && p.Unbounded != unboundedRefuse:
+		return fieldErr("cost", "cost: unbounded %q is not max or refuse", p.Unbounded)
+	case string(p.Cost) != costOpenAI:
+		return fieldErr("cost", "cost: unbounded is for cost openai, which reads the answer's ceiling from the body")
+	}
+	return nil
+}
+
+// errUnbounded refuses a request whose body does not bound its answer,
+// for a policy with `unbounded refuse`.
+var errUnbounded = errors.New("an answer without a ceiling")
+
+// refuseUnbounded answers a request whose body does not bound its answer:
+// 400, a problem saying what to send.
+func refuseUnbounded(w http.ResponseWriter) error {
+	return writeProblem(w, problem{
+		Type:   "about:blank",
+		Title:  "Output Without a Ceiling",
+		Status: http.StatusBadRequest,
+		Detail: "This gateway needs a ceiling on the answer: set max_tokens (max_completion_tokens, max_output_tokens), " +
+			"and do not ask for a background response, whose usage it cannot see.",
+	})
 }

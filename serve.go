@@ -29,8 +29,11 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	res := admissions.Get().(*admission)
 	defer res.recycle()
 	if err := h.match(r, repl, rs, res); err != nil {
-		if errors.Is(err, errTwoCredentials) {
+		switch {
+		case errors.Is(err, errTwoCredentials):
 			return refuseTwoCredentials(w, r.Header) // credential.go
+		case errors.Is(err, errUnbounded):
+			return refuseUnbounded(w) // request_cost.go
 		}
 		return err
 	}
@@ -167,6 +170,9 @@ func (h *Handler) match(r *http.Request, repl *caddy.Replacer, rs *requestState,
 		key, identity := p.fixedKey, p.keyTmpl.text
 		if key == "" && !p.shadow && p.keyTmpl.usesCredential() && twoCredentials(r.Header) != nil {
 			return errTwoCredentials // one credential a request (credential.go)
+		}
+		if p.costs.refuse && !p.shadow && requestBodyOf(r, rs).Unbounded() {
+			return errUnbounded // unbounded refuse (request_cost.go)
 		}
 		if key == "" {
 			identity = p.key(r, repl)
