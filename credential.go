@@ -1,7 +1,6 @@
 package ratelimit
 
 import (
-	"errors"
 	"fmt"
 	"net/http"
 	"slices"
@@ -73,10 +72,6 @@ func credential(h http.Header) string {
 // without a credential shares. The official SDKs send one; the same value
 // in several fields is one credential.
 
-// errTwoCredentials refuses a request that carries two different
-// credentials, for a policy keyed on the credential.
-var errTwoCredentials = errors.New("two different credentials")
-
 // twoCredentials is the credential fields of h when it carries two
 // different credentials (their names, not their values), else nil.
 func twoCredentials(h http.Header) []string {
@@ -114,16 +109,13 @@ func (t template) usesCredential() bool {
 	return t.cred || strings.Contains(t.text, "{"+credentialPlaceholder+"}")
 }
 
-// refuseTwoCredentials answers a request that carries two different
-// credentials: 400, a problem naming the fields (never their values).
-func refuseTwoCredentials(w http.ResponseWriter, h http.Header) error {
-	return writeProblem(w, problem{
-		Type:   "about:blank",
-		Title:  "Two Credentials",
-		Status: http.StatusBadRequest,
-		Detail: "The request carries two different credentials (" + strings.Join(twoCredentials(h), ", ") +
-			"): send one. Which of them the provider would read cannot be known, so the request is refused before it.",
-	})
+// twoCredentialsRefusal refuses a request carrying two different
+// credentials (its header h), for policy p: the fields named, never their
+// values.
+func twoCredentialsRefusal(p *Policy, h http.Header) *refusal {
+	return &refusal{policy: p, code: "two_credentials", title: "Two Credentials",
+		detail: "The request carries two different credentials (" + strings.Join(twoCredentials(h), ", ") +
+			"): send one. Which of them the provider would read cannot be known, so the request is refused before it."}
 }
 
 // A policy warns when at least emptyKeyShare of its requests since it last

@@ -1,7 +1,6 @@
 package ratelimit
 
 import (
-	"errors"
 	"net/http"
 
 	"github.com/ratelimit-caddy/caddy-ratelimit/internal/llm"
@@ -45,18 +44,10 @@ func (p *Policy) checkUnbounded() error {
 	return nil
 }
 
-// errUnbounded refuses a request whose body does not bound its answer,
-// for a policy with `unbounded refuse`.
-var errUnbounded = errors.New("an answer without a ceiling")
-
-// refuseUnbounded answers a request whose body does not bound its answer:
-// 400, a problem saying what to send.
-func refuseUnbounded(w http.ResponseWriter) error {
-	return writeProblem(w, problem{
-		Type:   "about:blank",
-		Title:  "Output Without a Ceiling",
-		Status: http.StatusBadRequest,
-		Detail: "This gateway needs a ceiling on the answer: set max_tokens (max_completion_tokens, max_output_tokens), " +
-			"and do not ask for a background response, whose usage it cannot see.",
-	})
+// unboundedRefusal refuses a request whose body does not bound its answer,
+// for policy p (`unbounded refuse`).
+func unboundedRefusal(p *Policy) *refusal {
+	return &refusal{policy: p, code: "ceiling_required", title: "Output Without a Ceiling",
+		detail: "This gateway needs a ceiling on the answer: set max_tokens (max_completion_tokens, max_output_tokens), " +
+			"and do not ask for a background response, whose usage it cannot see."}
 }

@@ -29,11 +29,8 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	res := admissions.Get().(*admission)
 	defer res.recycle()
 	if err := h.match(r, repl, rs, res); err != nil {
-		switch {
-		case errors.Is(err, errTwoCredentials):
-			return refuseTwoCredentials(w, r.Header) // credential.go
-		case errors.Is(err, errUnbounded):
-			return refuseUnbounded(w) // request_cost.go
+		if rf := (*refusal)(nil); errors.As(err, &rf) {
+			return h.refuse(w, rf) // refusal.go
 		}
 		return err
 	}
@@ -169,10 +166,10 @@ func (h *Handler) match(r *http.Request, repl *caddy.Replacer, rs *requestState,
 		p = p.planned(r, repl) // the policy as the request's plan limits it
 		key, identity := p.fixedKey, p.keyTmpl.text
 		if key == "" && !p.shadow && p.keyTmpl.usesCredential() && twoCredentials(r.Header) != nil {
-			return errTwoCredentials // one credential a request (credential.go)
+			return twoCredentialsRefusal(p, r.Header) // one credential a request (credential.go)
 		}
 		if p.costs.refuse && !p.shadow && requestBodyOf(r, rs).Unbounded() {
-			return errUnbounded // unbounded refuse (request_cost.go)
+			return unboundedRefusal(p) // unbounded refuse (request_cost.go)
 		}
 		if key == "" {
 			identity = p.key(r, repl)
