@@ -89,7 +89,7 @@ func TestServeHTTPOverride(t *testing.T) {
 	if l := list(); len(l) != 1 || l[0].Note != "contract 1" || l[0].describe() != "rate 100/1h burst 20" || l[0].Key != h.Policies[0].storageKey(h.hasher, "acme") {
 		t.Fatalf("list: %+v", l)
 	}
-	status, body = adminDo(t, "GET", "/rate_limit/inspect?policy=ovr_unit&identity=acme", "")
+	status, body = adminDo(t, "POST", "/rate_limit/inspect", `{"policy":"ovr_unit","identity":"acme"}`)
 	var st bucketState
 	if err := json.Unmarshal([]byte(body), &st); status != 200 || err != nil || st.Override == nil || st.Burst != 20 || st.Rate != "100/1h" || st.Tokens != 14 {
 		t.Fatalf("inspect: %d %s", status, body)
@@ -175,7 +175,7 @@ func TestServeHTTPQuotaOverride(t *testing.T) {
 	if x := get("bob-" + acme); q(x) != 5 {
 		t.Fatalf("another identity: q=%d, want the policy's 5", q(x))
 	}
-	status, body := adminDo(t, "GET", "/rate_limit/inspect?policy=qovr_unit&identity="+acme, "")
+	status, body := adminDo(t, "POST", "/rate_limit/inspect", `{"policy":"qovr_unit","identity":"`+acme+`"}`)
 	var st bucketState
 	if err := json.Unmarshal([]byte(body), &st); status != 200 || err != nil || st.Override == nil || st.Override.describe() != "quota 8/year" ||
 		st.Quota != 8 || st.Used == nil || *st.Used != 6 || st.Tokens != 2 {

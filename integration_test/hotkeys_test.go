@@ -585,7 +585,7 @@ func TestHotKeyChangesReachBlocks(t *testing.T) {
 		fleet := []*instance{startCaddy(t, decidedByRedis(srv.Addr, hotPolicy()), respond()), startCaddy(t, decidedByRedis(srv.Addr, hotPolicy()), respond())}
 		var held string
 		admitted, changed := admissionsUnder(t, fleet, 5*time.Second, 2*time.Second, "tenant-override", nil, func() {
-			_, held = adminCall(t, fleet[1], "GET", "/rate_limit/inspect?policy=api_wide&identity=tenant-override", "")
+			_, held = adminCall(t, fleet[1], "POST", "/rate_limit/inspect", `{"policy":"api_wide","identity":"tenant-override"}`)
 			status, body := adminCall(t, fleet[0], "POST", "/rate_limit/override", `{"policy":"api_wide","identity":"tenant-override","rate":"500/1s","burst":50}`)
 			if status != 200 {
 				t.Errorf("override: %d %s", status, body)
