@@ -38,7 +38,8 @@ import (
 //     null; the usage recorded is what it bills later.
 //
 // X-Cut: <bytes> stops a stream after that much text, and waits for the
-// client to go.
+// client to go; X-Provider-Status: <4xx or 5xx> answers that error, without
+// usage.
 type sdkProvider struct {
 	addr string
 	mu   sync.Mutex
@@ -146,6 +147,13 @@ func (pp *promptParts) content(v any) {
 
 func (p *sdkProvider) serve(w http.ResponseWriter, r *http.Request) {
 	raw, _ := io.ReadAll(r.Body)
+	if v, err := strconv.Atoi(r.Header.Get("X-Provider-Status")); err == nil && v >= 400 {
+		// The provider's error: no usage, as providers answer one.
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(v)
+		fmt.Fprintf(w, `{"error":{"message":"the provider failed (%d)","type":"server_error","param":null,"code":null}}`, v)
+		return
+	}
 	var req map[string]any
 	if err := json.Unmarshal(raw, &req); err != nil && r.Method == "POST" {
 		http.Error(w, `{"error":{"message":"not JSON"}}`, 400)
