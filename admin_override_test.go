@@ -80,8 +80,8 @@ func TestServeHTTPOverride(t *testing.T) {
 	if status != 200 {
 		t.Fatalf("setting an override: %d %s", status, body)
 	}
-	if x := get(); x.status != 200 || q(x) != 100 || r(x) != 14 {
-		t.Fatalf("under the override: %d q=%d r=%d, want 200 q=100 r=14", x.status, q(x), r(x))
+	if x := get(); x.status != 200 || q(x) != 100 || r(x) != 14 || fields(t, x.header, "RateLimit-Policy")["ovr_unit"]["burst"] != 20 {
+		t.Fatalf("under the override: %d q=%d r=%d, RateLimit-Policy %s; want 200 q=100 r=14, its burst 20 (the limit in force)", x.status, q(x), r(x), x.header.Get("RateLimit-Policy"))
 	}
 	if x := serve([]*Handler{h}, nil, "X-User", "bob"); q(x) != 5 {
 		t.Fatalf("another identity: q=%d, want the policy's 5", q(x))

@@ -8,6 +8,8 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/fleet"
 )
 
 // Plans: one policy whose limit depends on the request. A policy with a
@@ -258,7 +260,7 @@ func (p *Policy) planShape() string {
 		if lim == nil {
 			continue
 		}
-		fmt.Fprintf(&b, " %s %+v;", name, *lim)
+		fmt.Fprintf(&b, " %s %s;", name, fleet.PlanLimit(lim.Rate, lim.Burst, lim.MaxCost, lim.Concurrent, lim.Quota)) // as the Caddyfile writes it
 	}
 	b.WriteString(" }")
 	return b.String()

@@ -13,7 +13,9 @@ import (
 	"encoding/base64"
 	"encoding/hex"
 	"encoding/json"
+	"regexp"
 	"slices"
+	"strconv"
 	"strings"
 )
 
@@ -157,11 +159,50 @@ func Digest(raw []byte) string {
 	return base64.RawURLEncoding.EncodeToString(sum[:9])
 }
 
-// Decode reads a stored record.
+// Decode reads a stored record. A plan's limit written by the release
+// before this one (v0.4.0), a Go struct's dump (`pro {Rate:60/1h Burst:20
+// MaxCost:0 Concurrent:0 Quota:};`), is read as this one writes it (`pro
+// rate 60/1h burst 20;`), so that a fleet mixing the two agrees on a policy
+// both enforce alike, and shows it as a Caddyfile says it.
 func Decode(raw []byte) (Record, error) {
 	var r Record
 	err := json.Unmarshal(raw, &r)
+	for i := range r.Policies {
+		r.Policies[i].Limit = planDumps.ReplaceAllStringFunc(r.Policies[i].Limit, planOfDump)
+	}
 	return r, err
+}
+
+// planDumps are the plan limits the release before this one wrote.
+var planDumps = regexp.MustCompile(`\{Rate:(\S*) Burst:(\d+) MaxCost:(\d+) Concurrent:(\d+) Quota:(\S*)\}`)
+
+// planOfDump is a dumped plan limit as PlanLimit writes it.
+func planOfDump(dump string) string {
+	m := planDumps.FindStringSubmatch(dump)
+	atoi := func(s string) int64 { n, _ := strconv.ParseInt(s, 10, 64); return n }
+	return PlanLimit(m[1], atoi(m[2]), atoi(m[3]), atoi(m[4]), m[5])
+}
+
+// PlanLimit is a plan's limit as the Caddyfile writes it: `rate <N>/<d>
+// burst <n> cost max <n>`, `concurrent <n>` or `quota <N>`, each part given.
+func PlanLimit(rate string, burst, maxCost, concurrent int64, quota string) string {
+	var parts []string
+	if rate != "" {
+		parts = append(parts, "rate "+rate)
+	}
+	if burst != 0 {
+		parts = append(parts, "burst "+strconv.FormatInt(burst, 10))
+	}
+	if maxCost != 0 {
+		parts = append(parts, "cost max "+strconv.FormatInt(maxCost, 10))
+	}
+	if concurrent != 0 {
+		parts = append(parts, "concurrent "+strconv.FormatInt(concurrent, 10))
+	}
+	if quota != "" {
+		parts = append(parts, "quota "+quota)
+	}
+	return strings.Join(parts, " ")
 }
 
 // Variant is one way a policy is enforced, and the instances enforcing it

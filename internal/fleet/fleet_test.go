@@ -171,3 +171,22 @@ func TestFleets(t *testing.T) {
 		t.Errorf("fleets\n got %v\nwant %v", b, want)
 	}
 }
+
+// TestDecodeOldPlans: a plan's limit that the release before this one
+// wrote as a Go struct's dump is read as this one writes it (as a
+// Caddyfile says it), so that a mixed fleet agrees on a policy both
+// enforce alike.
+func TestDecodeOldPlans(t *testing.T) {
+	old := `{"id":"a","policies":[{"name":"per_tenant","key_prefix":"rl:","limit":"kind rate, rate 10/1m, burst 10, plan {http.request.header.X-Plan} { pro {Rate:60/1h Burst:20 MaxCost:0 Concurrent:0 Quota:}; team {Rate: Burst:0 MaxCost:5 Concurrent:0 Quota:}; }","key":"{client_ip}","key_secret":"none"}]}`
+	r, err := Decode([]byte(old))
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := "kind rate, rate 10/1m, burst 10, plan {http.request.header.X-Plan} { pro rate 60/1h burst 20; team cost max 5; }"
+	if got := r.Policies[0].Limit; got != want {
+		t.Errorf("read %q, want %q", got, want)
+	}
+	if got := PlanLimit("", 0, 0, 3, ""); got != "concurrent 3" {
+		t.Errorf("PlanLimit: %q", got)
+	}
+}
