@@ -135,11 +135,11 @@ type bucketRequest struct {
 	// bucket.
 	overrideWait, overrideDebt int64
 	// learns: the bucket's key learns its usage (learned_usage.go): an
-	// opTake is raised to what it learned, an opAdjust remembers record
-	// (0: a settle within asked, the request's own reservation), an
-	// opReset forgets.
-	learns        bool
-	asked, record int64
+	// opTake is raised by what its key learned of requests of its class,
+	// an opAdjust remembers record (the usage beyond asked, the request's
+	// own reservation: 0 within it) in class (asked's), an opReset forgets.
+	learns               bool
+	asked, record, class int64
 }
 
 // counter is a metric that counts (a Prometheus counter).

@@ -49,6 +49,30 @@ func (res *admission) retryable(wait, ra int64) bool {
 	return true
 }
 
+// refundableWait reports whether a denial waits only for tokens that
+// reservations hold, which their responses may give back (charge_if,
+// settle): every policy that denied gives back after its responses, its
+// bucket owes nothing beyond empty (no debt: the wait is not a usage
+// already made), and the cost can fit. Such a wait may end with the next
+// response: the client is told to come back within maxRetryWait, never
+// not to retry (`x-should-retry: false`) — a tenant whose requests in
+// flight reserved its budget would otherwise be sent away for the hours
+// the bucket takes to refill, though their refunds come in seconds.
+func (res *admission) refundableWait() bool {
+	denied := false
+	for i, v := range res.d.verdicts {
+		p := res.shown[i]
+		if v.allowed || p.shadow || p.kind == kindShed {
+			continue
+		}
+		if !p.givesBack() || res.shownReqs[i].quota != nil || v.remaining < 0 || v.untilFits == neverFits {
+			return false
+		}
+		denied = true
+	}
+	return denied
+}
+
 // writeDenial writes the body of a 429, in the error_format of the first
 // denying policy that sets one, or else the handler's: a problem (RFC
 // 9457) by default.

@@ -558,8 +558,11 @@ func luaMatchesGoBucket(t *testing.T, client *redis.Client, script string, forma
 				if rq.delta == 0 {
 					rq.delta = 3
 				}
-				if rq.learns && rng.IntN(3) == 0 {
-					rq.record = 1 + rng.Int64N(2*l.burst) // a settle beyond its own reservation
+				if rq.learns {
+					rq.class = 1 + rng.Int64N(3) // the class of the settled request's reservation
+					if rng.IntN(3) == 0 {
+						rq.record = 1 + rng.Int64N(2*l.burst) // a settle beyond its own reservation
+					}
 				}
 				if rq.delta < 0 && rng.IntN(3) > 0 {
 					// A give-back of tokens due around the bucket's TAT, or
@@ -621,7 +624,11 @@ func luaMatchesGoBucket(t *testing.T, client *redis.Client, script string, forma
 				at += replyWidthOf(rq)
 				if rq.learns {
 					l := learnedModel[rq.key]
-					lv[i] = l.max()
+					if rq.op == opTake {
+						lv[i] = l.raise(reservationClass(rq.cost), rq.cost)
+					} else {
+						lv[i] = l.most()
+					}
 				}
 			}
 			decided := withLearned(reqs, lv)
@@ -659,7 +666,7 @@ func luaMatchesGoBucket(t *testing.T, client *redis.Client, script string, forma
 					delete(learnedModel, rq.key)
 				case rq.op == opAdjust:
 					l := learnedModel[rq.key]
-					if l.push(rq.record) {
+					if l.push(rq.class, rq.record) {
 						learnedModel[rq.key] = l
 						remembered++
 					}

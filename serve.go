@@ -496,7 +496,11 @@ func (h *Handler) deny(w http.ResponseWriter, r *http.Request, rs *requestState,
 			ra = res.paced(r, key, wait, stride, h.jitter)
 		}
 	}
-	setRetryFields(w.Header(), ra, res.retryable(wait, ra)) // denial_shape.go
+	retry := res.retryable(wait, ra)
+	if res.refundableWait() { // denial_shape.go
+		ra, retry = min(ra, maxRetryWait), true
+	}
+	setRetryFields(w.Header(), ra, retry) // denial_shape.go
 	h.report(w, rs, res, ra)
 	if ce := h.logger.Check(zap.DebugLevel, "rate limit exceeded"); ce != nil {
 		ce.Write(zap.Strings("policies", violated), zap.Int64("retry_after", ra))

@@ -75,8 +75,12 @@ func encodeCall(batch []*pending, format int) []any {
 			if rq.overridable { // the policy's rule for an override's slack (override.go)
 				nums = nums.add(rq.overrideWait).add(rq.overrideDebt)
 			}
-			if rq.learns { // the usage a settle remembers (learned_usage.go)
-				nums = nums.add(rq.record)
+			if rq.learns { // the class of a take, or of a settle's reservation and what it remembers (learned_usage.go)
+				class := rq.class
+				if rq.op != opAdjust {
+					class = reservationClass(rq.cost)
+				}
+				nums = nums.add(class).add(rq.record)
 			}
 		}
 	}
