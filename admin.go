@@ -96,10 +96,10 @@ type bucketState struct {
 	// Granted is what grant gave back (at most what makes the bucket full:
 	// 0 for a full one).
 	Granted *int64 `json:"granted,omitempty"`
-	// Learned, for a settle policy: the largest usage of the key's recent
-	// settles that used more than they reserved, which its requests now
-	// reserve at least (at most the burst); 0 when none did. A reset
-	// forgets it.
+	// Learned, for a settle policy: the most the key's recent settles used
+	// beyond their reservations; a request reserves its own cost plus a
+	// high percentile of what requests of its size used beyond theirs (at
+	// most the burst); 0 when none did. A reset forgets it.
 	Learned *int64 `json:"learned,omitempty"`
 	// A concurrent policy's slots, and those held now (Tokens: those free);
 	// after a reset, the running requests' (kept), and Dropped, the stale

@@ -262,7 +262,7 @@ func printAnswer(w io.Writer, action string, raw []byte) error {
 			fmt.Fprintf(tw, "blocks here\t%d tokens in %d blocks, taken and not spent yet (a hot key on this instance)\n", st.BlocksHere.Tokens, st.BlocksHere.Blocks)
 		}
 		if st.Learned != nil && *st.Learned > 0 {
-			fmt.Fprintf(tw, "learned\t%d: its recent requests used up to this beyond their reservations; each now reserves at least this (at most the burst)\n", *st.Learned)
+			fmt.Fprintf(tw, "learned\t%d: its recent requests used up to this beyond their reservations; a request like them reserves what they used beyond (at most the burst)\n", *st.Learned)
 		}
 		printPlanAndOverride(tw, st) // command_override.go
 		if err := tw.Flush(); err != nil {
