@@ -422,9 +422,10 @@ func (aw *afterResponse) charges(err error) (reqs []bucketRequest, policies []*P
 			}
 		}
 		// Caddy's own error, the upstream not reached or not answering (a
-		// 502, a 504): nothing was generated. A client gone first keeps the
-		// rule of a cut stream: the upstream may be generating.
-		failed, aw.status = !gone && !succeeded(status), status
+		// 502, a 504 of a dial): nothing was generated (charge_failed.go).
+		// A client gone first keeps the rule of a cut stream, and so does a
+		// timeout waiting for the answer: the upstream may be generating.
+		failed, aw.status = !gone && !succeeded(status) && (status != http.StatusGatewayTimeout || unreached(err)), status
 		if res.fieldsSent {
 			res.writeFields(aw.Header(), rs, true) // Caddy writes the error's response with them
 		}

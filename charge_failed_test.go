@@ -3,6 +3,7 @@ package ratelimit
 import (
 	"context"
 	"errors"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"strconv"
@@ -38,7 +39,10 @@ func TestServeHTTPProviderFailure(t *testing.T) {
 		{"500", `{"max_tokens":100,"messages":[]}`, 500, nil, `{"error":{}}`, 0},
 		{"529 overloaded (Anthropic)", `{"max_tokens":100,"messages":[]}`, 529, nil, `{"type":"error","error":{"type":"overloaded_error"}}`, 0},
 		{"Caddy's 502: the provider down", `{"max_tokens":100,"messages":[]}`, 0, caddyhttp.Error(http.StatusBadGateway, errors.New("dial tcp: connection refused")), "", 0},
-		{"Caddy's 504: the provider too slow", `{"max_tokens":100,"messages":[]}`, 0, caddyhttp.Error(http.StatusGatewayTimeout, errors.New("timeout")), "", 0},
+		{"Caddy's 504: the provider not reached in time", `{"max_tokens":100,"messages":[]}`, 0, caddyhttp.Error(http.StatusGatewayTimeout, &net.OpError{Op: "dial", Err: errors.New("i/o timeout")}), "", 0},
+		// A 504 waiting for the answer: the provider may be generating, and
+		// billing: the estimate stands (its ceiling, at least the reservation).
+		{"Caddy's 504: the answer too slow", `{"max_tokens":100,"messages":[]}`, 0, caddyhttp.Error(http.StatusGatewayTimeout, &net.OpError{Op: "read", Err: errors.New("i/o timeout")}), "", 100},
 		{"an error reporting usage is settled", `{"max_tokens":100,"messages":[]}`, 400, nil, `{"error":{},"usage":{"total_tokens":7}}`, 7},
 		{"a 200 without usage keeps the estimate", `{"max_tokens":100,"messages":[]}`, 200, nil, `{"choices":[]}`, 100}, // its ceiling: the body holds no prompt text
 	} {

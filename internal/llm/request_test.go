@@ -252,6 +252,11 @@ func TestScanRequestOutputs(t *testing.T) {
 		{"background false", `{"model":"o3","input":"Think","max_output_tokens":100,"background":false}`, 1, 2, 102, false, false},
 		{"no ceiling", `{"model":"o3","input":"Think","reasoning":{"effort":"high"}}`, 1, 3, 1_000_000, true, false},
 		{"an absurd n", `{"max_tokens":50,"n":999999999999}`, maxOutputs, 0, 1_000_000, false, false},
+		// An n the scan cannot read as a whole number, which a provider may
+		// still read as one: what the body asks is not known (hidden: max).
+		{"n as a decimal", `{"max_tokens":50,"n":128.0}`, 1, 0, 1_000_000, false, false},
+		{"n as a string", `{"max_tokens":50,"n":"128"}`, 1, 1, 1_000_000, false, false},
+		{"best_of with an exponent", `{"max_tokens":50,"best_of":1e2}`, 1, 0, 1_000_000, false, false},
 	} {
 		rb := scanRequest([]byte(tc.body), false, 0)
 		if rb.outputs != tc.outputs || rb.promptTokens != tc.prompt || rb.Unbounded() != tc.unbounded || rb.background != tc.background {

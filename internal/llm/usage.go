@@ -338,6 +338,11 @@ func (j *jsonScan) feed(b []byte, f *scanFound, text int) {
 			// The number ended: a whole one, not too long, is taken.
 			if j.digits > 0 && j.digits <= 18 {
 				j.take(f)
+			} else if j.multiplier() {
+				// `n: 128.0` (or 1e2, or a number too long to read) may still
+				// be read by the provider as answers asked for: what the body
+				// asks cannot be known, as for input it hides.
+				f.hides = true
 			}
 			j.digits, j.number = 0, 0
 		}
@@ -351,7 +356,7 @@ func (j *jsonScan) feed(b []byte, f *scanFound, text int) {
 			j.isText = !j.isKey && j.textString(text)
 			if !j.isKey {
 				j.capture = j.key() == keyType
-				f.hides = f.hides || j.hiddenValue(c)
+				f.hides = f.hides || j.hiddenValue(c) || j.multiplier() // `n: "128"` is no number read
 			}
 		case ':':
 			j.wantKey = false
@@ -409,6 +414,12 @@ var hiddenTypes = map[string]bool{
 	"image_url": true, "input_image": true, "image": true, "document": true, "input_file": true, "file": true,
 	"input_audio": true, "container_upload": true, "item_reference": true, "reasoning": true, "redacted_thinking": true,
 	"compaction": true, "web_search_tool_result": true, "web_fetch_tool_result": true,
+}
+
+// multiplier reports whether the value being read is the request's `n` or
+// `best_of`.
+func (j *jsonScan) multiplier() bool {
+	return j.depth == 1 && (j.keys[1] == keyN || j.keys[1] == keyBestOf)
 }
 
 // inPromptArray reports whether a value starting now is an element of the
