@@ -1,16 +1,12 @@
 package ratelimit
 
 import (
-	"context"
 	"errors"
 	"net"
 	"net/http"
-	"net/http/httptest"
-	"strconv"
 	"strings"
 	"testing"
 
-	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zaptest/observer"
@@ -72,24 +68,4 @@ func TestServeHTTPProviderFailure(t *testing.T) {
 			t.Errorf("no WARN says %q; logged:\n%s", want, all)
 		}
 	}
-}
-
-// serveLLMError is serveLLM with an upstream that may fail as Caddy's
-// reverse_proxy does, returning an error without writing (a 502, a 504).
-func serveLLMError(t *testing.T, h *Handler, body string, upstream func(w http.ResponseWriter, r *http.Request) error, header ...string) (x llmExchange) {
-	t.Helper()
-	r := httptest.NewRequest("POST", "/v1/chat/completions", strings.NewReader(body))
-	for i := 0; i+1 < len(header); i += 2 {
-		r.Header.Set(header[i], header[i+1])
-	}
-	repl := caddy.NewReplacer()
-	ctx := context.WithValue(r.Context(), caddy.ReplacerCtxKey, repl)
-	ctx = context.WithValue(ctx, caddyhttp.VarsCtxKey, map[string]any{})
-	r = r.WithContext(ctx)
-	w := httptest.NewRecorder()
-	_ = h.ServeHTTP(w, r, caddyhttp.HandlerFunc(upstream))
-	x.status, x.header, x.body = w.Code, w.Header(), w.Body.Bytes()
-	v, _ := repl.GetString("http.rate_limit.remaining")
-	x.remaining, _ = strconv.ParseInt(v, 10, 64)
-	return x
 }

@@ -16,18 +16,8 @@ import (
 // and from each site's access log (integration_test's
 // TestNoCredentialInLogs runs it with SDK traffic and searches the logs).
 func TestLLMExampleFiltersCredentials(t *testing.T) {
-	raw, err := os.ReadFile("docs/after-admission.md")
-	if err != nil {
-		t.Fatal(err)
-	}
-	var example string
-	for _, m := range regexp.MustCompile("(?ms)^```caddyfile\n(.*?)^```").FindAllStringSubmatch(string(raw), -1) {
-		if strings.Contains(m[1], "openai.llm.example.com") {
-			example = m[1]
-		}
-	}
 	t.Setenv("RATE_LIMIT_SECRET", "test")
-	adapted, _, err := caddyconfig.GetAdapter("caddyfile").Adapt([]byte(example), nil)
+	adapted, _, err := caddyconfig.GetAdapter("caddyfile").Adapt([]byte(llmGatewayExample(t)), nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -60,4 +50,20 @@ func TestLLMExampleFiltersCredentials(t *testing.T) {
 	if filtered < 3 || access < 2 || cfg.Logging.Logs["default"].Encoder.Format != "filter" {
 		t.Errorf("%d logs filtered, %d access logs: want the default log and both sites' access logs", filtered, access)
 	}
+}
+
+// llmGatewayExample is the LLM gateway's Caddyfile in docs/after-admission.md.
+func llmGatewayExample(t *testing.T) string {
+	t.Helper()
+	raw, err := os.ReadFile("docs/after-admission.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, m := range regexp.MustCompile("(?ms)^```caddyfile\n(.*?)^```").FindAllStringSubmatch(string(raw), -1) {
+		if strings.Contains(m[1], "openai.llm.example.com") {
+			return m[1]
+		}
+	}
+	t.Fatal("no LLM gateway example in docs/after-admission.md")
+	return ""
 }

@@ -1,9 +1,6 @@
 package ratelimit
 
-import (
-	"encoding/json"
-	"net/http"
-)
+import "net/http"
 
 // A request refused before any decision, for what it is rather than for a
 // budget: two different credentials (credential.go), an answer without a
@@ -29,34 +26,11 @@ func (h *Handler) refuse(w http.ResponseWriter, rf *refusal) error {
 	if format == "" {
 		format = h.ErrorFormat
 	}
-	var body []byte
 	switch format {
 	case errorFormatOpenAI:
-		type openaiError struct {
-			Message string  `json:"message"`
-			Type    string  `json:"type"`
-			Param   *string `json:"param"`
-			Code    string  `json:"code"`
-		}
-		body, _ = json.Marshal(struct {
-			Error openaiError `json:"error"`
-		}{openaiError{Message: rf.detail, Type: "invalid_request_error", Code: rf.code}})
+		return writeProviderError(w, http.StatusBadRequest, openAIError(rf.detail, "invalid_request_error", rf.code))
 	case errorFormatAnthropic:
-		type anthropicError struct {
-			Type    string `json:"type"`
-			Message string `json:"message"`
-		}
-		body, _ = json.Marshal(struct {
-			Type  string         `json:"type"`
-			Error anthropicError `json:"error"`
-		}{"error", anthropicError{Type: "invalid_request_error", Message: rf.detail}})
-	default:
-		return writeProblem(w, problem{Type: "about:blank", Title: rf.title, Status: http.StatusBadRequest, Detail: rf.detail})
+		return writeProviderError(w, http.StatusBadRequest, anthropicError(rf.detail, "invalid_request_error"))
 	}
-	hdr := w.Header()
-	hdr.Set("Content-Type", "application/json")
-	hdr.Set("Cache-Control", "no-store")
-	w.WriteHeader(http.StatusBadRequest)
-	_, err := w.Write(body)
-	return err
+	return writeProblem(w, problem{Type: "about:blank", Title: rf.title, Status: http.StatusBadRequest, Detail: rf.detail})
 }
