@@ -9,6 +9,8 @@ import (
 	"time"
 
 	"github.com/redis/go-redis/v9"
+
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/testcaddy"
 )
 
 // TestLearnedUsageEncoding: what Redis holds for a key's learned usage is
@@ -185,14 +187,14 @@ func TestMemoryStoreLearnedBound(t *testing.T) {
 	t.Logf("%d keys learned, %d kept (at most %d)", 3*memoryShards*learnedMaxKeys/2, n, memoryShards*learnedMaxKeys)
 }
 
-// TestLearnedUsageBesideV040: v0.4.0 (commit 6ef2a46, the release before
+// TestLearnedUsageBesideV040: v0.4.0 (testcaddy.ReleaseV04, the release before
 // this one) and this one on one Redis read each other's learned usage: this
 // one writes l2, which v0.4.0 reads as nothing learned (its take is its cost
 // alone); v0.4.0's settle writes l1 over it, which this one reads as a floor
 // (a take raised to at least the largest usage), until its next settle
 // writes l2 again. Neither fails on the other's value.
 func TestLearnedUsageBesideV040(t *testing.T) {
-	old, err := exec.Command("git", "show", "6ef2a46:lua/decide.lua").Output()
+	old, err := exec.Command("git", "show", testcaddy.ReleaseV04+":lua/decide.lua").Output()
 	if err != nil {
 		t.Fatalf("reading v0.4.0's script from git history: %v", err)
 	}

@@ -242,9 +242,11 @@ func (p *Policy) planNamed(name string) (*Policy, bool) {
 	return q, ok
 }
 
-// planShape is what two definitions of one policy name must share of
-// their plans (see budgetShape).
-func (p *Policy) planShape() string {
+// planShapeOf is what two definitions of one policy name must share of
+// their plans (see budgetShape), each plan's limit as the Caddyfile writes
+// it, or with previous as the release before this one (v0.4.0) wrote it,
+// a Go struct's dump (see fleet.Policy.Previous).
+func (p *Policy) planShapeOf(previous bool) string {
 	if p.Plan == nil {
 		return ""
 	}
@@ -258,6 +260,10 @@ func (p *Policy) planShape() string {
 	for _, name := range names {
 		lim := p.Plan.Plans[name]
 		if lim == nil {
+			continue
+		}
+		if previous {
+			fmt.Fprintf(&b, " %s %+v;", name, *lim)
 			continue
 		}
 		fmt.Fprintf(&b, " %s %s;", name, fleet.PlanLimit(lim.Rate, lim.Burst, lim.MaxCost, lim.Concurrent, lim.Quota)) // as the Caddyfile writes it

@@ -52,6 +52,12 @@ type Policy struct {
 	// Limit is the policy's kind and limit (rate and burst, slots and
 	// lease, quota and time zone, plans), as its config says it.
 	Limit string `json:"limit"`
+	// Previous is Limit as the release before this one (v0.4.0) writes it,
+	// when that differs (a policy with plans, which it wrote as Go struct
+	// dumps): the record stores it as "limit", which that release compares
+	// with its own, and Limit as "caddyfile_limit", which this one reads
+	// (see MarshalJSON). Never read back.
+	Previous string `json:"-"`
 	// Key is the key template, with the address mask that keys on a client
 	// address keep.
 	Key string `json:"key"`
@@ -167,10 +173,45 @@ func Digest(raw []byte) string {
 func Decode(raw []byte) (Record, error) {
 	var r Record
 	err := json.Unmarshal(raw, &r)
-	for i := range r.Policies {
-		r.Policies[i].Limit = planDumps.ReplaceAllStringFunc(r.Policies[i].Limit, planOfDump)
-	}
 	return r, err
+}
+
+// storedPolicy is a Policy as a record stores it.
+type storedPolicy struct {
+	Name   string `json:"name"`
+	Prefix string `json:"key_prefix"`
+	Limit  string `json:"limit"`
+	// Caddyfile is the limit as this release writes it, when "limit" is
+	// the release before's (Policy.Previous).
+	Caddyfile string `json:"caddyfile_limit,omitempty"`
+	Key       string `json:"key"`
+	Secret    string `json:"key_secret"`
+}
+
+// MarshalJSON stores the policy with its limit as both releases of a
+// mixed fleet compare it: "limit" as the release before writes it, and
+// the Caddyfile's form beside it when that differs.
+func (p Policy) MarshalJSON() ([]byte, error) {
+	s := storedPolicy{Name: p.Name, Prefix: p.Prefix, Limit: p.Limit, Key: p.Key, Secret: p.Secret}
+	if p.Previous != "" && p.Previous != p.Limit {
+		s.Limit, s.Caddyfile = p.Previous, p.Limit
+	}
+	return json.Marshal(s)
+}
+
+// UnmarshalJSON reads a stored policy: its Caddyfile form when stored, or
+// its "limit" with the release before's plan dumps read as this one
+// writes them.
+func (p *Policy) UnmarshalJSON(raw []byte) error {
+	var s storedPolicy
+	if err := json.Unmarshal(raw, &s); err != nil {
+		return err
+	}
+	*p = Policy{Name: s.Name, Prefix: s.Prefix, Limit: s.Caddyfile, Key: s.Key, Secret: s.Secret}
+	if p.Limit == "" {
+		p.Limit = planDumps.ReplaceAllStringFunc(s.Limit, planOfDump)
+	}
+	return nil
 }
 
 // planDumps are the plan limits the release before this one wrote.
