@@ -1,6 +1,7 @@
 package ratelimit
 
 import (
+	"encoding/json"
 	"errors"
 	"net/http/httptest"
 	"strings"
@@ -70,4 +71,34 @@ func adminDo(t *testing.T, method, target, body string) (int, string) {
 		return ae.HTTPStatus, ae.Err.Error()
 	}
 	return w.Code, w.Body.String()
+}
+
+// rateLimitHandlers is every rate_limit handler of a JSON config (as caddy
+// adapt writes it), each as its JSON object, in the order found.
+func rateLimitHandlers(t *testing.T, config []byte) []map[string]any {
+	t.Helper()
+	var cfg any
+	if err := json.Unmarshal(config, &cfg); err != nil {
+		t.Fatal(err)
+	}
+	var out []map[string]any
+	var walk func(v any)
+	walk = func(v any) {
+		switch x := v.(type) {
+		case map[string]any:
+			if x["handler"] == "rate_limit" {
+				out = append(out, x)
+				return
+			}
+			for _, e := range x {
+				walk(e)
+			}
+		case []any:
+			for _, e := range x {
+				walk(e)
+			}
+		}
+	}
+	walk(cfg)
+	return out
 }

@@ -144,8 +144,12 @@ func openStore(cfg *RedisConfig, keyPrefix string, logger *zap.Logger) (s store,
 	for i, a := range rc.Addresses {
 		if a == "" && cfg.Addresses[i] != "" {
 			// An unset {env.X}: name it, as key_secret does.
-			return nil, nil, emptyAddressError(cfg.Addresses[i])
+			return nil, nil, emptyEnvError("address", cfg.Addresses[i], "10.0.0.5:6379")
 		}
+	}
+	if rc.Sentinel == "" && cfg.Sentinel != "" {
+		// Not a single server at the sentinels' addresses: name the variable.
+		return nil, nil, emptyEnvError("sentinel", cfg.Sentinel, "mymaster")
 	}
 	if err := rc.validateAddresses(); err != nil {
 		return nil, nil, fmt.Errorf("redis: %v", err)
