@@ -36,12 +36,12 @@ func newTestRedis(t *testing.T) (*testredis.Server, *redis.Client, *redisStore) 
 // storeOn is a Redis store on addr with the given timeout.
 func storeOn(t *testing.T, addr string, timeout time.Duration) *redisStore {
 	t.Helper()
-	conn, err := newRedisConn(RedisConfig{Addresses: []string{addr}, Timeout: caddy.Duration(timeout)}.resolved(), zap.NewNop())
+	conn, err := newRedisStore(RedisConfig{Addresses: []string{addr}, Timeout: caddy.Duration(timeout)}.resolved(), zap.NewNop())
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { conn.Destruct() })
-	return &redisStore{conn: conn}
+	return conn
 }
 
 // counterValue reads a counter (a metric's child).

@@ -107,8 +107,8 @@ type blockStore interface {
 	decideAfter(reqs []bucketRequest, then func(decision, error))
 }
 
-func newHotKeys(conn *redisConn) *hotKeys {
-	return newHotKeysOn(&redisStore{conn: conn}, monotonicMicros, conn.callTimeout)
+func newHotKeys(conn *redisStore) *hotKeys {
+	return newHotKeysOn(conn, monotonicMicros, conn.callTimeout)
 }
 
 // newHotKeysOn is the hot keys of a store, on a clock of µs, waiting at
@@ -126,7 +126,7 @@ func newHotKeysOn(store blockStore, now func() int64, wait time.Duration) *hotKe
 // nor one whose key learns its usage (a settle's: the script raises each
 // reservation to what the key learned, which blocks would not).
 func (rq *bucketRequest) hotEligible() bool {
-	return rq.hot != nil && rq.op == opTake && rq.quota == nil && !rq.shadow && !rq.learns && rq.cost <= rq.limit.burst
+	return rq.hot != nil && rq.op == opTake && rq.kind() != quotaBucket && !rq.shadow && !rq.learns && rq.cost <= rq.limit.burst
 }
 
 // covers reports whether any bucket of reqs may be decided from blocks.
@@ -645,7 +645,7 @@ func (h *hotKeys) close() {
 // blocksOf is the blocks this instance holds of the bucket under key, and
 // their unspent tokens (blockKeeper, for inspect).
 func (s *redisStore) blocksOf(key string) (blocks int, tokens int64) {
-	return s.conn.hot.unspent(key)
+	return s.hot.unspent(key)
 }
 
 // unspent is the blocks and unspent tokens this instance holds of the bucket
@@ -742,27 +742,27 @@ func (s *redisStore) takeBlock(rq bucketRequest, urgent bool, then func(blockRep
 	}
 	p := newPending([]bucketRequest{rq}, nil)
 	switch {
-	case s.conn.breaker.Skipping():
+	case s.breaker.Skipping():
 		circuitOpenErrors.Inc()
 		p.err = errCircuitOpen
 		go func() { reply(p); p.recycle() }()
-	case s.conn.coalescer == nil: // Cluster: a call of its own, to the key's shard
-		s.conn.afterApart.add(1)
+	case s.coalescer == nil: // Cluster: a call of its own, to the key's shard
+		s.afterApart.add(1)
 		go func() {
-			defer s.conn.afterApart.add(-1)
+			defer s.afterApart.add(-1)
 			p.err = errCallAborted
-			s.conn.call(p.one[:])
+			s.call(p.one[:])
 			reply(p)
 			p.recycle()
 		}()
 	case urgent:
 		go func() {
-			s.conn.coalescer.submit(p)
+			s.coalescer.submit(p)
 			reply(p)
 			p.recycle()
 		}()
 	default:
 		p.then = reply
-		s.conn.coalescer.submitAfter(p)
+		s.coalescer.submitAfter(p)
 	}
 }

@@ -496,7 +496,11 @@ func (w *simWorld) request(in *simInstance, parts []simPart, after simAfter, don
 	if d.call.hot {
 		w.stats.hotDecisions++
 	}
-	reserved(reqs, d)
+	for i := range reqs {
+		if i < len(d.verdicts) {
+			reqs[i].reserved(d.verdicts[i])
+		}
+	}
 	for i, pt := range parts {
 		if !strings.HasPrefix(pt.key, "polite") {
 			continue
