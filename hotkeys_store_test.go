@@ -428,7 +428,8 @@ func TestHotKeysLearnedUsage(t *testing.T) {
 	hp := hotTestPolicy("learned")
 	const learned = 3
 	key := "rl:learned:{hot}"
-	settle := bucketRequest{key: key, limit: slowHot, op: opAdjust, delta: 0, learns: true, record: learned}
+	// One settle of a 1-token reservation (class 1) that used 3: 2 beyond it.
+	settle := bucketRequest{key: key, limit: slowHot, op: opAdjust, delta: 0, learns: true, record: learned - 1, class: reservationClass(1)}
 	if _, err := rs.decide(context.Background(), []bucketRequest{settle}); err != nil {
 		t.Fatal(err)
 	}

@@ -73,7 +73,7 @@ func encodeCall(batch []*pending, format int) []any {
 			amount, wait := rq.cost, rq.wait
 			switch {
 			case rq.op == opAdjust:
-				amount = rq.delta
+				amount, wait = rq.delta, rq.due // a give-back's tokens' due (bucket.go, givenBack)
 			case rq.op == opFree:
 				args = append(args, rq.events)
 				amount, wait = rq.delta, int64(len(args)-argv)
@@ -85,8 +85,12 @@ func encodeCall(batch []*pending, format int) []any {
 			if rq.overridable { // the policy's rule for an override's slack (override.go)
 				nums = nums.add(rq.overrideWait).add(rq.overrideDebt)
 			}
-			if rq.learns { // the usage a settle remembers (learned_usage.go)
-				nums = nums.add(rq.record)
+			if rq.learns { // the class of a take, or of a settle's reservation and what it remembers (learned_usage.go)
+				class := rq.class
+				if rq.op != opAdjust {
+					class = reservationClass(rq.cost)
+				}
+				nums = nums.add(class).add(rq.record)
 			}
 		}
 	}

@@ -169,7 +169,8 @@ func TestOperatorInspectAndGrant(t *testing.T) {
 			status             int
 			says               string
 		}{
-			{"GET", "/rate_limit/inspect?policy=nope&identity=eve", "", 404, `policy \"nope\"`},
+			{"POST", "/rate_limit/inspect", `{"policy":"nope","identity":"eve"}`, 404, `policy \"nope\"`},
+			{"GET", "/rate_limit/inspect?policy=per_user&identity=eve", "", 400, "never in the URL"},
 			{"GET", "/rate_limit/inspect?policy=per_user", "", 400, "identity: required"},
 			{"POST", "/rate_limit/grant", `{"policy":"per_user","identity":"eve","tokens":0}`, 400, "tokens: 0"},
 			{"POST", "/rate_limit/grant", `{"policy":"per_user","identity":"eve","tokens":"3"}`, 400, "not {"},
@@ -194,7 +195,7 @@ func TestOperatorRedisDown(t *testing.T) {
 	dead := "127.0.0.1:" + strconv.Itoa(testredis.FreePort(t))
 	in := startCaddy(t, limiter(dead, nil, map[string]any{"name": "per_user", "key": "{http.request.header.X-User}", "rate": "5/10m"}), echo())
 	for _, c := range []struct{ method, path, body string }{
-		{"GET", "/rate_limit/inspect?policy=per_user&identity=x", ""},
+		{"POST", "/rate_limit/inspect", `{"policy":"per_user","identity":"x"}`},
 		{"POST", "/rate_limit/reset", `{"policy":"per_user","identity":"x"}`},
 		{"POST", "/rate_limit/grant", `{"policy":"per_user","identity":"x","tokens":2}`},
 	} {
@@ -243,8 +244,16 @@ func TestOperatorTop(t *testing.T) {
 		}()
 	}
 	wg.Wait()
-	out := rateLimitCLI(t, in, "top", "per_user", "5")
-	t.Logf("caddy rate-limit top per_user 5:\n%s", out)
+	// By default, keyed fingerprints only: a listing is copied around, and
+	// an identity may be an API key.
+	hidden := rateLimitCLI(t, in, "top", "per_user", "5")
+	t.Logf("caddy rate-limit top per_user 5:\n%s", hidden)
+	fingerprint := hashPart(plainKey("per_user", "abuser"))[:12]
+	if strings.Contains(hidden, "abuser") || !strings.Contains(hidden, fingerprint) {
+		t.Errorf("top without --show-keys: want the abuser's fingerprint %s, never its identity:\n%s", fingerprint, hidden)
+	}
+	out := rateLimitCLI(t, in, "top", "per_user", "5", "--show-keys")
+	t.Logf("caddy rate-limit top per_user 5 --show-keys:\n%s", out)
 	var top struct {
 		Identities []struct {
 			Identity string `json:"identity"`
@@ -252,7 +261,7 @@ func TestOperatorTop(t *testing.T) {
 		} `json:"identities"`
 		Truncated bool `json:"truncated"`
 	}
-	status, body := adminCall(t, in, "GET", "/rate_limit/top?policy=per_user&n=1000", "")
+	status, body := adminCall(t, in, "GET", "/rate_limit/top?policy=per_user&n=1000&show_keys=true", "")
 	if status != 200 || json.Unmarshal([]byte(body), &top) != nil {
 		t.Fatalf("top: %d %s", status, body)
 	}
@@ -299,4 +308,13 @@ func logText(t *testing.T, in *instance) string {
 // infoLogs logs at INFO, for the audit lines.
 func infoLogs(cfg map[string]any) {
 	cfg["logging"] = map[string]any{"logs": map[string]any{"default": map[string]any{"level": "INFO"}}}
+}
+
+// hashPart is the keyed hash of a storage key: what is between its braces.
+func hashPart(key string) string {
+	i, j := strings.IndexByte(key, '{'), strings.LastIndexByte(key, '}')
+	if i < 0 || j < i {
+		return key
+	}
+	return key[i+1 : j]
 }
