@@ -350,10 +350,10 @@ func TestScriptsDeclareEveryKey(t *testing.T) {
 
 	// The admin API's reads and writes.
 	for _, call := range [][3]string{
-		{"GET", "/rate_limit/inspect?policy=kd_rate&identity=alice", ""},
-		{"GET", "/rate_limit/inspect?policy=kd_slots&identity=alice", ""},
-		{"GET", "/rate_limit/inspect?policy=kd_quota&identity=alice", ""},
-		{"GET", "/rate_limit/inspect?policy=kd_tokens&identity=bob", ""},
+		{"POST", "/rate_limit/inspect", `{"policy":"kd_rate","identity":"alice"}`},
+		{"POST", "/rate_limit/inspect", `{"policy":"kd_slots","identity":"alice"}`},
+		{"POST", "/rate_limit/inspect", `{"policy":"kd_quota","identity":"alice"}`},
+		{"POST", "/rate_limit/inspect", `{"policy":"kd_tokens","identity":"bob"}`},
 		{"POST", "/rate_limit/grant", `{"policy":"kd_quota","identity":"alice","tokens":2}`},
 		{"POST", "/rate_limit/grant", `{"policy":"kd_tokens","identity":"bob","tokens":100}`},
 		{"POST", "/rate_limit/reset", `{"policy":"kd_tokens","identity":"bob"}`},
