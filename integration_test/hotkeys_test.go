@@ -425,11 +425,15 @@ func TestHotKeyFleet(t *testing.T) {
 		t.Logf("hot_keys off, the same load: %d requests, admitted %d of a budget of %.1f (%.4f); %d script calls, %.4f per admission; shares %.3f",
 			len(o.sent), admitted, budget, float64(admitted)/budget, calls, float64(calls)/float64(admitted), o.shares())
 	}
-	// The budget is the measure once the load is over it: the key was
-	// sized to what the machine delivered a moment before (1.5 times it).
-	if float64(len(r.sent)) < 1.2*budget {
-		t.Skipf("%d requests sent (%.0f a second, against %.0f in the calibration), %.2f times the budget of %.0f: the key not over its budget, its share not measured",
-			len(r.sent), float64(len(r.sent))/r.elapsed.Seconds(), delivered, float64(len(r.sent))/budget, budget)
+	// The budget is the measure once the load is over it all along: the
+	// key was sized to what the machine delivered a moment before (1.5
+	// times it), but a busy machine stalls the client now and then (beside
+	// four CPU hogs, once, an exact bucket would have admitted 0.951 of the
+	// budget of the requests sent 1.6 times it). What one exact bucket
+	// admits of them, checked above, is the measure then.
+	if float64(ideal) < 0.99*budget {
+		t.Skipf("%d requests sent (%.0f a second, against %.0f in the calibration), %.2f times the budget of %.0f, of which one exact bucket admits %.4f of the budget: the load fell below the rate, the budget's share not measured",
+			len(r.sent), float64(len(r.sent))/r.elapsed.Seconds(), delivered, float64(len(r.sent))/budget, budget, float64(ideal)/budget)
 	}
 	if share := float64(admitted) / budget; share < 0.95 {
 		t.Errorf("admitted %.4f of the budget, want at least 0.95", share)
