@@ -3,7 +3,9 @@ package testproc
 import (
 	"os"
 	"strconv"
+	"strings"
 	"syscall"
+	"time"
 )
 
 // Favour raises every thread of the process pid to nice -10 (as root;
@@ -30,3 +32,32 @@ func Favour(pid int) {
 
 // favoured is the nice value of a favoured process.
 const favoured = -10
+
+// Stopped waits (at most bound) until every thread of the process pid is
+// stopped, after a SIGSTOP: the signal is delivered as each thread next
+// enters the kernel, and a thread running on another core may still copy
+// a few bytes meanwhile (a partition that let one more write through). It
+// reports whether they all stopped.
+func Stopped(pid int, bound time.Duration) bool {
+	dir := "/proc/" + strconv.Itoa(pid) + "/task"
+	for deadline := time.Now().Add(bound); ; time.Sleep(time.Millisecond) {
+		tasks, err := os.ReadDir(dir)
+		if err != nil {
+			return false
+		}
+		all := true
+		for _, task := range tasks {
+			stat, err := os.ReadFile(dir + "/" + task.Name() + "/stat")
+			// The state follows the command's closing parenthesis.
+			if i := strings.LastIndexByte(string(stat), ')'); err == nil && i+2 < len(stat) && stat[i+2] != 'T' && stat[i+2] != 't' {
+				all = false
+			}
+		}
+		if all {
+			return true
+		}
+		if time.Now().After(deadline) {
+			return false
+		}
+	}
+}

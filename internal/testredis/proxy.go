@@ -96,8 +96,9 @@ func (p *Proxy) Close() {
 
 // Pause freezes the proxy process (SIGSTOP): the bytes sent through it
 // wait in the kernel's buffers, as over a partitioned network, while the
-// connections stay open. Resume undoes it.
-func (p *Proxy) Pause() error  { return p.cmd.Process.Signal(syscall.SIGSTOP) }
+// connections stay open. It returns once the process is stopped (at most
+// 1 s): a write the test makes after it is not forwarded. Resume undoes it.
+func (p *Proxy) Pause() error  { return pause(p.cmd) }
 func (p *Proxy) Resume() error { return p.cmd.Process.Signal(syscall.SIGCONT) }
 
 // RunProxyIfAsked is to be called first in TestMain: in a process started

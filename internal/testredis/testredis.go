@@ -92,9 +92,23 @@ func (s *Server) Restart(t TB) {
 func (s *Server) Pid() int { return s.cmd.Process.Pid }
 
 // Pause freezes the process (SIGSTOP): connections hang as with a dead or
-// unreachable host. Resume undoes it.
-func (s *Server) Pause() error  { return s.cmd.Process.Signal(syscall.SIGSTOP) }
+// unreachable host. It returns once the process is stopped (at most 1 s).
+// Resume undoes it.
+func (s *Server) Pause() error  { return pause(s.cmd) }
 func (s *Server) Resume() error { return s.cmd.Process.Signal(syscall.SIGCONT) }
+
+// pause sends cmd's process SIGSTOP and waits (at most 1 s) until every
+// thread of it has stopped: until then a thread running on another core
+// may still answer or forward a little.
+func pause(cmd *exec.Cmd) error {
+	if err := cmd.Process.Signal(syscall.SIGSTOP); err != nil {
+		return err
+	}
+	if !testproc.Stopped(cmd.Process.Pid, time.Second) {
+		return fmt.Errorf("process %d not stopped 1 s after SIGSTOP", cmd.Process.Pid)
+	}
+	return nil
+}
 
 func (s *Server) start(t TB) {
 	t.Helper()
