@@ -16,6 +16,7 @@ import (
 	"strings"
 	"sync"
 	"syscall"
+	"testing"
 	"time"
 
 	"github.com/ratelimit-caddy/caddy-ratelimit/internal/redisinfo"
@@ -105,9 +106,23 @@ func (s *Server) Restart(t TB) {
 func (s *Server) Pid() int { return s.cmd.Process.Pid }
 
 // Pause freezes the process (SIGSTOP): connections hang as with a dead or
-// unreachable host. Resume undoes it.
-func (s *Server) Pause() error  { return s.cmd.Process.Signal(syscall.SIGSTOP) }
+// unreachable host. It returns once the process is stopped (at most 1 s).
+// Resume undoes it.
+func (s *Server) Pause() error  { return pause(s.cmd) }
 func (s *Server) Resume() error { return s.cmd.Process.Signal(syscall.SIGCONT) }
+
+// pause sends cmd's process SIGSTOP and waits (at most 1 s) until every
+// thread of it has stopped: until then a thread running on another core
+// may still answer or forward a little.
+func pause(cmd *exec.Cmd) error {
+	if err := cmd.Process.Signal(syscall.SIGSTOP); err != nil {
+		return err
+	}
+	if !testproc.Stopped(cmd.Process.Pid, time.Second) {
+		return fmt.Errorf("process %d not stopped 1 s after SIGSTOP", cmd.Process.Pid)
+	}
+	return nil
+}
 
 func (s *Server) start(t TB) {
 	t.Helper()
@@ -130,6 +145,14 @@ func (s *Server) start(t TB) {
 	deadline := time.Now().Add(10 * time.Second)
 	for {
 		if _, err := s.Do("PING"); err == nil {
+			// In a test, the server stands for a Redis on a host of its
+			// own: above the Caddy under test and a busy machine's other
+			// work (testproc.Favour), as if on cores of its own. make
+			// bench, the demo and make fleet run it as it is: what they
+			// measure shares the cores as a deployment on one host does.
+			if testing.Testing() {
+				testproc.Favour(s.cmd.Process.Pid)
+			}
 			return
 		}
 		select {
