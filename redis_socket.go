@@ -6,6 +6,7 @@ import (
 	"errors"
 	"net"
 	"os"
+	"sync/atomic"
 	"syscall"
 	"time"
 )
@@ -21,7 +22,12 @@ import (
 //   - a read whose deadline passed looks once more, at once: a reply that
 //     reached the socket is read, and the rest of it gets the timeout again;
 //   - a write whose deadline passed before the request reached the socket
-//     (this process was late) gets the timeout again, from then.
+//     (this process was late) gets the timeout again, from then;
+//   - a reply gets the whole timeout from when its request reached the
+//     socket: a call's deadline also covers its wait for a connection,
+//     and a call that waited long for one (a flood, cores taken by other
+//     work) would otherwise give a Redis 20 ms away what was left of it,
+//     a few milliseconds, and fail although Redis answered in time.
 //
 // A Redis that truly stalls still fails a call within the timeout plus
 // lookAgain (docs/redis.md, "Timeouts"), plus this process's own scheduling
@@ -37,6 +43,38 @@ const lookAgain = 5 * time.Millisecond
 type redisSocket struct {
 	net.Conn
 	timeout time.Duration // the redis block's
+	// wrote is when the last write reached the socket, in monotonic
+	// nanoseconds since socketEpoch (atomic: a subscription's health check
+	// writes while its reader waits).
+	wrote atomic.Int64
+}
+
+// socketEpoch is the origin of redisSocket.wrote's monotonic clock.
+var socketEpoch = time.Now()
+
+// SetReadDeadline sets t, or the write's time plus the timeout when that
+// is later (see above). The zero time (no deadline) is kept.
+func (s *redisSocket) SetReadDeadline(t time.Time) error {
+	return s.Conn.SetReadDeadline(s.readDeadline(t))
+}
+
+// SetDeadline is SetReadDeadline's for reads, t for writes.
+func (s *redisSocket) SetDeadline(t time.Time) error {
+	if err := s.Conn.SetWriteDeadline(t); err != nil {
+		return err
+	}
+	return s.SetReadDeadline(t)
+}
+
+func (s *redisSocket) readDeadline(t time.Time) time.Time {
+	w := s.wrote.Load()
+	if t.IsZero() || w == 0 {
+		return t
+	}
+	if least := socketEpoch.Add(time.Duration(w) + s.timeout); t.Before(least) {
+		return least
+	}
+	return t
 }
 
 func (s *redisSocket) Read(b []byte) (int, error) {
@@ -57,6 +95,14 @@ func (s *redisSocket) Read(b []byte) (int, error) {
 }
 
 func (s *redisSocket) Write(b []byte) (int, error) {
+	n, err := s.write(b)
+	if n > 0 {
+		s.wrote.Store(int64(time.Since(socketEpoch)))
+	}
+	return n, err
+}
+
+func (s *redisSocket) write(b []byte) (int, error) {
 	n, err := s.Conn.Write(b)
 	if n == len(b) || !isDeadline(err) {
 		return n, err

@@ -1,0 +1,67 @@
+package ratelimit
+
+import (
+	"net"
+	"testing"
+	"time"
+)
+
+// A reply gets the whole timeout from when its request reached the socket,
+// however little of the call's deadline was left by then (a call that
+// waited long for a connection); a server that does not answer still
+// fails the read within the timeout.
+func TestRedisSocketReplyGetsTheTimeout(t *testing.T) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	go func() {
+		c, err := l.Accept()
+		if err != nil {
+			return
+		}
+		defer c.Close()
+		buf := make([]byte, 16)
+		for {
+			n, err := c.Read(buf)
+			if err != nil {
+				return
+			}
+			if string(buf[:n]) == "ping" {
+				time.Sleep(30 * time.Millisecond) // a Redis 30 ms away
+				_, _ = c.Write([]byte("pong"))
+			}
+		}
+	}()
+	dial := redisDialer(nil, time.Second, 500*time.Millisecond)
+	conn, err := dial(t.Context(), "tcp", l.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+
+	if _, err := conn.Write([]byte("ping")); err != nil {
+		t.Fatal(err)
+	}
+	// What was left of the call's deadline: 1 ms.
+	if err := conn.SetReadDeadline(time.Now().Add(time.Millisecond)); err != nil {
+		t.Fatal(err)
+	}
+	buf := make([]byte, 4)
+	if n, err := conn.Read(buf); err != nil || string(buf[:n]) != "pong" {
+		t.Fatalf("read %q, %v: want the reply that came 30 ms after the request, within the 500 ms timeout", buf[:n], err)
+	}
+
+	// Nothing asked, nothing comes: the read fails, within the timeout.
+	start := time.Now()
+	if err := conn.SetReadDeadline(time.Now().Add(time.Millisecond)); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := conn.Read(buf); !isDeadline(err) {
+		t.Fatalf("read with no request: %v, want a deadline error", err)
+	}
+	if waited := time.Since(start); waited > 10*time.Second {
+		t.Fatalf("read with no request failed after %v", waited)
+	}
+}
