@@ -145,22 +145,22 @@ func (s *redisSocket) SyscallConn() (syscall.RawConn, error) {
 	if !ok {
 		return nil, errors.ErrUnsupported
 	}
-	raw, err := sc.SyscallConn()
-	if err != nil {
-		return nil, err
-	}
 	if r := s.read.Load(); r != 0 && time.Duration(int64(time.Since(socketEpoch))-r) < answeredFor {
-		return answeredConn{raw}, nil
+		return answered, nil
 	}
-	return raw, nil
+	return sc.SyscallConn()
 }
 
-// answeredConn is the raw connection of a socket that answered in the last
-// answeredFor: a look at it (go-redis's health check, its one use) finds
-// nothing to report without a system call.
-type answeredConn struct{ syscall.RawConn }
+// answered stands for the raw connection of a socket that answered in the
+// last answeredFor: a look at it (go-redis's health check, its one use)
+// finds nothing to report, without a system call or an allocation.
+var answered syscall.RawConn = answeredConn{}
 
-func (answeredConn) Read(func(fd uintptr) bool) error { return nil }
+type answeredConn struct{}
+
+func (answeredConn) Read(func(fd uintptr) bool) error  { return nil }
+func (answeredConn) Write(func(fd uintptr) bool) error { return errors.ErrUnsupported }
+func (answeredConn) Control(func(fd uintptr)) error    { return errors.ErrUnsupported }
 
 func isDeadline(err error) bool { return errors.Is(err, os.ErrDeadlineExceeded) }
 
