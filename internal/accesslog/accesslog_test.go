@@ -5,8 +5,8 @@ import (
 	"compress/gzip"
 	"os"
 	"path/filepath"
-	"strings"
 	"strconv"
+	"strings"
 	"testing"
 	"time"
 )
@@ -69,10 +69,10 @@ func TestDayReadsBack(t *testing.T) {
 // are not entries are counted, never fatal.
 func TestParseFormats(t *testing.T) {
 	cases := []struct {
-		name, line            string
-		start, end            int64
+		name, line             string
+		start, end             int64
 		remoteIP, port, client string
-		err                   error
+		err                    error
 	}{
 		{"default", `{"level":"info","ts":1700000000.5,"logger":"http.log.access.log0","msg":"handled request","request":{"remote_ip":"192.0.2.1","remote_port":"5555","client_ip":"198.51.100.9","proto":"HTTP/1.1","method":"GET","host":"x","uri":"/a","headers":{"Authorization":["REDACTED"]}},"duration":0.25,"status":200,"resp_headers":{}}`,
 			1700000000250000, 1700000000500000, "192.0.2.1", "5555", "198.51.100.9", nil},
