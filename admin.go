@@ -40,7 +40,7 @@ func init() {
 //	POST /rate_limit/format  {"format": "v1" | "v2"}
 //	GET  /rate_limit/fleet
 //
-// and the overrides of admin_override.go. Inspect, reset and grant take
+// and the overrides of admin_override.go and admin_apply.go. Inspect, reset and grant take
 // an optional plan (query or body), to read the bucket under that plan's
 // limit rather than the policy's own.
 type adminAPI struct{}
@@ -137,9 +137,12 @@ func (a adminAPI) serve(w http.ResponseWriter, r *http.Request) error {
 	if action == "override" || action == "overrides" {
 		return a.serveOverride(w, r, action)
 	}
+	if action == "apply" {
+		return a.apply(w, r) // admin_apply.go
+	}
 	method := map[string]string{"inspect": http.MethodGet, "top": http.MethodGet, "reset": http.MethodPost, "grant": http.MethodPost}[action]
 	if method == "" {
-		return apiError(http.StatusNotFound, "no such rate_limit endpoint %q: use inspect, reset, grant, top, format, fleet, override or overrides", action)
+		return apiError(http.StatusNotFound, "no such rate_limit endpoint %q: use inspect, reset, grant, top, format, fleet, override, overrides or apply", action)
 	}
 	if r.Method != method {
 		return apiError(http.StatusMethodNotAllowed, "%s takes %s", action, method)

@@ -23,7 +23,7 @@ import (
 func init() {
 	caddycmd.RegisterCommand(caddycmd.Command{
 		Name:  "rate-limit",
-		Usage: "inspect|reset|grant|top|format|fleet|check|override|overrides [--address <interface>] [--config <path> [--adapter <name>]] [--json]",
+		Usage: "inspect|reset|grant|top|format|fleet|check|override|overrides|apply|try|replay [--address <interface>] [--config <path> [--adapter <name>]] [--json]",
 		Short: "Inspects and resets the rate_limit buckets of a running Caddy",
 		Long: `
 Answers "why is this customer blocked, and can you unblock them?" through the
@@ -48,6 +48,15 @@ admin API of a running Caddy:
                                                          instance at once; for: it expires by itself
   caddy rate-limit override <policy> <identity> delete   back to its plan's limit
   caddy rate-limit overrides <policy>                    every override: hash, limit, expiry, note
+  caddy rate-limit apply <file> [--dry-run]              a limits file (YAML or JSON): the overrides of many
+                                                         identities, applied as a diff on every instance
+  caddy rate-limit try <url> [-H <header>]... [--method <m>] [--body <file>]
+                                                         what each policy would decide for that request
+                                                         now, read from the store, nothing charged
+  caddy rate-limit replay --config <file> <access log>...
+                                                         Caddy's JSON access logs run through the config's
+                                                         policies: what they would have denied, and when
+                                                         (no running Caddy, nothing sent anywhere)
 
 Inspect, reset and grant read the bucket under the policy's own limit, or
 under a plan's with --plan <name> (docs/plans-and-overrides.md); with
@@ -81,8 +90,9 @@ reads the config given with --config (and --adapter) instead.
 				&cobra.Command{Use: "format [v1|v2]", Short: "Shows or sets the format the fleet stores buckets in (see docs/redis.md, Upgrading)",
 					Args: cobra.RangeArgs(0, 1), RunE: rateLimitCommand("format")},
 			)
-			addOverrideCommands(cmd) // command_override.go
-			addFleetCommands(cmd)    // command_fleet.go
+			addOverrideCommands(cmd)       // command_override.go
+			addFleetCommands(cmd)          // command_fleet.go
+			cmd.AddCommand(applyCommand()) // command_apply.go
 			for _, sub := range cmd.Commands() {
 				numbersAsArgs(sub) // command_cli.go
 			}
