@@ -44,6 +44,9 @@ type Entry struct {
 	Status     int
 	RespHeader map[string][]string
 	TLS        bool
+	// Fields are the top-level fields asked for (ParseFields) that the
+	// line has as strings: those `log_append` adds.
+	Fields map[string]string
 }
 
 // Duration is how long the request took, in µs.
@@ -81,8 +84,12 @@ var (
 	ErrNoTime = errors.New("no readable ts")
 )
 
-// Parse reads one line of an access log into e, reusing e's maps.
-func Parse(b []byte, e *Entry) error {
+// Parse reads one line of an access log into e.
+func Parse(b []byte, e *Entry) error { return ParseFields(b, e, nil) }
+
+// ParseFields is Parse, also reading the top-level string fields named
+// into e.Fields.
+func ParseFields(b []byte, e *Entry, fields []string) error {
 	var l line
 	if err := json.Unmarshal(b, &l); err != nil {
 		return err
@@ -112,6 +119,20 @@ func Parse(b []byte, e *Entry) error {
 	}
 	if e.Method == "" {
 		e.Method = "GET"
+	}
+	if len(fields) > 0 {
+		var all map[string]json.RawMessage
+		if json.Unmarshal(b, &all) == nil {
+			for _, f := range fields {
+				var v string
+				if raw, ok := all[f]; ok && json.Unmarshal(raw, &v) == nil {
+					if e.Fields == nil {
+						e.Fields = map[string]string{}
+					}
+					e.Fields[f] = v
+				}
+			}
+		}
 	}
 	return nil
 }

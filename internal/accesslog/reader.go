@@ -36,10 +36,12 @@ type Stats struct {
 // in the order of their first entries' times (rotated files, whatever
 // order they are given in), decompressing those that are gzip.
 type Reader struct {
-	files []*logFile
-	cur   int
-	stats Stats
-	err   error
+	// Fields are the top-level fields each entry's Fields gets.
+	Fields []string
+	files  []*logFile
+	cur    int
+	stats  Stats
+	err    error
 }
 
 type logFile struct {
@@ -193,7 +195,7 @@ func (r *Reader) Next(e *Entry) bool {
 			continue
 		}
 		r.stats.Lines++
-		switch err := Parse(b, e); {
+		switch err := ParseFields(b, e, r.Fields); {
 		case err == nil:
 			r.stats.Entries++
 			return true

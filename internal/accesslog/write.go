@@ -43,6 +43,12 @@ func AppendJSON(b []byte, e *Entry) []byte {
 	b = strconv.AppendInt(b, int64(e.Status), 10)
 	b = append(b, `,"resp_headers":`...)
 	b = appendHeader(b, e.RespHeader)
+	for _, k := range sortedNames(e.Fields) { // log_append's
+		b = append(b, ',')
+		b = appendString(b, k)
+		b = append(b, ':')
+		b = appendString(b, e.Fields[k])
+	}
 	return append(b, "}\n"...)
 }
 
@@ -52,14 +58,18 @@ func appendSeconds(b []byte, us int64) []byte {
 	return strconv.AppendFloat(b, float64(us)/1e6, 'f', -1, 64)
 }
 
-func appendHeader(b []byte, h map[string][]string) []byte {
-	names := make([]string, 0, len(h))
-	for k := range h {
+func sortedNames[V any](m map[string]V) []string {
+	names := make([]string, 0, len(m))
+	for k := range m {
 		names = append(names, k)
 	}
 	sort.Strings(names)
+	return names
+}
+
+func appendHeader(b []byte, h map[string][]string) []byte {
 	b = append(b, '{')
-	for i, k := range names {
+	for i, k := range sortedNames(h) {
 		if i > 0 {
 			b = append(b, ',')
 		}
