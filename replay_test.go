@@ -120,7 +120,7 @@ func TestReplayConcurrentFromDurations(t *testing.T) {
 	entries := []accesslog.Entry{
 		logged(0, 10*time.Second, "k", "/export", 200),
 		logged(time.Second, 10*time.Second, "k", "/export", 200),
-		logged(2*time.Second, time.Second, "k", "/export", 200),         // a third in flight: denied
+		logged(2*time.Second, time.Second, "k", "/export", 200),          // a third in flight: denied
 		logged(10500*time.Millisecond, time.Second, "k", "/export", 200), // the first ended: admitted
 		logged(10600*time.Millisecond, time.Second, "k", "/export", 200), // two in flight again: denied
 		logged(12*time.Second, time.Second, "k", "/export", 200),
