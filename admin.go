@@ -40,7 +40,8 @@ func init() {
 //	POST /rate_limit/format  {"format": "v1" | "v2"}
 //	GET  /rate_limit/fleet
 //
-// and the overrides of admin_override.go and admin_apply.go. Inspect, reset and grant take
+// and the overrides of admin_override.go and admin_apply.go, and the dry
+// run of dryrun.go. Inspect, reset and grant take
 // an optional plan (query or body), to read the bucket under that plan's
 // limit rather than the policy's own.
 type adminAPI struct{}
@@ -140,9 +141,12 @@ func (a adminAPI) serve(w http.ResponseWriter, r *http.Request) error {
 	if action == "apply" {
 		return a.apply(w, r) // admin_apply.go
 	}
+	if action == "dry_run" {
+		return a.dryRun(w, r) // dryrun.go
+	}
 	method := map[string]string{"inspect": http.MethodGet, "top": http.MethodGet, "reset": http.MethodPost, "grant": http.MethodPost}[action]
 	if method == "" {
-		return apiError(http.StatusNotFound, "no such rate_limit endpoint %q: use inspect, reset, grant, top, format, fleet, override, overrides or apply", action)
+		return apiError(http.StatusNotFound, "no such rate_limit endpoint %q: use inspect, reset, grant, top, format, fleet, override, overrides, apply or dry_run", action)
 	}
 	if r.Method != method {
 		return apiError(http.StatusMethodNotAllowed, "%s takes %s", action, method)

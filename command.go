@@ -90,9 +90,9 @@ reads the config given with --config (and --adapter) instead.
 				&cobra.Command{Use: "format [v1|v2]", Short: "Shows or sets the format the fleet stores buckets in (see docs/redis.md, Upgrading)",
 					Args: cobra.RangeArgs(0, 1), RunE: rateLimitCommand("format")},
 			)
-			addOverrideCommands(cmd)                        // command_override.go
-			addFleetCommands(cmd)                           // command_fleet.go
-			cmd.AddCommand(applyCommand(), replayCommand()) // command_apply.go, command_replay.go
+			addOverrideCommands(cmd)                                      // command_override.go
+			addFleetCommands(cmd)                                         // command_fleet.go
+			cmd.AddCommand(applyCommand(), tryCommand(), replayCommand()) // command_apply.go, command_try.go, command_replay.go
 			for _, sub := range cmd.Commands() {
 				numbersAsArgs(sub) // command_cli.go
 			}

@@ -244,6 +244,7 @@ func (rp *replayer) decide(e *accesslog.Entry) {
 	}
 	rp.report.Reached++
 	rs := requestStateOf(r, repl)
+	rs.dryRun = true // counts nothing
 	end := endWork{at: e.End}
 	for _, h := range hs {
 		res := admissions.Get().(*admission)

@@ -165,7 +165,9 @@ func (h *Handler) match(r *http.Request, repl *caddy.Replacer, rs *requestState,
 		if key == "" {
 			identity = p.key(r, repl)
 			key = p.storageKey(h.hasher, identity)
-			p.emptyKey.note(p, identity, h.logger) // credential.go
+			if !rs.dryRun {
+				p.emptyKey.note(p, identity, h.logger) // credential.go
+			}
 		}
 		res.policies = append(res.policies, p)
 		res.identities = append(res.identities, identity)
