@@ -111,7 +111,7 @@ const applyShown = 50
 // printApply writes an apply's diff for a person.
 func printApply(w io.Writer, file string, a applyAnswer, entries int) {
 	verb := map[bool]string{true: "would change (dry run: nothing changed)", false: "applied"}[a.DryRun]
-	fmt.Fprintf(w, "%s, source %s: %d entries, %s in %s.\n", file, a.Source, entries, verb, strings.Join(a.Stores, "; "))
+	fmt.Fprintf(w, "%s, source %s: %s, %s in %s.\n", file, a.Source, plural(entries, "entry", "entries"), verb, strings.Join(a.Stores, "; "))
 	part := func(mark string, changes []applyChange) {
 		for i, c := range changes {
 			if i == applyShown {
@@ -164,4 +164,12 @@ func overrideText(e overrideEntry) string {
 		s += ", note " + strconv.Quote(e.Note)
 	}
 	return s
+}
+
+// plural is n with the noun's form for it.
+func plural(n int, one, many string) string {
+	if n == 1 {
+		return "1 " + one
+	}
+	return thousands(int64(n)) + " " + many
 }

@@ -147,6 +147,12 @@ func printReplay(w io.Writer, config string, rep *replayReport) {
 	if rep.Late > 0 {
 		fmt.Fprintf(w, "%s requests were logged more than %s after they began (or in a crowd of more than %s waiting): decided after some that began later, at their own start all the same.\n", thousands(rep.Late), replayWindow, thousands(replayPending))
 	}
+	if rep.Requests > 0 && rep.Reached == 0 {
+		fmt.Fprintln(w, "No request reached a rate_limit handler: do the config's sites (their hosts, ports, paths) serve the requests of the log?")
+	}
+	if rep.EarlyEnds > 0 {
+		fmt.Fprintf(w, "%s requests ended early: more than %s were in flight at once in the log.\n", thousands(rep.EarlyEnds), thousands(maxEnds))
+	}
 	if rep.MatchErrors > 0 {
 		fmt.Fprintf(w, "%s requests could not be matched (a matcher failed on them): not decided.\n", thousands(rep.MatchErrors))
 	}

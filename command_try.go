@@ -143,7 +143,7 @@ func printTry(w io.Writer, a dryRunAnswer) {
 		tw.Flush()
 		for _, p := range hd.Policies {
 			if p.Override != nil {
-				fmt.Fprintf(w, "%s: override %s, %s", p.Policy, p.Override.describe(), expiry(p.Override.Expires))
+				fmt.Fprintf(w, "%s: the override of this key: %s, %s", p.Policy, p.Override.describe(), expiry(p.Override.Expires))
 				if p.Override.Source != "" {
 					fmt.Fprintf(w, ", from limits file source %s", p.Override.Source)
 				}

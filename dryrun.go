@@ -337,9 +337,7 @@ func dryRunHandlerOf(ctx context.Context, h *Handler, r *http.Request, repl *cad
 		}
 		v := d.verdicts[i]
 		dp.Decision, dp.Cost, dp.Learned = "allowed", max(v.cost, reqs[i].cost), v.learned
-		if v.limit != reqs[i].limit && v.limit != (limit{}) {
-			dp.Limit += " (overridden)"
-		}
+
 		rem := v.remaining
 		dp.Remaining = &rem
 		switch {
@@ -367,6 +365,12 @@ func dryRunHandlerOf(ctx context.Context, h *Handler, r *http.Request, repl *cad
 		if store := overridesIn(h.store); store != nil && p.kind != kindShed {
 			if e, err := store.overrideOf(ctx, reqs[i].key); err == nil && e != nil {
 				dp.Override = e
+			}
+		}
+		if v.limit != reqs[i].limit && v.limit != (limit{}) { // decided under an override
+			dp.Limit = "override"
+			if dp.Override != nil {
+				dp.Limit = dp.Override.describe() + " (override)"
 			}
 		}
 		hd.Policies = append(hd.Policies, dp)

@@ -180,7 +180,7 @@ func TestDryRunRedis(t *testing.T) {
 		t.Fatal(status, body)
 	}
 	a = tryIt(t, ask)
-	if a.Outcome != "admitted" || a.Handlers[0].Policies[0].Override == nil || !strings.Contains(a.Handlers[0].Policies[0].Limit, "overridden") {
+	if a.Outcome != "admitted" || a.Handlers[0].Policies[0].Override == nil || a.Handlers[0].Policies[0].Limit != "rate 10/1h burst 10 (override)" {
 		t.Fatalf("with an override: %+v", a)
 	}
 	if x := send(); x.status != 200 {

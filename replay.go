@@ -49,6 +49,11 @@ const (
 	maxSeenKeys   = 1 << 18
 )
 
+// maxEnds bounds the work held for requests' ends (the requests in
+// flight at once in the log, of policies with slots or charges after the
+// response): beyond it, the earliest is done at once, early (EarlyEnds).
+const maxEnds = 1 << 20
+
 // replayer replays entries through the handlers of one config.
 type replayer struct {
 	tree     *routeTree
@@ -95,9 +100,12 @@ type replayReport struct {
 	// entries held), decided at their own start all the same.
 	Late int64 `json:"late,omitempty"`
 	// MatchErrors: requests a matcher failed on (counted, not decided).
-	MatchErrors int64           `json:"match_errors,omitempty"`
-	Policies    []*policyReplay `json:"policies"`
-	Elapsed     float64         `json:"elapsed_seconds"`
+	MatchErrors int64 `json:"match_errors,omitempty"`
+	// EarlyEnds: requests whose end was done before its time, more than
+	// maxEnds being in flight at once in the log.
+	EarlyEnds int64           `json:"early_ends,omitempty"`
+	Policies  []*policyReplay `json:"policies"`
+	Elapsed   float64         `json:"elapsed_seconds"`
 	// LinesPerMinute is how fast the log was read and replayed.
 	LinesPerMinute float64 `json:"lines_per_minute"`
 }
@@ -273,6 +281,10 @@ func (rp *replayer) decide(e *accesslog.Entry) {
 	}
 	if len(end.reqs) > 0 || len(end.inFlight) > 0 {
 		heap.Push(&rp.ends, end)
+		if len(rp.ends) > maxEnds {
+			rp.report.EarlyEnds++
+			rp.runEnds(rp.ends[0].at)
+		}
 	}
 }
 
