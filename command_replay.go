@@ -100,14 +100,39 @@ func replayFiles(raw []byte, paths []string, showKeys bool) (*replayReport, erro
 	return replayReader(tree, rd, showKeys)
 }
 
+// replayBatch is how many entries the reader hands over at once.
+const replayBatch = 512
+
 // replayReader replays what rd reads.
 func replayReader(tree *routeTree, rd *accesslog.Reader, showKeys bool) (*replayReport, error) {
 	rp := newReplayer(tree, showKeys)
 	rd.Fields = rp.fields()
 	began := time.Now()
-	var e accesslog.Entry
-	for rd.Next(&e) {
-		rp.add(&e)
+	// Lines are read and parsed on one core while they are replayed on the
+	// other, in batches handed over through a short queue.
+	batches, free := make(chan []accesslog.Entry, 4), make(chan []accesslog.Entry, 6)
+	for range cap(free) {
+		free <- make([]accesslog.Entry, 0, replayBatch)
+	}
+	go func() {
+		defer close(batches)
+		for {
+			b := (<-free)[:0]
+			var e accesslog.Entry
+			for len(b) < replayBatch && rd.Next(&e) {
+				b = append(b, e)
+			}
+			if len(b) == 0 {
+				return
+			}
+			batches <- b
+		}
+	}()
+	for b := range batches {
+		for i := range b {
+			rp.add(&b[i])
+		}
+		free <- b
 	}
 	if err := rd.Err(); err != nil {
 		return nil, err
