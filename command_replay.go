@@ -229,9 +229,11 @@ func printReplay(w io.Writer, config string, rep *replayReport) {
 			if s.Share < 0.01 && s.Redacted == 0 {
 				continue // a few requests without it: the JSON has them
 			}
-			fmt.Fprintf(w, "\n%s: its key reads %s: %s.\n", p.Policy, s.Source, s.Meaning)
-			if s.Fix != "" {
+			fmt.Fprintf(w, "\n%s: %s: %s.\n", p.Policy, s.Source, s.Meaning)
+			if s.Fix != "" && strings.HasPrefix(s.Source, "its key") {
 				fmt.Fprintf(w, "  To replay it per key: %s.\n", s.Fix)
+			} else if s.Fix != "" {
+				fmt.Fprintf(w, "  To replay it: %s.\n", s.Fix)
 			}
 		}
 		for _, n := range p.NotReplayed {

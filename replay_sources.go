@@ -20,25 +20,25 @@ import (
 // What a log cannot tell at all (the usage in a response body, a
 // placeholder a handler sets) is named, never guessed.
 
-// logNeeds is what a policy's key (and plan) read from a request, and
-// what its settle reads from the response.
+// logNeeds is what a policy's key and plan read from a request, and what
+// its settle reads from the response, and how often the log lacked it.
 type logNeeds struct {
-	groups  []headerGroup // request headers, each placeholder's
-	userID  bool          // {http.auth.user.id}: the log's user_id
-	absent  []string      // placeholders the log has no field for
-	fields  []string      // of those, log_append fields the log may carry
-	resp    string        // settle header <field>: the response header
-	missing map[string]int64
-	// counts, per source (a header group's name, "user_id", a field, the
-	// response header)
-	redacted map[string]int64
+	sources     []logSource
+	fields      []string // placeholders read from log_append fields of their names
+	resp        string   // settle header <field>: the response header
+	respMissing int64
 }
 
-// headerGroup is the request headers one placeholder reads: one header,
-// or the several a credential may be sent in.
-type headerGroup struct {
-	name    string // what the notes call it
-	headers []string
+// logSource is one placeholder of a policy's key or plan, as the log holds
+// it: request headers, the log's user_id, or a field of its name.
+type logSource struct {
+	use      string   // "key" or "plan"
+	name     string   // what the notes call it
+	headers  []string // the request headers it reads (a credential: several)
+	userID   bool     // {http.auth.user.id}: the log's user_id
+	field    string   // a placeholder no log holds but under its own name
+	redacted int64
+	missing  int64
 }
 
 // sourceNote is a source a policy read that the log did not have.
@@ -54,11 +54,11 @@ type sourceNote struct {
 // logNeeds finds what the policy reads from the log, and what it reads
 // that no log holds.
 func (p *Policy) logNeeds() (n logNeeds, notReplayed []string) {
-	n.missing, n.redacted = map[string]int64{}, map[string]int64{}
-	for _, text := range []string{p.Key, planFrom(p)} {
-		for _, name := range placeholdersOf(text) {
-			n.add(name)
-		}
+	for _, name := range placeholdersOf(p.Key) {
+		n.add("key", name)
+	}
+	for _, name := range placeholdersOf(planFrom(p)) {
+		n.add("plan", name)
 	}
 	if p.Settle != nil {
 		switch p.Settle.From {
@@ -136,59 +136,65 @@ func logHas(name string) (headers []string, ok bool) {
 	return nil, false
 }
 
-func (n *logNeeds) add(name string) {
+func (n *logNeeds) add(use, name string) {
 	headers, ok := logHas(name)
+	src := logSource{use: use}
 	switch {
 	case !ok:
-		if !slices.Contains(n.absent, name) {
-			n.absent = append(n.absent, name)
+		src.name, src.field = "{"+name+"}", name
+		if !slices.Contains(n.fields, name) {
 			n.fields = append(n.fields, name)
 		}
 	case name == "http.auth.user.id":
-		n.userID = true
+		src.name, src.userID = "{http.auth.user.id} (the log's user_id)", true
 	case len(headers) > 0:
-		g := headerGroup{name: "request header " + strings.Join(headers, ", ")}
+		src.name, src.headers = "request header "+strings.Join(headers, ", "), headers
 		if name == credentialPlaceholder {
-			g.name = "the credential (" + strings.Join(headers, ", ") + ")"
+			src.name = "the credential (" + strings.Join(headers, ", ") + ")"
 		}
-		g.headers = headers
-		if !slices.ContainsFunc(n.groups, func(x headerGroup) bool { return x.name == g.name }) {
-			n.groups = append(n.groups, g)
-		}
+	default:
+		return // in every line
+	}
+	if !slices.ContainsFunc(n.sources, func(x logSource) bool { return x.use == use && x.name == src.name }) {
+		n.sources = append(n.sources, src)
 	}
 }
 
 // check counts what e lacks of what the policy reads.
 func (n *logNeeds) check(e *accesslog.Entry) {
-	for _, g := range n.groups {
-		present, redacted := 0, 0
-		for _, h := range g.headers {
-			vs := e.Header[h]
-			if len(vs) == 0 {
-				continue
-			}
-			present++
-			if allRedacted(vs) {
-				redacted++
-			}
-		}
+	for i := range n.sources {
+		src := &n.sources[i]
 		switch {
-		case present == 0:
-			n.missing[g.name]++
-		case redacted == present:
-			n.redacted[g.name]++
-		}
-	}
-	if n.userID && e.UserID == "" {
-		n.missing["user_id"]++
-	}
-	for _, f := range n.fields {
-		if _, ok := e.Fields[f]; !ok {
-			n.missing["{"+f+"}"]++
+		case src.userID:
+			if e.UserID == "" {
+				src.missing++
+			}
+		case src.field != "":
+			if _, ok := e.Fields[src.field]; !ok {
+				src.missing++
+			}
+		default:
+			present, redacted := 0, 0
+			for _, h := range src.headers {
+				vs := e.Header[h]
+				if len(vs) == 0 {
+					continue
+				}
+				present++
+				if allRedacted(vs) {
+					redacted++
+				}
+			}
+			switch {
+			case present == 0:
+				src.missing++
+			case redacted == present:
+				src.redacted++
+			}
 		}
 	}
 	if n.resp != "" && len(e.RespHeader[n.resp]) == 0 {
-		n.missing["response header "+n.resp]++
+		n.respMissing++
 	}
 }
 
@@ -211,38 +217,45 @@ func (n *logNeeds) summarize(notes []sourceNote, matched, keys int64) []sourceNo
 	if keys == 1 {
 		oneKey = "replayed, every request is one key: a single bucket for everyone, whose denials are not the config's"
 	}
-	for _, g := range n.groups {
-		if c := n.redacted[g.name]; c > 0 {
-			fix := "log it hashed, which keeps clients apart without writing their credentials: " +
-				"log { format filter { request>headers>" + g.headers[0] + " hash } } (a hashed bearer token is read as the token); " +
-				"or key the policy on something the log has"
-			notes = append(notes, sourceNote{Source: g.name, Redacted: c, Share: share(c),
-				Meaning: fmt.Sprintf("the log shows it as REDACTED on %s of the requests the policy matched: %s", percent(share(c)), oneKey), Fix: fix})
+	for _, src := range n.sources {
+		what := "its " + src.use + " reads " + src.name
+		same := oneKey
+		if src.use == "plan" {
+			same = "replayed under the policy's own limit (the default plan)"
 		}
-		if c := n.missing[g.name]; c > 0 {
-			notes = append(notes, sourceNote{Source: g.name, Missing: c, Share: share(c),
-				Meaning: fmt.Sprintf("the log has no value for it on %s of the requests the policy matched: replayed, they share the bucket of the empty key, as the handler would put requests that truly lack it", percent(share(c))),
-				Fix:     "if those requests had it, the log dropped it: check the log's filters (a delete filter on request>headers>" + g.headers[0] + ")"})
+		if c := src.redacted; c > 0 {
+			notes = append(notes, sourceNote{Source: what, Redacted: c, Share: share(c),
+				Meaning: fmt.Sprintf("the log shows it as REDACTED on %s of the requests the policy matched: %s", percent(share(c)), same),
+				Fix: "log it hashed, which keeps clients apart without writing their credentials: " +
+					"log { format filter { request>headers>" + src.headers[0] + " hash } } (a hashed bearer token is read as the token); " +
+					"or key the policy on something the log has"})
 		}
+		c := src.missing
+		if c == 0 {
+			continue
+		}
+		note := sourceNote{Source: what, Missing: c, Share: share(c)}
+		switch {
+		case src.userID:
+			note.Meaning = fmt.Sprintf("empty on %s of the requests the policy matched: %s", percent(share(c)), same)
+			note.Fix = "user_id is logged when an authentication handler (basic_auth, forward_auth with copy_headers) runs before the log is written"
+		case src.field != "":
+			note.Meaning = fmt.Sprintf("a value set while the request runs, not in the access log (%s of the requests the policy matched): %s", percent(share(c)), same)
+			note.Fix = "log it under its own name, which the replay reads: log_append " + src.field + " {" + src.field + "}"
+		case src.use == "plan":
+			note.Meaning = fmt.Sprintf("the log has no value for it on %s of the requests the policy matched: %s", percent(share(c)), same)
+			note.Fix = "if those requests had it, the log dropped it: check the log's filters (a delete filter on request>headers>" + src.headers[0] + ")"
+		default:
+			note.Meaning = fmt.Sprintf("the log has no value for it on %s of the requests the policy matched: replayed, they share the bucket of the empty key, as the handler would put requests that truly lack it", percent(share(c)))
+			note.Fix = "if those requests had it, the log dropped it: check the log's filters (a delete filter on request>headers>" + src.headers[0] + ")"
+		}
+		notes = append(notes, note)
 	}
-	if c := n.missing["user_id"]; c > 0 {
-		notes = append(notes, sourceNote{Source: "{http.auth.user.id} (the log's user_id)", Missing: c, Share: share(c),
-			Meaning: fmt.Sprintf("empty on %s of the requests the policy matched: %s", percent(share(c)), oneKey),
-			Fix:     "user_id is logged when an authentication handler (basic_auth, forward_auth with copy_headers) runs before the log is written"})
-	}
-	for _, f := range n.fields {
-		if c := n.missing["{"+f+"}"]; c > 0 {
-			notes = append(notes, sourceNote{Source: "{" + f + "}", Missing: c, Share: share(c),
-				Meaning: fmt.Sprintf("a value set while the request runs, not in the access log (%s of the requests the policy matched): %s", percent(share(c)), oneKey),
-				Fix:     "log it under its own name, which the replay reads: log_append " + f + " {" + f + "}"})
-		}
-	}
-	if n.resp != "" {
-		if c := n.missing["response header "+n.resp]; c > 0 {
-			notes = append(notes, sourceNote{Source: "response header " + n.resp, Missing: c, Share: share(c),
-				Meaning: fmt.Sprintf("not in the log for %s of the requests the policy matched: those keep their reservation (cost), never settled", percent(share(c))),
-				Fix:     "check that the log keeps response headers (no delete filter on resp_headers>" + n.resp + ")"})
-		}
+	if n.resp != "" && n.respMissing > 0 {
+		c := n.respMissing
+		notes = append(notes, sourceNote{Source: "its settle reads response header " + n.resp, Missing: c, Share: share(c),
+			Meaning: fmt.Sprintf("not in the log for %s of the requests the policy matched: those keep their reservation (cost), never settled", percent(share(c))),
+			Fix:     "check that the log keeps response headers (no delete filter on resp_headers>" + n.resp + ")"})
 	}
 	return notes
 }
