@@ -134,3 +134,29 @@ func TestApplyLimitsFile(t *testing.T) {
 		t.Fatalf("after the empty file: %+v", held)
 	}
 }
+
+// TestApplyIdentitiesAsTheHandlerKeysThem: two identities the handler
+// keys as one (IPv6 addresses of one /64) are one identity named twice:
+// both lines are refused; a policy with a fixed key has one override,
+// whatever identity a line gives.
+func TestApplyIdentitiesAsTheHandlerKeysThem(t *testing.T) {
+	testHandler(t, &Handler{Jitter: jitterOff(), Policies: []*Policy{
+		{Name: "apply_ip", Key: "{client_ip}", Rate: "10/1m"},
+		{Name: "apply_global", Key: "global", Rate: "10/1m"},
+	}}, nil)
+	a := applyFile(t, "net", false, []limitsfile.Entry{
+		{Line: 1, Policy: "apply_ip", Identity: "2001:db8:1:2::1", Rate: "20/1m"},
+		{Line: 2, Policy: "apply_ip", Identity: "2001:db8:1:2::99", Rate: "30/1m"},
+		{Line: 3, Policy: "apply_ip", Identity: "192.0.2.1", Rate: "40/1m"},
+		{Line: 4, Policy: "apply_global", Identity: "a", Rate: "50/1m"},
+		{Line: 5, Policy: "apply_global", Identity: "b", Rate: "60/1m"},
+	})
+	if len(a.Added) != 1 || a.Added[0].Line != 3 || len(a.Errors) != 4 {
+		t.Fatalf("%+v", a)
+	}
+	for _, e := range a.Errors {
+		if !strings.Contains(e.Msg, "named") {
+			t.Errorf("line %d: %s", e.Line, e.Msg)
+		}
+	}
+}

@@ -8,7 +8,6 @@ import (
 	"runtime"
 	"strconv"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -248,13 +247,9 @@ func TestReplayRoutes(t *testing.T) {
 	}
 }
 
-// replayLogs writes generated logs to files once per test binary: a day,
-// and two days of the same tenants (twice the lines, the same keys).
-var replayLogs = sync.OnceValues(func() (map[string]string, error) {
-	dir, err := os.MkdirTemp("", "replay-bench-")
-	if err != nil {
-		return nil, err
-	}
+// replayLogs writes generated logs in dir: a day, and two days of the
+// same tenants (twice the lines, the same keys).
+func replayLogs(dir string) (map[string]string, error) {
 	out := map[string]string{}
 	for name, length := range map[string]time.Duration{"day": 24 * time.Hour, "two-days": 48 * time.Hour} {
 		f, err := os.Create(filepath.Join(dir, name+".log"))
@@ -270,7 +265,7 @@ var replayLogs = sync.OnceValues(func() (map[string]string, error) {
 		out[name] = f.Name()
 	}
 	return out, nil
-})
+}
 
 // benchConfig is the config of three policies the benchmark replays.
 const benchConfig = `{"apps":{"http":{"servers":{"s":{"routes":[{"handle":[{"handler":"rate_limit","key_secret":"bench","policies":[
@@ -285,7 +280,7 @@ const benchConfig = `{"apps":{"http":{"servers":{"s":{"routes":[{"handle":[{"han
 // the heap holds at the replay's end, the store and the counts
 // included: the same for twice the lines (bounded by the keys).
 func BenchmarkReplay(b *testing.B) {
-	logs, err := replayLogs()
+	logs, err := replayLogs(b.TempDir())
 	if err != nil {
 		b.Fatal(err)
 	}
