@@ -73,7 +73,7 @@ reads the config given with --config (and --adapter) instead.
 `,
 		CobraFunc: func(cmd *cobra.Command) {
 			cmd.PersistentFlags().String("address", "", "Address of the administration listener, if different from config")
-			cmd.PersistentFlags().StringP("config", "c", "", "Configuration file, to find the administration listener")
+			cmd.PersistentFlags().StringP("config", "c", "", "Configuration file, to find the administration listener (check, replay: the config to check or replay)")
 			cmd.PersistentFlags().StringP("adapter", "a", "", "Name of config adapter to apply")
 			cmd.PersistentFlags().Bool("json", false, "Print the admin API's JSON answer")
 			cmd.PersistentFlags().String("plan", "", "inspect, reset, grant: the plan whose limit to read the bucket under")
