@@ -539,8 +539,8 @@ func replayConfig(ctx caddy.Context, raw []byte) (*routeTree, error) {
 			}
 		}
 		if h.KeySecret != "" && caddy.NewReplacer().ReplaceAll(h.KeySecret, "") == "" {
-			return nil, fmt.Errorf("%s: key_secret %q resolves to nothing here: give the replay the secret your instances have "+
-				"(so that the keys it shows are the hashes they store), e.g. RATE_LIMIT_SECRET=... caddy rate-limit replay ...", path, h.KeySecret)
+			return nil, fmt.Errorf("%s: key_secret %q resolves to nothing here: give the replay the secret your instances have, "+
+				"in the environment variable it names, so that the keys it shows are the hashes they store", path, h.KeySecret)
 		}
 		if err := h.Provision(ctx); err != nil {
 			return nil, fmt.Errorf("%s: %v", path, err)
