@@ -173,3 +173,20 @@ func BenchmarkParse(b *testing.B) {
 }
 
 func fmtF(f float64) string { return strconv.FormatFloat(f, 'f', 6, 64) }
+
+// FuzzParse: no line crashes the reader, and an entry read never ends
+// before it begins.
+func FuzzParse(f *testing.F) {
+	var buf bytes.Buffer
+	Day{Start: dayStart, Length: time.Minute, Requests: 5, Seed: 3}.WriteTo(&buf)
+	for _, l := range bytes.Split(buf.Bytes(), []byte("\n")) {
+		f.Add(l)
+	}
+	f.Add([]byte(`{"ts":"2025-03-03T09:00:00Z","logger":"http.log.access","request":{"remote_addr":"[::1]:1"},"duration":"1h"}`))
+	f.Fuzz(func(t *testing.T, line []byte) {
+		var e Entry
+		if ParseFields(line, &e, []string{"x"}) == nil && e.Start > e.End {
+			t.Fatalf("start %d after end %d", e.Start, e.End)
+		}
+	})
+}

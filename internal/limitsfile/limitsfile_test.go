@@ -117,3 +117,22 @@ func TestMarshalRoundTrip(t *testing.T) {
 		t.Errorf("%v\nwant\n%v", f.Entries, in)
 	}
 }
+
+// FuzzParse: no file crashes the parser; every entry read has a policy, a
+// limit and numbers in range.
+func FuzzParse(f *testing.F) {
+	f.Add([]byte("source: x\noverrides:\n  - {policy: p, identity: a, rate: 1/1s, burst: 3}\n"))
+	f.Add([]byte(`{"source":"x","overrides":[{"policy":"p","identity":"a","concurrent":2,"expires":"2027-01-01"}]}`))
+	f.Add([]byte("overrides: [{policy: p, quota: 5, note: \"n\"}, 3, [1]]"))
+	f.Fuzz(func(t *testing.T, data []byte) {
+		file, err := Parse(data)
+		if err != nil {
+			return
+		}
+		for _, e := range file.Entries {
+			if e.Policy == "" || e.Rate == "" && e.Concurrent == 0 && e.Quota == "" || e.Burst < 0 || e.Burst > MaxInteger || e.Concurrent < 0 || e.Concurrent > MaxInteger {
+				t.Fatalf("entry %+v", e)
+			}
+		}
+	})
+}
