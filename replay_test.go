@@ -256,7 +256,7 @@ func replayLogs(dir string) (map[string]string, error) {
 		if err != nil {
 			return nil, err
 		}
-		d := accesslog.Day{Start: time.Date(2025, 3, 3, 0, 0, 0, 0, time.UTC), Length: length, Requests: int(250_000 * length / (24 * time.Hour)), Tenants: 2000, Seed: 7}
+		d := accesslog.Day{Start: time.Date(2025, 3, 3, 0, 0, 0, 0, time.UTC), Length: length, Requests: 250_000 * int(length/time.Hour) / 24, Tenants: 2000, Seed: 7}
 		_, err = d.WriteTo(f)
 		f.Close()
 		if err != nil {
