@@ -123,14 +123,18 @@ func (d Day) Each(fn func(e *Entry) error) error {
 				g.keyed(NoisyKey, -1, at+time.Duration(i)*time.Second/3+time.Duration(rng.IntN(1000))*time.Microsecond, &pending)
 			}
 		}
+		// The burst and the scraper are a little irregular, as clients are:
+		// on an exact grid, their requests would land on the instants a
+		// bucket's tokens come back (1/60 s divides 600 ms), where which
+		// request gets the token is a matter of microseconds.
 		if at >= BurstAt && at < BurstAt+5*time.Second {
 			for i := range 60 {
-				g.keyed(BurstKey, -2, at+time.Duration(i)*time.Second/60, &pending)
+				g.keyed(BurstKey, -2, at+time.Duration(i)*time.Second/60+time.Duration(rng.IntN(4000))*time.Microsecond, &pending)
 			}
 		}
 		if at >= ScraperFrom && at < ScraperFrom+ScraperFor {
 			for i := range 20 {
-				g.scraper(at+time.Duration(i)*time.Second/20, &pending)
+				g.scraper(at+time.Duration(i)*time.Second/20+time.Duration(rng.IntN(10000))*time.Microsecond, &pending)
 			}
 		}
 		// Requests are at most 20 s long: those done before this second's
