@@ -84,6 +84,12 @@ type overrideApplier interface {
 	applyOverrides(ctx context.Context, sets []overrideWrite, deletes []string) error
 }
 
+// Who answers it: the override stores of both stores (override_batch.go).
+var (
+	_ overrideApplier = (*overrideFlags)(nil)
+	_ overrideApplier = (*overrideTable)(nil)
+)
+
 // overrideWrite is one override a limits file sets.
 type overrideWrite struct {
 	key   string
@@ -358,3 +364,5 @@ func announceOverrides(ctx context.Context, h *Handler, keys []string) bool {
 type batchAnnouncer interface {
 	announceOverrides(ctx context.Context, prefix string, keys []string) error
 }
+
+var _ batchAnnouncer = (*redisStore)(nil) // override_batch.go

@@ -280,14 +280,12 @@ func dryRunHandlerOf(ctx context.Context, h *Handler, r *http.Request, repl *cad
 			hd.NotMatched = append(hd.NotMatched, p.Name)
 		}
 	}
-	if len(res.reqs) == 0 {
-		if len(res.adaptive) == 0 {
-			return nil, nil, "", nil
-		}
+	if len(res.parts) == 0 && len(res.adaptive) == 0 {
+		return nil, nil, "", nil
 	}
-	reqs := make([]bucketRequest, len(res.reqs))
-	for i, rq := range res.reqs {
-		p := res.policies[i]
+	reqs := make([]bucketRequest, len(res.parts))
+	for i := range res.parts {
+		p, rq := res.parts[i].policy, res.parts[i].rq
 		if p.kind != kindShed {
 			p.markOverridable(&rq, true) // the override in force, whatever this instance knows
 		}
@@ -315,8 +313,9 @@ func dryRunHandlerOf(ctx context.Context, h *Handler, r *http.Request, repl *cad
 	}
 	var local []bucketRequest
 	var localAt []int
-	for i, p := range res.policies {
-		dp := dryRunPolicy{Policy: p.Name, Kind: p.kindName(), Limit: p.limitText(), Plan: p.planLabel(), Identity: res.identities[i],
+	for i := range res.parts {
+		p := res.parts[i].policy
+		dp := dryRunPolicy{Policy: p.Name, Kind: p.kindName(), Limit: p.limitText(), Plan: p.planLabel(), Identity: res.parts[i].identity,
 			Key: reqs[i].key, Cost: reqs[i].cost, Shadow: p.shadow}
 		if readErr != nil {
 			dp.Decision = "could not read"
@@ -382,8 +381,8 @@ func dryRunHandlerOf(ctx context.Context, h *Handler, r *http.Request, repl *cad
 			verdict := "allowed"
 			if !v.allowed {
 				verdict = "denied"
-				if !res.policies[i].shadow {
-					unreadable = "429: policy " + res.policies[i].Name + " would deny it from this instance's in-process bucket (on_error local)"
+				if p := res.parts[i].policy; !p.shadow {
+					unreadable = "429: policy " + p.Name + " would deny it from this instance's in-process bucket (on_error local)"
 				}
 			}
 			hd.Policies[i].OnError += fmt.Sprintf(" (1/%d of the budget): %s, %d would remain", max(1, h.Instances), verdict, v.remaining)

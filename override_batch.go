@@ -19,12 +19,12 @@ const applyBatch = 1000
 // applyOverrides writes the index entries first and the override keys
 // after them (no override is in force without its entry), and deletes the
 // other way round, as setOverride and deleteOverride do for one.
-func (c *redisConn) applyOverrides(ctx context.Context, sets []overrideWrite, deletes []string) error {
+func (f *overrideFlags) applyOverrides(ctx context.Context, sets []overrideWrite, deletes []string) error {
 	setAt := time.Now().UnixMilli()
 	var firstErr error
 	run := func(fill func(p redis.Pipeliner, i int), n int) {
 		for from := 0; from < n && firstErr == nil; from += applyBatch {
-			p := c.client.Pipeline()
+			p := f.client.Pipeline()
 			for i := from; i < min(n, from+applyBatch); i++ {
 				fill(p, i)
 			}
@@ -63,10 +63,10 @@ func (c *redisConn) applyOverrides(ctx context.Context, sets []overrideWrite, de
 		p.HDel(ctx, overrideIndex(policyPrefixOf(deletes[i])), hashOf(deletes[i]))
 	}, len(deletes))
 	for _, s := range sets {
-		c.overrides.changed(s.key)
+		f.changed(s.key)
 	}
 	for _, key := range deletes {
-		c.overrides.changed(key)
+		f.changed(key)
 	}
 	return firstErr
 }
@@ -104,14 +104,10 @@ func (t *overrideTable) applyOverrides(_ context.Context, sets []overrideWrite, 
 	return nil
 }
 
-func (s *redisStore) announceOverrides(ctx context.Context, prefix string, keys []string) error {
-	return s.conn.announceOverrides(ctx, prefix, keys)
-}
-
 // announceOverrides announces the overrides of the buckets under keys, in
 // pipelines, and waits for every instance to confirm each: a second, and
 // a millisecond more per key.
-func (c *redisConn) announceOverrides(ctx context.Context, prefix string, keys []string) error {
+func (c *redisStore) announceOverrides(ctx context.Context, prefix string, keys []string) error {
 	ch := eventsChannel(prefix)
 	want := c.subscribers(ctx, ch)
 	waits := make([]*ackWait, len(keys))
@@ -147,10 +143,3 @@ func (c *redisConn) announceOverrides(ctx context.Context, prefix string, keys [
 	}
 	return nil
 }
-
-// The capabilities they have.
-var (
-	_ overrideApplier = (*redisConn)(nil)
-	_ overrideApplier = (*overrideTable)(nil)
-	_ batchAnnouncer  = (*redisStore)(nil)
-)

@@ -261,7 +261,7 @@ func (rp *replayer) decide(e *accesslog.Entry) {
 			res.recycle()
 			return
 		}
-		if len(res.reqs) == 0 {
+		if len(res.parts) == 0 {
 			res.recycle()
 			continue
 		}
@@ -290,21 +290,19 @@ func (rp *replayer) decide(e *accesslog.Entry) {
 
 // admitOn is the handler's decision of the admission res on the store s:
 // the one decision the request path makes (reserve), the turns of `wait`
-// included, without holding anything (a virtual clock, or a dry run, holds
-// nobody).
+// included, without holding anything (a virtual clock holds nobody).
 func (h *Handler) admitOn(ctx context.Context, s store, res *admission) (decision, error) {
-	for i, p := range res.policies {
-		if p.kind != kindConcurrent && p.Wait != 0 && !p.shadow {
-			res.reqs[i].wait = p.held.wait
+	for i := range res.parts {
+		if p := res.parts[i].policy; p.kind != kindConcurrent && p.Wait != 0 && !p.shadow {
+			res.parts[i].rq.wait = p.held.wait
 		}
 	}
-	d, err := s.decide(ctx, res.reqs)
+	reqs := res.requests()
+	d, err := s.decide(ctx, reqs)
 	if err != nil {
 		return d, err
 	}
-	res.d, res.shown, res.shownReqs, res.decidedBy = d, res.policies, res.reqs, s
-	reserved(res.reqs, d)
-	notePeriods(res.reqs, d)
+	res.decided(s, d, allParts(len(res.parts)), reqs)
 	return d, nil
 }
 
@@ -323,8 +321,8 @@ func afterResponseOf(h *Handler, r *http.Request, rs *requestState, res *admissi
 		reqs, _ := aw.charges(nil)
 		out = append(out, reqs...)
 	}
-	for i, rq := range res.reqs {
-		if rq.op == opAcquire && res.d.verdicts[i].allowed {
+	for _, pt := range res.decidedParts() {
+		if rq := pt.rq; rq.op == opAcquire && pt.v.allowed {
 			rq.op = opRelease
 			out = append(out, rq)
 		}
@@ -342,12 +340,12 @@ func (w *loggedResponse) WriteHeader(int)             {}
 
 // record counts a decision of the policies of res.
 func (rp *replayer) record(e *accesslog.Entry, res *admission, d decision, end *endWork) {
-	for i, p := range res.policies {
-		pr := rp.policies[p.Name]
+	for _, pt := range res.decidedParts() {
+		pr := rp.policies[pt.policy.Name]
 		if pr == nil {
 			continue
 		}
-		v, key := d.verdicts[i], res.reqs[i].key
+		v, key := pt.v, pt.rq.key
 		pr.Matched++
 		pr.needs.check(e) // replay_sources.go
 		if len(pr.seen) < maxSeenKeys {
@@ -370,7 +368,7 @@ func (rp *replayer) record(e *accesslog.Entry, res *admission, d decision, end *
 				}
 				dk = &deniedKey{Key: key}
 				if rp.showKeys {
-					dk.Identity = res.identities[i]
+					dk.Identity = pt.identity
 				}
 				pr.denied[key] = dk
 			}

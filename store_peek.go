@@ -61,10 +61,6 @@ func (m *memoryStore) peek(_ context.Context, reqs []bucketRequest) (decision, e
 	return d, nil
 }
 
-func (s *redisStore) peek(ctx context.Context, reqs []bucketRequest) (decision, error) {
-	return s.conn.peek(ctx, reqs)
-}
-
 // errOtherKind: a key holds a value of another type than its policy's
 // (an earlier config gave the name to another kind of policy).
 var errOtherKind = errors.New("holds a value of another kind of policy, which its next decision replaces")
@@ -72,7 +68,7 @@ var errOtherKind = errors.New("holds a value of another kind of policy, which it
 // peek reads the buckets in Redis, in one pipeline of reads (GET, ZRANGE,
 // TIME), past the circuit breaker and the coalescer: a dry run asks the
 // truth now, and a store that does not answer says so.
-func (c *redisConn) peek(ctx context.Context, reqs []bucketRequest) (decision, error) {
+func (c *redisStore) peek(ctx context.Context, reqs []bucketRequest) (decision, error) {
 	p := c.client.Pipeline()
 	clock := p.Time(ctx)
 	values := make([]*redis.StringCmd, len(reqs))
