@@ -159,7 +159,7 @@ func (m *memoryStore) decide(_ context.Context, reqs []bucketRequest) (decision,
 				learned = make([]int64, len(reqs))
 			}
 			l := m.shards[shards[i]].learnedOf(ids[i], now)
-			learned[i] = l.max()
+			learned[i] = l.of(rq)
 		}
 	}
 	if learned != nil {

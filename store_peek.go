@@ -49,7 +49,7 @@ func (m *memoryStore) peek(_ context.Context, reqs []bucketRequest) (decision, e
 		}
 		if rq.learns {
 			l := s.learnedOf(ids[i], now)
-			learned[i] = l.max()
+			learned[i] = l.of(rq)
 		}
 		s.mu.Unlock()
 	}
@@ -85,7 +85,7 @@ func (c *redisStore) peek(ctx context.Context, reqs []bucketRequest) (decision, 
 			overrides[i] = p.Get(ctx, overrideKey(rq.key))
 		}
 		if rq.learns {
-			usage[i] = p.Get(ctx, rq.key+":usage")
+			usage[i] = p.Get(ctx, learnedKey(rq.key))
 		}
 	}
 	if _, err := p.Exec(ctx); err != nil && !errors.Is(err, redis.Nil) {
@@ -119,7 +119,7 @@ func (c *redisStore) peek(ctx context.Context, reqs []bucketRequest) (decision, 
 		if usage[i] != nil {
 			if v, err := usage[i].Result(); err == nil {
 				l := decodeLearned(v)
-				learned[i] = l.max()
+				learned[i] = l.of(rq)
 			}
 		}
 		if slots[i] != nil {
