@@ -40,6 +40,10 @@ type applyRequest struct {
 	Source    string             `json:"source"`
 	DryRun    bool               `json:"dry_run,omitempty"`
 	Overrides []limitsfile.Entry `json:"overrides"`
+	// ShowKeys: the diff names each identity, not only its keyed
+	// fingerprint, as top's show_keys does: a diff is copied around (the
+	// output of a nightly job) and its identities may be API keys.
+	ShowKeys bool `json:"show_keys,omitempty"`
 }
 
 // applyAnswer is the diff, as made (or, for a dry run, as it would be).
@@ -63,12 +67,14 @@ type applyAnswer struct {
 // override as it is after the change and, for a change or a removal, as it
 // was.
 type applyChange struct {
-	Line     int            `json:"line,omitempty"`
-	Policy   string         `json:"policy"`
-	Identity string         `json:"identity,omitempty"`
-	Key      string         `json:"key"`
-	Override *overrideEntry `json:"override,omitempty"`
-	Was      *overrideEntry `json:"was,omitempty"`
+	Line   int    `json:"line,omitempty"`
+	Policy string `json:"policy"`
+	// Identity, with show_keys only.
+	Identity    string         `json:"identity,omitempty"`
+	Key         string         `json:"key"`
+	Fingerprint string         `json:"fingerprint"`
+	Override    *overrideEntry `json:"override,omitempty"`
+	Was         *overrideEntry `json:"was,omitempty"`
 }
 
 // maxApplyBody bounds a limits file sent to the admin API: a million
@@ -213,11 +219,11 @@ func applyOverrides(ctx context.Context, req applyRequest) (*applyAnswer, error)
 		if err == nil {
 			if first := byKey[key]; first != nil || refused[key] {
 				if first != nil {
-					ans.Errors = append(ans.Errors, limitsfile.LineError{Line: first.line, Msg: fmt.Sprintf("policy %s, identity %q: named again on line %d: which one is meant? Neither is applied", e.Policy, first.identity, e.Line)})
+					ans.Errors = append(ans.Errors, limitsfile.LineError{Line: first.line, Msg: fmt.Sprintf("policy %s: its identity is named again on line %d: which one is meant? Neither is applied", e.Policy, e.Line)})
 					delete(byKey, key)
 				}
 				refused[key] = true
-				err = fmt.Errorf("policy %s, identity %q: named on an earlier line too: neither is applied", e.Policy, e.Identity)
+				err = fmt.Errorf("policy %s: its identity is named on an earlier line too: neither is applied", e.Policy)
 			}
 		}
 		if err != nil {
@@ -236,7 +242,10 @@ func applyOverrides(ctx context.Context, req applyRequest) (*applyAnswer, error)
 			continue // refused: named twice
 		}
 		t, hash := wt.t, hashOf(key)
-		ch := applyChange{Line: wt.line, Policy: t.policy.Name, Identity: wt.identity, Key: key}
+		ch := applyChange{Line: wt.line, Policy: t.policy.Name, Key: key, Fingerprint: fingerprintOf(key)}
+		if req.ShowKeys {
+			ch.Identity = wt.identity
+		}
 		after := wt.w.entry
 		after.Hash, after.Key = hash, key
 		ch.Override = &after
@@ -265,7 +274,7 @@ func applyOverrides(ctx context.Context, req applyRequest) (*applyAnswer, error)
 		slices.SortFunc(gone, func(a, b overrideEntry) int { return strings.Compare(a.Hash, b.Hash) })
 		for _, held := range gone {
 			was := held
-			ans.Removed = append(ans.Removed, applyChange{Policy: t.policy.Name, Key: held.Key, Was: &was})
+			ans.Removed = append(ans.Removed, applyChange{Policy: t.policy.Name, Key: held.Key, Fingerprint: fingerprintOf(held.Key), Was: &was})
 			t.dels = append(t.dels, held.Key)
 		}
 	}

@@ -56,6 +56,22 @@ func TestApplyLimitsFile(t *testing.T) {
 	if len(dry.Added) != 3 || len(dry.Errors) != 0 || !dry.DryRun {
 		t.Fatalf("dry run: %+v", dry)
 	}
+	// The diff names identities by their keyed fingerprints (a diff is
+	// kept: a nightly job's output), the identities only with show_keys.
+	for _, c := range dry.Added {
+		if c.Identity != "" || c.Fingerprint != fingerprintOf(c.Key) || len(c.Fingerprint) != fingerprintLen {
+			t.Fatalf("dry run's diff: %+v", c)
+		}
+	}
+	var out strings.Builder
+	printApply(&out, "limits.yaml", dry, len(file))
+	if strings.Contains(out.String(), "acme") || strings.Contains(out.String(), "globex") || !strings.Contains(out.String(), "+ apply_rate "+dry.Added[0].Fingerprint+": ") {
+		t.Fatalf("the diff printed:\n%s", out.String())
+	}
+	raw, _ := json.Marshal(applyRequest{Source: "billing", DryRun: true, Overrides: file, ShowKeys: true})
+	if _, body := adminDo(t, "POST", "/rate_limit/apply", string(raw)); !strings.Contains(body, `"identity":"globex"`) {
+		t.Fatalf("show_keys: %s", body)
+	}
 	if x := get("acme"); x.status != 429 {
 		t.Fatalf("after a dry run: %d, want still denied", x.status)
 	}
@@ -120,6 +136,11 @@ func TestApplyLimitsFile(t *testing.T) {
 		limitsfile.Entry{Line: 10, Policy: "apply_rate", Identity: "dup", Rate: "2/1s"}))
 	if len(b2.Errors) != 2 || len(b2.Added) != 0 || b2.Unchanged != 2 {
 		t.Fatalf("named twice: %+v", b2)
+	}
+	for _, e := range b2.Errors {
+		if strings.Contains(e.Msg, "dup") { // a line error is printed, and kept with the job's output
+			t.Errorf("line %d names the identity: %s", e.Line, e.Msg)
+		}
 	}
 	other := applyFile(t, "crm", false, []limitsfile.Entry{})
 	if len(other.Removed) != 0 {

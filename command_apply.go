@@ -17,7 +17,7 @@ import (
 	"github.com/ratelimit-caddy/caddy-ratelimit/internal/limitsfile"
 )
 
-// `caddy rate-limit apply <file> [--dry-run] [--source <tag>]`: a limits
+// `caddy rate-limit apply <file> [--dry-run] [--source <tag>] [--show-keys]`: a limits
 // file (internal/limitsfile) applied through the admin API
 // (admin_apply.go), its diff printed. The exit status is non-zero when any
 // entry was refused, the others applied all the same.
@@ -43,11 +43,14 @@ applied: the exit status is then non-zero. Applying the same file again
 changes nothing; buckets keep their state through every change.
 
 --dry-run prints the diff and changes nothing. The source is the file's
-source, --source, or else the file's name without its extension.`,
+source, --source, or else the file's name without its extension. The diff
+names each identity by its keyed fingerprint (as top does) and the file's
+line; --show-keys prints the identities themselves.`,
 		Args: cobra.ExactArgs(1),
 		RunE: runApply,
 	}
 	c.Flags().Bool("dry-run", false, "Print the diff; change nothing")
+	c.Flags().Bool("show-keys", false, "Name each identity in the diff (API keys, for a policy keyed on the credential), not only its keyed fingerprint")
 	c.Flags().String("source", "", "The tag naming the overrides this file owns (default: the file's source, or its name)")
 	return c
 }
@@ -56,6 +59,7 @@ func runApply(cmd *cobra.Command, args []string) error {
 	cmd.SilenceUsage = true
 	dryRun, _ := cmd.Flags().GetBool("dry-run")
 	source, _ := cmd.Flags().GetString("source")
+	showKeys, _ := cmd.Flags().GetBool("show-keys")
 	data, err := os.ReadFile(args[0])
 	if err != nil {
 		return err
@@ -83,7 +87,7 @@ func runApply(cmd *cobra.Command, args []string) error {
 	if err != nil {
 		return err
 	}
-	raw, _ := json.Marshal(applyRequest{Source: source, DryRun: dryRun, Overrides: f.Entries})
+	raw, _ := json.Marshal(applyRequest{Source: source, DryRun: dryRun, Overrides: f.Entries, ShowKeys: showKeys})
 	answer, err := target.call(os.Stdout, http.MethodPost, "/rate_limit/apply", bytes.NewReader(raw))
 	if err != nil {
 		return err
@@ -118,9 +122,9 @@ func printApply(w io.Writer, file string, a applyAnswer, entries int) {
 				fmt.Fprintf(w, "  %s ... and %d more (--json lists them all)\n", mark, len(changes)-applyShown)
 				break
 			}
-			who := strconv.Quote(c.Identity)
-			if c.Line == 0 {
-				who = c.Key // a removal: the store holds only the hash
+			who := c.Fingerprint  // the keyed hash's start, as top shows
+			if c.Identity != "" { // --show-keys (a removal has none: the store holds only the hash)
+				who = strconv.Quote(c.Identity)
 			}
 			line := fmt.Sprintf("  %s %s %s", mark, c.Policy, who)
 			switch {

@@ -22,7 +22,7 @@ import (
 
 func tryCommand() *cobra.Command {
 	c := &cobra.Command{
-		Use:   "try <url> [-H 'Name: value']... [--method <m>] [--body <file>] [--client-ip <ip>]",
+		Use:   "try <url> [-H 'Name: value']... [--method <m>] [--body <file>] [--client-ip <ip>] [--show-keys]",
 		Short: "Says what each policy would decide for a request now, read from the store; nothing is charged",
 		Long: `Answers "what would happen to this request, now, and why?": the request so
 described goes through the running config as far as its rate_limit
@@ -41,6 +41,7 @@ cannot be read it says so, and what each policy's on_error would do.
 	c.Flags().StringP("method", "X", "GET", "The request's method")
 	c.Flags().String("body", "", "A file holding the request's body (for policies that read it)")
 	c.Flags().String("client-ip", "", "The client's address (for keys on {client_ip})")
+	c.Flags().Bool("show-keys", false, "Show the identity each policy keys on (an API key, for a policy keyed on the credential), not only its keyed hash")
 	return c
 }
 
@@ -50,7 +51,8 @@ func runTry(cmd *cobra.Command, args []string) error {
 	method, _ := cmd.Flags().GetString("method")
 	bodyFile, _ := cmd.Flags().GetString("body")
 	clientIP, _ := cmd.Flags().GetString("client-ip")
-	req := dryRunRequest{Method: method, URL: args[0], ClientIP: clientIP, Headers: map[string][]string{}}
+	showKeys, _ := cmd.Flags().GetBool("show-keys")
+	req := dryRunRequest{Method: method, URL: args[0], ClientIP: clientIP, Headers: map[string][]string{}, ShowKeys: showKeys}
 	for _, h := range headers {
 		name, value, ok := strings.Cut(h, ":")
 		if !ok || strings.TrimSpace(name) == "" {
@@ -138,7 +140,11 @@ func printTry(w io.Writer, a dryRunAnswer) {
 			if p.OnError != "" {
 				decision += "; " + p.OnError
 			}
-			fmt.Fprintf(tw, "%s\t%s\t%s\t%d\t%s\t%s\t%s\n", name, p.Limit, p.Key, p.Cost, decision, rem, wait)
+			key := p.Key
+			if p.Identity != "" { // --show-keys
+				key += " (" + strconv.Quote(p.Identity) + ")"
+			}
+			fmt.Fprintf(tw, "%s\t%s\t%s\t%d\t%s\t%s\t%s\n", name, p.Limit, key, p.Cost, decision, rem, wait)
 		}
 		tw.Flush()
 		for _, p := range hd.Policies {
@@ -154,7 +160,7 @@ func printTry(w io.Writer, a dryRunAnswer) {
 					p.Policy, p.BlocksHere.Tokens, p.BlocksHere.Blocks)
 			}
 			if p.Learned > 0 {
-				fmt.Fprintf(w, "%s: the key learned a usage of %d: its requests reserve at least that.\n", p.Policy, p.Learned)
+				fmt.Fprintf(w, "%s: the key learned that requests like this one use %d beyond their reservations: this one reserves that much more (at most the burst).\n", p.Policy, p.Learned)
 			}
 		}
 		if len(hd.NotMatched) > 0 {

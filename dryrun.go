@@ -47,6 +47,11 @@ type dryRunRequest struct {
 	BodyBase64 string `json:"body_base64,omitempty"`
 	// ClientIP is the client's address, for keys on it ({client_ip}).
 	ClientIP string `json:"client_ip,omitempty"`
+	// ShowKeys: the answer names each policy's identity (an API key, for
+	// a policy keyed on the credential), not only its keyed hash, as top's
+	// show_keys does: an answer is copied around (caddy rate-limit try
+	// --show-keys).
+	ShowKeys bool `json:"show_keys,omitempty"`
 }
 
 // dryRunAnswer is what the request would get now.
@@ -84,10 +89,14 @@ type dryRunPolicy struct {
 	Limit    string         `json:"limit"`
 	Plan     string         `json:"plan,omitempty"`
 	Override *overrideEntry `json:"override,omitempty"`
-	Identity string         `json:"identity"`
-	Key      string         `json:"key"`
-	Cost     int64          `json:"cost"`
-	Shadow   bool           `json:"shadow,omitempty"`
+	// Identity is the value the policy keys on, with show_keys only.
+	Identity string `json:"identity,omitempty"`
+	// Key is the bucket's storage key, whose keyed hash names the
+	// identity without revealing it; Fingerprint its start, as top shows.
+	Key         string `json:"key"`
+	Fingerprint string `json:"fingerprint"`
+	Cost        int64  `json:"cost"`
+	Shadow      bool   `json:"shadow,omitempty"`
 	// Decision: allowed, delayed, denied, or "could not read".
 	Decision string `json:"decision"`
 	// Remaining: what the bucket would hold after the request (slots free,
@@ -140,7 +149,9 @@ func tryRequest(ctx context.Context, req dryRunRequest) (*http.Request, *caddy.R
 	}
 	u, err := url.Parse(req.URL)
 	if err != nil || u.Path == "" && u.Host == "" {
-		return nil, nil, apiError(http.StatusBadRequest, "url: %q is not a URL such as https://api.example.com/v1/items", req.URL)
+		// Not quoted: Caddy's admin API logs an error's message, and a URL
+		// may carry a credential in its query.
+		return nil, nil, apiError(http.StatusBadRequest, "url: not a URL such as https://api.example.com/v1/items")
 	}
 	if u.Path == "" {
 		u.Path = "/"
@@ -160,7 +171,7 @@ func tryRequest(ctx context.Context, req dryRunRequest) (*http.Request, *caddy.R
 	if req.ClientIP != "" {
 		ip := net.ParseIP(strings.Trim(req.ClientIP, "[]"))
 		if ip == nil {
-			return nil, nil, apiError(http.StatusBadRequest, "client_ip: %q is not an IP address", req.ClientIP)
+			return nil, nil, apiError(http.StatusBadRequest, "client_ip: not an IP address such as 203.0.113.7") // not quoted: logged
 		}
 		remote = net.JoinHostPort(ip.String(), "0")
 	}
@@ -219,6 +230,11 @@ func dryRun(ctx context.Context, req dryRunRequest) (*dryRunAnswer, error) {
 		}
 		if hd == nil {
 			continue
+		}
+		if !req.ShowKeys {
+			for i := range hd.Policies {
+				hd.Policies[i].Identity = ""
+			}
 		}
 		ans.Handlers = append(ans.Handlers, *hd)
 		switch {
@@ -315,8 +331,9 @@ func dryRunHandlerOf(ctx context.Context, h *Handler, r *http.Request, repl *cad
 	var localAt []int
 	for i := range res.parts {
 		p := res.parts[i].policy
-		dp := dryRunPolicy{Policy: p.Name, Kind: p.kindName(), Limit: p.limitText(), Plan: p.planLabel(), Identity: res.parts[i].identity,
-			Key: reqs[i].key, Cost: reqs[i].cost, Shadow: p.shadow}
+		dp := dryRunPolicy{Policy: p.Name, Kind: p.kindName(), Limit: p.limitText(), Plan: p.planLabel(),
+			Key: reqs[i].key, Fingerprint: fingerprintOf(reqs[i].key), Cost: reqs[i].cost, Shadow: p.shadow,
+			Identity: res.parts[i].identity} // dryRun keeps it with show_keys only
 		if readErr != nil {
 			dp.Decision = "could not read"
 			switch p.onError {

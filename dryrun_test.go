@@ -56,6 +56,14 @@ func TestDryRunInProcess(t *testing.T) {
 		if key.Key != h.Policies[0].storageKey(h.hasher, "acme") || key.Cost != 1 || *key.Remaining != remaining || a.Handlers[0].Policies[1].Cost != 40 {
 			t.Fatalf("request %d: %+v", i+1, a.Handlers[0].Policies)
 		}
+		// The identity only when asked (show_keys), as top: the keyed
+		// hash and its fingerprint otherwise.
+		if key.Identity != "" || key.Fingerprint != fingerprintOf(key.Key) || len(key.Fingerprint) != fingerprintLen {
+			t.Fatalf("request %d: identity %q, fingerprint %q of %s", i+1, key.Identity, key.Fingerprint, key.Key)
+		}
+		if shown := tryIt(t, strings.Replace(ask, `{`, `{"show_keys":true,`, 1)); shown.Handlers[0].Policies[0].Identity != "acme" {
+			t.Fatalf("show_keys: %+v", shown.Handlers[0].Policies[0])
+		}
 		x := send()
 		if got := map[bool]string{true: "admitted", false: "denied"}[x.status == 200]; got != want {
 			t.Fatalf("request %d: predicted %s, got %d", i+1, want, x.status)
@@ -70,14 +78,16 @@ func TestDryRunInProcess(t *testing.T) {
 			}
 		}
 	}
-	// A bad description is refused, naming what is wrong.
+	// A bad description is refused, naming what is wrong without quoting
+	// it: Caddy's admin API logs an error's message, and a URL's query or
+	// a mistyped field may hold a credential.
 	for body, says := range map[string]string{
-		`{"url":"::"}`:                             "is not a URL",
-		`{"url":"/","client_ip":"nope"}`:           "client_ip",
+		`{"url":"::?api_key=sk-secret-1"}`:         "not a URL",
+		`{"url":"/","client_ip":"sk-secret-2"}`:    "client_ip",
 		`{"url":"/","colour":"blue"}`:              "unknown field",
 		`{"url":"/","body":"a","body_base64":"b"}`: "exclude each other",
 	} {
-		if status, out := adminDo(t, "POST", "/rate_limit/dry_run", body); status != 400 || !strings.Contains(out, says) {
+		if status, out := adminDo(t, "POST", "/rate_limit/dry_run", body); status != 400 || !strings.Contains(out, says) || strings.Contains(out, "sk-secret") {
 			t.Errorf("%s: %d %s", body, status, out)
 		}
 	}
