@@ -89,9 +89,10 @@ func init() {
 //	POST /rate_limit/format  {"format": "v1" | "v2"}
 //	GET  /rate_limit/fleet
 //
-// and the overrides of admin_override.go. Inspect, reset and grant take
-// an optional plan, to read the bucket under that plan's limit rather than
-// the policy's own. An identity goes in a request body, never in a URL:
+// and the overrides of admin_override.go and admin_apply.go, and the dry
+// run of dryrun.go. Inspect, reset and grant take an optional plan, to read
+// the bucket under that plan's limit rather than the policy's own. An
+// identity goes in a request body, never in a URL:
 // Caddy's admin API logs every request's URL at INFO (GET inspect without
 // an identity, for a fixed key or the empty key's bucket, still reads its
 // query). Top shows each identity's keyed fingerprint, and the raw
@@ -193,9 +194,15 @@ func (a adminAPI) serve(w http.ResponseWriter, r *http.Request) error {
 	if action == "override" || action == "overrides" {
 		return a.serveOverride(w, r, action)
 	}
+	if action == "apply" {
+		return a.apply(w, r) // admin_apply.go
+	}
+	if action == "dry_run" {
+		return a.dryRun(w, r) // dryrun.go
+	}
 	method := map[string]string{"inspect": http.MethodPost, "top": http.MethodGet, "reset": http.MethodPost, "grant": http.MethodPost}[action]
 	if method == "" {
-		return apiError(http.StatusNotFound, "no such rate_limit endpoint %q: use inspect, reset, grant, top, format, fleet, override or overrides", action)
+		return apiError(http.StatusNotFound, "no such rate_limit endpoint %q: use inspect, reset, grant, top, format, fleet, override, overrides, apply or dry_run", action)
 	}
 	if action == "inspect" && r.Method == http.MethodGet {
 		// The query form, for what names no identity (a fixed key, the

@@ -25,7 +25,7 @@ import (
 func init() {
 	caddycmd.RegisterCommand(caddycmd.Command{
 		Name:  "rate-limit",
-		Usage: "inspect|reset|grant|top|format|fleet|check|override|overrides [--address <interface>] [--config <path> [--adapter <name>]] [--json]",
+		Usage: "inspect|reset|grant|top|format|fleet|check|override|overrides|apply|try|replay [--address <interface>] [--config <path> [--adapter <name>]] [--json]",
 		Short: "Inspects and resets the rate_limit buckets of a running Caddy",
 		Long: `
 Answers "why is this customer blocked, and can you unblock them?" through the
@@ -51,6 +51,15 @@ admin API of a running Caddy:
                                                          instance at once; for: it expires by itself
   caddy rate-limit override <policy> <identity> delete   back to its plan's limit
   caddy rate-limit overrides <policy>                    every override: hash, limit, expiry, note
+  caddy rate-limit apply <file> [--dry-run]              a limits file (YAML or JSON): the overrides of many
+                                                         identities, applied as a diff on every instance
+  caddy rate-limit try <url> [-H <header>]... [--method <m>] [--body <file>]
+                                                         what each policy would decide for that request
+                                                         now, read from the store, nothing charged
+  caddy rate-limit replay --config <file> <access log>...
+                                                         Caddy's JSON access logs run through the config's
+                                                         policies: what they would have denied, and when
+                                                         (no running Caddy, nothing sent anywhere)
 
 Inspect, reset and grant read the bucket under the policy's own limit, or
 under a plan's with --plan <name> (docs/plans-and-overrides.md); with
@@ -67,7 +76,7 @@ reads the config given with --config (and --adapter) instead.
 `,
 		CobraFunc: func(cmd *cobra.Command) {
 			cmd.PersistentFlags().String("address", "", "Address of the administration listener, if different from config")
-			cmd.PersistentFlags().StringP("config", "c", "", "Configuration file, to find the administration listener")
+			cmd.PersistentFlags().StringP("config", "c", "", "Configuration file, to find the administration listener (check, replay: the config to check or replay)")
 			cmd.PersistentFlags().StringP("adapter", "a", "", "Name of config adapter to apply")
 			cmd.PersistentFlags().Bool("json", false, "Print the admin API's JSON answer")
 			cmd.PersistentFlags().String("plan", "", "inspect, reset, grant: the plan whose limit to read the bucket under")
@@ -85,8 +94,9 @@ reads the config given with --config (and --adapter) instead.
 				&cobra.Command{Use: "format [v1|v2]", Short: "Shows or sets the format the fleet stores buckets in (see docs/redis.md, Upgrading)",
 					Args: cobra.RangeArgs(0, 1), RunE: rateLimitCommand("format")},
 			)
-			addOverrideCommands(cmd) // command_override.go
-			addFleetCommands(cmd)    // command_fleet.go
+			addOverrideCommands(cmd)                                      // command_override.go
+			addFleetCommands(cmd)                                         // command_fleet.go
+			cmd.AddCommand(applyCommand(), tryCommand(), replayCommand()) // command_apply.go, command_try.go, command_replay.go
 			for _, sub := range cmd.Commands() {
 				numbersAsArgs(sub) // command_cli.go
 			}

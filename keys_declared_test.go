@@ -360,6 +360,10 @@ func TestScriptsDeclareEveryKey(t *testing.T) {
 		{"POST", "/rate_limit/reset", `{"policy":"kd_spend","identity":"bob"}`},
 		{"POST", "/rate_limit/reset", `{"policy":"kd_slots","identity":"alice"}`},
 		{"DELETE", "/rate_limit/override", `{"policy":"kd_rate","identity":"bob"}`},
+		// A dry run reads (no script) and a limits file writes in
+		// pipelines; a script either ran would be checked below.
+		{"POST", "/rate_limit/dry_run", `{"url":"http://example.com/","headers":{"X-User":["bob"],"X-Cost":["100"]}}`},
+		{"POST", "/rate_limit/apply", `{"source":"kd","overrides":[{"line":1,"policy":"kd_rate","identity":"dave","rate":"500/1m"},{"line":2,"policy":"kd_tokens","identity":"dave","rate":"1000/1s","burst":900}]}`},
 	} {
 		if status, answer := adminDo(t, call[0], call[1], call[2]); status != 200 {
 			t.Fatalf("%s %s: %d %s", call[0], call[1], status, answer)

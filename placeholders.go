@@ -42,6 +42,9 @@ type requestState struct {
 	// body is what the request body asks for (`cost openai`), read once.
 	body     llm.Request
 	bodyRead bool
+	// dryRun: the request is a dry run's (dryrun.go) or a replay's, which
+	// counts nothing.
+	dryRun bool
 }
 
 // stateVar is where a request keeps its requestState.

@@ -91,7 +91,9 @@ func (h *Handler) match(r *http.Request, repl *caddy.Replacer, rs *requestState,
 		if key == "" {
 			identity = p.key(r, repl)
 			key = p.storageKey(h.hasher, identity)
-			p.emptyKey.note(p, identity, h.logger) // credential.go
+			if !rs.dryRun {
+				p.emptyKey.note(p, identity, h.logger) // credential.go
+			}
 		}
 		rq := bucketRequest{key: key, op: p.admissionOp(), limit: p.limit, cost: p.cost(r, repl), shadow: p.shadow, givesBack: p.givesBack(), learns: p.learns(), hot: p.hot.use}
 		rq.quota = p.quota // nil unless a quota
