@@ -33,9 +33,17 @@ type Request struct {
 	// conversation, an image, a file, a provider-side tool: see
 	// jsonScan.hiddenValue and hiddenType), or is longer than the prefix
 	// read, whose rest may: the provider bills input the estimate cannot
-	// see, so the request reserves max.
+	// see, so the request reserves max. So does a body that names two
+	// models (the provider reads one of them, maybe the dearer).
 	hides bool
+	// model is the model the body names (`model`), decoded; empty when it
+	// names none (or one longer than maxModel, or only in the part of the
+	// body past the prefix read).
+	model string
 }
+
+// Model is the model the request body names, or empty.
+func (rb Request) Model() string { return rb.model }
 
 // ReadRequest reads the request body's prefix and puts it back before
 // the rest: the upstream gets the body unchanged.
@@ -84,7 +92,8 @@ func scanRequest(body []byte, truncated bool, contentLength int64) Request {
 		rb.ok = false // not a whole JSON document
 	}
 	rb.promptTokens, rb.promptBytes = TokensOf(f.strings), f.strings
-	rb.hides = f.hides || truncated
+	rb.hides = f.hides || truncated || f.models > 1
+	rb.model = f.model.String()
 	if truncated {
 		rb.promptBytes = max(contentLength, int64(len(body)))
 		if contentLength < 0 {
