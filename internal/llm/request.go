@@ -61,10 +61,11 @@ func ReadRequest(r *http.Request) Request {
 	buf := make([]byte, size)
 	n, err := io.ReadFull(r.Body, buf)
 	buf = buf[:n]
+	whole := r.ContentLength == int64(n)
 	if errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) {
-		err = nil // the body ended within the prefix: the rest reads its end again
+		err, whole = nil, true // the body ended within the prefix: the rest reads its end again
 	}
-	r.Body = &prefixedBody{prefix: buf, rest: r.Body, err: err}
+	r.Body = &prefixedBody{prefix: buf, rest: r.Body, err: err, whole: whole}
 	if err != nil {
 		return Request{} // the client's body failed: max
 	}
@@ -120,6 +121,7 @@ type prefixedBody struct {
 	prefix []byte
 	rest   io.ReadCloser
 	err    error // the body failed while the prefix was read: the same again
+	whole  bool  // the prefix is the whole body
 }
 
 func (b *prefixedBody) Read(p []byte) (int, error) {

@@ -60,7 +60,7 @@ type scanFound struct {
 
 	// model is the last model named (see jsonScan.modelPlace), as sent
 	// (escapes and all) up to maxModel bytes; models counts the names.
-	model modelName
+	model  modelName
 	models int
 }
 
