@@ -39,13 +39,22 @@ func (d definition) budgetShape() string {
 func (p *Policy) limitShape() string {
 	switch p.kind {
 	case kindQuota:
-		return fmt.Sprintf("kind %s, quota %s, timezone %s", p.kindName(), p.Quota, p.quota.loc) + p.planShape()
+		return fmt.Sprintf("kind %s, quota %s, timezone %s", p.kindName(), p.Quota, p.quota.loc) + p.unitShape() + p.planShape()
 	case kindShed:
 		return fmt.Sprintf("kind %s, %s", p.kindName(), p.shedShape())
 	case kindConcurrent:
 		return fmt.Sprintf("kind %s, %d slots, lease %s", p.kindName(), p.Concurrent, time.Duration(p.limit.interval)*time.Microsecond) + p.planShape()
 	}
-	return fmt.Sprintf("kind %s, rate %s, burst %d", p.kindName(), p.Rate, p.limit.burst) + p.planShape()
+	return fmt.Sprintf("kind %s, rate %s, burst %d", p.kindName(), p.Rate, p.limit.burst) + p.unitShape() + p.planShape()
+}
+
+// unitShape is a money policy's unit, in its shape (a token policy's shape
+// says none, as before money).
+func (p *Policy) unitShape() string {
+	if p.unit == unitUSD {
+		return ", unit usd"
+	}
+	return ""
 }
 
 // keyShape is the policy's key template, with the mask of a client

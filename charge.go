@@ -43,18 +43,18 @@ type Settle struct {
 	// integer. Required for `header` and `trailer`.
 	Field string `json:"field,omitempty"`
 
-	// The most usage one response settles. Default: no cap but the debt's
-	// (burst + debt: a response cannot take more than a full bucket and
-	// all the debt it may owe).
-	Max int64 `json:"max,omitempty"`
+	// The most usage one response settles (in dollars, under `unit
+	// usd`). Default: no cap but the debt's (burst + debt: a response
+	// cannot take more than a full bucket and all the debt it may owe).
+	Max float64 `json:"max,omitempty"`
 
-	// The most tokens a key may owe beyond an empty bucket, charged by
-	// responses that used more than they reserved: the key is denied
-	// until the rate has paid it back. It bounds how long a broken
-	// upstream reporting an absurd usage can lock a key out. Default:
-	// what the rate refills in 24 hours, at least twice the burst; for a
-	// quota, twice its N.
-	Debt int64 `json:"debt,omitempty"`
+	// The most tokens (dollars, under `unit usd`) a key may owe beyond an
+	// empty bucket, charged by responses that used more than they
+	// reserved: the key is denied until the rate has paid it back. It
+	// bounds how long a broken upstream reporting an absurd usage can lock
+	// a key out. Default: what the rate refills in 24 hours, at least
+	// twice the burst; for a quota, twice its N.
+	Debt float64 `json:"debt,omitempty"`
 
 	// Weighs input, output and cached prompt tokens apart (`openai` and
 	// `anthropic` only): the usage is input × `input` + output × `output`
@@ -67,7 +67,20 @@ type Settle struct {
 	// do not count). Without weights, `openai` settles `total_tokens`.
 	Weights *SettleWeights `json:"weights,omitempty"`
 
-	w llm.Weights // provisioned: Weights with their defaults
+	// Makes a streaming chat completions request ask for its usage
+	// (`openai` only): a request with `"stream": true` that does not set
+	// `"stream_options": {"include_usage": true}` gets it on its way to
+	// the provider, and the chunk of usage this adds (and each chunk's
+	// `"usage": null`) is taken out of what its client receives: the
+	// client gets the stream it asked for, byte for byte, and the request
+	// is settled at its usage, not an estimate. For upstreams that take
+	// stream_options (OpenAI, Azure OpenAI, most OpenAI-compatible
+	// servers); applies to requests whose path ends in /chat/completions.
+	IncludeUsage bool `json:"include_usage,omitempty"`
+
+	w         llm.Weights // provisioned: Weights with their defaults
+	max, debt int64       // Max and Debt in the policy's unit
+	unit      unit        // the policy's
 }
 
 // SettleWeights are the prices of input (prompt) and output (completion)
@@ -107,8 +120,9 @@ func providerOf(from string) llm.Provider {
 	return llm.OpenAI
 }
 
-// check checks the settle options; settleLimits gives their caps.
-func (s *Settle) check() (err error) {
+// check checks the settle options of a policy in unit u; settleLimits
+// gives their caps.
+func (s *Settle) check(u unit) (err error) {
 	switch s.From {
 	case settleHeader, settleTrailer:
 		if s.Field == "" {
@@ -124,11 +138,18 @@ func (s *Settle) check() (err error) {
 	default:
 		return fieldErr("settle", "settle: %q is not header, trailer, openai or anthropic", s.From)
 	}
-	if s.Max < 0 || s.Max > maxJSONInteger {
-		return fieldErr("settle", "settle: max %d must be from 1 to %d", s.Max, int64(maxJSONInteger))
+	s.unit = u
+	if s.max, err = u.count(s.Max); err != nil {
+		return fieldErr("settle", "settle: max %v", err)
 	}
-	if s.Debt < 0 || s.Debt > maxJSONInteger {
-		return fieldErr("settle", "settle: debt %d must be from 1 to %d", s.Debt, int64(maxJSONInteger))
+	if s.debt, err = u.count(s.Debt); err != nil {
+		return fieldErr("settle", "settle: debt %v", err)
+	}
+	if s.IncludeUsage && s.From != settleOpenAI {
+		return fieldErr("settle", "settle: include_usage is for openai: it asks OpenAI's streamed chat completions for their usage (other APIs stream theirs)")
+	}
+	if u == unitUSD && s.Weights != nil {
+		return fieldErr("settle", "settle: weights and unit usd do not mix: a money policy prices each model's input, output and cached tokens with the handler's prices")
 	}
 	s.w, err = s.Weights.check(s.From)
 	return err

@@ -231,5 +231,5 @@ func (res *admission) appendPolicyMember(b []byte, i int, p *Policy) []byte {
 		return slotsMember(b, p.Name, l.burst)
 	}
 	_, w := fieldQuota(p.rate.n, p.rate.per)
-	return policyMember(b, p.Name, min(w*1_000_000/l.interval, maxSFInteger), w)
+	return policyMember(b, p.Name, min(w*1_000_000/l.interval, maxSFInteger), w, p.unit)
 }

@@ -45,8 +45,10 @@ type quotaSpec struct {
 	durable durability
 	// member is the policy's RateLimit-Policy member for the period last
 	// shown: q is fixed, but w is the period's length, which months and
-	// days across a daylight-saving change do not share.
+	// days across a daylight-saving change do not share. counts is the
+	// policy's unit (its member's qu).
 	name   string
+	counts unit
 	member atomic.Pointer[quotaMember]
 	// used observes the share of the quota each decision found used
 	// (caddy_rate_limit_quota_used_ratio).
@@ -209,7 +211,7 @@ func (q *quotaSpec) policyMember(n int64, p calendar.Period) []byte {
 	if m := q.member.Load(); m != nil && m.p == p && m.n == n {
 		return m.member
 	}
-	m := &quotaMember{n: n, p: p, member: policyMember(nil, q.name, min(n, maxSFInteger), min(p.Seconds(), maxSFInteger))}
+	m := &quotaMember{n: n, p: p, member: policyMember(nil, q.name, min(n, maxSFInteger), min(p.Seconds(), maxSFInteger), q.counts)}
 	q.member.Store(m)
 	return m.member
 }

@@ -9,8 +9,12 @@ import (
 // `cost openai`: the reservation of an LLM request, read from its JSON
 // body before it runs (llm.ReadRequest), once per request.
 
-// costOpenAI is the Cost that reserves from the request body.
-const costOpenAI = "openai"
+// costOpenAI and costAnthropic are the Costs that reserve from the request
+// body (the two read it alike: its model, max_tokens and prompt).
+const (
+	costOpenAI    = "openai"
+	costAnthropic = "anthropic"
+)
 
 // requestBodyOf reads the request body once for all the policies of all
 // the handlers a request passes through.
