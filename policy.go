@@ -216,10 +216,10 @@ type Policy struct {
 	Priority *Priority `json:"priority,omitempty"`
 
 	// Provisioned state, of every kind.
-	kind      policyKind // from the fields given (check)
-	unit      unit       // what its amounts count (check)
+	kind policyKind // from the fields given (check)
+	unit unit       // what its amounts count (check)
 	// prices are the handler's (a money policy's LLM requests), nil without.
-	prices *price.Table
+	prices    *price.Table
 	matchers  caddyhttp.MatcherSet
 	limit     limit
 	onError   string
