@@ -14,6 +14,7 @@ import (
 
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/ratelimit-caddy/caddy-ratelimit/internal/llm"
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/price"
 	"go.uber.org/zap"
 )
 
@@ -201,6 +202,9 @@ type afterResponse struct {
 	wroteHeader bool
 	status      int
 	body        *llm.Response // settle openai, anthropic
+	// filter gives the client the stream without the usage asked for it
+	// (settle openai include_usage; money.go), nil when there is none.
+	filter *llm.UsageFilter
 	// wantTrailers: the client takes trailers, and a settle is known only
 	// after the body; trailers: the response declared the RateLimit
 	// trailer, sent with the settled state.
@@ -233,6 +237,7 @@ func (w *afterResponse) WriteHeader(status int) {
 		if w.body != nil {
 			w.body.Start(hdr)
 		}
+		w.filter = usageFilterFor(w.rs, hdr, w.ResponseWriter)
 		if w.trailers = w.wantTrailers && w.res.fieldsSent && hasBody(status); w.trailers {
 			// Declared, RateLimit is sent again after the body, from what
 			// the header map holds when the handler returns.
@@ -270,7 +275,13 @@ func (w *afterResponse) Write(b []byte) (int, error) {
 		w.written += int64(n)
 		return n, err
 	}
-	n, err := w.ResponseWriter.Write(b)
+	var n int
+	var err error
+	if w.filter != nil {
+		n, err = w.filter.Write(b)
+	} else {
+		n, err = w.ResponseWriter.Write(b)
+	}
 	w.written += int64(n)
 	if w.body != nil && n > 0 && !w.finished {
 		w.body.Write(b[:n])
@@ -300,6 +311,7 @@ type afterCharge struct {
 	usage   int64 // settle: the usage reported, capped; -1 none
 	settled bool  // the usage is known
 	lost    int   // why the charge was not made as measured (lostReason), or -1
+	model   string // a money policy's: the model priced (money.go)
 }
 
 // serveWatched runs the rest of the handler chain with the response
@@ -324,6 +336,9 @@ func (h *Handler) serveWatched(w http.ResponseWriter, r *http.Request, next cadd
 	err := next.ServeHTTP(aw, r)
 	returned = true
 	aw.finish(err)
+	if aw.filter != nil {
+		_ = aw.filter.Close() // what a cut stream held, after the settle
+	}
 	return err
 }
 
@@ -398,9 +413,24 @@ func (res *admission) responseKnown(status int, hdr http.Header) {
 		case p.ChargeIf != nil:
 			a.charge = p.ChargeIf.Match(status, hdr)
 		case p.Settle.From == settleHeader:
-			a.usage, a.settled = parseUsage(hdr.Get(p.Settle.Field), p.after.maxUsage)
+			a.usage, a.settled = p.unit.usage(hdr.Get(p.Settle.Field), p.after.maxUsage)
 		}
 	}
+}
+
+// usage reads a usage value of a header or trailer in the unit: a
+// non-negative integer of tokens, or dollars (micro-dollars, rounded up:
+// an upstream may report a cost more precisely), capped at max; anything
+// else is no usage (-1).
+func (u unit) usage(v string, max int64) (int64, bool) {
+	if u == unitUSD {
+		micros, err := price.ParseUSDUp(strings.TrimSpace(v))
+		if err != nil {
+			return -1, false
+		}
+		return min(micros, max), true
+	}
+	return parseUsage(v, max)
 }
 
 // parseUsage reads a usage value: a non-negative integer, capped at max;
@@ -454,6 +484,10 @@ func (aw *afterResponse) charges(err error) (reqs []bucketRequest, policies []*P
 		a := &res.after[k]
 		p, rq := res.shown[a.i], res.shownReqs[a.i]
 		delta := int64(0)
+		var w llm.Weights // a body's usage is weighed (priced) with
+		if p.Settle != nil {
+			w = p.Settle.w
+		}
 		switch {
 		case p.ChargeIf != nil:
 			if a.charge {
@@ -467,9 +501,15 @@ func (aw *afterResponse) charges(err error) (reqs []bucketRequest, policies []*P
 				if v == "" {
 					v = aw.Header().Get(p.Settle.Field)
 				}
-				a.usage, a.settled = parseUsage(v, p.after.maxUsage)
+				a.usage, a.settled = p.unit.usage(v, p.after.maxUsage)
 			case settleOpenAI, settleAnthropic:
-				if u, ok := aw.body.Usage(p.Settle.provider(), p.Settle.w); ok {
+				if p.unit == unitUSD { // priced as the model served (money.go)
+					var priced bool
+					if w, a.model, priced = p.settlePrice(aw.body.Model(), rs.body); !priced {
+						break // nothing to price it with: the reservation stands
+					}
+				}
+				if u, ok := aw.body.Usage(p.Settle.provider(), w); ok {
 					a.usage, a.settled = min(u, p.after.maxUsage), true
 				}
 			}
@@ -480,8 +520,9 @@ func (aw *afterResponse) charges(err error) (reqs []bucketRequest, policies []*P
 				// No usage: the charge is what the response delivered implies,
 				// never less than the reservation.
 				a.lost = aw.lostReason(p, gone)
-				delta = max(0, min(aw.estimate(p, rs), p.after.maxUsage)-rq.cost)
+				delta = max(0, min(aw.estimate(p, w, rs), p.after.maxUsage)-rq.cost)
 			}
+			p.spend(a.model, rq.cost+delta)
 			if delta == 0 && rq.record == 0 {
 				continue
 			}
@@ -540,11 +581,11 @@ func (w *afterResponse) lostReason(p *Policy, gone bool) int {
 // estimate is what a response without usage is charged at least (see
 // cutEstimate). Only body settles estimate, and only a body that could be
 // read (one that could not keeps its reservation); 0 for the others.
-func (w *afterResponse) estimate(p *Policy, rs *requestState) int64 {
+func (w *afterResponse) estimate(p *Policy, weights llm.Weights, rs *requestState) int64 {
 	if w.body == nil || !p.Settle.fromBody() || w.body.Unreadable() != nil {
 		return 0
 	}
-	return w.body.CutEstimate(p.Settle.provider(), p.Settle.w, rs.body)
+	return w.body.CutEstimate(p.Settle.provider(), weights, rs.body)
 }
 
 // lostLogInterval is how often, at most, a policy logs the settles it lost

@@ -67,6 +67,7 @@ func (h *Handler) writeDenial(w http.ResponseWriter, res *admission, violated []
 	if format == "" {
 		format = h.ErrorFormat
 	}
+	money, budgets := res.moneyDenial() // money.go
 	var body []byte
 	switch format {
 	case errorFormatOpenAI:
@@ -82,7 +83,7 @@ func (h *Handler) writeDenial(w http.ResponseWriter, res *admission, violated []
 		}
 		body, _ = json.Marshal(struct {
 			Error openaiError `json:"error"`
-		}{openaiError{Message: denialMessage(violated, ra), Type: kind, Code: "rate_limit_exceeded"}})
+		}{openaiError{Message: strings.TrimSpace(denialMessage(violated, ra) + " " + money), Type: kind, Code: "rate_limit_exceeded"}})
 	case errorFormatAnthropic:
 		type anthropicError struct {
 			Type    string `json:"type"`
@@ -91,8 +92,17 @@ func (h *Handler) writeDenial(w http.ResponseWriter, res *admission, violated []
 		body, _ = json.Marshal(struct {
 			Type  string         `json:"type"`
 			Error anthropicError `json:"error"`
-		}{"error", anthropicError{Type: "rate_limit_error", Message: denialMessage(violated, ra)}})
+		}{"error", anthropicError{Type: "rate_limit_error", Message: strings.TrimSpace(denialMessage(violated, ra) + " " + money)}})
 	default:
+		if budgets != nil {
+			pr := quotaExceeded(violated)
+			pr.Detail += " " + money
+			body, _ = json.Marshal(struct {
+				problem
+				Budgets []moneyBudget `json:"budgets"`
+			}{pr, budgets})
+			return writeProblemBody(w, http.StatusTooManyRequests, body)
+		}
 		if len(violated) == 1 {
 			return writeProblemBody(w, http.StatusTooManyRequests, denier.deniedBody)
 		}

@@ -88,7 +88,7 @@ func registerMetrics(ctx caddy.Context) error {
 	if reg == nil {
 		return nil
 	}
-	for _, c := range []prometheus.Collector{decisionsTotal, chargesLost, inFlight, leasesExpired, releaseRetries, waiting, storeDuration, storeErrors, circuitOpen, fleetDisagreements, buckets, quotaUsed, slots, emptyKeys, hotTokensUnspent, hotBlocksTaken} {
+	for _, c := range []prometheus.Collector{decisionsTotal, chargesLost, inFlight, leasesExpired, releaseRetries, waiting, storeDuration, storeErrors, circuitOpen, fleetDisagreements, buckets, quotaUsed, slots, emptyKeys, hotTokensUnspent, hotBlocksTaken, spendUSD, unpricedModels} {
 		if err := reg.Register(c); err != nil {
 			var are prometheus.AlreadyRegisteredError
 			if !errors.As(err, &are) {

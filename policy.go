@@ -218,8 +218,12 @@ type Policy struct {
 	// Provisioned state, of every kind.
 	kind policyKind // from the fields given (check)
 	unit unit       // what its amounts count (check)
-	// prices are the handler's (a money policy's LLM requests), nil without.
-	prices    *price.Table
+	// prices are the handler's (a money policy's LLM requests), nil without;
+	// money its counters (money.go).
+	prices *price.Table
+	money  moneyMetrics
+	// keyModel: the key uses {http.rate_limit.model}, read from the body.
+	keyModel  bool
 	matchers  caddyhttp.MatcherSet
 	limit     limit
 	onError   string
@@ -604,6 +608,8 @@ func (p *Policy) provision(ctx caddy.Context, h *Handler) error {
 	if h.Prices != nil {
 		p.prices = h.Prices.table
 	}
+	p.provisionMoney()
+	p.keyModel = readsModel(p.Key)
 	p.keys = &keyCache{ids: newBucketIDs()}
 	p.addrMask = clientaddr.MaskOf(p.IPv4Prefix, p.IPv6Prefix, h.IPv4Prefix, h.IPv6Prefix)
 	if p.keyTmpl.constant() { // e.g. `key global`: one bucket, one storage key
@@ -681,6 +687,9 @@ func (p *Policy) cost(r *http.Request, repl *caddy.Replacer) int64 {
 	}
 	if p.costs.fromBody {
 		rs, _ := caddyhttp.GetVar(r.Context(), stateVar).(*requestState)
+		if p.unit == unitUSD {
+			return p.moneyCost(requestBodyOf(r, rs))
+		}
 		return requestBodyOf(r, rs).Reservation(p.usageWeights(), p.costs.max)
 	}
 	v, err := strconv.ParseInt(p.costs.tmpl.resolve(r, repl, p.addrMask), 10, 64)

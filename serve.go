@@ -31,6 +31,9 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	if err := h.match(r, repl, rs, res); err != nil {
 		return err
 	}
+	if res.unpriced != nil { // a model with no price (money.go)
+		return h.refuseUnpriced(w, rs, res)
+	}
 	if len(res.reqs) == 0 && len(res.adaptive) == 0 {
 		return next.ServeHTTP(w, r)
 	}
@@ -47,10 +50,12 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 		return h.deny(w, r, rs, res)
 	}
 	h.report(w, rs, res, 0)
+	res.spendAtAdmission(rs) // money.go
 	if !res.holdUntilDue(r) {
 		return nil // the client went away; its slot stays consumed
 	}
 	res.passAdaptive()
+	res.askUsage(r, rs) // money.go
 	return h.serveWatched(w, r, next, rs, res)
 }
 
@@ -102,6 +107,9 @@ type admission struct {
 	identities []string
 	// failClosed is the policy whose fail_closed answers 503.
 	failClosed *Policy
+	// unpriced is the money policy that has no price for the request's
+	// model (money.go): refused before any decision.
+	unpriced *Policy
 	// clientGone: the client went away while its decision queued.
 	clientGone bool
 	heldPlaces []*Policy // `wait` policies whose held places it took
@@ -161,6 +169,16 @@ func (h *Handler) match(r *http.Request, repl *caddy.Replacer, rs *requestState,
 			}
 		}
 		p = p.planned(r, repl) // the policy as the request's plan limits it
+		if p.keyModel || p.pricesModels() {
+			// The model, in the key or priced: a money policy refuses a
+			// model with no price before anything is decided (money.go).
+			rs.prices = p.prices
+			if p.pricesModels() && p.unpricedModel(requestBodyOf(r, rs)) && !p.shadow {
+				res.unpriced = p
+				return nil
+			}
+			requestBodyOf(r, rs)
+		}
 		key, identity := p.fixedKey, p.keyTmpl.text
 		if key == "" {
 			identity = p.key(r, repl)

@@ -39,11 +39,21 @@ type Request struct {
 	// model is the model the body names (`model`), decoded; empty when it
 	// names none (or one longer than maxModel, or only in the part of the
 	// body past the prefix read).
-	model string
+	model      string
+	namesModel bool
+	truncated  bool
 }
 
 // Model is the model the request body names, or empty.
 func (rb Request) Model() string { return rb.model }
+
+// NamesModel reports whether the body names a model (a string), readable
+// or not (longer than any model's name, a broken escape): Model is then
+// empty.
+func (rb Request) NamesModel() bool { return rb.namesModel }
+
+// Truncated reports whether the body is longer than the prefix read.
+func (rb Request) Truncated() bool { return rb.truncated }
 
 // ReadRequest reads the request body's prefix and puts it back before
 // the rest: the upstream gets the body unchanged.
@@ -94,7 +104,7 @@ func scanRequest(body []byte, truncated bool, contentLength int64) Request {
 	}
 	rb.promptTokens, rb.promptBytes = TokensOf(f.strings), f.strings
 	rb.hides = f.hides || truncated || f.models > 1
-	rb.model = f.model.String()
+	rb.model, rb.namesModel, rb.truncated = f.model.String(), f.models > 0, truncated
 	if truncated {
 		rb.promptBytes = max(contentLength, int64(len(body)))
 		if contentLength < 0 {

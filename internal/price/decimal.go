@@ -115,6 +115,20 @@ func ParseUSD(s string) (int64, error) {
 	return v, nil
 }
 
+// ParseUSDUp reads an amount of dollars as micro-dollars, rounded up: a
+// cost an upstream reports (0.000123456, 1.2e-05), which may be more
+// precise than a micro-dollar. Non-negative, at most MaxAmount µ$.
+func ParseUSDUp(s string) (int64, error) {
+	v, exact, err := scaled(s, 6, MaxAmount)
+	if err != nil {
+		return 0, fmt.Errorf("%q is not an amount of dollars", s)
+	}
+	if !exact {
+		v++
+	}
+	return v, nil
+}
+
 // FormatUSD writes micro-dollars as dollars: 1500000 is 1.50, 1234567 is
 // 1.234567, 100 is 0.0001 (two decimals at least, no trailing zeros
 // beyond). A negative amount (a debt) keeps its sign.
