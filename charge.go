@@ -306,11 +306,11 @@ type writerOnly struct{ io.Writer }
 
 // afterCharge is what one policy charges after the response.
 type afterCharge struct {
-	i       int   // the policy's index in the admission
-	charge  bool  // charge_if matched: charge the cost
-	usage   int64 // settle: the usage reported, capped; -1 none
-	settled bool  // the usage is known
-	lost    int   // why the charge was not made as measured (lostReason), or -1
+	i       int    // the policy's index in the admission
+	charge  bool   // charge_if matched: charge the cost
+	usage   int64  // settle: the usage reported, capped; -1 none
+	settled bool   // the usage is known
+	lost    int    // why the charge was not made as measured (lostReason), or -1
 	model   string // a money policy's: the model priced (money.go)
 }
 
