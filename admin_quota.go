@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"io"
-	"net/http"
 	"text/tabwriter"
 
 	"github.com/ratelimit-caddy/caddy-ratelimit/internal/calendar"
@@ -29,11 +28,12 @@ func (adminAPI) quota(ctx context.Context, action string, def definition, req ad
 	case "reset":
 		reqs[0].op = opReset
 	case "grant":
-		if req.Tokens < 1 || req.Tokens > maxJSONInteger {
-			return nil, apiError(http.StatusBadRequest, "tokens: %d is not a positive integer", req.Tokens)
+		tokens, err := p.grantAmount(req) // admin_money.go
+		if err != nil {
+			return nil, err
 		}
 		grant := inspect
-		grant.op, grant.delta = opAdjust, -req.Tokens
+		grant.op, grant.delta = opAdjust, -tokens
 		reqs = append(reqs, grant)
 	}
 	d, err := h.store.decide(ctx, reqs)
@@ -47,7 +47,7 @@ func (adminAPI) quota(ctx context.Context, action string, def definition, req ad
 	st := &bucketState{
 		Policy: p.Name, Kind: p.kindName(), Identity: req.Identity, Key: key, Store: h.storeName(),
 		Tokens: v.remaining, Quota: n, Unit: p.quota.unit.String(), Used: &used, Period: &text,
-		Plan: p.planLabel(),
+		Plan: p.planLabel(), Currency: p.unit.currency(),
 	}
 	showOverride(ctx, h, key, v, st)
 	if action == "inspect" {
@@ -81,22 +81,23 @@ func printQuota(w io.Writer, action string, st bucketState) error {
 	if st.Period != nil {
 		p = *st.Period
 	}
+	n := st.amounts() // dollars for a money policy
 	switch action {
 	case "reset":
-		fmt.Fprintf(w, "%s %q: reset; %d of %d used in the period that ends %s.\n", st.Policy, st.Identity, used, st.Quota, p.EndZone)
+		fmt.Fprintf(w, "%s %q: reset; %s of %s used in the period that ends %s.\n", st.Policy, st.Identity, n(used), n(st.Quota), p.EndZone)
 	case "grant":
 		var granted int64
 		if st.Granted != nil {
 			granted = *st.Granted
 		}
-		fmt.Fprintf(w, "%s %q: granted %d units; %d of %d used now, in the period that ends %s.\n", st.Policy, st.Identity, granted, used, st.Quota, p.EndZone)
+		fmt.Fprintf(w, "%s %q: granted %s; %s of %s used now, in the period that ends %s.\n", st.Policy, st.Identity, unitsOf(st, granted, "units"), n(used), n(st.Quota), p.EndZone)
 	default:
 		tw := tabwriter.NewWriter(w, 2, 4, 2, ' ', 0)
-		fmt.Fprintf(tw, "policy\t%s (%s: %d per %s, %s)\n", st.Policy, st.Kind, st.Quota, st.Unit, p.Zone)
+		fmt.Fprintf(tw, "policy\t%s (%s: %s per %s, %s)\n", st.Policy, st.Kind, n(st.Quota), st.Unit, p.Zone)
 		fmt.Fprintf(tw, "identity\t%q\n", st.Identity)
 		fmt.Fprintf(tw, "key\t%s\n", st.Key)
 		fmt.Fprintf(tw, "store\t%s\n", st.Store)
-		fmt.Fprintf(tw, "used\t%d of %d; %d left\n", used, st.Quota, max(st.Tokens, 0))
+		fmt.Fprintf(tw, "used\t%s of %s; %s left\n", n(used), n(st.Quota), n(max(st.Tokens, 0)))
 		fmt.Fprintf(tw, "period\t%s to %s (%s to %s)\n", p.StartZone, p.EndZone, p.Start, p.End)
 		printPlanAndOverride(tw, st) // command_override.go
 		if err := tw.Flush(); err != nil {

@@ -9,6 +9,7 @@ import (
 	"net/url"
 	"os"
 	"strconv"
+	"strings"
 	"text/tabwriter"
 	"time"
 
@@ -144,11 +145,14 @@ func rateLimitCommand(action string) func(*cobra.Command, []string) error {
 			}
 			uri = "/rate_limit/" + action + "?" + q.Encode()
 		case "grant":
-			n, err := strconv.ParseInt(args[2], 10, 64)
-			if err != nil || n < 1 {
-				return fmt.Errorf("tokens: %q is not a positive integer", args[2])
+			// Tokens, or dollars for a money policy: the policy's unit, which
+			// the admin API reads the amount in.
+			if n, err := strconv.ParseInt(args[2], 10, 64); err == nil && n >= 1 {
+				req.Tokens = n
+			} else if _, err := strconv.ParseFloat(args[2], 64); err != nil || strings.HasPrefix(args[2], "-") {
+				return fmt.Errorf("tokens: %q is not a positive integer (or, for a policy with unit usd, an amount of dollars)", args[2])
 			}
-			req.Tokens = n
+			req.Amount = args[2]
 			fallthrough
 		case "reset":
 			method, uri = http.MethodPost, "/rate_limit/"+action
@@ -186,11 +190,24 @@ func printAnswer(w io.Writer, action string, raw []byte) error {
 			return nil
 		}
 		tw := tabwriter.NewWriter(w, 2, 4, 2, ' ', 0)
-		fmt.Fprintln(tw, "DENIALS\tAT MOST OVER BY\tIDENTITY\tKEY")
+		money := t.Currency != ""
+		if money {
+			fmt.Fprintln(tw, "DENIALS\tAT MOST OVER BY\tLEFT NOW\tIDENTITY\tKEY")
+		} else {
+			fmt.Fprintln(tw, "DENIALS\tAT MOST OVER BY\tIDENTITY\tKEY")
+		}
 		for _, e := range t.Identities {
 			id := strconv.Quote(e.Identity)
 			if e.Truncated {
 				id += "..."
+			}
+			if money {
+				left := "?"
+				if e.Limit != "" {
+					left = "$" + e.Left + " of $" + e.Limit
+				}
+				fmt.Fprintf(tw, "%d\t%d\t%s\t%s\t%s\n", e.Denials, e.Error, left, id, e.Key)
+				continue
 			}
 			fmt.Fprintf(tw, "%d\t%d\t%s\t%s\n", e.Denials, e.Error, id, e.Key)
 		}
@@ -226,27 +243,31 @@ func printAnswer(w io.Writer, action string, raw []byte) error {
 	if st.Full > 0 {
 		full = fmt.Sprintf("next token in %s, full in %s", secondsString(st.NextToken), secondsString(st.Full))
 	}
+	n, tokens := st.amounts(), "tokens" // dollars for a money policy
+	if st.Currency != "" {
+		tokens, full = "left", strings.ReplaceAll(full, "next token", "next micro-dollar")
+	}
 	switch action {
 	case "reset":
-		fmt.Fprintf(w, "%s %q: reset; %d of %d tokens, %s.\n", st.Policy, st.Identity, st.Tokens, st.Burst, full)
+		fmt.Fprintf(w, "%s %q: reset; %s of %s %s, %s.\n", st.Policy, st.Identity, n(st.Tokens), n(st.Burst), tokens, full)
 	case "grant":
 		var granted int64
 		if st.Granted != nil {
 			granted = *st.Granted
 		}
-		fmt.Fprintf(w, "%s %q: granted %d tokens; %d of %d now, %s.\n", st.Policy, st.Identity, granted, st.Tokens, st.Burst, full)
+		fmt.Fprintf(w, "%s %q: granted %s; %s of %s now, %s.\n", st.Policy, st.Identity, unitsOf(st, granted, "tokens"), n(st.Tokens), n(st.Burst), full)
 	default:
 		tw := tabwriter.NewWriter(w, 2, 4, 2, ' ', 0)
-		fmt.Fprintf(tw, "policy\t%s (%s policy: rate %s, burst %d)\n", st.Policy, st.Kind, st.Rate, st.Burst)
+		fmt.Fprintf(tw, "policy\t%s (%s policy: rate %s, burst %s)\n", st.Policy, st.Kind, st.Rate, n(st.Burst))
 		fmt.Fprintf(tw, "identity\t%q\n", st.Identity)
 		fmt.Fprintf(tw, "key\t%s\n", st.Key)
 		fmt.Fprintf(tw, "store\t%s\n", st.Store)
-		fmt.Fprintf(tw, "tokens\t%d of %d; %s\n", st.Tokens, st.Burst, full)
+		fmt.Fprintf(tw, "%s\t%s of %s; %s\n", tokens, n(st.Tokens), n(st.Burst), full)
 		if st.BlocksHere != nil {
 			fmt.Fprintf(tw, "blocks here\t%d tokens in %d blocks, taken and not spent yet (a hot key on this instance)\n", st.BlocksHere.Tokens, st.BlocksHere.Blocks)
 		}
 		if st.Learned != nil && *st.Learned > 0 {
-			fmt.Fprintf(tw, "learned\t%d: its recent requests used up to this beyond their reservations; each now reserves at least this (at most the burst)\n", *st.Learned)
+			fmt.Fprintf(tw, "learned\t%s: its recent requests used up to this beyond their reservations; each now reserves at least this (at most the burst)\n", n(*st.Learned))
 		}
 		printPlanAndOverride(tw, st) // command_override.go
 		if err := tw.Flush(); err != nil {
