@@ -76,7 +76,7 @@ func (p *Policy) kindName() string {
 	case p.ChargeIf != nil:
 		return "rate, charged if the response matches"
 	case p.Settle != nil:
-		return "rate, " + p.Settle.describe()
+		return "rate, " + p.Settle.shape()
 	}
 	return "rate"
 }

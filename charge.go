@@ -673,6 +673,18 @@ func (l limit) adjusted(v verdict, delta int64) (remaining, untilNext int64) {
 	return remaining, untilNext
 }
 
+// shape is what of a settle makes its policy's budget, which two
+// definitions of one name must agree on: a token policy's settle counts
+// what its format and weights say; a money policy's counts dollars,
+// whatever the format (one budget may settle OpenAI's responses on one
+// route and Anthropic's on another).
+func (s *Settle) shape() string {
+	if s.unit == unitUSD {
+		return "settled in dollars"
+	}
+	return s.describe()
+}
+
 // describe is the Caddyfile form of a settle, for messages.
 func (s *Settle) describe() string {
 	d := "settle " + s.From

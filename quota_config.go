@@ -213,7 +213,7 @@ func (p *Policy) quotaKind() string {
 	case p.ChargeIf != nil:
 		return "quota, charged if the response matches"
 	case p.Settle != nil:
-		return "quota, " + p.Settle.describe()
+		return "quota, " + p.Settle.shape()
 	}
 	return "quota"
 }
