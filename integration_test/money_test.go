@@ -7,12 +7,15 @@ import (
 	"io"
 	"net/http"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/testcaddy"
 	"github.com/ratelimit-caddy/caddy-ratelimit/internal/testredis"
 )
 
@@ -29,7 +32,7 @@ import (
 // Made up and high, so that a call costs cents: a large model costs 20
 // times a small one.
 type moneyModel struct {
-	name, served                      string
+	name, served                         string
 	input, output, cacheWrite, cacheRead float64
 }
 
@@ -67,7 +70,7 @@ func pico(perMillion float64) int64 { return int64(perMillion*1e6 + 0.5) }
 // the cache.
 func ledgerPico(t *testing.T, c providerCall) int64 {
 	t.Helper()
-	i := slices.IndexFunc(moneyModels, func(m moneyModel) bool { return m.name == c.model })
+	i := slices.IndexFunc(moneyModels, func(m moneyModel) bool { return m.name == c.model || m.served == c.model })
 	if i < 0 {
 		t.Fatalf("the provider answered %q, which the test does not price", c.model)
 	}
@@ -531,4 +534,86 @@ func TestMoneyPrices(t *testing.T) {
 	if after := bucketTokens(t, in, "money", "sk-cache-1"); after < before || after > before+2 {
 		t.Errorf("after a reload with other prices the bucket holds %d µ$, it held %d", after, before)
 	}
+}
+
+var releaseV04 struct {
+	once sync.Once
+	bin  string
+	err  error
+}
+
+// v04Bin is v0.4.0's Caddy binary, built once from the repository's
+// history.
+func v04Bin(t *testing.T) string {
+	t.Helper()
+	releaseV04.once.Do(func() {
+		releaseV04.bin = filepath.Join(filepath.Dir(caddyBin), "caddy-v0.4.0")
+		releaseV04.err = testcaddy.BuildRelease(".", testcaddy.ReleaseV04, releaseV04.bin)
+	})
+	if releaseV04.err != nil {
+		t.Fatalf("building v0.4.0 (%s): %v", testcaddy.ReleaseV04, releaseV04.err)
+	}
+	return releaseV04.bin
+}
+
+// TestMoneyBesideV040: a fleet in the middle of an upgrade to money
+// budgets, v0.4.0 (the release before them) beside this build on one
+// Redis: the token policies they share admit exactly what one build
+// would, whichever goes first, while this build also enforces a money
+// policy of its own; v0.4.0 refuses a config with money in it (the docs'
+// upgrade: every instance first, then the money policies).
+func TestMoneyBesideV040(t *testing.T) {
+	srv := testredis.Start(t)
+	on := func(header string, p map[string]any) map[string]any {
+		p["match"] = map[string]any{"header": map[string]any{header: []string{"*"}}}
+		return p
+	}
+	rate := on("X-Key", map[string]any{"name": "per_key", "key": "{http.request.header.X-Key}", "rate": "5/1h", "burst": 5})
+	quota := on("X-Tenant", map[string]any{"name": "monthly", "key": "{http.request.header.X-Tenant}", "quota": "3/month"})
+	money := on("X-Key", map[string]any{"name": "per_key_usd", "key": "{http.request.header.X-Key}", "unit": "usd", "rate": "1/2400h", "cost": "0.01"}) // a micro-dollar every 8.64 s
+	old := startBinary(t, v04Bin(t), decidedByRedis(srv.Addr, rate, quota), respond())
+	withMoney := decidedByRedis(srv.Addr, rate, quota, money)
+	cur := startCaddy(t, withMoney, respond())
+	orders(t, old, cur, func(t *testing.T, first, second *instance, id string) {
+		for _, tc := range []struct {
+			header, policy string
+			want           int
+		}{{"X-Key", "per_key", 5}, {"X-Tenant", "monthly", 3}} {
+			hdr := map[string]string{tc.header: tc.policy + "-" + id}
+			got, onCur := 0, 0
+			alternateEach(t, first, second, 12, hdr, func(in *instance, status int) {
+				if status == 200 {
+					got++
+					if in == cur {
+						onCur++
+					}
+				}
+			})
+			t.Logf("%s: 12 requests alternating on v0.4.0 and this build: %d admitted (%d by this build)", tc.policy, got, onCur)
+			if got != tc.want {
+				t.Errorf("%s: admitted %d, want exactly %d", tc.policy, got, tc.want)
+			}
+			if tc.header == "X-Key" { // this build's money policy charged what it admitted
+				if left := bucketTokens(t, cur, "per_key_usd", hdr["X-Key"]); left < 1_000_000-int64(onCur)*10_000 || left > 1_000_000-int64(onCur)*10_000+1 {
+					t.Errorf("the money policy holds %d µ$ after %d admitted here, want %d", left, onCur, 1_000_000-int64(onCur)*10_000)
+				}
+			}
+		}
+	})
+	// v0.4.0 refuses a money config: it does not know unit.
+	file := filepath.Join(t.TempDir(), "money.json")
+	if err := os.WriteFile(file, testcaddy.Config(1, 2, nil, []map[string]any{withMoney, respond()}), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	out, err := exec.Command(v04Bin(t), "validate", "--config", file).CombinedOutput()
+	if err == nil || !strings.Contains(strings.ReplaceAll(string(out), `\"`, `"`), `unknown field "unit"`) {
+		t.Errorf("v0.4.0 validating a money config: %v: %s", err, out)
+	}
+	t.Logf("v0.4.0 refuses a money config: %s", lastLine(string(out)))
+}
+
+// lastLine is the last line of s that is not empty.
+func lastLine(s string) string {
+	lines := strings.Split(strings.TrimSpace(s), "\n")
+	return lines[len(lines)-1]
 }
