@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"net/http"
 	"strings"
+	"sync"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/ratelimit-caddy/caddy-ratelimit/internal/llm"
@@ -37,6 +38,10 @@ const (
 // moneyMetrics are a money policy's counters.
 type moneyMetrics struct {
 	unpriced [2]prometheus.Counter // by where (unpricedRequest, unpricedResponse)
+	// spent holds the policy's spend counter of each model priced (a
+	// listed name, or empty: a bounded set), found without hashing labels
+	// on every settle.
+	spent *sync.Map // model -> prometheus.Counter
 }
 
 // provisionMoney sets up a money policy's counters.
@@ -45,6 +50,7 @@ func (p *Policy) provisionMoney() {
 		return
 	}
 	p.money.unpriced = [2]prometheus.Counter{unpricedModels.WithLabelValues(p.Name, "request"), unpricedModels.WithLabelValues(p.Name, "response")}
+	p.money.spent = new(sync.Map)
 }
 
 // unpricedModel reports whether the request names a model this money
@@ -93,10 +99,14 @@ func (p *Policy) settlePrice(served string, rb llm.Request) (llm.Weights, string
 // spend counts a money policy's charge of one request, in micro-dollars,
 // for the model priced.
 func (p *Policy) spend(model string, micros int64) {
-	if p.unit != unitUSD || micros <= 0 {
+	if p.unit != unitUSD || micros <= 0 || p.money.spent == nil {
 		return
 	}
-	spendUSD.WithLabelValues(p.Name, model).Add(float64(micros) / price.Micro)
+	c, ok := p.money.spent.Load(model)
+	if !ok {
+		c, _ = p.money.spent.LoadOrStore(model, spendUSD.WithLabelValues(p.Name, model))
+	}
+	c.(prometheus.Counter).Add(float64(micros) / price.Micro)
 }
 
 // spendAtAdmission counts the charges of the money policies an admitted
