@@ -50,10 +50,12 @@ demo: redis-server
 # A Redis and two Caddy instances running Caddyfile.fleet (one file, two
 # sets of ports) on one shared budget: prints how to send requests to each,
 # runs a short scripted load and what each instance admitted against the
-# budget, then keeps the fleet up until Ctrl-C stops every process it
-# started.
+# budget, then keeps the fleet up until Ctrl-C, or a kill of make, of go run
+# or of the fleet program (it prints the pids), stops every process it
+# started. FLEET_FLAGS passes flags to cmd/fleet (-caddy <binary>, -load=false).
+FLEET_FLAGS ?=
 fleet: redis-server
-	$(GO) run ./cmd/fleet
+	$(GO) run ./cmd/fleet $(FLEET_FLAGS)
 
 # What the limiter costs: plain Caddy against rate_limit (Redis, in-process,
 # an abusive identity with and without Retry-After pacing, two policies, a

@@ -127,7 +127,8 @@ func TestOperatorControlsListsEverySubcommand(t *testing.T) {
 }
 
 // TestFleetCaddyfileIsTheExample: Caddyfile.fleet, which `make fleet`
-// runs, is Caddyfile.example with its buckets in Redis: the same policies.
+// runs, is Caddyfile.example with its buckets in Redis: the same policies,
+// and the Redis address, password and secret read at load ({env.X}).
 func TestFleetCaddyfileIsTheExample(t *testing.T) {
 	policies := func(file string) (string, map[string]any) {
 		t.Helper()
@@ -173,8 +174,11 @@ func TestFleetCaddyfileIsTheExample(t *testing.T) {
 	if example != fleet {
 		t.Errorf("Caddyfile.fleet's policies differ from Caddyfile.example's:\n%s\n%s", fleet, example)
 	}
-	if h["redis"] == nil || h["key_secret"] != "{env.RATE_LIMIT_SECRET}" {
-		t.Errorf("Caddyfile.fleet: want a redis block and key_secret {env.RATE_LIMIT_SECRET}, got %v", h)
+	// What a reload must keep is read by Caddy from its environment at load
+	// ({env.X}), not by whoever adapts the file ({$X}).
+	redis, _ := h["redis"].(map[string]any)
+	if addrs, _ := json.Marshal(redis["addresses"]); string(addrs) != `["{env.REDIS_ADDRESS}"]` || redis["password"] != "{env.REDIS_PASSWORD}" || h["key_secret"] != "{env.RATE_LIMIT_SECRET}" {
+		t.Errorf("Caddyfile.fleet: want a redis block with address {env.REDIS_ADDRESS} and password {env.REDIS_PASSWORD}, and key_secret {env.RATE_LIMIT_SECRET}, got %v", h)
 	}
 }
 
@@ -235,9 +239,9 @@ func TestDocsMetricSamples(t *testing.T) {
 	}
 }
 
-// TestReadmeSyntax pins the README's Caddyfile syntax block (the first
-// ```caddyfile block after the heading "## Caddyfile syntax") to what the
-// parser in caddyfile.go accepts, and each name to a row of the README's
+// TestReferenceSyntax pins the syntax block of docs/reference.md (the
+// first ```caddyfile block after the heading "## Caddyfile syntax") to what
+// the parser in caddyfile.go accepts, and each name to a row of its
 // directive tables, so that the documentation cannot drift from the code.
 // What the parser accepts is read from caddyfile.go itself: the string
 // constants of the case clauses of the switch statements on the
@@ -246,13 +250,13 @@ func TestDocsMetricSamples(t *testing.T) {
 // switch on opt) and unmarshalPolicy.
 // mholt/caddy-ratelimit's subdirectives, accepted for its Caddyfiles, are
 // documented in docs/migrating.md instead.
-func TestReadmeSyntax(t *testing.T) {
-	raw, err := os.ReadFile("README.md")
+func TestReferenceSyntax(t *testing.T) {
+	raw, err := os.ReadFile(referenceFile)
 	if err != nil {
 		t.Fatal(err)
 	}
-	readme := string(raw)
-	block, err := syntaxBlock(readme)
+	reference := string(raw)
+	block, err := syntaxBlock(reference)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -285,22 +289,25 @@ func TestReadmeSyntax(t *testing.T) {
 		}
 		for _, name := range code {
 			if !slices.Contains(doc, name) {
-				t.Errorf("%s: the parser accepts %q, which the README's syntax block does not list", b, name)
+				t.Errorf("%s: the parser accepts %q, which the syntax block of %s does not list", b, name, referenceFile)
 			}
 		}
 		for _, name := range doc {
 			if !slices.Contains(code, name) {
-				t.Errorf("%s: the README's syntax block lists %q, which the parser does not accept", b, name)
+				t.Errorf("%s: the syntax block of %s lists %q, which the parser does not accept", b, referenceFile, name)
 			}
 		}
 		for _, name := range doc {
-			if !tableRow(readme, name) {
-				t.Errorf("%s: %q has no row in the README's directive tables (a row starting with \"| `%s\")", b, name, name)
+			if !tableRow(reference, name) {
+				t.Errorf("%s: %q has no row in the directive tables of %s (a row starting with \"| `%s\")", b, name, referenceFile, name)
 			}
 		}
 		t.Logf("%s: %s", b, strings.Join(doc, ", "))
 	}
 }
+
+// referenceFile holds the syntax, its tables, the JSON and the metrics.
+const referenceFile = "docs/reference.md"
 
 // The blocks whose subdirectives are compared.
 const (
@@ -315,19 +322,19 @@ const (
 var mholtSubdirectives = []string{"zone", "distributed", "storage", "sweep_interval", "log_key", "disable_metrics"}
 
 // syntaxBlock returns the first ```caddyfile block after the heading
-// "## Caddyfile syntax".
-func syntaxBlock(readme string) (string, error) {
-	_, after, ok := strings.Cut(readme, "\n## Caddyfile syntax\n")
+// "## Caddyfile syntax" of the reference.
+func syntaxBlock(reference string) (string, error) {
+	_, after, ok := strings.Cut(reference, "\n## Caddyfile syntax\n")
 	if !ok {
-		return "", errorString("README.md has no heading \"## Caddyfile syntax\"")
+		return "", errorString(referenceFile + " has no heading \"## Caddyfile syntax\"")
 	}
 	_, after, ok = strings.Cut(after, "```caddyfile\n")
 	if !ok {
-		return "", errorString("README.md has no ```caddyfile block after \"## Caddyfile syntax\"")
+		return "", errorString(referenceFile + " has no ```caddyfile block after \"## Caddyfile syntax\"")
 	}
 	block, _, ok := strings.Cut(after, "\n```")
 	if !ok {
-		return "", errorString("README.md: the syntax block does not end")
+		return "", errorString(referenceFile + ": the syntax block does not end")
 	}
 	return block, nil
 }
@@ -484,19 +491,19 @@ func receiverType(fn *ast.FuncDecl) string {
 	return ""
 }
 
-// tableRow reports whether the README has a table row for the subdirective
-// name: a line starting with "| `name", the name followed by a space or
-// the closing backtick.
-func tableRow(readme, name string) bool {
+// tableRow reports whether the reference has a table row for the
+// subdirective name: a line starting with "| `name", the name followed by a
+// space or the closing backtick.
+func tableRow(reference, name string) bool {
 	re := regexp.MustCompile("(?m)^\\| `" + regexp.QuoteMeta(name) + "[ `]")
-	return re.MatchString(readme)
+	return re.MatchString(reference)
 }
 
 // TestReadmeJSON: the README's first config is the same in its Caddyfile
 // and its JSON (the first ```caddyfile and ```json blocks after "## A first
 // config"): the Caddyfile adapts to exactly that JSON, which Caddy
-// validates. Every other JSON block of the README that is a rate_limit
-// handler provisions.
+// validates. Every JSON block of the README and the reference that is a
+// rate_limit handler provisions.
 func TestReadmeJSON(t *testing.T) {
 	raw, err := os.ReadFile("README.md")
 	if err != nil {
@@ -538,8 +545,12 @@ func TestReadmeJSON(t *testing.T) {
 		t.Errorf("the README's first JSON: %v", err)
 	}
 
+	reference, err := os.ReadFile(referenceFile)
+	if err != nil {
+		t.Fatal(err)
+	}
 	handlers := 0
-	for _, m := range regexp.MustCompile("(?s)```json\n(.*?)\n```").FindAllStringSubmatch(string(raw), -1) {
+	for _, m := range regexp.MustCompile("(?s)```json\n(.*?)\n```").FindAllStringSubmatch(string(raw)+"\n"+string(reference), -1) {
 		var v map[string]any
 		if err := json.Unmarshal([]byte(m[1]), &v); err != nil {
 			t.Errorf("a README JSON block is not JSON: %v\n%s", err, m[1])
@@ -565,7 +576,7 @@ func TestReadmeJSON(t *testing.T) {
 		cancel()
 	}
 	if handlers == 0 {
-		t.Error("the README's JSON section has no rate_limit handler block")
+		t.Errorf("neither the README nor %s has a rate_limit handler block", referenceFile)
 	}
 }
 
@@ -715,4 +726,127 @@ func TestLLMExamplePaths(t *testing.T) {
 			t.Errorf("POST %s: decided by %v, want both", target, got)
 		}
 	}
+}
+
+// TestDocsCommandPaths: every file or directory a command of the README or
+// docs/ names by a relative path (a config given to --config, ./cmd/…,
+// ./integration_test, Caddyfile.fleet, a .json or .yml file) exists in the
+// repository, where the docs run their commands from (the root, or the
+// directory a `cd` moved to), unless the same code block creates it. An
+// absolute path is the reader's own (/etc/caddy/Caddyfile), a $VARIABLE
+// theirs too. Commands are the lines of ```sh blocks and the inline code
+// that starts with a command (make, go, caddy, bin/caddy, promtool, cd).
+func TestDocsCommandPaths(t *testing.T) {
+	files, _ := filepath.Glob("docs/*.md")
+	files = append(files, "README.md", "xcaddy.md")
+	shBlock := regexp.MustCompile("(?ms)^[ \t]*```sh\n(.*?)^[ \t]*```")
+	inline := regexp.MustCompile("`((?:make|go|caddy|bin/caddy|promtool|cd|[A-Z_]+=\\S+ go) [^`]+)`")
+	created := regexp.MustCompile(`(?:>|-o|--output)\s+(\S+)`)
+	pathLike := regexp.MustCompile(`^(\./\S+|[\w.-]+(/[\w.-]+)*\.(Caddyfile|json|ya?ml|go|md|mjs|svg)|Caddyfile(\.\w+)?|[\w-]+(/[\w.-]+)+)$`)
+	checked := 0
+	for _, f := range files {
+		raw, err := os.ReadFile(f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var commands [][]string // the lines of one block, or one inline command
+		for _, m := range shBlock.FindAllStringSubmatch(string(raw), -1) {
+			commands = append(commands, strings.Split(m[1], "\n"))
+		}
+		for _, m := range inline.FindAllStringSubmatch(string(raw), -1) {
+			commands = append(commands, []string{m[1]})
+		}
+		for _, lines := range commands {
+			made := map[string]bool{}
+			for _, l := range lines {
+				for _, c := range created.FindAllStringSubmatch(l, -1) {
+					made[c[1]] = true
+				}
+			}
+			for _, line := range lines {
+				line, _, _ = strings.Cut(line, " #")
+				line = strings.TrimPrefix(strings.TrimSpace(line), "$ ")
+				if strings.Contains(line, "<<") || strings.HasPrefix(line, "#") {
+					continue
+				}
+				dir := "."
+				for _, part := range regexp.MustCompile(`&&|;|\|`).Split(line, -1) {
+					fields := strings.Fields(part)
+					if len(fields) == 2 && fields[0] == "cd" {
+						dir = filepath.Join(dir, fields[1])
+						continue
+					}
+					for i, tok := range fields {
+						tok = strings.Trim(tok, `"'`)
+						if i == 0 && !strings.HasPrefix(tok, "./") || strings.ContainsAny(tok, "$<>{}*=:[") || strings.HasPrefix(tok, "/") || strings.HasSuffix(tok, "/...") ||
+							!pathLike.MatchString(tok) || made[tok] || i > 0 && (fields[i-1] == "-o" || fields[i-1] == "-D" || fields[i-1] == ">") {
+							continue
+						}
+						if strings.Contains(tok, "/") && !strings.HasPrefix(tok, "./") && !strings.Contains(tok, ".") && i > 0 && fields[i-1] != "--config" {
+							continue // a/b without a dot is rarely a path: an API route, a module
+						}
+						checked++
+						if _, err := os.Stat(filepath.Join(dir, tok)); err != nil {
+							t.Errorf("%s: `%s` names %s, which does not exist (from %s)", f, strings.TrimSpace(line), tok, dir)
+						}
+					}
+				}
+			}
+		}
+	}
+	if checked < 20 {
+		t.Fatalf("checked %d paths in the docs' commands, they name more", checked)
+	}
+	t.Logf("%d paths named in commands exist", checked)
+}
+
+// TestDocsLinks: every relative link of the README and docs/ (and
+// xcaddy.md) reaches a file of the repository, and its #anchor a heading
+// of that file (as GitHub makes anchors of headings).
+func TestDocsLinks(t *testing.T) {
+	files, _ := filepath.Glob("docs/*.md")
+	files = append(files, "README.md", "xcaddy.md")
+	link := regexp.MustCompile(`\]\(([^)\s]+)\)`)
+	heading := regexp.MustCompile("(?m)^#+ (.+)$")
+	fence := regexp.MustCompile("(?ms)^[ \t]*```.*?^[ \t]*```")
+	anchors := func(file string) map[string]bool {
+		raw, err := os.ReadFile(file)
+		if err != nil {
+			return nil
+		}
+		out := map[string]bool{}
+		for _, m := range heading.FindAllStringSubmatch(fence.ReplaceAllString(string(raw), ""), -1) {
+			a := strings.ToLower(m[1])
+			a = regexp.MustCompile("[^a-z0-9 _-]").ReplaceAllString(a, "")
+			out[strings.ReplaceAll(a, " ", "-")] = true
+		}
+		return out
+	}
+	n := 0
+	for _, f := range files {
+		raw, err := os.ReadFile(f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, m := range link.FindAllStringSubmatch(fence.ReplaceAllString(string(raw), ""), -1) {
+			target := m[1]
+			if strings.Contains(target, "://") || strings.HasPrefix(target, "mailto:") {
+				continue
+			}
+			path, anchor, _ := strings.Cut(target, "#")
+			file := f
+			if path != "" {
+				file = filepath.Join(filepath.Dir(f), path)
+				if _, err := os.Stat(file); err != nil {
+					t.Errorf("%s: the link %s: %v", f, target, err)
+					continue
+				}
+			}
+			n++
+			if anchor != "" && !anchors(file)[anchor] {
+				t.Errorf("%s: the link %s: %s has no heading whose anchor is #%s", f, target, file, anchor)
+			}
+		}
+	}
+	t.Logf("%d links checked", n)
 }

@@ -4,12 +4,15 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"time"
 
 	"github.com/ratelimit-caddy/caddy-ratelimit/internal/breaker"
 	"github.com/redis/go-redis/v9"
+	"go.uber.org/zap"
 )
 
 // Durable quotas: `durable replicas <n>` and `durable aof`. A Redis primary
@@ -207,13 +210,13 @@ func (c *redisConn) evalDurable(batch []*pending, want confirmation) breaker.Res
 	}
 	got, cerr := readConfirmation(wait, waitAOF)
 	var refunds []bucketRequest
-	short := false
+	var short []string // the durable policies of the requests not confirmed
 	for _, p := range batch {
 		need := requestConfirmation(p.reqs)
 		if p.err != nil || !p.d.admitted || !need.wanted() || cerr == nil && need.confirms(got) {
 			continue
 		}
-		short = true
+		short = durablePolicies(short, p.reqs)
 		if cerr != nil {
 			p.err = cerr
 		} else {
@@ -221,7 +224,7 @@ func (c *redisConn) evalDurable(batch []*pending, want confirmation) breaker.Res
 		}
 		refunds = append(refunds, undo(p.reqs, p.d)...)
 	}
-	if short {
+	if len(short) > 0 {
 		// Counted per call, as every store error is.
 		kind := "not_durable"
 		var de *durabilityError
@@ -233,13 +236,71 @@ func (c *redisConn) evalDurable(batch []*pending, want confirmation) breaker.Res
 		if e == nil {
 			e = &durabilityError{kind: kind, want: want, got: got, timeout: c.timeout}
 		}
-		c.report(kind, e)
+		c.reportDurable(kind, e, short)
 	}
 	if len(refunds) > 0 {
 		// Not waited for: a lost refund over-denies, never over-admits.
 		go func() { _, _ = (&redisStore{conn: c}).decide(context.Background(), refunds) }()
 	}
 	return breaker.Answered
+}
+
+// durablePolicies adds to names those of the durable quotas of reqs.
+func durablePolicies(names []string, reqs []bucketRequest) []string {
+	for _, rq := range reqs {
+		if rq.quota != nil && rq.quota.durable.wanted() && rq.op == opTake && !rq.shadow && !slices.Contains(names, rq.quota.name) {
+			names = append(names, rq.quota.name)
+		}
+	}
+	return names
+}
+
+// reportDurable logs, at most once per 10 s per kind, a durable quota whose
+// usage Redis did not confirm. Redis answered: it is not "unavailable", and
+// only the durable policies' requests follow on_error; the line says which,
+// why, and what to change.
+func (c *redisConn) reportDurable(kind string, err error, policies []string) {
+	if !c.claimReport(kind, true) {
+		return
+	}
+	var names []string
+	for _, n := range policies {
+		names = append(names, strconv.Quote(n))
+	}
+	which := "policy " + strings.Join(names, ", ")
+	if len(names) > 1 {
+		which = "policies " + strings.Join(names, ", ")
+	}
+	fields := []zap.Field{zap.String("redis", c.name), zap.String("kind", kind), zap.Strings("policies", policies), zap.Error(err)}
+	meanwhile := ". Meanwhile each of its requests follows the policy's on_error (fail_closed answers 503, fail_open admits it uncounted), its usage given back. "
+	switch kind {
+	case "waitaof_unsupported":
+		c.logger.Error(which+": durable aof needs WAITAOF, which this Redis does not have (it came with Redis 7.2)"+meanwhile+
+			"Upgrade Redis to 7.2 or later, use durable replicas <n> instead, or remove durable from the policy", fields...)
+	case "aof_disabled":
+		c.logger.Error(which+": durable aof needs Redis's append-only file, which is off on this Redis (appendonly no)"+meanwhile+
+			"Set appendonly yes on Redis, use durable replicas <n> instead, or remove durable from the policy", fields...)
+	default:
+		c.logger.Warn(which+": Redis answered, but did not confirm the usage as durable asks: "+durableShortfall(err)+meanwhile+
+			"durable replicas <n> needs n replicas connected to this Redis (INFO replication: connected_slaves) that acknowledge within the redis timeout: "+
+			"add a replica, raise the redis timeout, or remove durable from the policy", fields...)
+	}
+}
+
+// durableShortfall is what Redis confirmed of what a durability error asked.
+func durableShortfall(err error) string {
+	var de *durabilityError
+	if !errors.As(err, &de) || de.err != nil {
+		return err.Error()
+	}
+	var parts []string
+	if de.want.replicas > 0 {
+		parts = append(parts, fmt.Sprintf("%d of %d replicas had it", de.got.replicas, de.want.replicas))
+	}
+	if de.want.aof {
+		parts = append(parts, fmt.Sprintf("the append-only file was fsynced on %d of 1 primary and %d of %d replicas", de.got.local, de.got.aofReplicas, de.want.aofReplicas))
+	}
+	return strings.Join(parts, ", ") + " within the redis timeout (" + de.timeout.String() + ")"
 }
 
 // readConfirmation reads the replies of WAIT (replicas that acknowledged)

@@ -14,6 +14,7 @@ import (
 	"github.com/caddyserver/caddy/v2"
 	"github.com/redis/go-redis/v9"
 	"go.uber.org/zap"
+	"go.uber.org/zap/zaptest/observer"
 
 	"github.com/ratelimit-caddy/caddy-ratelimit/internal/calendar"
 	"github.com/ratelimit-caddy/caddy-ratelimit/internal/testredis"
@@ -223,5 +224,75 @@ func TestDurableQuotaCluster(t *testing.T) {
 	}
 	if _, err := rs.decide(ctx, []bucketRequest{durableTake("rl:d:{a}", 100, durability{replicas: 2})}); errorKind(err) != "not_durable" {
 		t.Fatalf("durable replicas 2 with one replica per master: %v", err)
+	}
+}
+
+// TestDurableWithoutReplicaSaysWhatToDo: a durable quota on a Redis that
+// has no replica is not "Redis unavailable": Redis answered. The log line
+// (one per 10 s) names the policy, says what Redis confirmed, what its
+// requests do meanwhile and what to change (add a replica, raise the
+// timeout, or remove durable); durable aof on a Redis that cannot confirm
+// it says so at ERROR, with its own fix.
+func TestDurableWithoutReplicaSaysWhatToDo(t *testing.T) {
+	const timeout = 200 * time.Millisecond
+	srv := testredis.Start(t) // a primary with no replica
+	core, logs := observer.New(zap.InfoLevel)
+	conn, err := newRedisConn(RedisConfig{Addresses: []string{srv.Addr}, Timeout: caddy.Duration(timeout)}.resolved(), zap.New(core))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Destruct() })
+	rs := &redisStore{conn: conn}
+	ctx := context.Background()
+
+	monthly := func(key string, d durability) bucketRequest {
+		rq := durableTake(key, 100, d)
+		rq.quota.name = "monthly"
+		return rq
+	}
+	for range 3 {
+		if _, err := rs.decide(ctx, []bucketRequest{monthly("rl:monthly:{a}", durability{replicas: 1})}); errorKind(err) != "not_durable" {
+			t.Fatalf("durable replicas 1 without a replica: %v (kind %s), want not_durable", err, errorKind(err))
+		}
+	}
+	var lines []observer.LoggedEntry
+	for _, e := range logs.All() {
+		if strings.Contains(e.Message, "durable") || strings.Contains(e.Message, "unavailable") {
+			lines = append(lines, e)
+		}
+	}
+	if len(lines) != 1 {
+		t.Fatalf("%d log lines for 3 unconfirmed requests, want 1: %v", len(lines), logs.All())
+	}
+	e := lines[0]
+	t.Logf("%s: %s", e.Level, e.Message)
+	for _, want := range []string{`policy "monthly"`, "Redis answered", "0 of 1 replicas had it", "on_error", "fail_closed answers 503",
+		"connected_slaves", "add a replica", "raise the redis timeout", "remove durable from the policy"} {
+		if !strings.Contains(e.Message, want) {
+			t.Errorf("the log line does not say %q: %s", want, e.Message)
+		}
+	}
+	if e.Level != zap.WarnLevel || strings.Contains(e.Message, "unavailable") || e.ContextMap()["kind"] != "not_durable" {
+		t.Errorf("want a WARN of kind not_durable that does not call Redis unavailable: %s %v %s", e.Level, e.ContextMap(), e.Message)
+	}
+
+	// durable aof: Debian's Redis 7.0 has no WAITAOF; 7.2 and later, run
+	// here without an AOF, refuse it. Either way an ERROR with its fix.
+	logs.TakeAll()
+	_, err = rs.decide(ctx, []bucketRequest{monthly("rl:monthly:{b}", durability{aof: true})})
+	kind := errorKind(err)
+	if kind != "waitaof_unsupported" && kind != "aof_disabled" {
+		t.Fatalf("durable aof: %v (kind %s)", err, kind)
+	}
+	all := logs.All()
+	if len(all) != 1 || all[0].Level != zap.ErrorLevel {
+		t.Fatalf("durable aof (%s): want one ERROR, got %v", kind, all)
+	}
+	msg := all[0].Message
+	t.Logf("%s: %s", all[0].Level, msg)
+	for _, want := range []string{`policy "monthly"`, "durable aof", "use durable replicas <n> instead", "remove durable from the policy"} {
+		if !strings.Contains(msg, want) {
+			t.Errorf("the durable aof line does not say %q: %s", want, msg)
+		}
 	}
 }

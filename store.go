@@ -141,6 +141,12 @@ func openStore(cfg *RedisConfig, keyPrefix string, logger *zap.Logger) (s store,
 		return processMemory, func() error { return nil }, nil
 	}
 	rc := cfg.resolved()
+	for i, a := range rc.Addresses {
+		if a == "" && cfg.Addresses[i] != "" {
+			// An unset {env.X}: name it, as key_secret does.
+			return nil, nil, emptyAddressError(cfg.Addresses[i])
+		}
+	}
 	if err := rc.validateAddresses(); err != nil {
 		return nil, nil, fmt.Errorf("redis: %v", err)
 	}

@@ -6,6 +6,7 @@ import (
 	"net/http"
 	"net/url"
 	"os"
+	"path/filepath"
 	"regexp"
 	"strconv"
 	"strings"
@@ -16,11 +17,43 @@ import (
 	"github.com/ratelimit-caddy/caddy-ratelimit/internal/testredis"
 )
 
-// The dashboard and alerting rules operators load (docs/operators-guide.md).
+// The dashboard and alerting rules operators load, and the guide that
+// says how (its metrics site and Prometheus config).
 const (
 	dashboardFile  = "../docs/grafana/rate-limit-dashboard.json"
 	alertRulesFile = "../docs/prometheus/rate-limit-alerts.yml"
+	operatorsGuide = "../docs/operators-guide.md"
 )
+
+// guidePrometheusConfig is the operators' guide's prometheus.yml with the
+// test's targets (the instances' metrics sites), a scrape and an
+// evaluation every second instead of every 15 s, and the rules file's
+// path. The guide's targets are on its metrics site's port.
+func guidePrometheusConfig(t *testing.T, targets []string) string {
+	t.Helper()
+	config := docsBlock(t, operatorsGuide, "yaml", "scrape_configs:")
+	rules, err := filepath.Abs(alertRulesFile)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, r := range []struct{ re, with string }{
+		{`(?m)^(\s*)scrape_interval: 15s$`, "${1}scrape_interval: 1s\n${1}scrape_timeout: 1s"},
+		{`(?m)^(\s*)evaluation_interval: 15s$`, "${1}evaluation_interval: 1s"},
+		{`(?m)^(\s*)- rate-limit-alerts\.yml$`, "${1}- " + strconv.Quote(rules)},
+		{`(?m)^(\s*)- targets: \["caddy-1\.internal:9180".*\]$`, "${1}- targets: [" + quoteAll(targets) + "]"},
+	} {
+		re := regexp.MustCompile(r.re)
+		if !re.MatchString(config) {
+			t.Fatalf("%s: the Prometheus config has no line matching %s:\n%s", operatorsGuide, r.re, config)
+		}
+		config = re.ReplaceAllString(config, r.with)
+	}
+	if strings.Contains(config, "metrics_path") || strings.Contains(config, "2019") {
+		t.Fatalf("%s: the Prometheus config should scrape the metrics site's /metrics, not the admin API:\n%s", operatorsGuide, config)
+	}
+	t.Logf("prometheus.yml:\n%s", config)
+	return config
+}
 
 // grafanaPanel is what the test reads of a dashboard's panel.
 type grafanaPanel struct {
@@ -86,7 +119,8 @@ const fleetDisagreements = "caddy_rate_limit_fleet_disagreements"
 
 // TestDashboard runs every query of every panel of the Grafana dashboard
 // (parsed from its JSON, so that the test cannot drift from it) against a
-// real Prometheus scraping two Caddy instances under a short load that
+// real Prometheus, configured as the operators' guide says, scraping the
+// guide's metrics site on two Caddy instances under a short load that
 // exercises every panel: a shared budget, a shadow policy, a quota, a
 // settle whose upstream reports no usage, a concurrency limit, a shed
 // policy with two priority classes, and policies whose Redis is down
@@ -110,15 +144,36 @@ func TestDashboard(t *testing.T) {
 	down := "127.0.0.1:" + strconv.Itoa(testredis.FreePort(t)) // a Redis that is not there
 	upstream := startHoldingUpstream(t)                        // holds each request X-Hold ms
 	routes := dashboardRoutes(srv.Addr, down, upstream.addr)
-	tune := func(cfg map[string]any) {
-		cfg["apps"].(map[string]any)["http"].(map[string]any)["servers"].(map[string]any)["test"].(map[string]any)["routes"] = routes
+
+	// Each instance serves its metrics on the operators' guide's metrics
+	// site (adapted by caddy adapt), on a port of its own, and Prometheus
+	// scrapes them with the guide's config: the admin API is not scraped.
+	site := servers(t, caddyAdapt(t, docsBlock(t, operatorsGuide, "caddyfile", "\tmetrics\n")))
+	for _, s := range site {
+		if listen, _ := json.Marshal(s.(map[string]any)["listen"]); len(site) != 1 || string(listen) != `[":9180"]` {
+			t.Fatalf("the guide's metrics site: want one site on :9180, its Prometheus targets' port: %v", site)
+		}
 	}
-	fleet := []*instance{startCaddyTuned(t, tune, respond()), startCaddyTuned(t, tune, respond())}
+	var fleet []*instance
 	var targets []string
-	for _, in := range fleet {
-		targets = append(targets, strings.TrimPrefix(in.Admin, "http://"))
+	for range 2 {
+		metricsAddr := "127.0.0.1:" + strconv.Itoa(testredis.FreePort(t))
+		tune := func(cfg map[string]any) {
+			srvs := cfg["apps"].(map[string]any)["http"].(map[string]any)["servers"].(map[string]any)
+			srvs["test"].(map[string]any)["routes"] = routes
+			for _, s := range site {
+				metrics := map[string]any{}
+				for k, v := range s.(map[string]any) {
+					metrics[k] = v
+				}
+				metrics["listen"] = []string{metricsAddr}
+				srvs["metrics"] = metrics
+			}
+		}
+		fleet = append(fleet, startCaddyTuned(t, tune, respond()))
+		targets = append(targets, metricsAddr)
 	}
-	prom := startPrometheus(t, targets, alertRulesFile)
+	prom := startPrometheusConfig(t, guidePrometheusConfig(t, targets))
 	prom.scrapedSince(t, time.Now(), len(fleet)) // the load is seen from its start
 
 	start := time.Now()

@@ -7,8 +7,10 @@ import (
 	"regexp"
 	"strconv"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
+	"time"
 )
 
 // TestMakeFleet runs cmd/fleet, what `make fleet` runs, with the Caddy the
@@ -69,4 +71,87 @@ func TestMakeFleet(t *testing.T) {
 			t.Errorf("process %d is still there after cmd/fleet exited: %v", pid, err)
 		}
 	}
+}
+
+// TestMakeFleetStopsByPid: a fleet left running stops every process it
+// started when the user kills the command they started, `make fleet` or
+// `go run ./cmd/fleet` (make forwards SIGTERM to go run, which dies of it
+// without passing it on: the fleet program follows its parent), and the pid
+// it tells them to kill is that go run's.
+func TestMakeFleetStopsByPid(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		args []string
+	}{
+		{"make", []string{"make", "fleet", "FLEET_FLAGS=-caddy " + caddyBin + " -load=false"}},
+		{"go run", []string{"go", "run", "./cmd/fleet", "-caddy", caddyBin, "-load=false"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			cmd := exec.Command(tc.args[0], tc.args[1:]...)
+			cmd.Dir = ".." // the repository's root, as a user runs it
+			var out lockedBuffer
+			cmd.Stdout, cmd.Stderr = &out, &out
+			cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true} // for the cleanup below only
+			if err := cmd.Start(); err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { _ = syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL) }) // whatever is left, if the test failed
+			deadline := time.Now().Add(3 * time.Minute)                               // go run builds cmd/fleet first
+			for !strings.Contains(out.String(), "The fleet keeps running") {
+				if time.Now().After(deadline) {
+					t.Fatalf("the fleet did not come up:\n%s", out.String())
+				}
+				time.Sleep(100 * time.Millisecond)
+			}
+			text := out.String()
+			var pids []int
+			for _, m := range regexp.MustCompile(`(?m)^  (?:redis-server|caddy-\d)\s.*\bpid (\d+)`).FindAllStringSubmatch(text, -1) {
+				pid, _ := strconv.Atoi(m[1])
+				pids = append(pids, pid)
+			}
+			told := regexp.MustCompile(`kill (\d+)\s+\(go run\); .* this program's \((\d+)\)`).FindStringSubmatch(text)
+			if len(pids) != 3 || told == nil {
+				t.Fatalf("want the pids of redis-server, caddy-1, caddy-2, and the pid to kill, in:\n%s", text)
+			}
+			goRun, _ := strconv.Atoi(told[1])
+			fleet, _ := strconv.Atoi(told[2])
+			if tc.name == "go run" && goRun != cmd.Process.Pid {
+				t.Errorf("it says kill %d, the go run the user started is %d", goRun, cmd.Process.Pid)
+			}
+			pids = append(pids, fleet, goRun)
+
+			if err := syscall.Kill(cmd.Process.Pid, syscall.SIGTERM); err != nil { // kill <pid>
+				t.Fatal(err)
+			}
+			_ = cmd.Wait()
+			deadline = time.Now().Add(15 * time.Second)
+			for _, pid := range pids {
+				for syscall.Kill(pid, 0) == nil {
+					if time.Now().After(deadline) {
+						t.Fatalf("process %d still runs after kill %d (%s):\n%s", pid, cmd.Process.Pid, tc.name, out.String())
+					}
+					time.Sleep(50 * time.Millisecond)
+				}
+			}
+			t.Logf("kill %d (%s): redis-server, both Caddy instances, the fleet program and go run gone:\n%s", cmd.Process.Pid, tc.name, out.String()[strings.LastIndex(out.String(), "\nfleet:"):])
+		})
+	}
+}
+
+// lockedBuffer is an io.Writer for a process's output, read while it runs.
+type lockedBuffer struct {
+	mu sync.Mutex
+	b  strings.Builder
+}
+
+func (l *lockedBuffer) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
+}
+
+func (l *lockedBuffer) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.String()
 }

@@ -20,8 +20,7 @@ import (
 
 // prometheus is a real Prometheus server (Debian's package, which `make
 // test` installs) on a free loopback port with its own storage, scraping
-// the admin /metrics of Caddy instances every second and evaluating rules
-// every second.
+// Caddy instances every second and evaluating rules every second.
 type prometheus struct {
 	URL string
 	cmd *exec.Cmd
@@ -32,11 +31,6 @@ type prometheus struct {
 // APIs), with the rule files given, until the test ends.
 func startPrometheus(t *testing.T, targets []string, ruleFiles ...string) *prometheus {
 	t.Helper()
-	bin, err := exec.LookPath("prometheus")
-	if err != nil {
-		t.Fatalf("prometheus not found (run `make test`, which installs Debian's prometheus package, or apt-get install prometheus): %v", err)
-	}
-	dir := t.TempDir()
 	var rules []string
 	for _, f := range ruleFiles {
 		abs, err := filepath.Abs(f)
@@ -44,10 +38,6 @@ func startPrometheus(t *testing.T, targets []string, ruleFiles ...string) *prome
 			t.Fatal(err)
 		}
 		rules = append(rules, strconv.Quote(abs))
-	}
-	quoted := make([]string, len(targets))
-	for i, tg := range targets {
-		quoted[i] = strconv.Quote(tg)
 	}
 	config := fmt.Sprintf(`global:
   scrape_interval: 1s
@@ -59,7 +49,28 @@ scrape_configs:
     metrics_path: /metrics
     static_configs:
       - targets: [%s]
-`, strings.Join(rules, ", "), strings.Join(quoted, ", "))
+`, strings.Join(rules, ", "), quoteAll(targets))
+	return startPrometheusConfig(t, config)
+}
+
+// quoteAll is a YAML flow list's items: each quoted, comma-separated.
+func quoteAll(items []string) string {
+	quoted := make([]string, len(items))
+	for i, s := range items {
+		quoted[i] = strconv.Quote(s)
+	}
+	return strings.Join(quoted, ", ")
+}
+
+// startPrometheusConfig runs prometheus with the config (prometheus.yml's
+// text) until the test ends.
+func startPrometheusConfig(t *testing.T, config string) *prometheus {
+	t.Helper()
+	bin, err := exec.LookPath("prometheus")
+	if err != nil {
+		t.Fatalf("prometheus not found (run `make test`, which installs Debian's prometheus package, or apt-get install prometheus): %v", err)
+	}
+	dir := t.TempDir()
 	cfgPath := filepath.Join(dir, "prometheus.yml")
 	if err := os.WriteFile(cfgPath, []byte(config), 0o600); err != nil {
 		t.Fatal(err)

@@ -3,9 +3,10 @@
 // Redis), one file for both, each on its own ports. It prints how to send
 // requests to each, sends a short scripted run from one client to both,
 // prints what each instance admitted against the budget they share, then
-// keeps the fleet up until Ctrl-C, when it stops everything it started, by
-// PID. Run it with `make fleet` (which installs redis-server when missing)
-// or `go run ./cmd/fleet`.
+// keeps the fleet up until it is stopped: Ctrl-C, or `kill <pid>` of make,
+// of go run or of this program (it prints the pids), when it stops
+// everything it started, by PID. Run it with `make fleet` (which installs
+// redis-server when missing) or `go run ./cmd/fleet`.
 package main
 
 import (
@@ -53,6 +54,7 @@ var preferred = []struct{ site, admin int }{{8081, 2021}, {8082, 2022}}
 func main() {
 	caddyBin := flag.String("caddy", "", "a Caddy binary with the module (default: build ./cmd/caddy)")
 	exit := flag.Bool("exit", false, "stop the fleet once the scripted run is printed, instead of waiting for Ctrl-C")
+	load := flag.Bool("load", true, "run the scripted load and print what each instance admitted")
 	flag.Parse()
 	if _, err := os.Stat(caddyfile); err != nil {
 		fmt.Fprintf(os.Stderr, "fleet: %v: run it from the repository's root (make fleet)\n", err)
@@ -63,11 +65,13 @@ func main() {
 	defer s.Close()
 	var pids []string
 	var pidsMu sync.Mutex
-	s.CloseOnSignal(func() string { // Ctrl-C is how the fleet ends: exit 0
+	stopping := func() string {
 		pidsMu.Lock()
 		defer pidsMu.Unlock()
 		return "stopping " + strings.Join(pids, ", ")
-	}, 0)
+	}
+	s.CloseOnSignal(stopping, 0) // Ctrl-C (or a kill of this program) is how the fleet ends: exit 0
+	parent := closeWithParent(s, stopping)
 
 	bin := *caddyBin
 	if bin == "" {
@@ -118,16 +122,56 @@ func main() {
 	fmt.Printf("  for i in $(seq 12); do curl -s -o /dev/null -w '%%{http_code} ' %s/; curl -s -o /dev/null -w '%%{http_code} ' %s/; done; echo\n", fleet[0].URL, fleet[1].URL)
 	fmt.Printf("  %s rate-limit inspect %s 127.0.0.1 --address %s   # the shared bucket, from either instance\n", bin, policy, strings.TrimPrefix(fleet[1].Admin, "http://"))
 
-	fmt.Printf("\nScripted run: one client (127.0.0.1: one %s bucket) sends %d requests/s for %v, alternating between the instances...\n", policy, offered, runFor)
-	rows := scriptedRun(fleet)
-	printRun(names, fleet, rows)
+	if *load {
+		fmt.Printf("\nScripted run: one client (127.0.0.1: one %s bucket) sends %d requests/s for %v, alternating between the instances...\n", policy, offered, runFor)
+		rows := scriptedRun(fleet)
+		printRun(names, fleet, rows)
+	}
 
 	if *exit {
 		fmt.Printf("\nStopping %s.\n", strings.Join(pids, ", "))
 		return
 	}
-	fmt.Println("\nThe fleet keeps running: send your own requests (above). Ctrl-C stops Redis and both Caddy instances.")
+	fmt.Println("\nThe fleet keeps running: send your own requests (above). To stop Redis and both Caddy instances:")
+	fmt.Printf("  Ctrl-C here, or from another shell: kill %d   (%s); the pid of the make that started it, or this program's (%d), do the same\n",
+		parent, processName(parent), os.Getpid())
 	select {}
+}
+
+// closeWithParent stops the fleet, as a signal would, when the process that
+// started this program exits: `go run` under `make fleet` dies of the
+// SIGTERM that make forwards to it when make is killed, and `go run` itself
+// forwards no SIGTERM to its child, so the fleet would otherwise outlive
+// the command the user stopped. It returns the parent's pid.
+func closeWithParent(s *testcaddy.Session, stopping func() string) int {
+	parent := os.Getppid()
+	if parent <= 1 { // started detached: nothing to follow
+		return parent
+	}
+	name := processName(parent)
+	go func() {
+		for range time.Tick(200 * time.Millisecond) {
+			if os.Getppid() != parent {
+				fmt.Fprintf(os.Stderr, "\nfleet: the process that started it (%s, pid %d) is gone: %s\n", name, parent, stopping())
+				s.Close()
+				os.Exit(0)
+			}
+		}
+	}()
+	return parent
+}
+
+// processName is the name of process pid (Linux's /proc), or "its parent".
+func processName(pid int) string {
+	comm, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/comm")
+	if err != nil {
+		return "its parent"
+	}
+	name := strings.TrimSpace(string(comm))
+	if name == "go" {
+		return "go run"
+	}
+	return name
 }
 
 // portOr is port when it is free on 127.0.0.1, otherwise a free one.
