@@ -491,7 +491,8 @@ func (aw *afterResponse) charges(err error) (reqs []bucketRequest, policies []*P
 		switch {
 		case p.ChargeIf != nil:
 			if a.charge {
-				continue // the reservation is the charge
+				p.spend("", rq.cost) // money.go
+				continue             // the reservation is the charge
 			}
 			delta = -rq.cost // a response that does not match owes nothing
 		default:

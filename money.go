@@ -110,10 +110,11 @@ func (p *Policy) spend(model string, micros int64) {
 }
 
 // spendAtAdmission counts the charges of the money policies an admitted
-// request leaves as they are (no settle): their cost.
+// request leaves as they are (neither settled nor charged if): their
+// cost.
 func (res *admission) spendAtAdmission(rs *requestState) {
 	for i, p := range res.shown {
-		if p.unit != unitUSD || p.Settle != nil || i >= len(res.d.verdicts) || !res.d.verdicts[i].allowed {
+		if p.unit != unitUSD || p.givesBack() || i >= len(res.d.verdicts) || !res.d.verdicts[i].allowed {
 			continue
 		}
 		model := ""

@@ -143,3 +143,31 @@ func TestMoneyLimits(t *testing.T) {
 		t.Fatalf("plan big: %v, %d µ$, max %d", err, big.limit.burst, big.costs.max)
 	}
 }
+
+// TestMoneyBudgetAcrossFormats: one money budget may settle OpenAI's
+// responses on one route and Anthropic's on another (its dollars are
+// dollars whatever the format); a token budget may not (its tokens are
+// counted as its format and weights say).
+func TestMoneyBudgetAcrossFormats(t *testing.T) {
+	handler := func(unit, from string) string {
+		p := `{"name":"team","key":"{http.request.header.X-Team}","rate":"3/1h","cost":"openai","max_cost":1,"settle":{"from":"` + from + `"}` + unit + `}`
+		return `{"handler":"rate_limit","prices":{"models":[{"model":"m","input":1,"output":1}]},"policies":[` + p + `]}`
+	}
+	config := func(a, b string) string {
+		route := func(path, h string) string { return `{"match":[{"path":["` + path + `"]}],"handle":[` + h + `]}` }
+		return `{"apps":{"http":{"servers":{"srv0":{"listen":[":8080"],"routes":[` + route("/v1/chat/*", a) + `,` + route("/v1/messages", b) + `]}}}}}`
+	}
+	for _, tc := range []struct {
+		unit string
+		ok   bool
+	}{{`,"unit":"usd"`, true}, {"", false}} {
+		cfg := new(caddy.Config)
+		if err := caddy.StrictUnmarshalJSON([]byte(config(handler(tc.unit, "openai"), handler(tc.unit, "anthropic"))), cfg); err != nil {
+			t.Fatal(err)
+		}
+		err := caddy.Validate(cfg)
+		if (err == nil) != tc.ok || err != nil && !strings.Contains(err.Error(), "defined differently") {
+			t.Errorf("unit %q, settled openai on one route and anthropic on the other: %v", tc.unit, err)
+		}
+	}
+}
