@@ -7,6 +7,7 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -325,5 +326,65 @@ func TestIncludeUsage(t *testing.T) {
 	r, _ := http.NewRequest("POST", "http://x/v1/chat/completions", strings.NewReader(stream))
 	if r.ContentLength != int64(len(stream)) {
 		t.Fatal(strconv.Itoa(int(r.ContentLength)))
+	}
+}
+
+// TestMoneyHierarchy: an organisation, a team and a user, each a money
+// policy on every request: the lowest remaining ceiling binds, all or
+// nothing (a denied request is charged at no level), and the 429 names
+// the level that denied, in dollars.
+func TestMoneyHierarchy(t *testing.T) {
+	level := func(name, key, usd string) *Policy {
+		return &Policy{Name: name, Key: key, Unit: "usd", Rate: usd + "/24h", Cost: "openai", MaxCost: 0.01, Settle: &Settle{From: settleOpenAI}}
+	}
+	h := testHandler(t, &Handler{Jitter: jitterOff(), Prices: moneyPrices(""), Policies: []*Policy{
+		level("org", "{http.request.header.X-Org}", "0.03"),
+		level("team", "{http.request.header.X-Team}", "0.018"),
+		level("user", "{http.request.header.X-User}", "0.015"),
+	}}, newMemoryStore((&clock{t: 1000 * sec}).now))
+	// Each call: 5 prompt tokens and max_tokens 100 at $2/$8 reserve 810
+	// µ$, and use 1,000 in and 500 out: $0.006, which each level's key
+	// then learns and reserves.
+	const req = `{"model":"gpt-4.1","messages":[{"role":"user","content":"Say hi"}],"max_tokens":100}`
+	up := answering([]byte(`{"model":"gpt-4.1","usage":{"prompt_tokens":1000,"completion_tokens":500}}`), "Content-Type", "application/json")
+	call := func(team, user string) (int, []string) {
+		r := httptest.NewRequest("POST", "/v1/chat/completions", strings.NewReader(req))
+		r.Header.Set("X-Org", "acme")
+		r.Header.Set("X-Team", team)
+		r.Header.Set("X-User", user)
+		x := serveOn([]*Handler{h}, nil, func(w http.ResponseWriter, r *http.Request) error { up(w, r); return nil }, r)
+		var p problem
+		_ = json.Unmarshal([]byte(x.body), &p)
+		return x.status, p.ViolatedPolicies
+	}
+	var got []string
+	for _, c := range []struct {
+		team, user string
+		status     int
+		violated   string
+	}{
+		// ann ($0.015): two calls, then her own budget binds ($0.003 left).
+		{"search", "ann", 200, ""}, {"search", "ann", 200, ""}, {"search", "ann", 429, "user"},
+		// bob, the same team ($0.018, $0.012 used): one call, then the team.
+		{"search", "bob", 200, ""}, {"search", "bob", 429, "team"},
+		// cat, another team: the organisation ($0.03, $0.018 used) has room
+		// for two, then binds for dan, whose user and team have room.
+		{"ads", "cat", 200, ""}, {"ads", "cat", 200, ""}, {"ads", "dan", 429, "org"},
+	} {
+		status, violated := call(c.team, c.user)
+		got = append(got, fmt.Sprintf("%s/%s %d %v", c.team, c.user, status, violated))
+		if status != c.status || c.violated != "" && (len(violated) != 1 || violated[0] != c.violated) {
+			t.Errorf("%s/%s: %d %v, want %d naming %q; so far %v", c.team, c.user, status, violated, c.status, c.violated, got)
+		}
+	}
+	// All or nothing: the denied requests were charged at no level.
+	for _, c := range []struct {
+		p, id string
+		used  int64
+	}{{"org", "acme", 5 * 6000}, {"team", "search", 3 * 6000}, {"team", "ads", 2 * 6000}, {"user", "ann", 2 * 6000}, {"user", "bob", 6000}, {"user", "cat", 2 * 6000}, {"user", "dan", 0}} {
+		pol := h.Policies[slices.IndexFunc(h.Policies, func(p *Policy) bool { return p.Name == c.p })]
+		if left := remainingOf(t, h, pol, c.id); left != pol.limit.burst-c.used {
+			t.Errorf("%s %s: %d µ$ used, want %d", c.p, c.id, pol.limit.burst-left, c.used)
+		}
 	}
 }
