@@ -633,6 +633,11 @@ func (w *afterResponse) chargeLost(p *Policy, reason int) {
 	switch p.Settle.From {
 	case settleOpenAI:
 		hint += `; OpenAI streams report usage only when the request sets "stream_options": {"include_usage": true}`
+		if p.Settle.IncludeUsage {
+			hint += ", which include_usage asked for: this upstream ignores it, or the request's path does not end in /chat/completions"
+		} else {
+			hint += ", which settle openai include_usage asks for the client"
+		}
 	case settleHeader, settleTrailer:
 		hint += "; the response had no " + p.Settle.Field + " holding a non-negative integer"
 	}
