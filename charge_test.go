@@ -46,6 +46,7 @@ func serveLLM(t *testing.T, h *Handler, body string, upstream func(w http.Respon
 	w := httptest.NewRecorder()
 	next := caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
 		x.upstream, _ = io.ReadAll(r.Body)
+		r.Body = io.NopCloser(bytes.NewReader(x.upstream)) // for the upstream to read
 		upstream(w, r)
 		return nil
 	})

@@ -108,10 +108,16 @@ func (h *Handler) writeDenial(w http.ResponseWriter, res *admission, violated []
 		}
 		return writeProblem(w, quotaExceeded(violated))
 	}
+	return writeJSONError(w, http.StatusTooManyRequests, body)
+}
+
+// writeJSONError writes an error body in a provider's JSON format: about
+// this client at this moment, never cached.
+func writeJSONError(w http.ResponseWriter, status int, body []byte) error {
 	hdr := w.Header()
 	hdr.Set("Content-Type", "application/json")
 	hdr.Set("Cache-Control", "no-store")
-	w.WriteHeader(http.StatusTooManyRequests)
+	w.WriteHeader(status)
 	_, err := w.Write(body)
 	return err
 }

@@ -18,17 +18,6 @@ import (
 // weight of llm.Weights in millionths: tokens × price / 10^6 µ$, rounded
 // up, by the same arithmetic as a token budget's weights.
 
-var (
-	spendUSD = prometheus.NewCounterVec(prometheus.CounterOpts{
-		Namespace: "caddy", Subsystem: "rate_limit", Name: "spend_usd_total",
-		Help: "Dollars charged by money policies (unit usd), by policy and by the model priced (the listed name a request's or a response's model was priced as; empty for a policy that prices no model): settled usage, or what stood (the reservation, or the estimate of a response without usage). Never an identity.",
-	}, []string{"policy", "model"})
-	unpricedModels = prometheus.NewCounterVec(prometheus.CounterOpts{
-		Namespace: "caddy", Subsystem: "rate_limit", Name: "unpriced_models_total",
-		Help: "Models the prices do not list, by policy and where they were named: request (refused under unknown deny, priced as the unknown model otherwise), response (a response naming a model the prices lack, priced as its request's model).",
-	}, []string{"policy", "at"})
-)
-
 // Where a model with no price was named: unpricedModels's label `at`.
 const (
 	unpricedRequest = iota
@@ -182,12 +171,7 @@ func (h *Handler) refuseUnpriced(w http.ResponseWriter, rs *requestState, res *a
 		}{problem{Type: "about:blank", Title: "Forbidden", Status: http.StatusForbidden, Detail: msg}, p.Name, model})
 		return writeProblemBody(w, http.StatusForbidden, body)
 	}
-	hdr := w.Header()
-	hdr.Set("Content-Type", "application/json")
-	hdr.Set("Cache-Control", "no-store")
-	w.WriteHeader(http.StatusForbidden)
-	_, err := w.Write(body)
-	return err
+	return writeJSONError(w, http.StatusForbidden, body)
 }
 
 // jsonQuote quotes s as JSON does, for messages that show a client's text.

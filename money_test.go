@@ -11,9 +11,6 @@ import (
 	"strconv"
 	"strings"
 	"testing"
-
-	"github.com/caddyserver/caddy/v2"
-	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 )
 
 // moneyPrices are the prices the money tests use: USD per million tokens.
@@ -221,11 +218,11 @@ func TestMoneyModelKey(t *testing.T) {
 // openAIUpstream answers a streaming chat completion as OpenAI does: with
 // `"usage": null` in every chunk and a usage chunk when the request asks
 // (stream_options.include_usage), without any usage otherwise. It records
-// what it was sent.
-func openAIUpstream(got *[]byte, length *int64) func(http.ResponseWriter, *http.Request) {
+// what it was sent: the body, its declared length and Accept-Encoding.
+func openAIUpstream(got *[]byte, length *int64, accept *string) func(http.ResponseWriter, *http.Request) {
 	return func(w http.ResponseWriter, r *http.Request) {
 		*got, _ = io.ReadAll(r.Body)
-		*length = r.ContentLength
+		*length, *accept = r.ContentLength, r.Header.Get("Accept-Encoding")
 		var req struct {
 			StreamOptions struct {
 				IncludeUsage bool `json:"include_usage"`
@@ -254,29 +251,6 @@ func chatStream(includeUsage bool) string {
 	return b.String()
 }
 
-// serveRaw is serveLLM with an upstream that reads the request body
-// itself.
-func serveRaw(t *testing.T, h *Handler, body string, upstream func(w http.ResponseWriter, r *http.Request), header ...string) llmExchange {
-	t.Helper()
-	r := httptest.NewRequest("POST", "/v1/chat/completions", strings.NewReader(body))
-	for i := 0; i+1 < len(header); i += 2 {
-		r.Header.Set(header[i], header[i+1])
-	}
-	repl := caddy.NewReplacer()
-	ctx := context.WithValue(r.Context(), caddy.ReplacerCtxKey, repl)
-	ctx = context.WithValue(ctx, caddyhttp.VarsCtxKey, map[string]any{})
-	r = r.WithContext(ctx)
-	w := httptest.NewRecorder()
-	var x llmExchange
-	_ = h.ServeHTTP(w, r, caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
-		x.upstream = []byte(r.Header.Get("Accept-Encoding"))
-		upstream(w, r)
-		return nil
-	}))
-	x.status, x.header, x.body = w.Code, w.Header(), w.Body.Bytes()
-	return x
-}
-
 // TestIncludeUsage: settle openai include_usage makes a stream that does
 // not ask for its usage ask, settles it exactly, and gives the client the
 // stream it would have had, byte for byte; a client that asks gets the
@@ -303,7 +277,8 @@ func TestIncludeUsage(t *testing.T) {
 		h := testHandler(t, &Handler{Jitter: jitterOff(), Prices: moneyPrices(""), Policies: []*Policy{p}}, newMemoryStore((&clock{t: 1000 * sec}).now))
 		var sent []byte
 		var length int64
-		x := serveRaw(t, h, tc.body, openAIUpstream(&sent, &length), "Authorization", "Bearer sk-1", "Accept-Encoding", "gzip")
+		var accept string
+		x := serveLLM(t, h, tc.body, openAIUpstream(&sent, &length, &accept), "Authorization", "Bearer sk-1", "Accept-Encoding", "gzip")
 		if x.status != 200 || string(x.body) != tc.client {
 			t.Errorf("%s: %d, the client got\n%s\nwant\n%s", tc.name, x.status, x.body, tc.client)
 		}
@@ -314,8 +289,8 @@ func TestIncludeUsage(t *testing.T) {
 		if err := json.Unmarshal(sent, &up); err != nil || int64(len(sent)) != length {
 			t.Errorf("%s: the upstream got %q (%d bytes, declared %d): %v", tc.name, sent, len(sent), length, err)
 		}
-		if asked := tc.includeUsage && tc.body == stream; asked != (string(x.upstream) == "") {
-			t.Errorf("%s: the upstream was sent Accept-Encoding %q", tc.name, x.upstream)
+		if asked := tc.includeUsage && tc.body == stream; asked != (accept == "") {
+			t.Errorf("%s: the upstream was sent Accept-Encoding %q", tc.name, accept)
 		}
 		so, _ := up["stream_options"].(map[string]any)
 		if tc.includeUsage != (so != nil && so["include_usage"] == true) && tc.body != asks {

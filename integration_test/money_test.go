@@ -11,7 +11,6 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -536,24 +535,10 @@ func TestMoneyPrices(t *testing.T) {
 	}
 }
 
-var releaseV04 struct {
-	once sync.Once
-	bin  string
-	err  error
-}
-
-// v04Bin is v0.4.0's Caddy binary, built once from the repository's
-// history.
+// v04Bin is v0.4.0's Caddy binary.
 func v04Bin(t *testing.T) string {
 	t.Helper()
-	releaseV04.once.Do(func() {
-		releaseV04.bin = filepath.Join(filepath.Dir(caddyBin), "caddy-v0.4.0")
-		releaseV04.err = testcaddy.BuildRelease(".", testcaddy.ReleaseV04, releaseV04.bin)
-	})
-	if releaseV04.err != nil {
-		t.Fatalf("building v0.4.0 (%s): %v", testcaddy.ReleaseV04, releaseV04.err)
-	}
-	return releaseV04.bin
+	return releaseBin(t, testcaddy.ReleaseV04, "caddy-v0.4.0")
 }
 
 // TestMoneyBesideV040: a fleet in the middle of an upgrade to money
