@@ -370,6 +370,7 @@ func main() {
 	tw.Flush()
 	decisionCost(plain, byName["b"], byName["z"])
 	moneyCost(byName["l"], byName["m"])
+	moneyAtOnce(s, wrk, redis, byName["l"], byName["m"])
 	if d := byName["d"]; d != nil {
 		deniedShare := median(pick(d.runs, func(w wrkRun) float64 { return w.non2xx / w.requests }))
 		fmt.Printf("\n(d): %.4f of requests denied; Redis calls per denied request %.4f\n", deniedShare, median(d.calls)/deniedShare)
@@ -846,6 +847,36 @@ func moneyCost(l, m *scenario) {
 	}
 	fmt.Printf("\nA settle in dollars (m) against one in tokens (l), Caddy CPU per request (medians of this run): %.1f µs against %.1f, %.3f times "+
 		"(round by round %.3f-%.3f; target: at most 1.05).\n", cpu(m), cpu(l), cpu(m)/cpu(l), slices.Min(ratios), slices.Max(ratios))
+}
+
+// moneyAtOnce loads (l) and (m) at the same time, each with half the
+// connections, round after round, and compares their Caddy CPU per
+// request within each round: whatever else the machine runs weighs on both
+// alike, which runs seconds apart do not share.
+func moneyAtOnce(s *testcaddy.Session, wrk string, redis *testredis.Server, l, m *scenario) {
+	if l == nil || m == nil {
+		return
+	}
+	fmt.Printf("\n(l) and (m) loaded at once (wrk -t1 -c%d each), %d rounds of %s:\n", *connections/2, *rounds, *duration)
+	var ratios, ls, ms []float64
+	for r := range *rounds {
+		var runs [2]wrkRun
+		var wg sync.WaitGroup
+		for i, sc := range []*scenario{l, m} {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				runs[i] = runWrkWith(s, wrk, sc.in.URL, sc.script, 1, *connections/2, []int{sc.in.Pid(), redis.Pid()}, func() {})
+			}()
+		}
+		wg.Wait()
+		ratios = append(ratios, runs[1].caddyCPU/runs[0].caddyCPU)
+		ls, ms = append(ls, runs[0].caddyCPU), append(ms, runs[1].caddyCPU)
+		fmt.Printf("round %d: (l) %.0f req/s, Caddy %.1f µs a request; (m) %.0f req/s, Caddy %.1f µs a request; (m)/(l) %.3f\n",
+			r+1, runs[0].rps, runs[0].caddyCPU, runs[1].rps, runs[1].caddyCPU, ratios[r])
+	}
+	fmt.Printf("Caddy CPU per request at once: (m) %.1f µs, (l) %.1f µs (medians); (m)/(l) median %.3f, range %.3f-%.3f (target: at most 1.05).\n",
+		median(ms), median(ls), median(ratios), slices.Min(ratios), slices.Max(ratios))
 }
 
 func decisionCost(plain, b, z *scenario) {
