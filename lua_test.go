@@ -502,6 +502,7 @@ func TestLuaMatchesGoMoney(t *testing.T) {
 type bucketShapes struct {
 	limits       [][2]limit
 	costs, delta int64
+	steps        int // script calls; 0: 3,000
 }
 
 // tokenShapes are token policies' buckets.
@@ -522,7 +523,7 @@ var moneyShapes = bucketShapes{limits: [][2]limit{
 	{{interval: 1, burst: 1_000_000_000}, {interval: 1, burst: 1_000_000}},                                   // $1/s (the fastest) burst $1,000, then $1
 	{{interval: 3_600_000_000, burst: 1}, {interval: 8_640_000, burst: 100_000_000}},                         // $0.000001/1h, then $1/2400h burst $100
 	{{interval: 72, burst: 50_000_000}, {interval: 36, burst: 100_000_000}},                                  // $50/1h, then $100/1h
-}, costs: 1_000_000, delta: 1_000_000}
+}, costs: 1_000_000, delta: 1_000_000, steps: 1500}
 
 // parseStored reads a bucket as the script stores it, in any format, and
 // checks that it is written as encodeBucket writes it in format.
@@ -610,7 +611,11 @@ func luaMatchesGoBucket(t *testing.T, client *redis.Client, script string, forma
 	// 2.2 ms).
 	callSlack := map[string]int64{}
 	var admitted, denied, requests, rebased, compact int
-	for step := range 3000 {
+	steps := shapes.steps
+	if steps == 0 {
+		steps = 3000
+	}
+	for step := range steps {
 		batch := make([][]bucketRequest, 1+rng.IntN(4))
 		for r := range batch {
 			batch[r] = randomRequest()
@@ -774,8 +779,8 @@ func luaMatchesGoBucket(t *testing.T, client *redis.Client, script string, forma
 		t.Fatalf("sequence exercised too little: %d admitted, %d denied, %d rebased, %d stored compact, %d raised to a learned usage, %d usages remembered",
 			admitted, denied, rebased, compact, raised, remembered)
 	}
-	t.Logf("%d requests in 3000 calls: %d admitted, %d denied, %d buckets read against a changed limit, %d stored in v2, %d takes raised to a learned usage, %d usages remembered, identical in Lua and Go",
-		requests, admitted, denied, rebased, compact, raised, remembered)
+	t.Logf("%d requests in %d calls: %d admitted, %d denied, %d buckets read against a changed limit, %d stored in v2, %d takes raised to a learned usage, %d usages remembered, identical in Lua and Go",
+		requests, steps, admitted, denied, rebased, compact, raised, remembered)
 }
 
 // TestLuaSlots: concurrency slots in lua/decide.lua, against the Go
