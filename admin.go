@@ -18,6 +18,55 @@ import (
 	"go.uber.org/zap"
 )
 
+// announcer is a store that a fleet of instances shares: an operator's
+// change to a bucket (a reset, a grant, an override set or deleted) is
+// announced to every instance, which forgets what it remembered of the
+// bucket. Implemented by redisStore (announce.go, override_redis.go), and
+// trivially by memoryStore: in process, the change is this instance's own.
+type announcer interface {
+	// announce tells every instance the bucket under key changed, and
+	// returns once the announcement went round (or after a second).
+	announce(ctx context.Context, prefix, key string) error
+	// announceOverride tells every instance the override of the bucket
+	// under key changed, and waits for each to confirm it (a second at
+	// most: errUnconfirmed).
+	announceOverride(ctx context.Context, prefix, key string) error
+}
+
+var (
+	_ announcer = (*redisStore)(nil)
+	_ announcer = (*memoryStore)(nil)
+)
+
+// blockKeeper is a store that may decide a busy key's requests from blocks
+// of its tokens taken ahead (hot keys, hotkeys_store.go): inspect shows
+// what this instance has taken of a bucket and not spent. Implemented by
+// redisStore, and trivially by memoryStore: in process, every decision is
+// local already.
+type blockKeeper interface {
+	// blocksOf is the blocks this instance holds of the bucket under key,
+	// and their unspent tokens.
+	blocksOf(key string) (blocks int, tokens int64)
+}
+
+var (
+	_ blockKeeper = (*redisStore)(nil)
+	_ blockKeeper = (*memoryStore)(nil)
+)
+
+// formatStore is a store whose buckets outlive a release: a fleet writes
+// them in the storage format its marker says, so that a mixed fleet reads
+// them both ways (format.go, upgrade.go). Implemented by redisStore. Its
+// storage format sets the fleet's marker of the buckets under a prefix,
+// tells every instance and writes in what the markers now say at once
+// (setFormat), and says the marker and the format this instance writes
+// (formatOf).
+type formatStore interface {
+	storage() *storageFormat
+}
+
+var _ formatStore = (*redisStore)(nil)
+
 func init() {
 	caddy.RegisterModule(adminAPI{})
 }
@@ -30,7 +79,7 @@ func init() {
 // stored or logged, and this API's answers are the one place an identity
 // is shown. Inspect, reset and grant run through the policy's store, its
 // script and Redis clock, as decisions do; reset and grant reach every
-// instance at once (see redisConn.announce).
+// instance at once (see redisStore.announce).
 //
 //	GET  /rate_limit/inspect?policy=<name>&identity=<id>
 //	POST /rate_limit/reset   {"policy": "<name>", "identity": "<id>"}
@@ -276,8 +325,6 @@ func (adminAPI) bucket(ctx context.Context, action string, def definition, req a
 			announced = false
 			h.logger.Warn("announcing a rate-limit change", zap.String("policy", p.Name), zap.String("key", key), zap.Error(err))
 		}
-	} else {
-		pacing.Forget(key)
 	}
 	st.Announced = &announced
 	h.logger.Info("rate limit bucket "+action, zap.String("policy", p.Name), zap.String("key", key), zap.Int64("tokens", v.remaining), zap.Int64("granted", granted))
@@ -422,12 +469,12 @@ func (adminAPI) format(w http.ResponseWriter, r *http.Request) error {
 		seen[h.storeName()] = true
 		ctx := r.Context()
 		if set != "" {
-			if err := fs.setFormat(ctx, h.keyPrefix, set); err != nil {
+			if err := fs.storage().setFormat(ctx, h.keyPrefix, set); err != nil {
 				return storeAPIError(err)
 			}
 			h.logger.Info("rate limit storage format set", zap.String("store", h.storeName()), zap.String("format", set))
 		}
-		marker, writes, err := fs.formatOf(ctx, h.keyPrefix)
+		marker, writes, err := fs.storage().formatOf(ctx, h.keyPrefix)
 		if err != nil {
 			return storeAPIError(err)
 		}

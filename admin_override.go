@@ -221,7 +221,6 @@ func (adminAPI) listOverrides(r *http.Request) (*overridesAnswer, error) {
 func announceOverride(ctx context.Context, h *Handler, key string) bool {
 	a, ok := h.store.(announcer)
 	if !ok {
-		pacing.Forget(key)
 		return true
 	}
 	if err := a.announceOverride(ctx, h.keyPrefix, key); err != nil {

@@ -2,11 +2,7 @@ package ratelimit
 
 import (
 	"context"
-	"fmt"
-	"io"
-	"text/tabwriter"
 
-	"github.com/ratelimit-caddy/caddy-ratelimit/internal/calendar"
 	"go.uber.org/zap"
 )
 
@@ -69,43 +65,4 @@ func (adminAPI) quota(ctx context.Context, action string, def definition, req ad
 	h.logger.Info("rate limit quota "+action, zap.String("policy", p.Name), zap.String("key", key), zap.Int64("used", used),
 		zap.Int64("granted", granted), zap.String("period_end", text.End))
 	return st, nil
-}
-
-// printQuota writes an admin API answer about a quota for a person.
-func printQuota(w io.Writer, action string, st bucketState) error {
-	var used int64
-	if st.Used != nil {
-		used = *st.Used
-	}
-	var p calendar.PeriodText
-	if st.Period != nil {
-		p = *st.Period
-	}
-	n := st.amounts() // dollars for a money policy
-	switch action {
-	case "reset":
-		fmt.Fprintf(w, "%s %q: reset; %s of %s used in the period that ends %s.\n", st.Policy, st.Identity, n(used), n(st.Quota), p.EndZone)
-	case "grant":
-		var granted int64
-		if st.Granted != nil {
-			granted = *st.Granted
-		}
-		fmt.Fprintf(w, "%s %q: granted %s; %s of %s used now, in the period that ends %s.\n", st.Policy, st.Identity, unitsOf(st, granted, "units"), n(used), n(st.Quota), p.EndZone)
-	default:
-		tw := tabwriter.NewWriter(w, 2, 4, 2, ' ', 0)
-		fmt.Fprintf(tw, "policy\t%s (%s: %s per %s, %s)\n", st.Policy, st.Kind, n(st.Quota), st.Unit, p.Zone)
-		fmt.Fprintf(tw, "identity\t%q\n", st.Identity)
-		fmt.Fprintf(tw, "key\t%s\n", st.Key)
-		fmt.Fprintf(tw, "store\t%s\n", st.Store)
-		fmt.Fprintf(tw, "used\t%s of %s; %s left\n", n(used), n(st.Quota), n(max(st.Tokens, 0)))
-		fmt.Fprintf(tw, "period\t%s to %s (%s to %s)\n", p.StartZone, p.EndZone, p.Start, p.End)
-		printPlanAndOverride(tw, st) // command_override.go
-		if err := tw.Flush(); err != nil {
-			return err
-		}
-	}
-	if st.Announced != nil && !*st.Announced {
-		fmt.Fprintln(w, "Other instances may take up to a second to see it (the announcement through Redis was not confirmed).")
-	}
-	return nil
 }

@@ -57,7 +57,7 @@ func eventsChannel(prefix string) string { return prefix + "events" }
 
 // watch subscribes, in the background (Caddy starts while Redis is away),
 // to the events of the buckets under prefix.
-func (c *redisConn) watch(prefix string) {
+func (c *redisStore) watch(prefix string) {
 	ch := eventsChannel(prefix)
 	e := &c.events
 	e.mu.Lock()
@@ -71,7 +71,7 @@ func (c *redisConn) watch(prefix string) {
 	e.channels[ch] = true
 	e.watched = append(e.watched, prefix)
 	select {
-	case c.formatChanged <- struct{}{}: // read the new prefix's marker
+	case c.format.changed <- struct{}{}: // read the new prefix's marker
 	default:
 	}
 	if e.ps != nil {
@@ -93,20 +93,20 @@ func (c *redisConn) watch(prefix string) {
 }
 
 // receive applies an event from any instance, this one included.
-func (c *redisConn) receive(event, key string) {
+func (c *redisStore) receive(event, key string) {
 	switch event {
 	case eventFreed:
 		slotQueues.wake(key)
 		return
 	case eventFormat:
 		select {
-		case c.formatChanged <- struct{}{}:
+		case c.format.changed <- struct{}{}:
 		default:
 		}
 		return
 	case eventFleet:
 		if key != instanceID { // another instance's record changed
-			c.nudgeFleet()
+			c.fleet.nudgeFleet()
 		}
 		return
 	case eventOverride:
@@ -135,7 +135,7 @@ func (c *redisConn) receive(event, key string) {
 // announce tells every instance that the bucket under key changed, and
 // returns once the message came back through Redis (so it reached every
 // subscriber), or after a second.
-func (c *redisConn) announce(ctx context.Context, prefix, key string) error {
+func (c *redisStore) announce(ctx context.Context, prefix, key string) error {
 	echo := make(chan struct{})
 	e := &c.events
 	e.mu.Lock()
@@ -216,7 +216,7 @@ func ackChannel(ch string) string { return ch + ":" + instanceID }
 
 // dispatch applies a message of the events channels: overrides' events
 // here, the others in receive.
-func (c *redisConn) dispatch(channel, payload string) {
+func (c *redisStore) dispatch(channel, payload string) {
 	event, rest, _ := strings.Cut(payload, " ")
 	switch event {
 	case eventSeen:
@@ -245,7 +245,7 @@ var errUnconfirmed = errors.New("the override was announced, but not every insta
 
 // announceOverride announces the override of the bucket under key and
 // waits for every instance to confirm it, at most a second.
-func (c *redisConn) announceOverride(ctx context.Context, prefix, key string) error {
+func (c *redisStore) announceOverride(ctx context.Context, prefix, key string) error {
 	ch := eventsChannel(prefix)
 	want := c.subscribers(ctx, ch)
 	w := c.overrides.expect(key)
@@ -269,10 +269,10 @@ func (c *redisConn) announceOverride(ctx context.Context, prefix, key string) er
 
 // subscribers is how many connections listen to the events channel ch:
 // one per instance (and Redis store) of the fleet; at least this one.
-func (c *redisConn) subscribers(ctx context.Context, ch string) int64 {
+func (c *redisStore) subscribers(ctx context.Context, ch string) int64 {
 	var cmd *redis.MapStringIntCmd
 	if cc, ok := c.client.(*redis.ClusterClient); ok {
-		// Every instance subscribes on the master of the channel's slot.
+		// Every instance subscribes on the master of the channel's hash slot.
 		node, err := cc.MasterForKey(ctx, ch)
 		if err != nil {
 			return 1

@@ -40,7 +40,7 @@ import (
 // Redis's own cost is in make bench's tables; this is the instance's.
 func BenchmarkPath(b *testing.B) {
 	conn := benchConn(b)
-	rs := &redisStore{conn: conn}
+	rs := conn
 	keys := benchKeys(10_000)
 	run := func(b *testing.B, one func(key string) error) {
 		var n atomic.Int64
@@ -90,12 +90,12 @@ func BenchmarkRedisHotKey(b *testing.B) {
 		b.Run(fmt.Sprintf("coalesced=%v/learns=%v", coalesce, run.learns), func(b *testing.B) {
 			noCoalescing = !coalesce
 			defer func() { noCoalescing = false }()
-			conn, err := newRedisConn(RedisConfig{Addresses: []string{srv.Addr}, PoolSize: 64, Timeout: testTimeout}.resolved(), zap.NewNop())
+			conn, err := newRedisStore(RedisConfig{Addresses: []string{srv.Addr}, PoolSize: 64, Timeout: testTimeout}.resolved(), zap.NewNop())
 			if err != nil {
 				b.Fatal(err)
 			}
 			defer conn.Destruct()
-			rs := &redisStore{conn: conn}
+			rs := conn
 			reqs := []bucketRequest{{key: "rl:global:{hot}", limit: limit{interval: 1, burst: 1_000_000}, op: opTake, cost: 1, learns: run.learns}}
 			client.ConfigResetStat(context.Background())
 			b.SetParallelism(16)
@@ -130,12 +130,12 @@ func BenchmarkRedisDecide(b *testing.B) {
 		b.Run(fmt.Sprintf("coalesced=%v", coalesce), func(b *testing.B) {
 			noCoalescing = !coalesce
 			defer func() { noCoalescing = false }()
-			conn, err := newRedisConn(RedisConfig{Addresses: []string{srv.Addr}, Timeout: testTimeout}.resolved(), zap.NewNop())
+			conn, err := newRedisStore(RedisConfig{Addresses: []string{srv.Addr}, Timeout: testTimeout}.resolved(), zap.NewNop())
 			if err != nil {
 				b.Fatal(err)
 			}
 			defer conn.Destruct()
-			rs := &redisStore{conn: conn}
+			rs := conn
 			keys := benchKeys(10_000)
 			var n atomic.Int64
 			b.SetParallelism(32)
@@ -374,7 +374,7 @@ func BenchmarkAfterRides(b *testing.B) {
 		}
 		call(batch)
 	}
-	rs := &redisStore{conn: conn}
+	rs := conn
 	keys := benchKeys(10_000)
 	for _, path := range benchPaths(rs) {
 		b.Run(path.name, func(b *testing.B) {
@@ -577,9 +577,9 @@ func schedMicros(b *testing.B, pid int) int64 {
 
 // benchConn is a connection to a Redis of the benchmark's own, closed
 // when it ends.
-func benchConn(b *testing.B) *redisConn {
+func benchConn(b *testing.B) *redisStore {
 	srv := testredis.Start(b)
-	conn, err := newRedisConn(RedisConfig{Addresses: []string{srv.Addr}, Timeout: testTimeout}.resolved(), zap.NewNop())
+	conn, err := newRedisStore(RedisConfig{Addresses: []string{srv.Addr}, Timeout: testTimeout}.resolved(), zap.NewNop())
 	if err != nil {
 		b.Fatal(err)
 	}

@@ -2,6 +2,7 @@ package ratelimit
 
 import (
 	"math"
+	"time"
 
 	"github.com/ratelimit-caddy/caddy-ratelimit/internal/calendar"
 )
@@ -83,6 +84,30 @@ func (op bucketOp) admits() bool { return op == opTake || op == opCheck || op ==
 
 // slots reports whether the op is on a concurrency policy's slots.
 func (op bucketOp) slots() bool { return op >= opAcquire && op <= opRestore }
+
+// bucketKind is the kind of bucket a request is to: a rate's (a TAT, this
+// file), a quota's (the units used in a period, quota.go) or a concurrency
+// policy's slots (leases, slots.go). The script (lua/decide.lua) and the
+// in-process store (decideBuckets) each decide a kind in one place.
+type bucketKind uint8
+
+const (
+	rateBucket bucketKind = iota
+	quotaBucket
+	slotsBucket
+)
+
+// kind is the kind of bucket the request is to: a quota's when it carries
+// a quota, slots when its op is a slot's, a rate's otherwise.
+func (rq *bucketRequest) kind() bucketKind {
+	switch {
+	case rq.quota != nil:
+		return quotaBucket
+	case rq.op.slots():
+		return slotsBucket
+	}
+	return rateBucket
+}
 
 // bucketRequest is one operation on one bucket.
 type bucketRequest struct {
@@ -238,83 +263,166 @@ func (l limit) adjust(tat, now, delta int64) int64 {
 // the bucket changed (for slots, the leases held after).
 func decideBuckets(tats []int64, now int64, reqs []bucketRequest) (decision, []int64) {
 	d := decision{admitted: true, now: now, verdicts: make([]verdict, len(reqs))}
-	for i, rq := range reqs {
-		d.verdicts[i].limit = rq.limit
-		if rq.quota != nil { // tats[i]: the units used in the period
-			d.verdicts[i].allowed = quotaAdmits(tats[i], rq)
-			if !d.verdicts[i].allowed && !rq.shadow {
-				d.admitted = false
-			}
-			continue
+	for i := range reqs {
+		rq, v := &reqs[i], &d.verdicts[i]
+		v.limit = rq.limit
+		switch rq.kind() {
+		case quotaBucket: // tats[i]: the units used in the period
+			v.allowed = quotaAdmits(tats[i], *rq)
+		case slotsBucket: // tats[i]: the leases held
+			v.allowed = rq.op != opAcquire || tats[i] < rq.limit.burst
+		default:
+			v.allowed = rateAdmits(v, tats[i], now, *rq)
 		}
-		if rq.op == opAcquire {
-			d.verdicts[i].allowed = tats[i] < rq.limit.burst
-			if !d.verdicts[i].allowed && !rq.shadow {
-				d.admitted = false
-			}
-			continue
-		}
-		if !rq.op.admits() {
-			d.verdicts[i].allowed = true
-			continue
-		}
-		wait := rq.wait
-		if rq.op == opCheck {
-			wait = 0
-		}
-		d.verdicts[i].cost = rq.cost
-		d.verdicts[i].allowed = rq.limit.fits(start(tats[i], now), now, rq.cost, wait)
-		if !d.verdicts[i].allowed && !rq.shadow {
+		if !v.allowed && !rq.shadow {
 			d.admitted = false
 		}
 	}
 	// next is tats, written over: each bucket reads only its own TAT, before
 	// writing it.
 	next := tats
-	for i, rq := range reqs {
-		v := &d.verdicts[i]
-		if rq.quota != nil {
-			next[i] = decideQuota(v, tats[i], now, rq, d.admitted)
-			continue
-		}
-		if rq.op.slots() {
-			held := tats[i]
-			switch {
-			case rq.op == opAcquire && d.admitted && v.allowed:
-				held++
-			case rq.op == opRelease:
-				held = max(0, held-1)
-			}
-			next[i] = held
-			// Free slots after the decision; a denied request waits a
-			// second, as long as anyone can say.
-			v.remaining = rq.limit.burst - held
-			if !v.allowed {
-				v.untilFits = slotWait
-			}
-			continue
-		}
-		base := start(tats[i], now)
-		switch {
-		case rq.op == opTake && d.admitted && v.allowed:
-			base += rq.cost * rq.limit.interval
-			next[i] = base
-			// A turn beyond the bucket's capacity now is reserved: the
-			// request is held until then.
-			v.delay = max(0, base-rq.limit.tau()-now)
-			d.delay = max(d.delay, v.delay)
-		case rq.op == opAdjust:
-			base = rq.limit.adjust(tats[i], now, rq.delta)
-			next[i] = base
-		case rq.op == opReset:
-			base, next[i] = now, 0
-		}
-		v.remaining, v.untilFits = rq.limit.tokens(base, now)
-		if !v.allowed {
-			v.untilFits = untilFits(rq, base, now)
+	for i := range reqs {
+		rq, v := &reqs[i], &d.verdicts[i]
+		switch rq.kind() {
+		case quotaBucket:
+			next[i] = decideQuota(v, tats[i], now, *rq, d.admitted)
+		case slotsBucket:
+			next[i] = decideSlots(v, tats[i], *rq, d.admitted)
+		default:
+			next[i] = decideRate(&d, v, tats[i], now, *rq)
 		}
 	}
 	return d, next
+}
+
+// rateAdmits reports whether a rate bucket whose TAT is tat admits the
+// request (an op that decides nothing admits), recording the cost it is
+// decided with.
+func rateAdmits(v *verdict, tat, now int64, rq bucketRequest) bool {
+	if !rq.op.admits() {
+		return true
+	}
+	wait := rq.wait
+	if rq.op == opCheck {
+		wait = 0
+	}
+	v.cost = rq.cost
+	return rq.limit.fits(start(tat, now), now, rq.cost, wait)
+}
+
+// decideRate applies the decision to a rate bucket whose TAT is tat: its
+// next TAT, and what the verdict tells (the delay of a reserved turn, in
+// d's too).
+func decideRate(d *decision, v *verdict, tat, now int64, rq bucketRequest) (next int64) {
+	base := start(tat, now)
+	next = tat
+	switch {
+	case rq.op == opTake && d.admitted && v.allowed:
+		base += rq.cost * rq.limit.interval
+		next = base
+		// A turn beyond the bucket's capacity now is reserved: the
+		// request is held until then.
+		v.delay = max(0, base-rq.limit.tau()-now)
+		d.delay = max(d.delay, v.delay)
+	case rq.op == opAdjust:
+		base = rq.limit.adjust(tat, now, rq.delta)
+		next = base
+	case rq.op == opReset:
+		base, next = now, 0
+	}
+	v.remaining, v.untilFits = rq.limit.tokens(base, now)
+	if !v.allowed {
+		v.untilFits = untilFits(rq, base, now)
+	}
+	return next
+}
+
+// decideSlots applies the decision to slots of which inUse are in use:
+// the slots in use after, and what the verdict tells.
+func decideSlots(v *verdict, inUse int64, rq bucketRequest, admitted bool) int64 {
+	switch {
+	case rq.op == opAcquire && admitted && v.allowed:
+		inUse++
+	case rq.op == opRelease:
+		inUse = max(0, inUse-1)
+	}
+	// Free slots after the decision; a denied request waits a second, as
+	// long as anyone can say.
+	v.remaining = rq.limit.burst - inUse
+	if !v.allowed {
+		v.untilFits = slotWait
+	}
+	return inUse
+}
+
+// Quota buckets: the units used in the period holding now (quota.go).
+
+// periodAt is the period holding nowUS, as the script picks it from the
+// bounds around it; false when nowUS is outside them (never for a
+// calendar, whose bounds are taken around nowUS itself).
+func (q *quotaSpec) periodAt(nowUS int64) (calendar.Period, bool) {
+	b := q.periods.Bounds(time.UnixMicro(nowUS))
+	i, ok := b.Pick(nowUS)
+	if !ok {
+		return calendar.Period{}, false
+	}
+	return b.Period(i), true
+}
+
+// quotaFits reports whether a request of cost fits a quota of n of which
+// used are used (used may exceed n after a settle's debt, or a lowered
+// quota). Compared as cost <= n - used so that no sum leaves the 2^53
+// range in which Lua's doubles are exact.
+func quotaFits(n, used, cost int64) bool { return cost <= n-used }
+
+// quotaAdjusted is the units used after a charge (delta > 0) or a refund or
+// grant (delta < 0) made in period cur, of a charge that belongs to period
+// of (zero: the current one). A charge whose period is over changes
+// nothing: a new period starts at 0, whatever the last one owed. A refund
+// never takes used below 0; a charge never takes it beyond n + slack (the
+// most a settle may charge beyond the quota), nor lowers it.
+func quotaAdjusted(used, n, slack, delta int64, of, cur calendar.Period) int64 {
+	if of != (calendar.Period{}) && of != cur {
+		return used
+	}
+	next := used + delta
+	if delta > 0 {
+		next = min(next, max(used, n+slack))
+	}
+	return max(next, 0)
+}
+
+// decideQuota is a quota bucket's part of decideBuckets, once admitted says
+// whether the request is admitted: it fills in the bucket's verdict (units
+// left, the µs to the period's end, the period) and returns the units used
+// once the decision is applied. used is the bucket's count in the period
+// holding now (0 when it holds another period's).
+func decideQuota(v *verdict, used, now int64, rq bucketRequest, admitted bool) int64 {
+	p, _ := rq.quota.periodAt(now)
+	n := rq.limit.burst
+	next := used
+	switch {
+	case rq.op == opTake && admitted && v.allowed:
+		next = used + rq.cost
+	case rq.op == opAdjust:
+		next = quotaAdjusted(used, n, rq.limit.slack, rq.delta, rq.period, p)
+	case rq.op == opReset:
+		next = 0
+	}
+	v.remaining, v.untilFits, v.period = n-next, p.End-now, p
+	if !v.allowed && rq.cost > n {
+		v.untilFits = neverFits // no period is long enough
+	}
+	return next
+}
+
+// quotaAdmits is a quota bucket's say in the admission (decideBuckets'
+// first pass): whether its cost fits what the period has left.
+func quotaAdmits(used int64, rq bucketRequest) bool {
+	if !rq.op.admits() {
+		return true
+	}
+	return quotaFits(rq.limit.burst, used, rq.cost)
 }
 
 // slotWait is the wait reported to a request denied a concurrency slot:
@@ -341,4 +449,26 @@ func untilFits(rq bucketRequest, base, now int64) int64 {
 		return neverFits
 	}
 	return base + rq.cost*rq.limit.interval - rq.limit.tau() - now
+}
+
+// callStats is what a decision knows of the store call that made it, for
+// its span.
+type callStats struct {
+	// calls: the script calls that decided it (several across Redis
+	// Cluster slots); 0 when none did (in process, or the deny cache).
+	calls int
+	// requests: the requests that rode the call (the largest of several),
+	// decisions and work after responses: 1 when it went alone.
+	requests int
+	// redisUS: the call's round trip, from sending it to its reply, µs
+	// (the longest of several).
+	redisUS int64
+	// cached: the deny cache answered, with no call; hot: blocks of hot
+	// keys this instance holds answered, with no call (hotkeys_store.go).
+	cached, hot bool
+}
+
+// merge adds another call's stats (a decision across slots).
+func (c callStats) merge(o callStats) callStats {
+	return callStats{calls: c.calls + o.calls, requests: max(c.requests, o.requests), redisUS: max(c.redisUS, o.redisUS), cached: c.cached && o.cached, hot: c.hot && o.hot}
 }

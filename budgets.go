@@ -73,9 +73,9 @@ func (p *Policy) kindName() string {
 		return p.quotaKind()
 	case p.kind != kindRate:
 		return p.kind.String()
-	case p.ChargeIf != nil:
+	case p.charging() == chargedIfMatched:
 		return "rate, charged if the response matches"
-	case p.Settle != nil:
+	case p.charging() == chargedBySettle:
 		return "rate, " + p.Settle.shape()
 	}
 	return "rate"

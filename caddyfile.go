@@ -805,3 +805,68 @@ type errNotJitter string
 func (e errNotJitter) Error() string {
 	return strconv.Quote(string(e)) + " is not a percentage from 0% to 1000% such as 20% (or a fraction such as 0.2)"
 }
+
+// shedArg reads a policy's shed { concurrent <n>  latency <duration> }.
+func (s *section) shedArg(d *caddyfile.Dispenser, p *Policy) error {
+	if d.NextArg() {
+		return s.errf(d, "shed: unexpected %q: the capacity goes in a block, shed { concurrent <n>  latency <duration> }", d.Val())
+	}
+	sh := new(Shed)
+	in := newSection(d, s.prefix+"shed: ")
+	for nesting := d.Nesting(); d.NextBlock(nesting); {
+		if err := in.once(d); err != nil {
+			return err
+		}
+		switch opt := d.Val(); opt {
+		case "concurrent":
+			if err := in.positiveArg(d, &sh.Concurrent); err != nil {
+				return err
+			}
+		case "latency":
+			if err := in.durationArg(d, &sh.Latency); err != nil {
+				return err
+			}
+		default:
+			return in.errf(d, "unrecognized subdirective %q: shed takes concurrent <n> and latency <duration>", opt)
+		}
+	}
+	p.Shed = sh
+	return nil
+}
+
+// priorityArg reads a policy's priority <placeholder> { <class> <share>% ... },
+// checking each class at its own line.
+func (s *section) priorityArg(d *caddyfile.Dispenser, p *Policy) error {
+	pr, at := new(Priority), *d
+	if !d.NextArg() {
+		return s.errf(d, "priority: the placeholder that names the class is required, e.g. priority {http.request.header.X-Priority} { ... }")
+	}
+	pr.From = d.Val()
+	if d.NextArg() {
+		return s.errf(d, "priority: unexpected %q: the classes go in a block, one per line, highest first: <class> <share>%%", d.Val())
+	}
+	if err := pr.checkFrom(); err != nil {
+		return s.errf(d, "%v", err)
+	}
+	for nesting := d.Nesting(); d.NextBlock(nesting); {
+		name := d.Val()
+		var share string
+		if !d.NextArg() {
+			return s.errf(d, "priority: class %q: a share is required, e.g. %s 50%%", name, name)
+		}
+		share = d.Val()
+		if d.NextArg() {
+			return s.errf(d, "priority: class %q: one share expected, got another: %q", name, d.Val())
+		}
+		pr.Classes = append(pr.Classes, PriorityClass{Name: name, Share: share})
+		// The classes before this one passed: a mistake now is this line's.
+		if _, err := pr.check(); err != nil {
+			return s.errf(d, "%v", err)
+		}
+	}
+	if len(pr.Classes) == 0 {
+		return s.errf(&at, "priority: at least one class is required, highest first, e.g. critical 100%%")
+	}
+	p.Priority = pr
+	return nil
+}

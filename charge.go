@@ -28,6 +28,29 @@ import (
 // does when a stream is cut), on the store that admitted it
 // (admission.decidedBy).
 
+// chargeKind is when a policy's requests are charged: at admission (the
+// default), after the response when it matches charge_if, or by the usage
+// the response reports (settle).
+type chargeKind uint8
+
+const (
+	chargedAtAdmission chargeKind = iota
+	chargedIfMatched              // charge_if
+	chargedBySettle               // settle
+)
+
+// charging is when the policy's requests are charged (a config sets one
+// of charge_if and settle at most, checkRate).
+func (p *Policy) charging() chargeKind {
+	switch {
+	case p.ChargeIf != nil:
+		return chargedIfMatched
+	case p.Settle != nil:
+		return chargedBySettle
+	}
+	return chargedAtAdmission
+}
+
 // Settle takes a policy's true cost from the response.
 type Settle struct {
 	// Where the usage is: `header` (a response header, read when the
@@ -225,7 +248,9 @@ type afterResponse struct {
 }
 
 func (w *afterResponse) WriteHeader(status int) {
-	if !w.wroteHeader && status >= 200 || status == http.StatusSwitchingProtocols {
+	// The response's status: its first final one, or a 101 Switching
+	// Protocols (below 200, yet the response an upgrade gets).
+	if (!w.wroteHeader && status >= 200) || status == http.StatusSwitchingProtocols {
 		w.wroteHeader, w.status = true, status
 		hdr := w.Header()
 		w.res.responseKnown(status, hdr)
@@ -306,7 +331,7 @@ type writerOnly struct{ io.Writer }
 
 // afterCharge is what one policy charges after the response.
 type afterCharge struct {
-	i       int    // the policy's index in the admission
+	i       int    // the policy's part in the admission (res.parts)
 	charge  bool   // charge_if matched: charge the cost
 	usage   int64  // settle: the usage reported, capped; -1 none
 	settled bool   // the usage is known
@@ -352,12 +377,13 @@ func (h *Handler) watchResponse(w http.ResponseWriter, r *http.Request, rs *requ
 	res.after = res.afterbuf[:0]
 	var body *llm.Response
 	afterBody, fromTrailer := false, false
-	for i, p := range res.shown {
-		if !res.d.verdicts[i].allowed || p.ChargeIf == nil && p.Settle == nil {
+	for i, pt := range res.decidedParts() {
+		p := pt.policy
+		if !pt.v.allowed || p.charging() == chargedAtAdmission {
 			continue
 		}
 		res.after = append(res.after, afterCharge{i: i, usage: -1, lost: -1})
-		if p.Settle == nil {
+		if p.charging() != chargedBySettle {
 			continue
 		}
 		afterBody = afterBody || p.Settle.From != settleHeader
@@ -408,9 +434,9 @@ func acceptsTrailers(r *http.Request) bool {
 func (res *admission) responseKnown(status int, hdr http.Header) {
 	for k := range res.after {
 		a := &res.after[k]
-		p := res.shown[a.i]
+		p := res.parts[a.i].policy
 		switch {
-		case p.ChargeIf != nil:
+		case p.charging() == chargedIfMatched:
 			a.charge = p.ChargeIf.Match(status, hdr)
 		case p.Settle.From == settleHeader:
 			a.usage, a.settled = p.unit.usage(hdr.Get(p.Settle.Field), p.after.maxUsage)
@@ -467,7 +493,7 @@ func (aw *afterResponse) charges(err error) (reqs []bucketRequest, policies []*P
 		}
 		res.responseKnown(status, aw.Header())
 		for k := range res.after {
-			if gone && res.shown[res.after[k].i].ChargeIf != nil {
+			if gone && res.parts[res.after[k].i].policy.charging() == chargedIfMatched {
 				res.after[k].charge = true
 			}
 		}
@@ -482,14 +508,14 @@ func (aw *afterResponse) charges(err error) (reqs []bucketRequest, policies []*P
 	var charged []int // indexes in res.after
 	for k := range res.after {
 		a := &res.after[k]
-		p, rq := res.shown[a.i], res.shownReqs[a.i]
+		p, rq := res.parts[a.i].policy, res.parts[a.i].rq
 		delta := int64(0)
 		var w llm.Weights // a body's usage is weighed (priced) with
 		if p.Settle != nil {
 			w = p.Settle.w
 		}
 		switch {
-		case p.ChargeIf != nil:
+		case p.charging() == chargedIfMatched:
 			if a.charge {
 				p.spend("", rq.cost) // money.go
 				continue             // the reservation is the charge
@@ -537,16 +563,15 @@ func (aw *afterResponse) charges(err error) (reqs []bucketRequest, policies []*P
 		// placeholders, which access logs read after the response, and the
 		// trailer say what it leaves, as this decision's state predicts.
 		for j, k := range charged {
-			i := res.after[k].i
-			p := res.shown[i]
-			res.d.verdicts[i].remaining, res.d.verdicts[i].untilFits = res.decidedLimit(i, p).adjusted(res.d.verdicts[i], reqs[j].delta)
-			policies = append(policies, p)
+			pt := &res.parts[res.after[k].i]
+			pt.v.remaining, pt.v.untilFits = pt.decidedLimit().adjusted(pt.v, reqs[j].delta)
+			policies = append(policies, pt.policy)
 		}
 		res.setPlaceholders(rs, rs.retryAfter)
 	}
 	for k := range res.after {
 		if a := &res.after[k]; a.lost >= 0 {
-			aw.chargeLost(res.shown[a.i], a.lost)
+			aw.chargeLost(res.parts[a.i].policy, a.lost)
 		}
 	}
 	if aw.trailers {
@@ -615,7 +640,7 @@ func (l *lostLog) due(now time.Time) (int64, bool) {
 // no usage) at most once per lostLogInterval per policy and reason.
 func (w *afterResponse) chargeLost(p *Policy, reason int) {
 	p.after.lost[reason].Inc()
-	if reason != lostUnreadable && reason != lostNoUsage || p.Settle == nil {
+	if (reason != lostUnreadable && reason != lostNoUsage) || p.charging() != chargedBySettle {
 		return
 	}
 	n, due := p.after.logs[reason].due(time.Now())
@@ -648,17 +673,18 @@ func (w *afterResponse) chargeLost(p *Policy, reason int) {
 // response's own charge is made, as far as it is known when the headers
 // are written: its whole tokens, and the µs until the next (0 when full).
 func (res *admission) predicted(i int) (remaining, untilNext int64) {
-	v := res.d.verdicts[i]
+	pt := &res.parts[i]
+	v := pt.v
 	for _, a := range res.after {
 		if a.i != i {
 			continue
 		}
-		p, rq := res.shown[i], res.shownReqs[i]
+		p, rq := pt.policy, pt.rq
 		switch {
-		case p.ChargeIf != nil && !a.charge:
-			return res.decidedLimit(i, p).adjusted(v, -rq.cost)
-		case p.Settle != nil && a.settled:
-			return res.decidedLimit(i, p).adjusted(v, a.usage-rq.cost)
+		case p.charging() == chargedIfMatched && !a.charge:
+			return pt.decidedLimit().adjusted(v, -rq.cost)
+		case p.charging() == chargedBySettle && a.settled:
+			return pt.decidedLimit().adjusted(v, a.usage-rq.cost)
 		}
 	}
 	return v.remaining, v.untilFits

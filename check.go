@@ -161,12 +161,12 @@ func checkHandler(ctx context.Context, w io.Writer, h *Handler) (problems []stri
 	if decided == 0 || !ok {
 		return problems, false
 	}
-	db, others, err := fm.liveRecords(ctx)
+	db, others, err := fm.fleetView().liveRecords(ctx)
 	if err != nil {
 		fmt.Fprintf(w, "  the fleet's records could not be read: %v\n", err)
 		return append(problems, "the fleet's records could not be read"), false
 	}
-	self := fm.fleetRecord([]*Handler{h})
+	self := fm.fleetView().fleetRecord([]*Handler{h})
 	self.ID = "check"
 	var mates []string // the live instances of this config's fleet
 	sameNames := map[string][]string{}

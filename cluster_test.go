@@ -37,12 +37,12 @@ func TestClusterDecisions(t *testing.T) {
 		}
 	}
 
-	conn, err := newRedisConn(RedisConfig{Addresses: c.Addrs(), Cluster: true, Timeout: testTimeout}.resolved(), zap.NewNop())
+	conn, err := newRedisStore(RedisConfig{Addresses: c.Addrs(), Cluster: true, Timeout: testTimeout}.resolved(), zap.NewNop())
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer conn.Destruct()
-	rs := &redisStore{conn: conn}
+	rs := conn
 	kh := newKeyHasher("")
 	user := &Policy{keyPrefix: "rl:user:"}
 	global := &Policy{keyPrefix: "rl:global:"}

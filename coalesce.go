@@ -107,7 +107,7 @@ type coalescer struct {
 	// the timer will send it by itself if none comes.
 	waiting bool
 	timer   *time.Timer
-	// wait is laterWait, unless set (tests).
+	// wait is afterWait, unless set (tests).
 	wait time.Duration
 	// idle are closed once no call is in flight and no work after
 	// responses is queued (drained); while any wait, that work goes at
@@ -116,7 +116,7 @@ type coalescer struct {
 }
 
 // drained sends the work after responses at once, rather than after
-// laterWait, and returns a channel closed once it and every call in flight
+// afterWait, and returns a channel closed once it and every call in flight
 // are done: for a connection about to close.
 func (c *coalescer) drained() <-chan struct{} {
 	c.mu.Lock()
@@ -139,7 +139,7 @@ func (c *coalescer) drained() <-chan struct{} {
 
 // submitAfter queues p, work after a response that nobody waits for: it
 // joins the call that goes next, when calls are in flight, or the next
-// decision's; when neither comes within laterWait, it goes by itself
+// decision's; when neither comes within afterWait, it goes by itself
 // (so that a slot is free within a millisecond on an idle instance, and no
 // response waits).
 func (c *coalescer) submitAfter(p *pending) {

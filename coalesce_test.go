@@ -41,13 +41,13 @@ func scriptCalls(t *testing.T, srv *testredis.Server) int {
 // down to 0, each once.
 func TestCoalescedDecisions(t *testing.T) {
 	srv := testredis.Start(t)
-	conn, err := newRedisConn(RedisConfig{Addresses: []string{srv.Addr}, Timeout: testTimeout}.resolved(), zap.NewNop())
+	conn, err := newRedisStore(RedisConfig{Addresses: []string{srv.Addr}, Timeout: testTimeout}.resolved(), zap.NewNop())
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { conn.Destruct() })
 	conn.denials = nil // no deny cache: every decision reaches Redis
-	rs := &redisStore{conn: conn}
+	rs := conn
 	ctx := context.Background()
 
 	// Alone: one call per decision.
@@ -336,7 +336,7 @@ func TestCoalescerAfter(t *testing.T) {
 		p.then = func(p *pending) { done <- p.err }
 		c.submitAfter(p)
 	}
-	// Alone, with no decision to ride with: by itself, within laterWait.
+	// Alone, with no decision to ride with: by itself, within afterWait.
 	later()
 	<-started
 	// A decision while that call is in flight queues; so does more work
@@ -432,7 +432,7 @@ func TestCoalescerAfterRides(t *testing.T) {
 // with the next call and never makes one more: parallelBatch of it
 // queued beside a call in flight start no call of their own; and when the
 // call in flight ends with only such work queued, it goes at once, not
-// after laterWait.
+// after afterWait.
 func TestCoalescerAwaited(t *testing.T) {
 	var mu sync.Mutex
 	var sizes []int
@@ -490,7 +490,7 @@ func TestCoalescerAwaited(t *testing.T) {
 		t.Fatalf("call %d started while one was in flight: awaited work made a call of its own", n)
 	case <-time.After(50 * time.Millisecond):
 	}
-	// Call 2 ends: the awaited work goes at once (laterWait is an hour
+	// Call 2 ends: the awaited work goes at once (afterWait is an hour
 	// here), all in call 3.
 	close(gate)
 	for range 2 * parallelBatch {

@@ -15,6 +15,8 @@ import (
 
 	caddycmd "github.com/caddyserver/caddy/v2/cmd"
 	"github.com/spf13/cobra"
+
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/calendar"
 )
 
 // `caddy rate-limit`: the admin API's /rate_limit/ routes from the command
@@ -300,4 +302,58 @@ func callAdmin(adminAddr, method, uri string, body io.Reader, asJSON bool) ([]by
 		_, err = os.Stdout.Write(raw)
 	}
 	return raw, err
+}
+
+// printQuota writes an admin API answer about a quota for a person.
+func printQuota(w io.Writer, action string, st bucketState) error {
+	var used int64
+	if st.Used != nil {
+		used = *st.Used
+	}
+	var p calendar.PeriodText
+	if st.Period != nil {
+		p = *st.Period
+	}
+	n := st.amounts() // dollars for a money policy
+	switch action {
+	case "reset":
+		fmt.Fprintf(w, "%s %q: reset; %s of %s used in the period that ends %s.\n", st.Policy, st.Identity, n(used), n(st.Quota), p.EndZone)
+	case "grant":
+		var granted int64
+		if st.Granted != nil {
+			granted = *st.Granted
+		}
+		fmt.Fprintf(w, "%s %q: granted %s; %s of %s used now, in the period that ends %s.\n", st.Policy, st.Identity, unitsOf(st, granted, "units"), n(used), n(st.Quota), p.EndZone)
+	default:
+		tw := tabwriter.NewWriter(w, 2, 4, 2, ' ', 0)
+		fmt.Fprintf(tw, "policy\t%s (%s: %s per %s, %s)\n", st.Policy, st.Kind, n(st.Quota), st.Unit, p.Zone)
+		fmt.Fprintf(tw, "identity\t%q\n", st.Identity)
+		fmt.Fprintf(tw, "key\t%s\n", st.Key)
+		fmt.Fprintf(tw, "store\t%s\n", st.Store)
+		fmt.Fprintf(tw, "used\t%s of %s; %s left\n", n(used), n(st.Quota), n(max(st.Tokens, 0)))
+		fmt.Fprintf(tw, "period\t%s to %s (%s to %s)\n", p.StartZone, p.EndZone, p.Start, p.End)
+		printPlanAndOverride(tw, st) // command_override.go
+		if err := tw.Flush(); err != nil {
+			return err
+		}
+	}
+	if st.Announced != nil && !*st.Announced {
+		fmt.Fprintln(w, "Other instances may take up to a second to see it (the announcement through Redis was not confirmed).")
+	}
+	return nil
+}
+
+// printShed prints what inspect or reset answered of a shed policy.
+func printShed(w io.Writer, action string, st bucketState) {
+	fmt.Fprintf(w, "%s (shed policy, key %s)", st.Policy, st.Key)
+	if st.InUse != nil {
+		fmt.Fprintf(w, ": fleet-wide, %d of %d slots in use", *st.InUse, st.Slots)
+		if action == "reset" && st.Dropped != nil {
+			fmt.Fprintf(w, "; reset: %d running, kept; %d stale, dropped", *st.InUse, *st.Dropped)
+		}
+	}
+	if st.ShedLimit != nil && st.ShedInFlight != nil {
+		fmt.Fprintf(w, "; this instance: %d in flight, adaptive limit %d", *st.ShedInFlight, *st.ShedLimit)
+	}
+	fmt.Fprintln(w, ".")
 }

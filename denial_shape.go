@@ -41,8 +41,8 @@ func (res *admission) retryable(wait, ra int64) bool {
 	if wait == neverFits || ra > maxRetryWait {
 		return false
 	}
-	for i, v := range res.d.verdicts {
-		if !v.allowed && !res.shown[i].shadow && res.shownReqs[i].quota != nil {
+	for pt := range res.denials() {
+		if pt.rq.kind() == quotaBucket {
 			return false
 		}
 	}
@@ -54,12 +54,9 @@ func (res *admission) retryable(wait, ra int64) bool {
 // 9457) by default.
 func (h *Handler) writeDenial(w http.ResponseWriter, res *admission, violated []string, denier *Policy, ra int64) error {
 	format, tokens := "", false
-	for i, v := range res.d.verdicts {
-		p := res.shown[i]
-		if v.allowed || p.shadow || p.kind == kindShed {
-			continue
-		}
-		tokens = tokens || p.Settle != nil || p.costs.fromBody
+	for pt := range res.callerDenials() {
+		p := pt.policy
+		tokens = tokens || p.charging() == chargedBySettle || p.costs.fromBody
 		if format == "" {
 			format = p.ErrorFormat
 		}

@@ -100,7 +100,7 @@ func (c *denyCache) answer(reqs []bucketRequest) (d decision, answer denyAnswer,
 			verdicts = append(verdicts, verdict{allowed: true, limit: rq.limit}) // not reported on a denial
 			continue
 		}
-		if rq.quota != nil {
+		if rq.kind() == quotaBucket {
 			// A count starts again from 0 at its boundary: not a lower bound.
 			return decision{}, unknown, gate
 		}
@@ -109,7 +109,7 @@ func (c *denyCache) answer(reqs []bucketRequest) (d decision, answer denyAnswer,
 			verdicts = append(verdicts, verdict{untilFits: neverFits, limit: rq.limit})
 			continue
 		}
-		if rq.givesBack || rq.op.slots() || rq.overridable {
+		if rq.givesBack || rq.kind() == slotsBucket || rq.overridable {
 			// An override's limit is known only to the script: no denial is
 			// decided on a limit that may be stale.
 			return decision{}, unknown, gate
@@ -159,7 +159,7 @@ func (c *denyCache) answer(reqs []bucketRequest) (d decision, answer denyAnswer,
 // learn records what a Redis decision said of its buckets.
 func (c *denyCache) learn(reqs []bucketRequest, d decision, tats []int64, sent, received int64) {
 	for i, rq := range reqs {
-		if rq.shadow || !rq.op.admits() || rq.givesBack || rq.op.slots() || rq.quota != nil || rq.overridable {
+		if rq.shadow || !rq.op.admits() || rq.givesBack || rq.kind() != rateBucket || rq.overridable {
 			continue
 		}
 		s, id := c.bucket(rq.key)

@@ -167,12 +167,12 @@ func TestDenyCacheNeverWrong(t *testing.T) {
 	srv := testredis.Start(t)
 	var stores []*redisStore
 	for range 4 {
-		conn, err := newRedisConn(RedisConfig{Addresses: []string{srv.Addr}, PoolSize: 8, Timeout: testTimeout}.resolved(), zap.NewNop())
+		conn, err := newRedisStore(RedisConfig{Addresses: []string{srv.Addr}, PoolSize: 8, Timeout: testTimeout}.resolved(), zap.NewNop())
 		if err != nil {
 			t.Fatal(err)
 		}
 		t.Cleanup(func() { conn.Destruct() })
-		stores = append(stores, &redisStore{conn: conn})
+		stores = append(stores, conn)
 	}
 	lim := limit{interval: 20_000, burst: 5} // 50/s
 	var cached, confirmed, refilled, wrong, admitted atomic.Int64
@@ -192,10 +192,10 @@ func TestDenyCacheNeverWrong(t *testing.T) {
 			rng := rand.New(rand.NewPCG(uint64(g), 7))
 			for going() {
 				rq := []bucketRequest{{key: fmt.Sprintf("rl:p:{%d}", rng.IntN(3)), limit: lim, op: opTake, cost: 1 + rng.Int64N(3)}}
-				if cd, answer, _ := s.conn.denials.answer(rq); answer == denied {
+				if cd, answer, _ := s.denials.answer(rq); answer == denied {
 					cached.Add(1)
 					// The truth: Redis decides the same request now.
-					res, err := evalDecide(context.Background(), s.conn.client, rq)
+					res, err := evalDecide(context.Background(), s.client, rq)
 					if err != nil {
 						t.Error(err)
 						return

@@ -27,7 +27,9 @@
 //   - decision: the store's one answer for a request's buckets, all or
 //     nothing; a verdict is its answer per policy.
 //   - admission: one request's decision and all it holds until it returns
-//     (serve.go); given back in one place (giveBack).
+//     (admission.go): a part per policy it matched (the policy, its bucket
+//     request, its verdict, the identity), the outcome, and its held places
+//     and slots, given back in one place (giveBack).
 //   - slot: a place for one request in flight (concurrent, shed {
 //     concurrent }). In Redis a slot is a lease, renewed while its request
 //     runs and reclaimed when its instance vanishes; its release frees it.
@@ -58,11 +60,14 @@
 // # Where things are
 //
 // The request path reads top to bottom in serve.go (ServeHTTP: match, the
-// shed step and the store's decision, deny or report, hold, serve watched);
-// what a decision tells is set in report.go; the response is watched in
-// charge.go and finished in finish.go. The store contract is store.go, its
-// implementations store_memory.go and store_redis.go, and the script's wire
-// format wire.go beside lua/decide.lua. Pieces that know nothing of this
+// decision, deny or report, hold, serve watched); the decision (the shed
+// step, then the store's) is made in admission.go; what it tells is set in
+// report.go; what a request holds (slots, held places) is in slots.go; the
+// response is watched in charge.go and finished in finish.go. The store
+// contract is store.go, its implementations store_memory.go and
+// store_redis.go (the Redis store is its connection, whose concurrency
+// slots are kept by lease_book.go), and the script's wire format wire.go
+// beside lua/decide.lua, whose Go mirror is bucket.go (decideBuckets). Pieces that know nothing of this
 // package's vocabulary live under internal/ (breaker, calendar, clientaddr,
 // hotkey, llm, pace, shed, topk, fleet, suggest), which never imports the
 // root.

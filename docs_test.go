@@ -140,32 +140,11 @@ func TestFleetCaddyfileIsTheExample(t *testing.T) {
 		if err != nil {
 			t.Fatalf("%s: %v", file, err)
 		}
-		var handler map[string]any
-		var find func(v any)
-		find = func(v any) {
-			switch x := v.(type) {
-			case map[string]any:
-				if x["handler"] == "rate_limit" {
-					handler = x
-					return
-				}
-				for _, e := range x {
-					find(e)
-				}
-			case []any:
-				for _, e := range x {
-					find(e)
-				}
-			}
+		found := rateLimitHandlers(t, out)
+		if len(found) != 1 {
+			t.Fatalf("%s: %d rate_limit handlers, want 1", file, len(found))
 		}
-		var cfg any
-		if err := json.Unmarshal(out, &cfg); err != nil {
-			t.Fatal(err)
-		}
-		find(cfg)
-		if handler == nil {
-			t.Fatalf("%s: no rate_limit handler", file)
-		}
+		handler := found[0]
 		p, _ := json.Marshal(handler["policies"])
 		return string(p), handler
 	}
@@ -655,32 +634,15 @@ func TestLLMExamplePaths(t *testing.T) {
 	}
 	// Each site's rate_limit handler, in process (its redis block dropped).
 	var handlers []*Handler
-	var walk func(v any)
-	walk = func(v any) {
-		switch x := v.(type) {
-		case map[string]any:
-			if x["handler"] == "rate_limit" {
-				delete(x, "redis")
-				b, _ := json.Marshal(x)
-				h := new(Handler)
-				if err := json.Unmarshal(b, h); err != nil {
-					t.Fatal(err)
-				}
-				handlers = append(handlers, h)
-				return
-			}
-			for _, e := range x {
-				walk(e)
-			}
-		case []any:
-			for _, e := range x {
-				walk(e)
-			}
+	for _, x := range rateLimitHandlers(t, adapted) {
+		delete(x, "redis")
+		b, _ := json.Marshal(x)
+		h := new(Handler)
+		if err := json.Unmarshal(b, h); err != nil {
+			t.Fatal(err)
 		}
+		handlers = append(handlers, h)
 	}
-	var cfg any
-	_ = json.Unmarshal(adapted, &cfg)
-	walk(cfg)
 	if len(handlers) != 2 || !strings.Contains(string(adapted), `"status_code":404`) {
 		t.Fatalf("%d rate_limit handlers in the example, a 404 for the rest: %v", len(handlers), strings.Contains(string(adapted), `"status_code":404`))
 	}

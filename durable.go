@@ -30,7 +30,7 @@ import (
 // as commands of their own, right after the EVALSHA, pipelined on the same
 // connection (go-redis runs a pipeline on one connection: a single server's
 // client and Sentinel's failover client are one pool of connections to the
-// primary; in a Cluster the pipeline goes to the master of the call's slot).
+// primary; in a Cluster the pipeline goes to the master of the call's hash slot).
 // One confirmation per script call: a call carrying many durable requests
 // sends one WAIT. Durable requests are coalesced apart from the others, so
 // a request that needs no confirmation never waits for one.
@@ -109,7 +109,7 @@ type durableCalls struct {
 // coalescerFor is the coalescer a request's call goes through: durable
 // requests have their own, so that no other request waits for a
 // confirmation.
-func (c *redisConn) coalescerFor(reqs []bucketRequest) *coalescer {
+func (c *redisStore) coalescerFor(reqs []bucketRequest) *coalescer {
 	if !requestConfirmation(reqs).wanted() {
 		return c.coalescer
 	}
@@ -121,9 +121,9 @@ func (c *redisConn) coalescerFor(reqs []bucketRequest) *coalescer {
 
 // confirmingClient is the client whose one connection carries the call and
 // its confirmation: the primary's (in a Cluster, the master of the call's
-// slot: a MOVED during resharding fails the call), with a read timeout that
+// hash slot: a MOVED during resharding fails the call), with a read timeout that
 // leaves room for the script and both waits.
-func (c *redisConn) confirmingClient(ctx context.Context, batch []*pending) (*redis.Client, error) {
+func (c *redisStore) confirmingClient(ctx context.Context, batch []*pending) (*redis.Client, error) {
 	var base *redis.Client
 	switch cl := c.client.(type) {
 	case *redis.Client: // a single server, or Sentinel's failover client
@@ -146,16 +146,16 @@ func (c *redisConn) confirmingClient(ctx context.Context, batch []*pending) (*re
 
 // waitMillis is the wait of WAIT and WAITAOF: the redis block's timeout,
 // at least 1 ms (0 would wait for ever).
-func (c *redisConn) waitMillis() int64 { return max(1, c.timeout.Milliseconds()) }
+func (c *redisStore) waitMillis() int64 { return max(1, c.timeout.Milliseconds()) }
 
 // evalDurable is eval for a call whose requests include durable ones: the
 // script and its confirmation pipelined on one connection. The accounting
 // is eval's; then each admitted request whose confirmation fell short gets
 // an error (its policies follow on_error) and its charges are refunded.
-func (c *redisConn) evalDurable(batch []*pending, want confirmation) breaker.Result {
+func (c *redisStore) evalDurable(batch []*pending, want confirmation) breaker.Result {
 	ctx, cancel := context.WithTimeout(context.Background(), c.callTimeout)
 	defer cancel()
-	args := encodeCall(batch, int(c.format.Load()))
+	args := encodeCall(batch, c.format.current())
 	sent := monotonicMicros()
 	var cmd *redis.IntSliceCmd
 	var wait, waitAOF *redis.Cmd
@@ -240,7 +240,7 @@ func (c *redisConn) evalDurable(batch []*pending, want confirmation) breaker.Res
 	}
 	if len(refunds) > 0 {
 		// Not waited for: a lost refund over-denies, never over-admits.
-		go func() { _, _ = (&redisStore{conn: c}).decide(context.Background(), refunds) }()
+		go func() { _, _ = (c).decide(context.Background(), refunds) }()
 	}
 	return breaker.Answered
 }
@@ -259,7 +259,7 @@ func durablePolicies(names []string, reqs []bucketRequest) []string {
 // usage Redis did not confirm. Redis answered: it is not "unavailable", and
 // only the durable policies' requests follow on_error; the line says which,
 // why, and what to change.
-func (c *redisConn) reportDurable(kind string, err error, policies []string) {
+func (c *redisStore) reportDurable(kind string, err error, policies []string) {
 	if !c.claimReport(kind, true) {
 		return
 	}

@@ -196,12 +196,12 @@ func TestDurableQuotaCluster(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	conn, err := newRedisConn(RedisConfig{Addresses: c.Addrs(), Cluster: true, Timeout: caddy.Duration(time.Second)}.resolved(), zap.NewNop())
+	conn, err := newRedisStore(RedisConfig{Addresses: c.Addrs(), Cluster: true, Timeout: caddy.Duration(time.Second)}.resolved(), zap.NewNop())
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { conn.Destruct() })
-	rs := &redisStore{conn: conn}
+	rs := conn
 	ctx := context.Background()
 	// The replicas may still be taking their first copy: a bounded wait
 	// for the first confirmation.
@@ -237,12 +237,11 @@ func TestDurableWithoutReplicaSaysWhatToDo(t *testing.T) {
 	const timeout = 200 * time.Millisecond
 	srv := testredis.Start(t) // a primary with no replica
 	core, logs := observer.New(zap.InfoLevel)
-	conn, err := newRedisConn(RedisConfig{Addresses: []string{srv.Addr}, Timeout: caddy.Duration(timeout)}.resolved(), zap.New(core))
+	rs, err := newRedisStore(RedisConfig{Addresses: []string{srv.Addr}, Timeout: caddy.Duration(timeout)}.resolved(), zap.New(core))
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { conn.Destruct() })
-	rs := &redisStore{conn: conn}
+	t.Cleanup(func() { rs.Destruct() })
 	ctx := context.Background()
 
 	monthly := func(key string, d durability) bucketRequest {

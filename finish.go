@@ -30,8 +30,7 @@ func (aw *afterResponse) finish(err error) {
 	aw.finished = true
 	res := aw.res
 	reqs, charged := aw.charges(err)
-	n := len(reqs)
-	rels, relPolicies := res.slotReleases(false)
+	rels, relPolicies := res.callerSlotReleases()
 	reqs = append(reqs, rels...)
 	if len(reqs) == 0 {
 		return
@@ -42,12 +41,8 @@ func (aw *afterResponse) finish(err error) {
 		for _, p := range charged {
 			p.after.lost[lostStoreUnreachable].Inc()
 		}
-		res.retryReleases(rels, relPolicies)
-		return
 	}
-	for _, rq := range reqs[n:] {
-		slotQueues.wake(rq.key)
-	}
+	res.releasesSent(rels, relPolicies, err)
 }
 
 // declaredLength is where the response ends, from its status and headers:

@@ -62,8 +62,22 @@ var (
 )
 
 // fleetView is one connection's part in the fleet: the handlers that use
-// it, what it wrote, and what it saw.
+// it, what it wrote, and what it saw. It holds what it needs of its Redis
+// store: the client, the database, the logger, the bound of a call, the
+// end of the connection; and asks it, through the functions it was given,
+// for the format it writes, the key prefixes it listens to, and a probe of
+// a config that started (probe.go).
 type fleetView struct {
+	client      redis.UniversalClient
+	name        string // the addresses, for logs
+	db          int
+	logger      *zap.Logger
+	callTimeout time.Duration
+	closed      <-chan struct{}
+	format      func() string
+	prefixes    func() []string
+	probe       func(hs []*Handler)
+
 	// nudge asks for a refresh now: a config using the connection was
 	// provisioned or cleaned up, or another instance's record changed.
 	nudge chan struct{}
@@ -101,26 +115,24 @@ type fleetKnown struct {
 
 // join registers a provisioned handler, whose policies the connection
 // announces once its config runs.
-func (c *redisConn) join(h *Handler) {
-	v := &c.fleet
+func (v *fleetView) join(h *Handler) {
 	v.regsMu.Lock()
 	v.regs = append(v.regs, fleetReg{h.config, h})
 	v.regsMu.Unlock()
-	c.nudgeFleet()
+	v.nudgeFleet()
 }
 
 // part unregisters a handler being cleaned up.
-func (c *redisConn) part(h *Handler) {
-	v := &c.fleet
+func (v *fleetView) part(h *Handler) {
 	v.regsMu.Lock()
 	v.regs = slices.DeleteFunc(v.regs, func(r fleetReg) bool { return r.h == h })
 	v.regsMu.Unlock()
-	c.nudgeFleet()
+	v.nudgeFleet()
 }
 
-func (c *redisConn) nudgeFleet() {
+func (v *fleetView) nudgeFleet() {
 	select {
-	case c.fleet.nudge <- struct{}{}:
+	case v.nudge <- struct{}{}:
 	default:
 	}
 }
@@ -166,26 +178,26 @@ func (v *fleetView) registered() []*Policy {
 
 // followFleet refreshes the connection's part in the fleet every
 // fleetEvery, and when nudged, until the connection closes.
-func (c *redisConn) followFleet() {
+func (v *fleetView) followFleet() {
 	tick := time.NewTicker(fleetEvery)
 	defer tick.Stop()
 	for {
 		select {
 		case <-tick.C:
-		case <-c.fleet.nudge:
+		case <-v.nudge:
 			select {
 			case <-time.After(fleetSettle):
-			case <-c.closed:
+			case <-v.closed:
 				return
 			}
-		case <-c.closed:
+		case <-v.closed:
 			return
 		}
 		// Until the config runs: soon, or dropped.
-		for wait := 50 * time.Millisecond; !c.refreshFleet(); wait = min(2*wait, time.Second) {
+		for wait := 50 * time.Millisecond; !v.refreshFleet(); wait = min(2*wait, time.Second) {
 			select {
 			case <-time.After(wait):
-			case <-c.closed:
+			case <-v.closed:
 				return
 			}
 		}
@@ -195,8 +207,7 @@ func (c *redisConn) followFleet() {
 // refreshFleet probes Redis for a config that started running, writes
 // this instance's record, reads the others' and notes the disagreements.
 // It returns false while the registered config has not started.
-func (c *redisConn) refreshFleet() bool {
-	v := &c.fleet
+func (v *fleetView) refreshFleet() bool {
 	config, hs, pending := v.running()
 	if pending {
 		return false
@@ -208,47 +219,47 @@ func (c *redisConn) refreshFleet() bool {
 	}
 	if config != nil && config != v.probed {
 		v.probed = config
-		c.probeStarted(hs)
+		v.probe(hs)
 	}
-	self := c.fleetRecord(hs)
+	self := v.fleetRecord(hs)
 	var raw []byte
 	var digest string
 	if len(self.Policies) > 0 {
 		raw, digest = fleet.Encode(self)
 	}
 	if digest == "" && v.written == "" {
-		c.noteSplits(nil)
+		v.noteSplits(nil)
 		return true // nothing to say, nothing said
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), c.callTimeout)
+	ctx, cancel := context.WithTimeout(context.Background(), v.callTimeout)
 	defer cancel()
-	_, live, err := fleetCall(ctx, c.client, instanceID, digest, raw, false)
+	_, live, err := fleetCall(ctx, v.client, instanceID, digest, raw, false)
 	if err != nil {
-		c.fleetFailed(err)
+		v.fleetFailed(err)
 		return true
 	}
 	if v.failed != "" && !away(v.failed) { // what was warned about is fixed
-		c.logger.Info("this instance announces itself to the fleet again", zap.String("redis", c.name))
+		v.logger.Info("this instance announces itself to the fleet again", zap.String("redis", v.name))
 	}
 	v.failed = ""
 	if v.probeAgain && config != nil {
-		c.probeStarted(hs) // Redis answers again: does it decide?
+		v.probe(hs) // Redis answers again: does it decide?
 	}
 	v.written = digest
 	if digest == "" {
-		c.noteSplits(nil)
+		v.noteSplits(nil)
 		return true
 	}
-	if err := c.readRecords(ctx, live); err != nil {
-		c.fleetFailed(err)
+	if err := v.readRecords(ctx, live); err != nil {
+		v.fleetFailed(err)
 		return true
 	}
 	if digest != v.published {
 		// The others of its fleets read the fleet at once.
 		v.published = digest
 		for _, prefix := range recordPrefixes(self) {
-			if err := c.client.Publish(ctx, eventsChannel(prefix), eventFleet+" "+instanceID).Err(); err != nil {
-				c.logger.Debug("announcing a change of this instance's fleet record", zap.String("redis", c.name), zap.Error(err))
+			if err := v.client.Publish(ctx, eventsChannel(prefix), eventFleet+" "+instanceID).Err(); err != nil {
+				v.logger.Debug("announcing a change of this instance's fleet record", zap.String("redis", v.name), zap.Error(err))
 			}
 		}
 	}
@@ -263,18 +274,18 @@ func (c *redisConn) refreshFleet() bool {
 	slices.Sort(ids)
 	if !slices.Equal(ids, v.seen) {
 		v.seen = ids
-		c.logger.Debug("the other live instances on this Redis database", zap.String("redis", c.name), zap.Int("db", c.db), zap.Strings("instances", ids))
+		v.logger.Debug("the other live instances on this Redis database", zap.String("redis", v.name), zap.Int("db", v.db), zap.Strings("instances", ids))
 	}
-	c.noteSplits(fleet.Against(self, others))
+	v.noteSplits(fleet.Against(self, others))
 	return true
 }
 
 // fleetRecord is what this instance announces on the connection: the
 // policies of hs that use Redis.
-func (c *redisConn) fleetRecord(hs []*Handler) fleet.Record {
+func (v *fleetView) fleetRecord(hs []*Handler) fleet.Record {
 	r := fleet.Record{
 		ID: instanceID, Host: hostName, PID: os.Getpid(), Version: Version,
-		Format: formatName(int(c.format.Load())), DB: c.db, Started: processStarted,
+		Format: v.format(), DB: v.db, Started: processStarted,
 	}
 	for _, h := range hs {
 		for _, p := range h.Policies {
@@ -294,7 +305,7 @@ func (c *redisConn) fleetRecord(hs []*Handler) fleet.Record {
 // usesStore reports whether the policy's buckets are in the handler's
 // store: all but a shed policy's adaptive limit alone, which is this
 // instance's.
-func (p *Policy) usesStore() bool { return p.kind != kindShed || p.Shed.Concurrent > 0 }
+func (p *Policy) usesStore() bool { return p.kind != kindShed || p.capacity().has(slotCapacity) }
 
 func recordPrefixes(r fleet.Record) []string {
 	var out []string
@@ -308,8 +319,7 @@ func recordPrefixes(r fleet.Record) []string {
 
 // readRecords reads the records of the live instances whose record
 // changed since last read, and forgets those no longer live.
-func (c *redisConn) readRecords(ctx context.Context, live []fleetEntry) error {
-	v := &c.fleet
+func (v *fleetView) readRecords(ctx context.Context, live []fleetEntry) error {
 	if v.known == nil {
 		v.known = map[string]fleetKnown{}
 	}
@@ -334,7 +344,7 @@ func (c *redisConn) readRecords(ctx context.Context, live []fleetEntry) error {
 	}
 	// HGETs in one round trip: the ACL the limiter needs has HGET already.
 	gets := make([]*redis.StringCmd, len(need))
-	if _, err := c.client.Pipelined(ctx, func(p redis.Pipeliner) error {
+	if _, err := v.client.Pipelined(ctx, func(p redis.Pipeliner) error {
 		for i, id := range need {
 			gets[i] = p.HGet(ctx, fleetRecordsKey, id)
 		}
@@ -407,26 +417,25 @@ func parseFleetReply(res []any, withRecords bool) (int64, []fleetEntry, error) {
 // fleetFailed logs a failed refresh once per kind of failure: Redis being
 // away is the decisions' to report; a Redis user without the fleet's keys
 // is told how to grant them.
-func (c *redisConn) fleetFailed(err error) {
+func (v *fleetView) fleetFailed(err error) {
 	if errors.Is(err, redis.ErrClosed) {
 		return
 	}
-	v := &c.fleet
 	kind := errorKind(err)
 	if kind == v.failed {
 		return
 	}
 	v.failed = kind
-	fields := []zap.Field{zap.String("redis", c.name), zap.String("kind", kind), zap.Error(err)}
+	fields := []zap.Field{zap.String("redis", v.name), zap.String("kind", kind), zap.Error(err)}
 	switch {
 	case away(kind): // the decisions report it
-		c.logger.Debug("announcing this instance to the fleet", fields...)
+		v.logger.Debug("announcing this instance to the fleet", fields...)
 	case kind == "noperm":
-		c.logger.Warn("this instance cannot announce itself to the fleet: the Redis user may not run its script or use its keys; "+
+		v.logger.Warn("this instance cannot announce itself to the fleet: the Redis user may not run its script or use its keys; "+
 			"grant ~"+fleetIndexKey+"* with the ACL of docs/redis.md. Decisions are not affected, but `caddy rate-limit fleet` "+
 			"does not list this instance, and instances that disagree on a policy are not told", fields...)
 	default:
-		c.logger.Warn("this instance cannot announce itself to the fleet; decisions are not affected", fields...)
+		v.logger.Warn("this instance cannot announce itself to the fleet; decisions are not affected", fields...)
 	}
 }
 
@@ -434,8 +443,7 @@ func (c *redisConn) fleetFailed(err error) {
 // deadline), so that the others see at once that it stopped, and takes
 // its disagreements off the gauge. Nothing is announced on the connection
 // after it.
-func (c *redisConn) leaveFleet(deadline time.Time) {
-	v := &c.fleet
+func (v *fleetView) leaveFleet(deadline time.Time) {
 	v.mu.Lock()
 	defer v.mu.Unlock()
 	v.left = true
@@ -447,19 +455,18 @@ func (c *redisConn) leaveFleet(deadline time.Time) {
 	}
 	ctx, cancel := context.WithDeadline(context.Background(), deadline)
 	defer cancel()
-	if _, _, err := fleetCall(ctx, c.client, instanceID, "", nil, false); err != nil {
-		c.logger.Debug("removing this instance's fleet record", zap.String("redis", c.name), zap.Error(err))
+	if _, _, err := fleetCall(ctx, v.client, instanceID, "", nil, false); err != nil {
+		v.logger.Debug("removing this instance's fleet record", zap.String("redis", v.name), zap.Error(err))
 		return
 	}
-	for _, prefix := range c.events.prefixes() {
-		_ = c.client.Publish(ctx, eventsChannel(prefix), eventFleet+" "+instanceID).Err()
+	for _, prefix := range v.prefixes() {
+		_ = v.client.Publish(ctx, eventsChannel(prefix), eventFleet+" "+instanceID).Err()
 	}
 }
 
 // noteSplits logs the disagreements that appeared (WARN) and those gone
 // (INFO), and counts those there in the gauge.
-func (c *redisConn) noteSplits(splits []fleet.Split) {
-	v := &c.fleet
+func (v *fleetView) noteSplits(splits []fleet.Split) {
 	now := make(map[splitKey]bool, len(splits))
 	still := map[policyIn]bool{}
 	for _, s := range splits {
@@ -468,14 +475,14 @@ func (c *redisConn) noteSplits(splits []fleet.Split) {
 		still[k.policy] = true
 		if !v.warned[k] {
 			msg, fields := splitMessage(s)
-			c.logger.Warn(msg, append(fields, zap.String("redis", c.name), zap.String("instance", instanceID))...)
+			v.logger.Warn(msg, append(fields, zap.String("redis", v.name), zap.String("instance", instanceID))...)
 		}
 	}
 	for k := range v.warned {
 		if !now[k] && !still[k.policy] {
 			still[k.policy] = true // once per policy
-			c.logger.Info("the live instances of this fleet agree again on policy "+k.policy.name,
-				zap.String("policy", k.policy.name), zap.String("key_prefix", k.policy.prefix), zap.String("redis", c.name))
+			v.logger.Info("the live instances of this fleet agree again on policy "+k.policy.name,
+				zap.String("policy", k.policy.name), zap.String("key_prefix", k.policy.prefix), zap.String("redis", v.name))
 		}
 	}
 	v.warned = now
@@ -551,4 +558,114 @@ func differText(parts []string) string {
 		return parts[0] + " differs"
 	}
 	return strings.Join(parts, " and ") + " differ"
+}
+
+// readFleets reads the live instances of the connection's database and,
+// on a single Redis, of its other databases, on a client of its own: an
+// operator's listing may take longer than the decisions' timeout, and
+// SELECT changes a connection's database, which must not go back to the
+// decisions' pool.
+func (v *fleetView) readFleets(ctx context.Context) (fleetStore, error) {
+	st := fleetStore{Store: "Redis " + v.name}
+	client := v.listingClient()
+	defer client.Close()
+	now, live, err := fleetCall(ctx, client, "", "", nil, true)
+	if err != nil {
+		return st, err
+	}
+	st.Instances = liveInstances(v.db, now, live)
+	if single, ok := client.(*redis.Client); ok { // a Redis Cluster has one database
+		others, note := readOtherDatabases(ctx, single, v.db)
+		st.Instances, st.OtherDatabases = append(st.Instances, others...), note
+	}
+	var records []fleet.Record
+	for _, in := range st.Instances {
+		records = append(records, in.Record)
+	}
+	st.Fleets = fleet.Fleets(records)
+	return st, nil
+}
+
+// liveRecords reads the records of the live instances of the connection's
+// database, on a client of its own, as readFleets does.
+func (v *fleetView) liveRecords(ctx context.Context) (db int, records []fleet.Record, err error) {
+	client := v.listingClient()
+	defer client.Close()
+	now, live, err := fleetCall(ctx, client, "", "", nil, true)
+	if err != nil {
+		return v.db, nil, err
+	}
+	for _, in := range liveInstances(v.db, now, live) {
+		records = append(records, in.Record)
+	}
+	return v.db, records, nil
+}
+
+// listingClient is a client of one connection to the connection's Redis
+// (each node's, for a Cluster), whose reads may take listingTimeout.
+func (v *fleetView) listingClient() redis.UniversalClient {
+	switch cl := v.client.(type) {
+	case *redis.ClusterClient:
+		opt := *cl.Options()
+		opt.PoolSize, opt.MinIdleConns, opt.MaxIdleConns = 1, 0, 1
+		opt.ReadTimeout, opt.WriteTimeout = listingTimeout, listingTimeout
+		return redis.NewClusterClient(&opt)
+	case *redis.Client: // a single Redis, or a master found through Sentinel
+		opt := *cl.Options()
+		opt.PoolSize, opt.MinIdleConns, opt.MaxIdleConns = 1, 0, 1
+		opt.ReadTimeout, opt.WriteTimeout = listingTimeout, listingTimeout
+		return redis.NewClient(&opt)
+	}
+	return nil
+}
+
+// readOtherDatabases reads the fleets of a single Redis's databases other
+// than own, until one is out of range; note says why not all were read.
+func readOtherDatabases(ctx context.Context, cl *redis.Client, own int) (out []fleetInstance, note string) {
+	conn := cl.Conn()
+	defer conn.Close()
+	for db := 0; db < maxListedDBs; db++ {
+		if db == own {
+			continue
+		}
+		var res *redis.Cmd
+		_, err := conn.Pipelined(ctx, func(p redis.Pipeliner) error {
+			p.Select(ctx, db)
+			res = p.Eval(ctx, fleetLua, []string{fleetIndexKey, fleetRecordsKey}, "", "", "", fleetTTL.Milliseconds(), "1")
+			return nil
+		})
+		switch {
+		case err != nil && strings.Contains(err.Error(), "out of range"):
+			return out, ""
+		case err != nil && strings.HasPrefix(err.Error(), "NOPERM"):
+			return out, "databases other than " + fmt.Sprint(own) + " not read: the Redis user may not SELECT them (" + err.Error() + ")"
+		case err != nil:
+			return out, fmt.Sprintf("databases from %d on not read: %v", db, err)
+		}
+		vals, err := res.Slice()
+		if err != nil {
+			return out, fmt.Sprintf("database %d not read: %v", db, err)
+		}
+		now, live, err := parseFleetReply(vals, true)
+		if err != nil {
+			return out, fmt.Sprintf("database %d not read: %v", db, err)
+		}
+		out = append(out, liveInstances(db, now, live)...)
+	}
+	return out, fmt.Sprintf("databases from %d on not read", maxListedDBs)
+}
+
+// liveInstances decodes the records read from database db; those that do
+// not decode are left out.
+func liveInstances(db int, now int64, live []fleetEntry) []fleetInstance {
+	var out []fleetInstance
+	for _, e := range live {
+		r, err := fleet.Decode([]byte(e.record))
+		if err != nil || r.ID != e.id {
+			continue
+		}
+		r.DB = db // where it was read: what it shares
+		out = append(out, fleetInstance{Record: r, ExpiresIn: float64(e.expiry-now) / 1000, Self: e.id == instanceID})
+	}
+	return out
 }

@@ -113,7 +113,7 @@ func TestParseFleetReply(t *testing.T) {
 // the gauge meanwhile.
 func TestNoteSplits(t *testing.T) {
 	core, logs := observer.New(zap.InfoLevel)
-	c := &redisConn{logger: zap.New(core), name: "redis:6379"}
+	c := &fleetView{logger: zap.New(core), name: "redis:6379"}
 	value := func() float64 {
 		var m dto.Metric
 		_ = fleetDisagreements.Write(&m)
@@ -182,8 +182,8 @@ func TestFleetRecord(t *testing.T) {
 			{Name: "adaptive", Key: "global", Shed: &Shed{Latency: caddy.Duration(50 * time.Millisecond)}},
 		},
 	}, nil)
-	c := h.store.(*redisStore).conn
-	r := c.fleetRecord([]*Handler{h})
+	c := h.store.(*redisStore)
+	r := c.fleet.fleetRecord([]*Handler{h})
 	raw, _ := fleet.Encode(r)
 	if strings.Contains(string(raw), "horse") {
 		t.Fatalf("the record holds the secret: %s", raw)

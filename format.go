@@ -26,7 +26,7 @@ import (
 // The release before reads a v2 value as a v0 TAT centuries ahead: a bucket
 // that owes everything it may owe, which denies. So a v2 value never lets
 // an instance of that release over-admit; but it over-denies, which is why
-// v2 is written only once the fleet marker (see redisConn.format) says every
+// v2 is written only once the fleet marker (see redisStore.format) says every
 // instance reads it. lua/decide.lua reads and writes the same formats;
 // TestLuaFormats holds the two to it.
 

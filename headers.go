@@ -2,12 +2,16 @@ package ratelimit
 
 import (
 	"encoding/json"
+	"errors"
 	"math"
 	"math/rand/v2"
 	"net/http"
 	"strconv"
 	"strings"
 	"time"
+
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/calendar"
 )
 
 // The response side of the contract: the RateLimit-Policy and RateLimit
@@ -200,4 +204,65 @@ func boundaryRetryAfter(waitUS, spreadUS int64) int64 {
 		at += int64(float64(spreadUS) * rand.Float64())
 	}
 	return max(ceilSeconds(at), ceilSeconds(waitUS), 1)
+}
+
+// errRateLimited is the error of a denial handed to a site's handle_errors.
+var errRateLimited = errors.New("rate limit exceeded")
+
+// errStoreUnavailable is the error of a fail_closed 503 handed to a site's
+// handle_errors.
+var errStoreUnavailable = errors.New("rate limiter unavailable")
+
+// handlesErrors reports whether the server has an error route that would
+// take this request's error of the given status: a site's handle_errors.
+func handlesErrors(r *http.Request, status int) bool {
+	srv, ok := r.Context().Value(caddyhttp.ServerCtxKey).(*caddyhttp.Server)
+	if !ok || srv == nil || srv.Errors == nil || len(srv.Errors.Routes) == 0 {
+		return false
+	}
+	// Match as Caddy will, with the error's placeholders set.
+	er := srv.Errors.WithError(r, caddyhttp.Error(status, errRateLimited))
+	for _, route := range srv.Errors.Routes {
+		if len(route.MatcherSets) == 0 {
+			return true
+		}
+		if ok, err := route.MatcherSets.AnyMatchWithError(er); ok && err == nil {
+			return true
+		}
+	}
+	return false
+}
+
+// A quota's fields: its RateLimit-Policy member, and its Retry-After past
+// the boundary.
+
+// quotaMember is a cached RateLimit-Policy member, for one quota and period.
+type quotaMember struct {
+	n      int64
+	p      calendar.Period
+	member []byte
+}
+
+// policyMember is the RateLimit-Policy member of a quota of n units in
+// period p: "name";q=n;w=<p's length in seconds>, built once a period.
+func (q *quotaSpec) policyMember(n int64, p calendar.Period) []byte {
+	if m := q.member.Load(); m != nil && m.p == p && m.n == n {
+		return m.member
+	}
+	m := &quotaMember{n: n, p: p, member: policyMember(nil, q.name, min(n, maxSFInteger), min(p.Seconds(), maxSFInteger), q.counts)}
+	q.member.Store(m)
+	return m.member
+}
+
+// maxBoundarySpread bounds how far past a quota's boundary Retry-After
+// sends the clients it denied.
+const maxBoundarySpread = time.Hour
+
+// boundarySpread is how far past its boundary a quota spreads the return
+// of the clients it denied: jitter of the period's length (a minute's 12 s
+// at 20%), at most maxBoundarySpread. Of the period rather than of each
+// client's wait: clients denied in the period's last second would
+// otherwise all come back in the next one's first.
+func boundarySpread(p calendar.Period, jitter float64) int64 {
+	return min(int64(float64(p.End-p.Start)*jitter), maxBoundarySpread.Microseconds())
 }

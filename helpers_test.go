@@ -1,6 +1,7 @@
 package ratelimit
 
 import (
+	"encoding/json"
 	"errors"
 	"net/http/httptest"
 	"strings"
@@ -35,12 +36,12 @@ func newTestRedis(t *testing.T) (*testredis.Server, *redis.Client, *redisStore) 
 // storeOn is a Redis store on addr with the given timeout.
 func storeOn(t *testing.T, addr string, timeout time.Duration) *redisStore {
 	t.Helper()
-	conn, err := newRedisConn(RedisConfig{Addresses: []string{addr}, Timeout: caddy.Duration(timeout)}.resolved(), zap.NewNop())
+	conn, err := newRedisStore(RedisConfig{Addresses: []string{addr}, Timeout: caddy.Duration(timeout)}.resolved(), zap.NewNop())
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { conn.Destruct() })
-	return &redisStore{conn: conn}
+	return conn
 }
 
 // counterValue reads a counter (a metric's child).
@@ -70,4 +71,34 @@ func adminDo(t *testing.T, method, target, body string) (int, string) {
 		return ae.HTTPStatus, ae.Err.Error()
 	}
 	return w.Code, w.Body.String()
+}
+
+// rateLimitHandlers is every rate_limit handler of a JSON config (as caddy
+// adapt writes it), each as its JSON object, in the order found.
+func rateLimitHandlers(t *testing.T, config []byte) []map[string]any {
+	t.Helper()
+	var cfg any
+	if err := json.Unmarshal(config, &cfg); err != nil {
+		t.Fatal(err)
+	}
+	var out []map[string]any
+	var walk func(v any)
+	walk = func(v any) {
+		switch x := v.(type) {
+		case map[string]any:
+			if x["handler"] == "rate_limit" {
+				out = append(out, x)
+				return
+			}
+			for _, e := range x {
+				walk(e)
+			}
+		case []any:
+			for _, e := range x {
+				walk(e)
+			}
+		}
+	}
+	walk(cfg)
+	return out
 }

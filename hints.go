@@ -142,11 +142,11 @@ func emptySecretError(tmpl string) error {
 		tmpl, strings.Join(names, " or "), names[0])
 }
 
-// emptyAddressError is the load error of a redis address whose placeholder
-// resolved to nothing: the variable to set, and where (an {env.X} is read
-// from the environment of the running Caddy, which caddy reload does not
-// change).
-func emptyAddressError(tmpl string) error {
+// emptyEnvError is the load error of a redis field (address, sentinel)
+// whose placeholder resolved to nothing: the variable to set, and where (an
+// {env.X} is read from the environment of the running Caddy, which caddy
+// reload does not change); example is a value to show.
+func emptyEnvError(field, tmpl, example string) error {
 	var names []string
 	for _, m := range envPlaceholder.FindAllStringSubmatch(tmpl, -1) {
 		if !slices.Contains(names, m[1]) {
@@ -154,9 +154,9 @@ func emptyAddressError(tmpl string) error {
 		}
 	}
 	if len(names) == 0 {
-		return fmt.Errorf("redis: address %q resolves to the empty string: give host:port", tmpl)
+		return fmt.Errorf("redis: %s %q resolves to the empty string", field, tmpl)
 	}
-	return fmt.Errorf("redis: address %q resolves to the empty string: the environment variable %s is not set (or empty) where Caddy runs: "+
-		"export it before starting Caddy (e.g. export %s=10.0.0.5:6379); caddy reload does not change it, Caddy reads its own environment",
-		tmpl, strings.Join(names, " or "), names[0])
+	return fmt.Errorf("redis: %s %q resolves to the empty string: the environment variable %s is not set (or empty) where Caddy runs: "+
+		"export it before starting Caddy (e.g. export %s=%s); caddy reload does not change it, Caddy reads its own environment",
+		field, tmpl, strings.Join(names, " or "), names[0], example)
 }

@@ -95,8 +95,8 @@ type hotKey struct {
 	gone bool
 }
 
-func newHotKeys(conn *redisConn) *hotKeys {
-	h := &hotKeys{store: &redisStore{conn: conn}, seed: maphash.MakeSeed(), now: monotonicMicros, stop: make(chan struct{}), wait: conn.callTimeout}
+func newHotKeys(conn *redisStore) *hotKeys {
+	h := &hotKeys{store: conn, seed: maphash.MakeSeed(), now: monotonicMicros, stop: make(chan struct{}), wait: conn.callTimeout}
 	for i := range h.shards {
 		h.shards[i].keys = map[string]*hotKey{}
 	}
@@ -108,7 +108,7 @@ func newHotKeys(conn *redisConn) *hotKeys {
 // nor one whose key learns its usage (a settle's: the script raises each
 // reservation to what the key learned, which blocks would not).
 func (rq *bucketRequest) hotEligible() bool {
-	return rq.hot != nil && rq.op == opTake && rq.quota == nil && !rq.shadow && !rq.learns && rq.cost <= rq.limit.burst
+	return rq.hot != nil && rq.op == opTake && rq.kind() != quotaBucket && !rq.shadow && !rq.learns && rq.cost <= rq.limit.burst
 }
 
 // covers reports whether any bucket of reqs may be decided from blocks.
@@ -543,7 +543,7 @@ func (h *hotKeys) close() {
 // blocksOf is the blocks this instance holds of the bucket under key, and
 // their unspent tokens (blockKeeper, for inspect).
 func (s *redisStore) blocksOf(key string) (blocks int, tokens int64) {
-	return s.conn.hot.unspent(key)
+	return s.hot.unspent(key)
 }
 
 // unspent is the blocks and unspent tokens this instance holds of the bucket
@@ -640,27 +640,27 @@ func (s *redisStore) takeBlock(rq bucketRequest, urgent bool, then func(blockRep
 	}
 	p := newPending([]bucketRequest{rq}, nil)
 	switch {
-	case s.conn.breaker.Skipping():
+	case s.breaker.Skipping():
 		circuitOpenErrors.Inc()
 		p.err = errCircuitOpen
 		go func() { reply(p); p.recycle() }()
-	case s.conn.coalescer == nil: // Cluster: a call of its own, to the key's shard
-		s.conn.afterApart.add(1)
+	case s.coalescer == nil: // Cluster: a call of its own, to the key's shard
+		s.afterApart.add(1)
 		go func() {
-			defer s.conn.afterApart.add(-1)
+			defer s.afterApart.add(-1)
 			p.err = errCallAborted
-			s.conn.call(p.one[:])
+			s.call(p.one[:])
 			reply(p)
 			p.recycle()
 		}()
 	case urgent:
 		go func() {
-			s.conn.coalescer.submit(p)
+			s.coalescer.submit(p)
 			reply(p)
 			p.recycle()
 		}()
 	default:
 		p.then = reply
-		s.conn.coalescer.submitAfter(p)
+		s.coalescer.submitAfter(p)
 	}
 }

@@ -37,12 +37,12 @@ func hotInstances(t *testing.T, srv *testredis.Server, n int) []*redisStore {
 	t.Helper()
 	var out []*redisStore
 	for range n {
-		conn, err := newRedisConn(RedisConfig{Addresses: []string{srv.Addr}, Timeout: testTimeout}.resolved(), zap.NewNop())
+		conn, err := newRedisStore(RedisConfig{Addresses: []string{srv.Addr}, Timeout: testTimeout}.resolved(), zap.NewNop())
 		if err != nil {
 			t.Fatal(err)
 		}
 		t.Cleanup(func() { conn.Destruct() })
-		out = append(out, &redisStore{conn: conn})
+		out = append(out, conn)
 	}
 	return out
 }
@@ -166,7 +166,7 @@ var slowHot = limit{interval: 10_000, burst: 1_000, slack: hotkey.Horizon}
 // landed waits (at most 2 s) until no block of key is on its way.
 func landed(t *testing.T, rs *redisStore, key string) {
 	t.Helper()
-	h := rs.conn.hot
+	h := rs.hot
 	sh := &h.shards[maphash.String(h.seed, key)%hotShards]
 	for deadline := time.Now().Add(2 * time.Second); ; {
 		sh.mu.Lock()
@@ -199,21 +199,21 @@ func TestHotKeysGiveBack(t *testing.T) {
 		name string
 		end  func(rs *redisStore, key string)
 	}{
-		{"an event", func(rs *redisStore, key string) { rs.conn.receive(eventChanged, key) }},
+		{"an event", func(rs *redisStore, key string) { rs.receive(eventChanged, key) }},
 		{"cooled", func(rs *redisStore, key string) {
 			deadline := time.Now().Add(5 * time.Second)
-			for rs.conn.hot.count() > 0 && time.Now().Before(deadline) {
+			for rs.hot.count() > 0 && time.Now().Before(deadline) {
 				time.Sleep(20 * time.Millisecond)
 			}
 		}},
-		{"closed", func(rs *redisStore, key string) { rs.conn.Destruct() }},
+		{"closed", func(rs *redisStore, key string) { rs.Destruct() }},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			conn, err := newRedisConn(RedisConfig{Addresses: []string{srv.Addr}, Timeout: testTimeout}.resolved(), zap.NewNop())
+			conn, err := newRedisStore(RedisConfig{Addresses: []string{srv.Addr}, Timeout: testTimeout}.resolved(), zap.NewNop())
 			if err != nil {
 				t.Fatal(err)
 			}
-			rs := &redisStore{conn: conn}
+			rs := conn
 			if tc.name != "closed" {
 				t.Cleanup(func() { conn.Destruct() })
 			}
@@ -222,7 +222,7 @@ func TestHotKeysGiveBack(t *testing.T) {
 			start := time.Now()
 			spent := int64(heat(t, rs, 400, rq)) // 400 in a few ms: hot
 			landed(t, rs, key)
-			blocks, unspent := rs.conn.hot.unspent(key)
+			blocks, unspent := rs.hot.unspent(key)
 			if blocks == 0 || unspent == 0 {
 				t.Fatalf("not hot after 400 decisions: %d blocks, %d tokens unspent", blocks, unspent)
 			}
@@ -243,7 +243,7 @@ func TestHotKeysGiveBack(t *testing.T) {
 				t.Errorf("after %s: Redis holds %d tokens, %d before: want the %d unspent back, and what refilled since", tc.name, after, before, unspent)
 			}
 			if tc.name != "closed" {
-				if _, left := rs.conn.hot.unspent(key); left != 0 {
+				if _, left := rs.hot.unspent(key); left != 0 {
 					t.Errorf("after %s: still %d tokens unspent", tc.name, left)
 				}
 			}
@@ -267,7 +267,7 @@ func TestHotKeysGiveBackAtReload(t *testing.T) {
 	rq := bucketRequest{key: key, limit: slowHot, op: opTake, cost: 1, hot: hotTestPolicy("give_back")}
 	heat(t, rs, 400, rq)
 	landed(t, rs, key)
-	_, unspent := rs.conn.hot.unspent(key)
+	_, unspent := rs.hot.unspent(key)
 	if unspent == 0 {
 		t.Fatal("not hot after 400 decisions")
 	}
@@ -283,7 +283,7 @@ func TestHotKeysGiveBackAtReload(t *testing.T) {
 	}
 	// At once, not when the key cools (which it would, unused, within
 	// seconds): the old config's blocks are dropped as it lets go.
-	if blocks, left := rs.conn.hot.unspent(key); blocks != 0 || left != 0 {
+	if blocks, left := rs.hot.unspent(key); blocks != 0 || left != 0 {
 		t.Errorf("once the old config let go: still %d blocks, %d tokens unspent here", blocks, left)
 	}
 	var after int64
@@ -296,7 +296,7 @@ func TestHotKeysGiveBackAtReload(t *testing.T) {
 	if got := after - before; got < unspent || got > unspent+refilled(read, time.Now()) {
 		t.Errorf("after a reload: Redis holds %d tokens, %d before: want the %d unspent back, and what refilled since", after, before, unspent)
 	}
-	if renewed.(*redisStore).conn != rs.conn {
+	if renewed.(*redisStore) != rs {
 		t.Fatal("the reload opened another connection: not the case this test is about")
 	}
 	if d, err := renewed.decide(context.Background(), []bucketRequest{{key: "rl:after_reload", limit: slowHot, op: opTake, cost: 1}}); err != nil || !d.admitted {
@@ -317,7 +317,7 @@ func TestHotKeysAllOrNothing(t *testing.T) {
 	start := time.Now()
 	spent := int64(heat(t, rs, 400, hot))
 	landed(t, rs, hot.key)
-	if _, unspent := rs.conn.hot.unspent(hot.key); unspent == 0 {
+	if _, unspent := rs.hot.unspent(hot.key); unspent == 0 {
 		t.Fatal("not hot after 400 decisions")
 	}
 	// Decided from the block alone, its span says so (tracing.go).
@@ -342,7 +342,7 @@ func TestHotKeysAllOrNothing(t *testing.T) {
 		}
 	}
 	landed(t, rs, hot.key)
-	rs.conn.receive(eventChanged, hot.key) // what is unspent goes back
+	rs.receive(eventChanged, hot.key) // what is unspent goes back
 	var got int64
 	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(10 * time.Millisecond) {
 		got = bucketTokens(t, rs, hot.key, slowHot)
@@ -362,12 +362,12 @@ func TestHotKeysAllOrNothing(t *testing.T) {
 // it holds, then its requests follow on_error (the store's error).
 func TestHotKeysRedisAway(t *testing.T) {
 	srv := testredis.Start(t)
-	conn, err := newRedisConn(RedisConfig{Addresses: []string{srv.Addr}, Timeout: caddy.Duration(50 * time.Millisecond)}.resolved(), zap.NewNop())
+	conn, err := newRedisStore(RedisConfig{Addresses: []string{srv.Addr}, Timeout: caddy.Duration(50 * time.Millisecond)}.resolved(), zap.NewNop())
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { conn.Destruct() })
-	rs := &redisStore{conn: conn}
+	rs := conn
 	hp := hotTestPolicy("redis_away")
 	fast := limit{interval: 100, burst: 2_000, slack: hotkey.Horizon} // 10,000/s: nothing denied
 	rq := bucketRequest{key: "rl:away:{one}", limit: fast, op: opTake, cost: 1, hot: hp}
@@ -376,7 +376,7 @@ func TestHotKeysRedisAway(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer srv.Resume()
-	_, unspent := rs.conn.hot.unspent(rq.key)
+	_, unspent := rs.hot.unspent(rq.key)
 	admitted, failed := 0, 0
 	for deadline := time.Now().Add(5 * time.Second); failed < 5 && time.Now().Before(deadline); {
 		d, err := rs.decide(context.Background(), []bucketRequest{rq})
@@ -405,13 +405,13 @@ func TestHotKeysBounded(t *testing.T) {
 	hp.threshold = 10 // 3 decisions in a window
 	var clock atomic.Int64
 	clock.Store(1_000_000)
-	rs.conn.hot.now = func() int64 { return clock.Add(500) } // 2,000 decisions a second on each key
-	rs.conn.hot.sweeping.Store(true)                         // no sweeper: none cools
+	rs.hot.now = func() int64 { return clock.Add(500) } // 2,000 decisions a second on each key
+	rs.hot.sweeping.Store(true)                         // no sweeper: none cools
 	for i := range 3_000 {
 		key := "rl:bounded:{" + strconv.Itoa(i) + "}"
 		heat(t, rs, 3, bucketRequest{key: key, limit: slowHot, op: opTake, cost: 1, hot: hp})
 	}
-	n := rs.conn.hot.count()
+	n := rs.hot.count()
 	t.Logf("%d keys hot of 3,000 at 2,000 decisions a second each", n)
 	if n == 0 || n > hotShards*hotShardMax {
 		t.Errorf("%d keys hot, want from 1 to %d", n, hotShards*hotShardMax)
@@ -446,7 +446,7 @@ func TestHotKeysLearnedUsage(t *testing.T) {
 		}
 	}
 	landed(t, rs, key)
-	if blocks, unspent := rs.conn.hot.unspent(key); blocks > 0 {
+	if blocks, unspent := rs.hot.unspent(key); blocks > 0 {
 		t.Fatalf("%d tokens unspent in %d blocks of a key whose reservations its learned usage raises", unspent, blocks)
 	}
 }

@@ -20,7 +20,7 @@ import (
 // learnRecords settles, or learnTTL after its last.
 //
 // The memory is kept beside the bucket, under <bucket key>:usage, in the
-// bucket's Redis Cluster slot (its hash tag), as "l1 <u1> <u2> ..." newest
+// bucket's Redis Cluster hash slot (its hash tag), as "l1 <u1> <u2> ..." newest
 // first: written by the script call that settles, read by the call that
 // reserves (no round trip of its own), expiring learnTTL after it was last
 // written. The release before this one never reads it. In process, the
@@ -105,7 +105,7 @@ func decodeLearned(v string) learnedUsage {
 // policy that settles. (A quota's count is charged in full within its
 // period, and starts again from 0.)
 func (p *Policy) learns() bool {
-	return p.kind == kindRate && p.Settle != nil
+	return p.kind == kindRate && p.charging() == chargedBySettle
 }
 
 // learnedCost is the cost a take of rq is decided with when its key has
@@ -134,18 +134,16 @@ func withLearned(reqs []bucketRequest, learned []int64) []bucketRequest {
 	return out
 }
 
-// reserved updates the requests of a decision with what they reserved:
-// the cost a bucket that learns was decided with (raised to what its key
-// learned), keeping the request's own in asked; a settle then charges
-// what it used against what was reserved, and remembers a usage beyond
-// asked.
-func reserved(reqs []bucketRequest, d decision) {
-	for i := range reqs {
-		if rq := &reqs[i]; rq.learns && i < len(d.verdicts) {
-			rq.asked = rq.cost
-			if c := d.verdicts[i].cost; c > rq.cost {
-				rq.cost = c
-			}
+// reserved updates a request of a decision with what it reserved: the
+// cost a bucket that learns was decided with (raised to what its key
+// learned, v.cost), keeping the request's own in asked; a settle then
+// charges what it used against what was reserved, and remembers a usage
+// beyond asked.
+func (rq *bucketRequest) reserved(v verdict) {
+	if rq.learns {
+		rq.asked = rq.cost
+		if v.cost > rq.cost {
+			rq.cost = v.cost
 		}
 	}
 }

@@ -444,7 +444,7 @@ func TestLuaQuotaKeys(t *testing.T) {
 	behind := &quotaSpec{periods: fixedBounds{now - 4*sec, now - 3*sec, now - 2*sec, now - sec}, name: "q"}
 	p1 := &pending{reqs: []bucketRequest{{key: "rl:q:{c}", limit: limit{burst: 5}, op: opTake, cost: 1, quota: behind}}}
 	p2 := &pending{reqs: []bucketRequest{quota("rl:q:{d}", 5, 1)}}
-	rs.conn.call([]*pending{p1, p2})
+	rs.call([]*pending{p1, p2})
 	if errorKind(p1.err) != "clock" || p2.err != nil || !p2.d.admitted || client.Exists(ctx, "rl:q:{c}").Val() != 0 {
 		t.Fatalf("a clock outside the bounds: %v; its neighbour: %+v %v", p1.err, p2.d, p2.err)
 	}
@@ -867,7 +867,7 @@ func TestLuaSlots(t *testing.T) {
 	client.Set(ctx, "rl:s:{old}", "1:1000", 0)
 	p := &pending{reqs: []bucketRequest{acquire("rl:s:{hash}", "l8")}}
 	q := &pending{reqs: []bucketRequest{acquire("rl:s:{old}", "l9")}}
-	rs.conn.call([]*pending{p, q})
+	rs.call([]*pending{p, q})
 	if errorKind(p.err) != "wrongtype" || q.err != nil || !q.d.admitted {
 		t.Fatalf("a hash: %v; an old rate bucket: %+v %v", p.err, q.d, q.err)
 	}
@@ -1355,7 +1355,7 @@ func TestLuaLargeCall(t *testing.T) {
 			lease: fmt.Sprintf("lease-%d", r), events: "rl:events"})
 		batch = append(batch, &pending{reqs: reqs})
 	}
-	rs.conn.call(batch)
+	rs.call(batch)
 	var want []string
 	for r, p := range batch {
 		if p.err != nil {

@@ -225,3 +225,35 @@ func policyCounters(name, class, plan string) (c [numOutcomes]prometheus.Counter
 	}
 	return c
 }
+
+// shedLimitGauge is caddy_rate_limit_shed_limit{policy}: the adaptive
+// limit of each shed policy of the config loaded last, read when scraped.
+var shedLimitGauge = shedLimitCollector{prometheus.NewDesc("caddy_rate_limit_shed_limit",
+	"The adaptive in-flight limit of a shed { latency } policy on this instance: the most requests of its highest class it lets in flight now (a lower class gets its share of it).",
+	[]string{"policy"}, nil)}
+
+type shedLimitCollector struct{ desc *prometheus.Desc }
+
+func (c shedLimitCollector) Describe(ch chan<- *prometheus.Desc) { ch <- c.desc }
+
+func (c shedLimitCollector) Collect(ch chan<- prometheus.Metric) {
+	for _, p := range budgets.policies() {
+		if p.capacity().has(adaptiveCapacity) {
+			ch <- prometheus.MustNewConstMetric(c.desc, prometheus.GaugeValue, float64(p.shed.limiter.Limit()), p.Name)
+		}
+	}
+}
+
+// registerShedMetrics adds the shed gauge to this config load's registry,
+// once (see registerMetrics).
+func registerShedMetrics(ctx caddy.Context) error {
+	reg := ctx.GetMetricsRegistry()
+	if reg == nil {
+		return nil
+	}
+	var are prometheus.AlreadyRegisteredError
+	if err := reg.Register(shedLimitGauge); err != nil && !errors.As(err, &are) {
+		return err
+	}
+	return nil
+}

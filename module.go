@@ -242,7 +242,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		}
 	}
 	if fm, ok := store.(fleetMember); ok {
-		fm.join(h) // announced to the fleet once the config runs (fleet.go)
+		fm.fleetView().join(h) // announced to the fleet once the config runs (fleet.go)
 	}
 	return nil
 }
@@ -333,7 +333,7 @@ const maxJitter = 10.0
 // is closed when no loaded config uses it any more.
 func (h *Handler) Cleanup() error {
 	if fm, ok := h.store.(fleetMember); ok {
-		fm.part(h)
+		fm.fleetView().part(h)
 	}
 	if h.config != nil {
 		budgets.remove(h.config, h)

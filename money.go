@@ -102,15 +102,16 @@ func (p *Policy) spend(model string, micros int64) {
 // request leaves as they are (neither settled nor charged if): their
 // cost.
 func (res *admission) spendAtAdmission(rs *requestState) {
-	for i, p := range res.shown {
-		if p.unit != unitUSD || p.givesBack() || i >= len(res.d.verdicts) || !res.d.verdicts[i].allowed {
+	for _, pt := range res.decidedParts() {
+		p := pt.policy
+		if p.unit != unitUSD || p.givesBack() || !pt.v.allowed {
 			continue
 		}
 		model := ""
 		if p.pricesModels() && rs.bodyRead {
 			model, _, _, _ = p.prices.Of(rs.body.Model())
 		}
-		p.spend(model, res.shownReqs[i].cost)
+		p.spend(model, pt.rq.cost)
 	}
 }
 
@@ -196,8 +197,8 @@ func (res *admission) askUsage(r *http.Request, rs *requestState) {
 	if !isChatCompletions(r) {
 		return
 	}
-	for i, p := range res.shown {
-		if p.Settle == nil || !p.Settle.IncludeUsage || i >= len(res.d.verdicts) || !res.d.verdicts[i].allowed {
+	for _, pt := range res.decidedParts() {
+		if p := pt.policy; p.Settle == nil || !p.Settle.IncludeUsage || !pt.v.allowed {
 			continue
 		}
 		requestBodyOf(r, rs)
@@ -245,16 +246,16 @@ type moneyBudget struct {
 func (res *admission) moneyDenial() (string, []moneyBudget) {
 	var say []string
 	var budgets []moneyBudget
-	for i, v := range res.d.verdicts {
-		p := res.shown[i]
-		if v.allowed || p.shadow || p.unit != unitUSD {
+	for pt := range res.callerDenials() {
+		p, v := pt.policy, pt.v
+		if p.unit != unitUSD {
 			continue
 		}
-		capacity := res.decidedLimit(i, p).burst
-		if res.shownReqs[i].quota != nil {
-			capacity = res.decidedQuota(i)
+		capacity := pt.decidedLimit().burst
+		if pt.rq.kind() == quotaBucket {
+			capacity = pt.decidedQuota()
 		}
-		cost := max(v.cost, res.shownReqs[i].cost)
+		cost := max(v.cost, pt.rq.cost)
 		left := max(v.remaining, 0)
 		budgets = append(budgets, moneyBudget{Policy: p.Name, Currency: "USD", Limit: p.unit.number(capacity), Remaining: p.unit.number(left), Request: p.unit.number(cost)})
 		say = append(say, "budget "+p.Name+" has "+p.unit.format(left)+" left of "+p.unit.format(capacity)+", and this request reserves "+p.unit.format(cost))

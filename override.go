@@ -7,7 +7,7 @@ import (
 
 // Overrides: one identity's limit, set by an operator, in place of the
 // limit its plan (or its policy) gives it. An override is stored beside the
-// identity's bucket, under the same hash and in the same Redis Cluster slot
+// identity's bucket, under the same hash and in the same Redis Cluster hash slot
 // (<key_prefix><policy>:{<hash>}:override), and read by the same script call
 // that decides: a bucket whose request has the overridable bit reads its
 // override key and, when an override of its kind is there, is decided under
@@ -158,7 +158,7 @@ func ownCopy(out, reqs []bucketRequest) []bucketRequest {
 // or its own `debt`.
 func (p *Policy) debtRule() int64 {
 	switch {
-	case p.Settle == nil:
+	case p.charging() != chargedBySettle:
 		return 0
 	case p.kind == kindQuota && p.Settle.Debt == 0:
 		return -2
@@ -179,51 +179,56 @@ func (p *Policy) markOverridable(rq *bucketRequest, always bool) {
 // applyOverride is rq as decided under the override o in force (see
 // limitFor, quotaLimitFor).
 func (rq bucketRequest) applyOverride(o override) bucketRequest {
-	if rq.quota != nil {
+	if rq.kind() == quotaBucket {
 		rq.limit = o.quotaLimitFor(rq.limit, rq.overrideDebt)
 		return rq
 	}
-	rq.limit = o.limitFor(rq.limit, rq.op.slots(), rq.overrideWait, rq.overrideDebt)
+	rq.limit = o.limitFor(rq.limit, rq.kind() == slotsBucket, rq.overrideWait, rq.overrideDebt)
 	return rq
 }
 
-// decidedLimit is the limit the request's bucket i was decided under: an
+// decidedLimit is the limit the part's bucket was decided under: an
 // override's when one was in force, or the policy's (its plan's), as
 // configured (a `local` bucket holds a share of it).
-func (res *admission) decidedLimit(i int, p *Policy) limit {
-	if v := res.d.verdicts[i]; v.limit != res.shownReqs[i].limit && v.limit != (limit{}) {
-		return v.limit
+func (pt *part) decidedLimit() limit {
+	if pt.overridden() {
+		return pt.v.limit
 	}
-	return p.limit
+	return pt.policy.limit
 }
 
-// decidedQuota is the N the request's quota bucket i was decided under: an
+// decidedQuota is the N the part's quota bucket was decided under: an
 // override's when one was in force, or the one sent (its plan's, or a
 // `local` share of it).
-func (res *admission) decidedQuota(i int) int64 {
-	if v := res.d.verdicts[i]; v.limit != res.shownReqs[i].limit && v.limit != (limit{}) {
-		return v.limit.burst
+func (pt *part) decidedQuota() int64 {
+	if pt.overridden() {
+		return pt.v.limit.burst
 	}
-	return res.shownReqs[i].limit.burst
+	return pt.rq.limit.burst
+}
+
+// overridden reports whether the part's bucket was decided under an
+// override: a limit other than the one sent.
+func (pt *part) overridden() bool {
+	return pt.v.limit != pt.rq.limit && pt.v.limit != (limit{})
 }
 
 // overridden reports whether a bucket of the decision was decided under an
 // override, whose RateLimit-Policy member is not the policy's.
 func (res *admission) overridden() bool {
-	for i, v := range res.d.verdicts {
-		if i < len(res.shownReqs) && v.limit != res.shownReqs[i].limit && v.limit != (limit{}) {
+	for _, pt := range res.decidedParts() {
+		if pt.overridden() {
 			return true
 		}
 	}
 	return false
 }
 
-// appendPolicyMember appends the RateLimit-Policy member of the policy's
-// bucket i: the policy's (its plan's), or, under an override, the
-// override's limit per the policy's window (a concurrency policy's: its
-// slots).
-func (res *admission) appendPolicyMember(b []byte, i int, p *Policy) []byte {
-	l := res.decidedLimit(i, p)
+// appendPolicyMember appends the RateLimit-Policy member of the part's
+// bucket: the policy's (its plan's), or, under an override, the override's
+// limit per the policy's window (a concurrency policy's: its slots).
+func (pt *part) appendPolicyMember(b []byte) []byte {
+	p, l := pt.policy, pt.decidedLimit()
 	if l == p.limit {
 		return append(b, p.policyHdr...)
 	}

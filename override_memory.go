@@ -38,8 +38,6 @@ func (m *memoryStore) overrideFilter(prefix string) overrideFilter {
 	return flagFilter{m.overrides.flag(prefix)}
 }
 
-var _ overrideKeeper = (*memoryStore)(nil)
-
 // overrideTable keeps overrides in this process, at most
 // maxProcessOverrides; each expires on the monotonic clock.
 type overrideTable struct {

@@ -18,9 +18,16 @@ import (
 // may have one (followed, read every overridesEvery, pruned), and the
 // commands that write, delete and list them.
 
-// overrideFlags are a Redis connection's filters (overrideSet), by policy
-// prefix, and what keeps them.
+// overrideFlags are a Redis connection's overrides: its filters
+// (overrideSet), by policy prefix, and what keeps them, and the commands
+// that write, delete and list overrides (the Redis store's overrideStore).
+// It holds what it needs of the connection: the client, the bound of a
+// call, and the connection's end.
 type overrideFlags struct {
+	client      redis.UniversalClient
+	callTimeout time.Duration
+	closed      <-chan struct{}
+
 	mu      sync.Mutex
 	sets    map[string]*overrideSet
 	gen     map[string]uint64 // bumped by each announcement
@@ -31,8 +38,7 @@ type overrideFlags struct {
 }
 
 // overrideSet returns the filter of prefix, following it from now on.
-func (c *redisConn) overrideSet(prefix string) *overrideSet {
-	f := &c.overrides
+func (f *overrideFlags) overrideSet(prefix string) *overrideSet {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	if s := f.sets[prefix]; s != nil {
@@ -46,7 +52,7 @@ func (c *redisConn) overrideSet(prefix string) *overrideSet {
 	f.sets[prefix] = s
 	if !f.started {
 		f.started = true
-		go c.followOverrides()
+		go f.followOverrides()
 	}
 	f.ask()
 	return s
@@ -76,34 +82,33 @@ func (f *overrideFlags) changed(key string) {
 }
 
 // followOverrides reads the sets until the connection closes.
-func (c *redisConn) followOverrides() {
+func (f *overrideFlags) followOverrides() {
 	t := time.NewTicker(overridesEvery)
 	defer t.Stop()
 	for {
 		select {
 		case <-t.C:
-		case <-c.overrides.read:
-		case <-c.closed:
+		case <-f.read:
+		case <-f.closed:
 			return
 		}
-		c.readOverrideSets()
+		f.readOverrideSets()
 	}
 }
 
 // readOverrideSets reads, for every policy prefix, the keys its index
 // lists (HKEYS: some 22 bytes per override), first pruning a few expired
 // entries.
-func (c *redisConn) readOverrideSets() {
-	f := &c.overrides
+func (f *overrideFlags) readOverrideSets() {
 	f.mu.Lock()
 	prefixes := make([]string, 0, len(f.sets))
 	for prefix := range f.sets {
 		prefixes = append(prefixes, prefix)
 	}
 	f.mu.Unlock()
-	ctx, cancel := context.WithTimeout(context.Background(), c.callTimeout)
+	ctx, cancel := context.WithTimeout(context.Background(), f.callTimeout)
 	defer cancel()
-	now, err := c.client.Time(ctx).Result()
+	now, err := f.client.Time(ctx).Result()
 	if err != nil {
 		return // keep what was known
 	}
@@ -111,11 +116,11 @@ func (c *redisConn) readOverrideSets() {
 		f.mu.Lock()
 		gen, cursor := f.gen[prefix], f.cursors[prefix]
 		f.mu.Unlock()
-		next, err := c.pruneOverrides(ctx, prefix, cursor, now.UnixMilli())
+		next, err := f.pruneOverrides(ctx, prefix, cursor, now.UnixMilli())
 		if err != nil {
 			return
 		}
-		hashes, err := c.client.HKeys(ctx, overrideIndex(prefix)).Result()
+		hashes, err := f.client.HKeys(ctx, overrideIndex(prefix)).Result()
 		if err != nil {
 			return
 		}
@@ -136,9 +141,9 @@ func (c *redisConn) readOverrideSets() {
 
 // pruneOverrides deletes the expired entries among a few of the index's,
 // from cursor on, and returns where to go on.
-func (c *redisConn) pruneOverrides(ctx context.Context, prefix string, cursor uint64, nowMS int64) (uint64, error) {
+func (f *overrideFlags) pruneOverrides(ctx context.Context, prefix string, cursor uint64, nowMS int64) (uint64, error) {
 	index := overrideIndex(prefix)
-	kv, next, err := c.client.HScan(ctx, index, cursor, "", overridesPruned).Result()
+	kv, next, err := f.client.HScan(ctx, index, cursor, "", overridesPruned).Result()
 	if err != nil {
 		return cursor, err
 	}
@@ -149,7 +154,7 @@ func (c *redisConn) pruneOverrides(ctx context.Context, prefix string, cursor ui
 		}
 	}
 	if len(expired) > 0 {
-		if err := c.client.HDel(ctx, index, expired...).Err(); err != nil {
+		if err := f.client.HDel(ctx, index, expired...).Err(); err != nil {
 			return cursor, err
 		}
 	}
@@ -173,7 +178,7 @@ local at = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + tonumber(
 redis.call('SET', KEYS[1], ARGV[1], 'PXAT', at)
 return at`)
 
-func (c *redisConn) setOverride(ctx context.Context, key string, o override, e overrideEntry, d time.Duration) (overrideEntry, error) {
+func (f *overrideFlags) setOverride(ctx context.Context, key string, o override, e overrideEntry, d time.Duration) (overrideEntry, error) {
 	prefix, hash := policyPrefixOf(key), hashOf(key)
 	index := overrideIndex(prefix)
 	e.Format, e.Hash, e.Key, e.Set = 1, "", "", time.Now().UnixMilli()
@@ -182,46 +187,46 @@ func (c *redisConn) setOverride(ctx context.Context, key string, o override, e o
 	}
 	raw, _ := json.Marshal(e)
 	// The entry first: no override is ever in force without one.
-	if err := c.client.HSet(ctx, index, hash, raw).Err(); err != nil {
+	if err := f.client.HSet(ctx, index, hash, raw).Err(); err != nil {
 		return e, err
 	}
 	var err error
 	if d > 0 {
 		var at int64
-		if at, err = setOverrideFor.Run(ctx, c.client, []string{overrideKey(key)}, o.encode(), d.Milliseconds()).Int64(); err == nil && at != e.Expires {
+		if at, err = setOverrideFor.Run(ctx, f.client, []string{overrideKey(key)}, o.encode(), d.Milliseconds()).Int64(); err == nil && at != e.Expires {
 			e.Expires = at
 			raw, _ = json.Marshal(e)
-			err = c.client.HSet(ctx, index, hash, raw).Err()
+			err = f.client.HSet(ctx, index, hash, raw).Err()
 		}
 	} else {
-		err = c.client.Set(ctx, overrideKey(key), o.encode(), 0).Err()
+		err = f.client.Set(ctx, overrideKey(key), o.encode(), 0).Err()
 	}
 	if err != nil {
-		_ = c.client.HDel(context.WithoutCancel(ctx), index, hash).Err()
+		_ = f.client.HDel(context.WithoutCancel(ctx), index, hash).Err()
 		return e, err
 	}
-	c.overrides.changed(key)
+	f.changed(key)
 	return e, nil
 }
 
-func (c *redisConn) deleteOverride(ctx context.Context, key string) (bool, error) {
-	n, err := c.client.Del(ctx, overrideKey(key)).Result()
+func (f *overrideFlags) deleteOverride(ctx context.Context, key string) (bool, error) {
+	n, err := f.client.Del(ctx, overrideKey(key)).Result()
 	if err != nil {
 		return false, err
 	}
-	if err := c.client.HDel(ctx, overrideIndex(policyPrefixOf(key)), hashOf(key)).Err(); err != nil {
+	if err := f.client.HDel(ctx, overrideIndex(policyPrefixOf(key)), hashOf(key)).Err(); err != nil {
 		return n > 0, err
 	}
-	c.overrides.changed(key)
+	f.changed(key)
 	return n > 0, nil
 }
 
-func (c *redisConn) overridesOf(ctx context.Context, prefix string) ([]overrideEntry, error) {
-	all, err := c.client.HGetAll(ctx, overrideIndex(prefix)).Result()
+func (f *overrideFlags) overridesOf(ctx context.Context, prefix string) ([]overrideEntry, error) {
+	all, err := f.client.HGetAll(ctx, overrideIndex(prefix)).Result()
 	if err != nil {
 		return nil, err
 	}
-	now, err := c.client.Time(ctx).Result()
+	now, err := f.client.Time(ctx).Result()
 	if err != nil {
 		return nil, err
 	}
@@ -240,8 +245,8 @@ func (c *redisConn) overridesOf(ctx context.Context, prefix string) ([]overrideE
 
 // overrideOf reads the override key, which says whether one is in force
 // (it expires by itself), then its entry for the rest.
-func (c *redisConn) overrideOf(ctx context.Context, key string) (*overrideEntry, error) {
-	v, err := c.client.Get(ctx, overrideKey(key)).Result()
+func (f *overrideFlags) overrideOf(ctx context.Context, key string) (*overrideEntry, error) {
+	v, err := f.client.Get(ctx, overrideKey(key)).Result()
 	if errors.Is(err, redis.Nil) {
 		return nil, nil
 	}
@@ -252,7 +257,7 @@ func (c *redisConn) overrideOf(ctx context.Context, key string) (*overrideEntry,
 	if !ok {
 		return nil, nil // not an override: the script ignores it too
 	}
-	raw, err := c.client.HGet(ctx, overrideIndex(policyPrefixOf(key)), hashOf(key)).Result()
+	raw, err := f.client.HGet(ctx, overrideIndex(policyPrefixOf(key)), hashOf(key)).Result()
 	if err != nil && !errors.Is(err, redis.Nil) {
 		return nil, err
 	}
@@ -269,3 +274,5 @@ func (c *redisConn) overrideOf(ctx context.Context, key string) (*overrideEntry,
 	e.Hash, e.Key = hashOf(key), key
 	return &e, nil
 }
+
+var _ overrideStore = (*overrideFlags)(nil)

@@ -9,6 +9,22 @@ import (
 	"time"
 )
 
+// overrideKeeper is a store that may keep operators' overrides of its
+// buckets' limits (override_store.go). Implemented by redisStore and
+// memoryStore (whose `local` fallback keeps none).
+type overrideKeeper interface {
+	// overridesKept is where they are kept; nil when the store keeps none.
+	overridesKept() overrideStore
+	// overrideFilter says which buckets of the policy whose keys start with
+	// prefix may have one.
+	overrideFilter(prefix string) overrideFilter
+}
+
+var (
+	_ overrideKeeper = (*redisStore)(nil)
+	_ overrideKeeper = (*memoryStore)(nil)
+)
+
 // Where overrides live: in Redis beside their buckets (lua/decide.lua reads
 // them), or in this process without a redis block; and the filters that say
 // which buckets may have one, so that the others never pay a read.
@@ -47,7 +63,7 @@ const (
 )
 
 // overrideKey is where the override of the bucket under bucketKey is:
-// beside it, under the same hash tag (so in the same Cluster slot), the
+// beside it, under the same hash tag (so in the same Cluster hash slot), the
 // script's cheapest key to derive.
 func overrideKey(bucketKey string) string { return bucketKey + ":override" }
 

@@ -16,8 +16,8 @@ import (
 // confirms makes it return errUnconfirmed after a second.
 func TestOverrideAnnouncement(t *testing.T) {
 	srv, client, a := newTestRedis(t)
-	conn := func() *redisConn {
-		c, err := newRedisConn(RedisConfig{Addresses: []string{srv.Addr}, Timeout: testTimeout}.resolved(), zap.NewNop())
+	conn := func() *redisStore {
+		c, err := newRedisStore(RedisConfig{Addresses: []string{srv.Addr}, Timeout: testTimeout}.resolved(), zap.NewNop())
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -25,9 +25,9 @@ func TestOverrideAnnouncement(t *testing.T) {
 		return c
 	}
 	b := conn()
-	a.conn.watch("rl:")
+	a.watch("rl:")
 	b.watch("rl:")
-	set := b.overrideSet("rl:p:")
+	set := b.overrides.overrideSet("rl:p:")
 	ctx := context.Background()
 	deadline := time.Now().Add(5 * time.Second)
 	for (client.PubSubNumSub(ctx, "rl:events").Val()["rl:events"] < 2 || set.may("rl:p:{h}")) && time.Now().Before(deadline) {
@@ -39,11 +39,11 @@ func TestOverrideAnnouncement(t *testing.T) {
 	// Stored first, as the admin API does: the announcement makes b read it
 	// at once, and the read of the index b makes on the event (which, with
 	// nothing stored, would empty b's set again) keeps it.
-	if _, err := a.conn.setOverride(ctx, "rl:p:{h}", override{kind: overrideRate, interval: 3, burst: 300}, overrideEntry{}, 0); err != nil {
+	if _, err := a.overrides.setOverride(ctx, "rl:p:{h}", override{kind: overrideRate, interval: 3, burst: 300}, overrideEntry{}, 0); err != nil {
 		t.Fatalf("storing the override: %v", err)
 	}
 	start := time.Now()
-	if err := a.conn.announceOverride(ctx, "rl:", "rl:p:{h}"); err != nil {
+	if err := a.announceOverride(ctx, "rl:", "rl:p:{h}"); err != nil {
 		t.Fatalf("announcing: %v", err)
 	}
 	took := time.Since(start)
@@ -60,7 +60,7 @@ func TestOverrideAnnouncement(t *testing.T) {
 		t.Fatal(err)
 	}
 	start = time.Now()
-	if err := a.conn.announceOverride(ctx, "rl:", "rl:p:{h}"); !errors.Is(err, errUnconfirmed) || time.Since(start) < time.Second {
+	if err := a.announceOverride(ctx, "rl:", "rl:p:{h}"); !errors.Is(err, errUnconfirmed) || time.Since(start) < time.Second {
 		t.Fatalf("with a subscriber that does not confirm: %v after %v, want errUnconfirmed after 1s", err, time.Since(start))
 	}
 }

@@ -17,8 +17,8 @@ import (
 // access log reads them, and, for a second handler nested in the first,
 // the policies decided already and the RateLimit fields sent so far.
 type requestState struct {
-	decided    bool // a rate_limit handler decided the request
-	decision   outcome
+	decided    bool    // a rate_limit handler decided the request
+	outcome    outcome // {http.rate_limit.decision}: the placeholder keeps its name
 	policy     string
 	key        string // that policy's storage key: a hash, never the identity
 	remaining  int64  // -1: not decided
@@ -95,7 +95,7 @@ func (rs *requestState) placeholder(key string) (any, bool) {
 		if !rs.decided { // no policy matched
 			return "", true
 		}
-		return outcomeNames[rs.decision], true
+		return outcomeNames[rs.outcome], true
 	case "http.rate_limit.policy":
 		return rs.policy, true
 	case "http.rate_limit.key":

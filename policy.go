@@ -678,7 +678,7 @@ func (p *Policy) admissionOp() bucketOp {
 // givesBack reports whether the policy's buckets may be given tokens back
 // after the response (charge_if, settle): what a decision said of them is
 // then no lower bound on their state, and the deny cache leaves them alone.
-func (p *Policy) givesBack() bool { return p.ChargeIf != nil || p.Settle != nil }
+func (p *Policy) givesBack() bool { return p.charging() != chargedAtAdmission }
 
 // cost resolves what this request costs under the policy.
 func (p *Policy) cost(r *http.Request, repl *caddy.Replacer) int64 {
@@ -720,19 +720,3 @@ func (p *Policy) matches(r *http.Request) (bool, error) {
 	}
 	return p.matchers.MatchWithError(r)
 }
-
-// takeHeldPlace takes one of the policy's places for a held request: false when all
-// MaxHeld are taken, or when the policy never waits.
-func (p *Policy) takeHeldPlace() bool {
-	if p.Wait == 0 || p.shadow {
-		return false
-	}
-	if p.held.n.Add(1) > int64(p.MaxHeld) {
-		p.held.n.Add(-1)
-		return false
-	}
-	return true
-}
-
-// giveHeldPlace gives back a place taken by hold.
-func (p *Policy) giveHeldPlace() { p.held.n.Add(-1) }

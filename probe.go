@@ -11,6 +11,16 @@ import (
 	"go.uber.org/zap"
 )
 
+// prober is a store that may be unable to decide for a policy (unreachable,
+// refused by an ACL, without scripting), which a probe finds out before a
+// request does: at start, with require_redis, and in `caddy rate-limit
+// check` (probe.go, check.go). Implemented by redisStore.
+type prober interface {
+	probe(defs []definition) []probeResult
+}
+
+var _ prober = (*redisStore)(nil)
+
 // Loud at start. Once a config with a redis block runs (the fleet's
 // goroutine notices it, fleet.go), each of its policies on the connection
 // is probed with one read-only decision sent straight to Redis (past the
@@ -40,7 +50,7 @@ const probeTries = 3
 // (probeTries times while it times out);
 // after a failure that is the connection's (Redis unreachable, a wrong
 // password, no scripting), the rest fail alike without a call.
-func (c *redisConn) probe(defs []definition) []probeResult {
+func (c *redisStore) probe(defs []definition) []probeResult {
 	out := make([]probeResult, len(defs))
 	var wide *probeResult
 	for i, d := range defs {
@@ -90,10 +100,10 @@ func (p *Policy) probeRequest(h *Handler) bucketRequest {
 
 // decideDirect makes one script call for reqs, past the breaker and the
 // coalescer, and reports nothing: the probe says what it found.
-func (c *redisConn) decideDirect(ctx context.Context, reqs []bucketRequest) error {
+func (c *redisStore) decideDirect(ctx context.Context, reqs []bucketRequest) error {
 	p := newPending(reqs, nil)
 	defer p.recycle()
-	args := encodeCall(p.one[:], int(c.format.Load()))
+	args := encodeCall(p.one[:], c.format.current())
 	cmd := redis.NewIntSliceCmd(ctx, args...)
 	_ = c.client.Process(ctx, cmd)
 	if redis.HasErrorPrefix(cmd.Err(), "NOSCRIPT") {
@@ -210,7 +220,7 @@ func (f probeFailure) describe() string {
 // probeStarted probes the policies of a config that started running and
 // logs, once per cause, what stops Redis deciding; the first time Redis
 // decides (or again after a failure), one INFO line.
-func (c *redisConn) probeStarted(hs []*Handler) {
+func (c *redisStore) probeStarted(hs []*Handler) {
 	defs := storeDefinitions(hs)
 	if len(defs) == 0 {
 		return
@@ -315,8 +325,8 @@ func policiesText(ps []*Policy) string {
 
 // claimReport reports whether a failure of kind is to be logged now, and
 // marks it logged: with onlyOnce, not when it was within reportInterval.
-// The requests' reports (redisConn.report) and the probe's share it.
-func (c *redisConn) claimReport(kind string, onlyOnce bool) bool {
+// The requests' reports (redisStore.report) and the probe's share it.
+func (c *redisStore) claimReport(kind string, onlyOnce bool) bool {
 	now := time.Now()
 	c.reported.mu.Lock()
 	defer c.reported.mu.Unlock()

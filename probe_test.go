@@ -53,7 +53,7 @@ func TestProbe(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			cfg := tc.redis
 			h := probeHandler(t, &cfg, "")
-			c := h.store.(*redisStore).conn
+			c := h.store.(*redisStore)
 			var got []string
 			for _, f := range failuresOf(c.probe(storeDefinitions([]*Handler{h}))) {
 				var names []string

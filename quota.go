@@ -71,83 +71,13 @@ type durability struct {
 
 func (d durability) wanted() bool { return d.replicas > 0 || d.aof }
 
-// periodAt is the period holding nowUS, as the script picks it from the
-// bounds around it; false when nowUS is outside them (never for a
-// calendar, whose bounds are taken around nowUS itself).
-func (q *quotaSpec) periodAt(nowUS int64) (calendar.Period, bool) {
-	b := q.periods.Bounds(time.UnixMicro(nowUS))
-	i, ok := b.Pick(nowUS)
-	if !ok {
-		return calendar.Period{}, false
-	}
-	return b.Period(i), true
-}
-
-// quotaFits reports whether a request of cost fits a quota of n of which
-// used are used (used may exceed n after a settle's debt, or a lowered
-// quota). Compared as cost <= n - used so that no sum leaves the 2^53
-// range in which Lua's doubles are exact.
-func quotaFits(n, used, cost int64) bool { return cost <= n-used }
-
-// quotaAdjusted is the units used after a charge (delta > 0) or a refund or
-// grant (delta < 0) made in period cur, of a charge that belongs to period
-// of (zero: the current one). A charge whose period is over changes
-// nothing: a new period starts at 0, whatever the last one owed. A refund
-// never takes used below 0; a charge never takes it beyond n + slack (the
-// most a settle may charge beyond the quota), nor lowers it.
-func quotaAdjusted(used, n, slack, delta int64, of, cur calendar.Period) int64 {
-	if of != (calendar.Period{}) && of != cur {
-		return used
-	}
-	next := used + delta
-	if delta > 0 {
-		next = min(next, max(used, n+slack))
-	}
-	return max(next, 0)
-}
-
-// decideQuota is a quota bucket's part of decideBuckets, once admitted says
-// whether the request is admitted: it fills in the bucket's verdict (units
-// left, the µs to the period's end, the period) and returns the units used
-// once the decision is applied. used is the bucket's count in the period
-// holding now (0 when it holds another period's).
-func decideQuota(v *verdict, used, now int64, rq bucketRequest, admitted bool) int64 {
-	p, _ := rq.quota.periodAt(now)
-	n := rq.limit.burst
-	next := used
-	switch {
-	case rq.op == opTake && admitted && v.allowed:
-		next = used + rq.cost
-	case rq.op == opAdjust:
-		next = quotaAdjusted(used, n, rq.limit.slack, rq.delta, rq.period, p)
-	case rq.op == opReset:
-		next = 0
-	}
-	v.remaining, v.untilFits, v.period = n-next, p.End-now, p
-	if !v.allowed && rq.cost > n {
-		v.untilFits = neverFits // no period is long enough
-	}
-	return next
-}
-
-// quotaAdmits is a quota bucket's say in the admission (decideBuckets'
-// first pass): whether its cost fits what the period has left.
-func quotaAdmits(used int64, rq bucketRequest) bool {
-	if !rq.op.admits() {
-		return true
-	}
-	return quotaFits(rq.limit.burst, used, rq.cost)
-}
-
-// notePeriods records, in each quota bucket request, the period its
-// decision counted it in: a charge after the response (settle, charge_if)
-// belongs to that period, and is dropped if it is over by then.
-func notePeriods(reqs []bucketRequest, d decision) {
-	for i := range reqs {
-		if reqs[i].quota != nil && i < len(d.verdicts) {
-			reqs[i].period = d.verdicts[i].period
-			observeQuotaUsed(reqs[i].quota.used, d.verdicts[i], reqs[i])
-		}
+// notePeriod records, in a quota bucket request, the period its decision
+// counted it in: a charge after the response (settle, charge_if) belongs
+// to that period, and is dropped if it is over by then.
+func (rq *bucketRequest) notePeriod(v verdict) {
+	if rq.kind() == quotaBucket {
+		rq.period = v.period
+		observeQuotaUsed(rq.quota.used, v, *rq)
 	}
 }
 
@@ -194,41 +124,4 @@ func decodeQuota(v string) (p calendar.Period, used int64, ok bool) {
 		n[i] = x
 	}
 	return calendar.Period{Start: n[0], End: n[1]}, n[2], true
-}
-
-// The HTTP side of a quota.
-
-// quotaMember is a cached RateLimit-Policy member, for one quota and period.
-type quotaMember struct {
-	n      int64
-	p      calendar.Period
-	member []byte
-}
-
-// policyMember is the RateLimit-Policy member of a quota of n units in
-// period p: "name";q=n;w=<p's length in seconds>, built once a period.
-func (q *quotaSpec) policyMember(n int64, p calendar.Period) []byte {
-	if m := q.member.Load(); m != nil && m.p == p && m.n == n {
-		return m.member
-	}
-	m := &quotaMember{n: n, p: p, member: policyMember(nil, q.name, min(n, maxSFInteger), min(p.Seconds(), maxSFInteger), q.counts)}
-	q.member.Store(m)
-	return m.member
-}
-
-// maxBoundarySpread bounds how far past a quota's boundary Retry-After
-// sends the clients it denied.
-const maxBoundarySpread = time.Hour
-
-// boundarySpread is how far past its boundary a quota spreads the return
-// of the clients it denied: jitter of the period's length (a minute's 12 s
-// at 20%), at most maxBoundarySpread. Of the period rather than of each
-// client's wait: clients denied in the period's last second would
-// otherwise all come back in the next one's first.
-func boundarySpread(p calendar.Period, jitter float64) int64 {
-	return min(int64(float64(p.End-p.Start)*jitter), maxBoundarySpread.Microseconds())
-}
-
-func init() {
-	errorFixes["clock"] = "Redis's clock and this instance's are more than a quota's period apart (a minute for quota N/minute): synchronise both with NTP; until then the requests of quota policies follow on_error"
 }

@@ -104,7 +104,7 @@ func (c RedisConfig) resolved() RedisConfig {
 }
 
 // poolKey identifies a connection: configs that connect the same way share
-// one client, which survives config reloads (see redisConns).
+// one client, which survives config reloads (see redisStores).
 func (c RedisConfig) poolKey() string {
 	c.KeyPrefix = "" // not a connection setting
 	b, _ := json.Marshal(c)

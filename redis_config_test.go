@@ -19,8 +19,8 @@ import (
 // while {env.X} in address, password and key_secret stays in the JSON and
 // is read from the environment of the Caddy that loads it: the fleet's
 // examples use it for everything a reload must not change. An address
-// whose {env.X} is unset fails the load naming the variable, rather than
-// pointing the instance elsewhere.
+// (or sentinel master) whose {env.X} is unset fails the load naming the
+// variable, rather than pointing the instance elsewhere.
 func TestRedisEnvPlaceholdersAtLoad(t *testing.T) {
 	srv := testredis.Start(t)
 	admin := redis.NewClient(&redis.Options{Addr: srv.Addr})
@@ -59,28 +59,12 @@ func TestRedisEnvPlaceholdersAtLoad(t *testing.T) {
 			t.Fatalf("adapted: %s lacks %s", out, want)
 		}
 	}
-	var handlerJSON []byte
-	var find func(v any)
-	find = func(v any) {
-		switch x := v.(type) {
-		case map[string]any:
-			if x["handler"] == "rate_limit" {
-				delete(x, "handler")
-				handlerJSON, _ = json.Marshal(x)
-				return
-			}
-			for _, e := range x {
-				find(e)
-			}
-		case []any:
-			for _, e := range x {
-				find(e)
-			}
-		}
+	found := rateLimitHandlers(t, out)
+	if len(found) != 1 {
+		t.Fatalf("%d rate_limit handlers in %s", len(found), out)
 	}
-	var cfg any
-	_ = json.Unmarshal(out, &cfg)
-	find(cfg)
+	delete(found[0], "handler")
+	handlerJSON, _ := json.Marshal(found[0])
 
 	provision := func() error {
 		h := new(Handler)
@@ -115,4 +99,21 @@ func TestRedisEnvPlaceholdersAtLoad(t *testing.T) {
 		t.Fatalf("address variable unset: %v", err)
 	}
 	t.Logf("unset: %v", err)
+
+	// A sentinel master's name unset is not a single server at the
+	// sentinels' addresses: the load fails naming it.
+	t.Setenv("RL_TEST_REDIS_ADDRESS", srv.Addr)
+	h := new(Handler)
+	if err := json.Unmarshal(handlerJSON, h); err != nil {
+		t.Fatal(err)
+	}
+	h.Redis.Sentinel = "{env.RL_TEST_SENTINEL_MASTER}"
+	h.RequireRedis = false
+	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+	defer cancel()
+	err = h.Provision(ctx)
+	_ = h.Cleanup()
+	if err == nil || !strings.Contains(err.Error(), "sentinel") || !strings.Contains(err.Error(), "RL_TEST_SENTINEL_MASTER is not set") {
+		t.Fatalf("sentinel variable unset: %v", err)
+	}
 }

@@ -6,110 +6,23 @@ import (
 	"net"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
-	"github.com/ratelimit-caddy/caddy-ratelimit/internal/breaker"
 	"github.com/redis/go-redis/v9"
 	"go.uber.org/zap"
 )
 
 // The connection to Redis that every config connecting the same way
-// shares: the client, the circuit breaker, the coalescing of calls, the
-// deny cache, and the reports of what went wrong.
+// shares (the Redis store, store_redis.go, is that connection): the pool
+// that keeps it across reloads, the check of Redis's eviction policy, and
+// the reports of what went wrong.
 
-// redisConns shares Redis connections across config loads: Caddy
+// redisStores shares Redis connections across config loads: Caddy
 // provisions a new config before it cleans up the old one, so a reload
 // reuses the open connections (and the circuit breaker's state) instead of
 // redialling.
-var redisConns = caddy.NewUsagePool()
-
-// redisConn is one Redis client with what every config using it shares:
-// the circuit breaker, the coalescing of calls and the deny cache.
-type redisConn struct {
-	client redis.UniversalClient
-	name   string // the addresses, for logs
-	// coalescer merges concurrent requests into one script call (see
-	// coalesce.go); nil in cluster mode, where a call reaches one slot only.
-	coalescer *coalescer
-	breaker   *breaker.Breaker
-	// denials is shared by every config on this Redis: what one learned of
-	// a bucket holds for all. Nil in cluster mode, whose cross-slot refunds
-	// move TATs back.
-	denials *denyCache
-	// cluster: a Redis Cluster, where a script call reaches one slot, so
-	// requests whose buckets span slots take one call per slot.
-	cluster bool
-	// callTimeout bounds a call as a whole: waiting for a connection,
-	// connecting, and EVALSHA then EVAL when Redis lost the script.
-	callTimeout time.Duration
-	logger      *zap.Logger
-	reported    redisReports
-	events      redisEvents
-	leases      leaseBook
-	// format is the format buckets are written in (format.go), from the
-	// fleet marker (upgrade.go); formatChanged asks to read the marker again.
-	format        atomic.Int32
-	formatChanged chan struct{}
-	closed        chan struct{}
-	// timeout is the redis block's, which durable quotas' WAIT and WAITAOF
-	// wait at most; durable coalesces their calls (durable.go).
-	timeout time.Duration
-	durable durableCalls
-	// overrides say which buckets may have overrides in this Redis
-	// (override_redis.go).
-	overrides overrideFlags
-	// afterApart counts the work after responses on its way in calls of
-	// its own: in cluster mode, which has no coalescer to ride.
-	afterApart callCount
-	// db is the database its buckets are in; fleet its part in the fleet
-	// (fleet.go).
-	db    int
-	fleet fleetView
-	// hot decides hot keys from blocks of their tokens (hotkeys_store.go).
-	hot *hotKeys
-}
-
-// Destruct closes the connection once no handler uses it: Caddy stopped,
-// after its requests ended, or the last request of a config reloaded to
-// other connection settings ended (storeUse). What those requests left to
-// do after their responses (releases, settles, charges) is sent first, and
-// the releases not yet confirmed once more, waited for at most
-// callTimeout: else a stopped instance's last slots stay taken until their
-// leases run out, and its last settles are lost.
-func (c *redisConn) Destruct() error {
-	c.hot.close() // its blocks' unspent tokens go back with the work below
-	c.finishAfterWork(time.Now().Add(c.callTimeout))
-	c.events.close()
-	close(c.closed)
-	c.leaveFleet(time.Now().Add(c.callTimeout))
-	return c.client.Close()
-}
-
-// finishAfterWork sends what requests left to do after their responses,
-// and the releases the store has not confirmed once more, and waits for
-// them until deadline.
-func (c *redisConn) finishAfterWork(deadline time.Time) {
-	if rels, policies := c.leases.unconfirmed(); len(rels) > 0 {
-		c.sendReleases(&redisStore{conn: c}, rels, policies)
-	}
-	var done <-chan struct{}
-	if c.coalescer != nil {
-		done = c.coalescer.drained()
-	} else {
-		done = c.afterApart.drained()
-	}
-	wait := time.Until(deadline)
-	timer := time.NewTimer(wait)
-	defer timer.Stop()
-	select {
-	case <-done:
-	case <-timer.C:
-		c.logger.Warn("closing: Redis did not answer the work after the last responses (releases, settles, charges) in time; their slots come back when their leases run out",
-			zap.String("redis", c.name), zap.Duration("waited", wait))
-	}
-}
+var redisStores = caddy.NewUsagePool()
 
 // callCount counts calls in flight, and tells when none is.
 type callCount struct {
@@ -137,59 +50,10 @@ func (cc *callCount) drained() <-chan struct{} {
 	return cc.idle.add()
 }
 
-// noCoalescing sends every request in its own script call, for benchmarks
-// comparing.
-var noCoalescing = false
-
-func newRedisConn(c RedisConfig, logger *zap.Logger) (*redisConn, error) {
-	client, err := c.newClient()
-	if err != nil {
-		return nil, err
-	}
-	conn := &redisConn{
-		client:      client,
-		name:        strings.Join(c.Addresses, ","),
-		cluster:     c.Cluster,
-		callTimeout: c.dialTimeout() + 3*time.Duration(c.Timeout),
-		logger:      logger,
-		timeout:     time.Duration(c.Timeout),
-		db:          c.DB,
-
-		formatChanged: make(chan struct{}, 1),
-		closed:        make(chan struct{}),
-	}
-	conn.format.Store(formatV1)
-	conn.fleet.nudge = make(chan struct{}, 1)
-	conn.breaker = breaker.New(func(from, to breaker.State) {
-		switch {
-		case to == breaker.Open && from == breaker.Closed:
-			circuitOpen.Inc()
-			logger.Warn("Redis unavailable: calls failed for "+breaker.Span.String()+"; requests follow on_error until a probe succeeds",
-				zap.String("redis", conn.name), zap.Duration("probe_every", breaker.Cooldown))
-		case to == breaker.Closed:
-			circuitOpen.Dec()
-			logger.Info("Redis available again: circuit closed", zap.String("redis", conn.name))
-		default:
-			logger.Debug("circuit breaker", zap.String("redis", conn.name), zap.Stringer("from", from), zap.Stringer("to", to))
-		}
-	})
-	if !c.Cluster {
-		conn.denials = newDenyCache(monotonicMicros)
-		if !noCoalescing {
-			conn.coalescer = &coalescer{call: conn.call, maxCalls: c.poolSize()}
-		}
-	}
-	conn.hot = newHotKeys(conn)
-	go conn.checkEviction()
-	go conn.followFormat()
-	go conn.followFleet()
-	return conn, nil
-}
-
 // checkEviction warns, once, when Redis may evict buckets to make room: a
 // bucket evicted is a full bucket, a budget given back. A managed Redis
 // that refuses CONFIG GET is not an error.
-func (c *redisConn) checkEviction() {
+func (c *redisStore) checkEviction() {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	res, err := c.client.ConfigGet(ctx, "maxmemory-policy").Result()
@@ -222,7 +86,7 @@ const reportInterval = 10 * time.Second
 // reportInterval. Errors of the configuration (a password, an ACL, a
 // replica) are logged at ERROR with what to change; a Redis that does not
 // answer at WARN.
-func (c *redisConn) report(kind string, err error) {
+func (c *redisStore) report(kind string, err error) {
 	if !c.claimReport(kind, true) {
 		return
 	}
@@ -262,4 +126,5 @@ var errorFixes = map[string]string{
 	"wrongtype": "a bucket's key holds a value of another type (was it written by hand?): DEL the key named in this log; the requests of that key follow on_error until then",
 	"corrupt":   "a bucket's key holds a string that is not a bucket (was it written by hand?): DEL the key named in this log; the requests of that key follow on_error until then",
 	"script":    "the script's reply does not match this build: is another version of the module using the same Redis and key_prefix?",
+	"clock":     "Redis's clock and this instance's are more than a quota's period apart (a minute for quota N/minute): synchronise both with NTP; until then the requests of quota policies follow on_error",
 }

@@ -30,7 +30,7 @@ func TestDestructFinishesAfterWork(t *testing.T) {
 func testDestructFinishesLaterWork(t *testing.T, apart bool) {
 	srv := testredis.Start(t)
 	cfg := RedisConfig{Addresses: []string{srv.Addr}, Timeout: testTimeout}.resolved()
-	conn, err := newRedisConn(cfg, zap.NewNop())
+	conn, err := newRedisStore(cfg, zap.NewNop())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -39,7 +39,7 @@ func testDestructFinishesLaterWork(t *testing.T, apart bool) {
 	} else {
 		conn.coalescer.wait = time.Hour
 	}
-	rs := &redisStore{conn: conn}
+	rs := conn
 	ctx := context.Background()
 
 	slots := limit{interval: 30_000_000, burst: 2} // 2 slots, leases of 30 s
@@ -52,16 +52,16 @@ func testDestructFinishesLaterWork(t *testing.T, apart bool) {
 		}
 		held = append(held, lease{rq: rq})
 	}
-	conn.hold(held)
+	conn.leases.hold(held)
 	// One slot's request ends: its release is queued. The other's release
 	// failed once, and waits to be sent again.
-	conn.release(rs, held[:1])
+	conn.leases.sendReleases(conn.leases.releasing(held[:1]))
 	unconfirmed := held[1].rq
 	unconfirmed.op = opRelease
 	conn.leases.mu.Lock()
 	delete(conn.leases.leases, unconfirmed.lease)
 	conn.leases.mu.Unlock()
-	conn.retryReleases([]bucketRequest{unconfirmed}, []*Policy{nil})
+	conn.leases.retryReleases([]bucketRequest{unconfirmed}, []*Policy{nil})
 	// A settle's charge of 3 more tokens, queued.
 	rate := limit{interval: 60_000_000, burst: 10} // 10 a minute: no refill to speak of
 	charged := make(chan error, 1)
@@ -80,12 +80,12 @@ func testDestructFinishesLaterWork(t *testing.T, apart bool) {
 	}
 
 	// The next instance.
-	next, err := newRedisConn(cfg, zap.NewNop())
+	next, err := newRedisStore(cfg, zap.NewNop())
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { next.Destruct() })
-	ns := &redisStore{conn: next}
+	ns := next
 	admitted := 0
 	for range 3 {
 		d, err := ns.decide(ctx, []bucketRequest{{key: "rl:c:{slots}", limit: slots, op: opAcquire, lease: leaseIDs()}})

@@ -18,7 +18,7 @@ import (
 // with unread data) as plain text on stderr, dozens of lines a second
 // while Redis is down, which breaks a structured log. Its lines go
 // through the module's zap logger instead: at DEBUG, since the module
-// reports the same failures itself (redisConn.report, the circuit
+// reports the same failures itself (redisStore.report, the circuit
 // breaker's WARN), except a recovered panic, at ERROR; and each kind of
 // line at most once per reportInterval, with how many were dropped. The
 // logger go-redis uses is the process's, so this covers every module of

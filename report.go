@@ -11,7 +11,7 @@ import "net/http"
 // the policy that tells it and that policy's storage key, the whole tokens
 // that policy has left (-1: nothing to tell) and the Retry-After sent.
 func (rs *requestState) decidedAs(o outcome, policy, key string, remaining, retryAfter int64) {
-	rs.decided, rs.decision, rs.policy, rs.key, rs.remaining, rs.retryAfter = true, o, policy, key, remaining, retryAfter
+	rs.decided, rs.outcome, rs.policy, rs.key, rs.remaining, rs.retryAfter = true, o, policy, key, remaining, retryAfter
 }
 
 // report sets the placeholders and the RateLimit fields. Every placeholder
@@ -32,24 +32,25 @@ func (h *Handler) report(w http.ResponseWriter, rs *requestState, res *admission
 // setPlaceholders sets the placeholders from the decision, and reports
 // whether an enforced (not shadow) policy took part in it.
 func (res *admission) setPlaceholders(rs *requestState, retryAfter int64) (enforced bool) {
-	d := res.d
 	// The tightest enforced policy; among shadow ones only when no policy is
 	// enforced, so a dry run still says which policy would deny.
-	tightest := -1
-	for i, v := range d.verdicts {
-		if v.allowed && res.shown[i].kind == kindShed {
+	var tightest *part
+	for _, pt := range res.decidedParts() {
+		if pt.v.allowed && pt.policy.kind == kindShed {
 			continue // the service's capacity, not a budget left to the caller
 		}
-		e := !res.shown[i].shadow
-		if tightest < 0 || e && !enforced || e == enforced && tighter(v, d.verdicts[tightest]) {
-			tightest, enforced = i, e
+		e := !pt.policy.shadow
+		// The first verdict; else an enforced one over a shadow one; else,
+		// between two alike, the tighter.
+		if tightest == nil || (e && !enforced) || (e == enforced && tighter(pt.v, tightest.v)) {
+			tightest, enforced = pt, e
 		}
 	}
-	if tightest < 0 { // fail_open: nothing was decided
+	if tightest == nil { // fail_open: nothing was decided
 		rs.decidedAs(res.outcome, "", "", -1, retryAfter)
 		return false
 	}
-	rs.decidedAs(res.outcome, res.shown[tightest].Name, res.shownReqs[tightest].key, max(0, d.verdicts[tightest].remaining), retryAfter)
+	rs.decidedAs(res.outcome, tightest.policy.Name, tightest.rq.key, max(0, tightest.v.remaining), retryAfter)
 	return enforced
 }
 
@@ -59,7 +60,6 @@ func (res *admission) setPlaceholders(rs *requestState, retryAfter int64) (enfor
 // bucket holds once this response's own charge is made, as far as it is
 // known when the headers are written.
 func (res *admission) writeFields(hdr http.Header, rs *requestState, charged bool) {
-	d := res.d
 	// Most requests match every policy: their RateLimit-Policy is fixed.
 	var pbuf, lbuf [256]byte
 	pol, lim := pbuf[:0], lbuf[:0]
@@ -67,8 +67,8 @@ func (res *admission) writeFields(hdr http.Header, rs *requestState, charged boo
 	if res.outerPolicyField != "" {
 		pol, lim = append(pol, res.outerPolicyField...), append(lim, res.outerLimitField...)
 	}
-	for i, v := range d.verdicts {
-		p := res.shown[i]
+	for i, pt := range res.decidedParts() {
+		p, v := pt.policy, pt.v
 		if p.shadow || p.kind == kindShed { // see docs/load-shedding.md: no caller's budget
 			continue
 		}
@@ -77,17 +77,17 @@ func (res *admission) writeFields(hdr http.Header, rs *requestState, charged boo
 			lim = append(lim, ", "...)
 		}
 		if !all {
-			if q := res.shownReqs[i].quota; q != nil {
-				pol = append(pol, q.policyMember(res.decidedQuota(i), v.period)...)
+			if q := pt.rq.quota; q != nil {
+				pol = append(pol, q.policyMember(pt.decidedQuota(), v.period)...)
 			} else {
-				pol = res.appendPolicyMember(pol, i, p)
+				pol = pt.appendPolicyMember(pol)
 			}
 		}
 		remaining, until := v.remaining, v.untilFits
 		if charged {
 			remaining, until = res.predicted(i)
 		}
-		if res.shownReqs[i].quota != nil {
+		if pt.rq.kind() == quotaBucket {
 			until = v.untilFits // a quota's t is its boundary's, charged or not
 		}
 		if p.kind == kindConcurrent {

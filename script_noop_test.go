@@ -22,7 +22,7 @@ func TestNoopScriptShape(t *testing.T) {
 		t.Fatal(err)
 	}
 	srv := testredis.Start(t)
-	conn, err := newRedisConn(RedisConfig{Addresses: []string{srv.Addr}, Timeout: testTimeout}.resolved(), zap.NewNop())
+	conn, err := newRedisStore(RedisConfig{Addresses: []string{srv.Addr}, Timeout: testTimeout}.resolved(), zap.NewNop())
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -4,7 +4,6 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
-	"fmt"
 	"net/http"
 	"net/http/httptest"
 	"strconv"
@@ -474,70 +473,6 @@ func TestServeHTTPSettle(t *testing.T) {
 	step("100", "999999", -120, -120) // 160 reserved, the usage capped at max 600
 	if x := serveWith([]*Handler{h}, nil, upstreamAnswering(200), "X-Api-Key", "k", "X-Max-Tokens", "1"); x.status != 429 {
 		t.Fatalf("an empty bucket: %d, want 429", x.status)
-	}
-}
-
-// TestServeHTTPConcurrent: at most N requests of a key run at once; the
-// next is denied (429, Retry-After 1, RateLimit r=0, RateLimit-Policy with
-// the concurrent-requests unit) until one ends, and with `wait` takes the
-// slot as soon as one is freed.
-func TestServeHTTPConcurrent(t *testing.T) {
-	for _, waits := range []bool{false, true} {
-		t.Run(fmt.Sprintf("wait=%v", waits), func(t *testing.T) {
-			c := &clock{t: 1000 * sec}
-			p := &Policy{Name: "exports", Key: "{http.request.header.X-User}", Concurrent: 2}
-			if waits {
-				p.Wait = caddy.Duration(10 * time.Second)
-			}
-			h := testHandler(t, &Handler{Jitter: jitterOff(), Policies: []*Policy{p}}, newMemoryStore(c.now))
-			hold := make(chan struct{})
-			entered := make(chan struct{}, 3)
-			blocking := func(w http.ResponseWriter, r *http.Request) error {
-				entered <- struct{}{}
-				<-hold
-				w.WriteHeader(200)
-				return nil
-			}
-			results := make(chan exchange, 3)
-			for range 2 {
-				go func() { results <- serveWith([]*Handler{h}, nil, blocking, "X-User", "kim") }()
-				<-entered
-			}
-			if waits {
-				go func() { results <- serveWith([]*Handler{h}, nil, blocking, "X-User", "kim") }()
-				time.Sleep(50 * time.Millisecond) // queued for a slot
-				select {
-				case <-entered:
-					t.Fatal("a third request ran with 2 slots taken")
-				default:
-				}
-				hold <- struct{}{} // one of the two ends: the waiting one takes its slot
-				<-entered
-				close(hold)
-				for range 3 {
-					if x := <-results; x.status != 200 {
-						t.Fatalf("%d, want every request admitted in turn", x.status)
-					}
-				}
-				return
-			}
-			x := serve([]*Handler{h}, nil, "X-User", "kim")
-			pol := fields(t, x.header, "RateLimit-Policy")
-			lim := fields(t, x.header, "RateLimit")
-			if x.status != 429 || x.header.Get("Retry-After") != "1" || lim["exports"]["r"] != 0 || pol["exports"]["q"] != 2 ||
-				!strings.Contains(x.header.Get("RateLimit-Policy"), `qu="concurrent-requests"`) {
-				t.Fatalf("third request: %d Retry-After %q RateLimit %q RateLimit-Policy %q", x.status, x.header.Get("Retry-After"), x.header.Get("RateLimit"), x.header.Get("RateLimit-Policy"))
-			}
-			if x := serve([]*Handler{h}, nil, "X-User", "lou"); x.status != 200 || fields(t, x.header, "RateLimit")["exports"]["r"] != 1 {
-				t.Fatalf("another key: %d %q", x.status, x.header.Get("RateLimit"))
-			}
-			close(hold)
-			<-results
-			<-results
-			if x := serve([]*Handler{h}, nil, "X-User", "kim"); x.status != 200 {
-				t.Fatalf("after the two ended: %d", x.status)
-			}
-		})
 	}
 }
 

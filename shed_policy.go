@@ -1,10 +1,7 @@
 package ratelimit
 
 import (
-	"context"
-	"errors"
 	"fmt"
-	"io"
 	"net/http"
 	"slices"
 	"strings"
@@ -12,8 +9,7 @@ import (
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
-	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
-	"github.com/prometheus/client_golang/prometheus"
+
 	"github.com/ratelimit-caddy/caddy-ratelimit/internal/shed"
 )
 
@@ -25,7 +21,7 @@ import (
 // Two capacities, either or both:
 //
 //   - shed { concurrent N }: fleet-wide, at most N requests in flight on all
-//     instances together. They are concurrency slots (lease.go), one set
+//     instances together. They are concurrency slots (slots.go), one set
 //     for all classes, taken in the request's one atomic decision: a
 //     request of a class is admitted only while fewer than its class's
 //     slots (shed.ClassLimit of N for its share) are in use, so a burst of the
@@ -38,6 +34,32 @@ import (
 //     it sheds costs no Redis call), its slot given back unmeasured when
 //     another policy denies the request, measured when the handler chain
 //     returns.
+
+// shedCapacity is what a shed policy keeps the service within, either or
+// both: an adaptive limit of the requests in flight on this instance
+// (shed { latency }), and slots the fleet shares (shed { concurrent }).
+type shedCapacity uint8
+
+const (
+	adaptiveCapacity shedCapacity = 1 << iota
+	slotCapacity
+)
+
+// capacity is what the policy keeps the service within: none unless it is
+// a shed policy.
+func (p *Policy) capacity() shedCapacity {
+	var c shedCapacity
+	if p.shed != nil && p.shed.limiter != nil {
+		c |= adaptiveCapacity
+	}
+	if p.Shed != nil && p.Shed.Concurrent > 0 {
+		c |= slotCapacity
+	}
+	return c
+}
+
+// has reports whether the capacity includes k.
+func (c shedCapacity) has(k shedCapacity) bool { return c&k != 0 }
 
 // Shed is the capacity a shed policy keeps the service within: one or
 // both of `concurrent` and `latency`.
@@ -113,7 +135,7 @@ type shedAdmission struct {
 	policy *Policy // the class's (shedState.byClass)
 	class  int
 	ticket shed.Ticket
-	held   bool // ticket is the request's slot
+	taken  bool // ticket is the request's place under the adaptive limit
 }
 
 // checkShed checks a shed policy and derives its classes and slots: as a
@@ -311,139 +333,4 @@ func shedLimiterOf(name string, target time.Duration, shares []int64) *shed.Limi
 	}
 	shedLimiters.m[name] = l
 	return l
-}
-
-// shedLimitGauge is caddy_rate_limit_shed_limit{policy}: the adaptive
-// limit of each shed policy of the config loaded last, read when scraped.
-var shedLimitGauge = shedLimitCollector{prometheus.NewDesc("caddy_rate_limit_shed_limit",
-	"The adaptive in-flight limit of a shed { latency } policy on this instance: the most requests of its highest class it lets in flight now (a lower class gets its share of it).",
-	[]string{"policy"}, nil)}
-
-type shedLimitCollector struct{ desc *prometheus.Desc }
-
-func (c shedLimitCollector) Describe(ch chan<- *prometheus.Desc) { ch <- c.desc }
-
-func (c shedLimitCollector) Collect(ch chan<- prometheus.Metric) {
-	for _, p := range budgets.policies() {
-		if p.shed != nil && p.shed.limiter != nil {
-			ch <- prometheus.MustNewConstMetric(c.desc, prometheus.GaugeValue, float64(p.shed.limiter.Limit()), p.Name)
-		}
-	}
-}
-
-// registerShedMetrics adds the shed gauge to this config load's registry,
-// once (see registerMetrics).
-func registerShedMetrics(ctx caddy.Context) error {
-	reg := ctx.GetMetricsRegistry()
-	if reg == nil {
-		return nil
-	}
-	var are prometheus.AlreadyRegisteredError
-	if err := reg.Register(shedLimitGauge); err != nil && !errors.As(err, &are) {
-		return err
-	}
-	return nil
-}
-
-// shed inspects (or resets) a shed policy: its fleet-wide slots in use,
-// and this instance's adaptive limit and requests in flight under it. A
-// reset drops stale leases, as for a concurrent policy; the adaptive limit
-// is learned, not reset.
-func (a adminAPI) shed(ctx context.Context, action string, def definition, req adminRequest, key string) (*bucketState, error) {
-	p, h := def.policy, def.handler
-	if action == "grant" {
-		return nil, apiError(http.StatusBadRequest, "policy %q sheds load: it has capacity, not tokens, to grant", p.Name)
-	}
-	st := &bucketState{Policy: p.Name, Kind: p.kindName(), Identity: req.Identity, Key: key, Store: h.storeName()}
-	if p.Shed.Concurrent > 0 {
-		var err error
-		if st, err = a.slots(ctx, action, def, req, key); err != nil {
-			return nil, err
-		}
-	}
-	if p.shed != nil && p.shed.limiter != nil {
-		limit, in := p.shed.limiter.Limit(), p.shed.limiter.InFlight()
-		st.ShedLimit, st.ShedInFlight = &limit, &in
-	}
-	return st, nil
-}
-
-// printShed prints what inspect or reset answered of a shed policy.
-func printShed(w io.Writer, action string, st bucketState) {
-	fmt.Fprintf(w, "%s (shed policy, key %s)", st.Policy, st.Key)
-	if st.InUse != nil {
-		fmt.Fprintf(w, ": fleet-wide, %d of %d slots in use", *st.InUse, st.Slots)
-		if action == "reset" && st.Dropped != nil {
-			fmt.Fprintf(w, "; reset: %d running, kept; %d stale, dropped", *st.InUse, *st.Dropped)
-		}
-	}
-	if st.ShedLimit != nil && st.ShedInFlight != nil {
-		fmt.Fprintf(w, "; this instance: %d in flight, adaptive limit %d", *st.ShedInFlight, *st.ShedLimit)
-	}
-	fmt.Fprintln(w, ".")
-}
-
-// shedArg reads a policy's shed { concurrent <n>  latency <duration> }.
-func (s *section) shedArg(d *caddyfile.Dispenser, p *Policy) error {
-	if d.NextArg() {
-		return s.errf(d, "shed: unexpected %q: the capacity goes in a block, shed { concurrent <n>  latency <duration> }", d.Val())
-	}
-	sh := new(Shed)
-	in := newSection(d, s.prefix+"shed: ")
-	for nesting := d.Nesting(); d.NextBlock(nesting); {
-		if err := in.once(d); err != nil {
-			return err
-		}
-		switch opt := d.Val(); opt {
-		case "concurrent":
-			if err := in.positiveArg(d, &sh.Concurrent); err != nil {
-				return err
-			}
-		case "latency":
-			if err := in.durationArg(d, &sh.Latency); err != nil {
-				return err
-			}
-		default:
-			return in.errf(d, "unrecognized subdirective %q: shed takes concurrent <n> and latency <duration>", opt)
-		}
-	}
-	p.Shed = sh
-	return nil
-}
-
-// priorityArg reads a policy's priority <placeholder> { <class> <share>% ... },
-// checking each class at its own line.
-func (s *section) priorityArg(d *caddyfile.Dispenser, p *Policy) error {
-	pr, at := new(Priority), *d
-	if !d.NextArg() {
-		return s.errf(d, "priority: the placeholder that names the class is required, e.g. priority {http.request.header.X-Priority} { ... }")
-	}
-	pr.From = d.Val()
-	if d.NextArg() {
-		return s.errf(d, "priority: unexpected %q: the classes go in a block, one per line, highest first: <class> <share>%%", d.Val())
-	}
-	if err := pr.checkFrom(); err != nil {
-		return s.errf(d, "%v", err)
-	}
-	for nesting := d.Nesting(); d.NextBlock(nesting); {
-		name := d.Val()
-		var share string
-		if !d.NextArg() {
-			return s.errf(d, "priority: class %q: a share is required, e.g. %s 50%%", name, name)
-		}
-		share = d.Val()
-		if d.NextArg() {
-			return s.errf(d, "priority: class %q: one share expected, got another: %q", name, d.Val())
-		}
-		pr.Classes = append(pr.Classes, PriorityClass{Name: name, Share: share})
-		// The classes before this one passed: a mistake now is this line's.
-		if _, err := pr.check(); err != nil {
-			return s.errf(d, "%v", err)
-		}
-	}
-	if len(pr.Classes) == 0 {
-		return s.errf(&at, "priority: at least one class is required, highest first, e.g. critical 100%%")
-	}
-	p.Priority = pr
-	return nil
 }

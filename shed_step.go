@@ -8,7 +8,7 @@ import (
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 )
 
-// The shed step of the request path (serve.go): a request's places under
+// The shed step of the request's decision (admission.go): its places under
 // shed policies' adaptive limits, taken before the store decides and given
 // back when its handler chain returns, and the 503 of a shed request.
 
@@ -22,7 +22,7 @@ func (res *admission) admitAdaptive() *Policy {
 		tk, ok := a.policy.shed.limiter.Admit(a.class)
 		switch {
 		case ok:
-			a.ticket, a.held = tk, true
+			a.ticket, a.taken = tk, true
 		case a.policy.shadow:
 			a.policy.decisions[outcomeShadowDenied].Inc()
 		default:
@@ -39,11 +39,11 @@ func (res *admission) passAdaptive() {
 	res.passed = true
 	for i := range res.adaptive {
 		a := &res.adaptive[i]
-		if !a.held {
+		if !a.taken {
 			continue
 		}
 		a.ticket.Passed()
-		if a.policy.Shed.Concurrent == 0 { // otherwise counted with its slots (count)
+		if !a.policy.capacity().has(slotCapacity) { // otherwise counted with its slots (count)
 			a.policy.decisions[outcomeAllowed].Inc()
 		}
 	}
@@ -55,34 +55,16 @@ func (res *admission) passAdaptive() {
 func (res *admission) finishAdaptive() {
 	for i := range res.adaptive {
 		a := &res.adaptive[i]
-		if !a.held {
+		if !a.taken {
 			continue
 		}
-		a.held = false
+		a.taken = false
 		if res.passed {
 			a.ticket.Done()
 		} else {
 			a.ticket.Cancel()
 		}
 	}
-}
-
-// shedOnly reports whether every enforced policy that denied the request
-// is a shed policy: the service is at capacity, and the caller broke no
-// policy of its own (which, if it did, answers 429).
-func (res *admission) shedOnly() bool {
-	shed := false
-	for i, v := range res.d.verdicts {
-		p := res.shown[i]
-		if v.allowed || p.shadow {
-			continue
-		}
-		if p.kind != kindShed {
-			return false
-		}
-		shed = true
-	}
-	return shed
 }
 
 // errShed is the error of a shed request handed to a site's handle_errors.
@@ -115,7 +97,6 @@ func (h *Handler) shed(w http.ResponseWriter, r *http.Request, rs *requestState,
 // { concurrent }): 503, with the RateLimit fields of its other policies,
 // none of which charged it.
 func (h *Handler) denyShed(w http.ResponseWriter, r *http.Request, rs *requestState, res *admission) error {
-	res.outcome = outcomeShed
 	ra := retryAfter(slotWait, h.jitter)
 	h.report(w, rs, res, ra)
 	return writeShed(w, r, ra)

@@ -139,11 +139,11 @@ func (m *memoryStore) decide(_ context.Context, reqs []bucketRequest) (decision,
 		tats = append(tats, 0)
 	}
 	for i, rq := range reqs {
-		if rq.quota != nil {
+		if rq.kind() == quotaBucket {
 			tats[i] = m.shards[shards[i]].quotaUsed(ids[i], rq, now)
 			continue
 		}
-		if rq.op.slots() {
+		if rq.kind() == slotsBucket {
 			tats[i] = int64(len(m.shards[shards[i]].slots[ids[i]]))
 			continue
 		}
@@ -177,11 +177,11 @@ func (m *memoryStore) decide(_ context.Context, reqs []bucketRequest) (decision,
 			continue
 		}
 		s := &m.shards[shards[i]]
-		if rq.quota != nil {
+		if rq.kind() == quotaBucket {
 			s.storeQuota(ids[i], d.verdicts[i].period, next[i], now)
 			continue
 		}
-		if rq.op.slots() {
+		if rq.kind() == slotsBucket {
 			d.verdicts[i].allowed = s.applySlots(ids[i], rq) || rq.op != opRenew
 			continue
 		}
@@ -193,6 +193,25 @@ func (m *memoryStore) decide(_ context.Context, reqs []bucketRequest) (decision,
 	}
 	return d, nil
 }
+
+// announce: in process, an operator's change is this instance's own: it
+// forgets what it remembered of the bucket (its pacing), as an instance
+// hearing an announcement does (announce.go).
+func (m *memoryStore) announce(_ context.Context, _, key string) error {
+	pacing.Forget(key)
+	return nil
+}
+
+// announceOverride: as announce; there is nobody else to confirm it.
+func (m *memoryStore) announceOverride(ctx context.Context, prefix, key string) error {
+	return m.announce(ctx, prefix, key)
+}
+
+// blocksOf: in process, every decision is local already: no blocks.
+func (m *memoryStore) blocksOf(string) (blocks int, tokens int64) { return 0, 0 }
+
+// slotLeases: a slot in process lasts until it is freed, which never fails.
+func (m *memoryStore) slotLeases() leaseKeeper { return freedAtOnce{m} }
 
 // decideAfter decides at once: in process, nothing is saved by waiting.
 func (m *memoryStore) decideAfter(reqs []bucketRequest, then func(decision, error)) {

@@ -3,11 +3,12 @@ package ratelimit
 import (
 	"context"
 	"errors"
+	"strings"
 	"time"
 
 	"github.com/ratelimit-caddy/caddy-ratelimit/internal/breaker"
-	"github.com/ratelimit-caddy/caddy-ratelimit/internal/fleet"
 	"github.com/redis/go-redis/v9"
+	"go.uber.org/zap"
 )
 
 // The Redis store: every request's operations in one call of
@@ -50,14 +51,151 @@ func (e *badBucketError) Error() string {
 	return "rate limit store: key " + e.key + " holds a string that is not a bucket"
 }
 
-// redisStore decides against buckets in Redis.
+// redisStore is the Redis store: one Redis client, which every config
+// connecting the same way shares (redisStores), with its services, each
+// holding what it needs: the circuit breaker, the coalescing of calls, the
+// deny cache, the events between instances, the lease book, the format,
+// durable calls, overrides, the fleet and hot keys.
 type redisStore struct {
-	conn *redisConn
+	client redis.UniversalClient
+	name   string // the addresses, for logs
+	// coalescer merges concurrent requests into one script call (see
+	// coalesce.go); nil in cluster mode, where a call reaches one slot only.
+	coalescer *coalescer
+	breaker   *breaker.Breaker
+	// denials is shared by every config on this Redis: what one learned of
+	// a bucket holds for all. Nil in cluster mode, whose cross-hash-slot refunds
+	// move TATs back.
+	denials *denyCache
+	// cluster: a Redis Cluster, where a script call reaches one slot, so
+	// requests whose buckets span slots take one call per slot.
+	cluster bool
+	// callTimeout bounds a call as a whole: waiting for a connection,
+	// connecting, and EVALSHA then EVAL when Redis lost the script.
+	callTimeout time.Duration
+	logger      *zap.Logger
+	reported    redisReports
+	events      redisEvents
+	leases      *leaseBook // concurrency slots held (lease_book.go)
+	// format is the format buckets are written in (format.go), from the
+	// fleet markers (upgrade.go).
+	format storageFormat
+	closed chan struct{}
+	// timeout is the redis block's, which durable quotas' WAIT and WAITAOF
+	// wait at most; durable coalesces their calls (durable.go).
+	timeout time.Duration
+	durable durableCalls
+	// overrides say which buckets may have overrides in this Redis
+	// (override_redis.go).
+	overrides overrideFlags
+	// afterApart counts the work after responses on its way in calls of
+	// its own: in cluster mode, which has no coalescer to ride.
+	afterApart callCount
+	// db is the database its buckets are in; fleet its part in the fleet
+	// (fleet.go).
+	db    int
+	fleet fleetView
+	// hot decides hot keys from blocks of their tokens (hotkeys_store.go).
+	hot *hotKeys
+}
+
+// noCoalescing sends every request in its own script call, for benchmarks
+// comparing.
+var noCoalescing = false
+
+func newRedisStore(c RedisConfig, logger *zap.Logger) (*redisStore, error) {
+	client, err := c.newClient()
+	if err != nil {
+		return nil, err
+	}
+	conn := &redisStore{
+		client:      client,
+		name:        strings.Join(c.Addresses, ","),
+		cluster:     c.Cluster,
+		callTimeout: c.dialTimeout() + 3*time.Duration(c.Timeout),
+		logger:      logger,
+		timeout:     time.Duration(c.Timeout),
+		db:          c.DB,
+
+		closed: make(chan struct{}),
+	}
+	conn.format = storageFormat{client: client, name: conn.name, logger: logger, callTimeout: conn.callTimeout, closed: conn.closed,
+		prefixes: conn.events.prefixes, changed: make(chan struct{}, 1)}
+	conn.format.writes.Store(formatV1)
+	conn.fleet = fleetView{client: client, name: conn.name, db: c.DB, logger: logger, callTimeout: conn.callTimeout, closed: conn.closed,
+		format: func() string { return formatName(conn.format.current()) }, prefixes: conn.events.prefixes, probe: conn.probeStarted,
+		nudge: make(chan struct{}, 1)}
+	conn.breaker = breaker.New(func(from, to breaker.State) {
+		switch {
+		case to == breaker.Open && from == breaker.Closed:
+			circuitOpen.Inc()
+			logger.Warn("Redis unavailable: calls failed for "+breaker.Span.String()+"; requests follow on_error until a probe succeeds",
+				zap.String("redis", conn.name), zap.Duration("probe_every", breaker.Cooldown))
+		case to == breaker.Closed:
+			circuitOpen.Dec()
+			logger.Info("Redis available again: circuit closed", zap.String("redis", conn.name))
+		default:
+			logger.Debug("circuit breaker", zap.String("redis", conn.name), zap.Stringer("from", from), zap.Stringer("to", to))
+		}
+	})
+	if !c.Cluster {
+		conn.denials = newDenyCache(monotonicMicros)
+		if !noCoalescing {
+			conn.coalescer = &coalescer{call: conn.call, maxCalls: c.poolSize()}
+		}
+	}
+	conn.overrides.client, conn.overrides.callTimeout, conn.overrides.closed = client, conn.callTimeout, conn.closed
+	conn.leases = &leaseBook{call: conn.call, cluster: c.Cluster, decideAfter: conn.decideAfter, closed: conn.closed}
+	conn.hot = newHotKeys(conn)
+	go conn.checkEviction()
+	go conn.format.followFormat()
+	go conn.fleet.followFleet()
+	return conn, nil
+}
+
+// Destruct closes the connection once no handler uses it: Caddy stopped,
+// after its requests ended, or the last request of a config reloaded to
+// other connection settings ended (storeUse). What those requests left to
+// do after their responses (releases, settles, charges) is sent first, and
+// the releases not yet confirmed once more, waited for at most
+// callTimeout: else a stopped instance's last slots stay taken until their
+// leases run out, and its last settles are lost.
+func (c *redisStore) Destruct() error {
+	c.hot.close() // its blocks' unspent tokens go back with the work below
+	c.finishAfterWork(time.Now().Add(c.callTimeout))
+	c.events.close()
+	close(c.closed)
+	c.fleet.leaveFleet(time.Now().Add(c.callTimeout))
+	return c.client.Close()
+}
+
+// finishAfterWork sends what requests left to do after their responses,
+// and the releases the store has not confirmed once more, and waits for
+// them until deadline.
+func (c *redisStore) finishAfterWork(deadline time.Time) {
+	if rels, policies := c.leases.unconfirmed(); len(rels) > 0 {
+		c.leases.sendReleases(rels, policies)
+	}
+	var done <-chan struct{}
+	if c.coalescer != nil {
+		done = c.coalescer.drained()
+	} else {
+		done = c.afterApart.drained()
+	}
+	wait := time.Until(deadline)
+	timer := time.NewTimer(wait)
+	defer timer.Stop()
+	select {
+	case <-done:
+	case <-timer.C:
+		c.logger.Warn("closing: Redis did not answer the work after the last responses (releases, settles, charges) in time; their slots come back when their leases run out",
+			zap.String("redis", c.name), zap.Duration("waited", wait))
+	}
 }
 
 func (s *redisStore) decide(ctx context.Context, reqs []bucketRequest) (decision, error) {
-	if s.conn.hot.covers(reqs) { // hot keys' blocks first (hotkeys_store.go)
-		return s.conn.hot.decide(ctx, reqs)
+	if s.hot.covers(reqs) { // hot keys' blocks first (hotkeys_store.go)
+		return s.hot.decide(ctx, reqs)
 	}
 	return s.decideShared(ctx, reqs)
 }
@@ -65,8 +203,8 @@ func (s *redisStore) decide(ctx context.Context, reqs []bucketRequest) (decision
 // decideShared decides reqs against the buckets in Redis: the deny cache,
 // the circuit breaker, then one script call (one per hash slot in a Cluster).
 func (s *redisStore) decideShared(ctx context.Context, reqs []bucketRequest) (decision, error) {
-	if s.conn.denials != nil {
-		d, answer, gate := s.conn.denials.answer(reqs)
+	if s.denials != nil {
+		d, answer, gate := s.denials.answer(reqs)
 		switch answer {
 		case denied:
 			d.call.cached = true
@@ -74,21 +212,21 @@ func (s *redisStore) decideShared(ctx context.Context, reqs []bucketRequest) (de
 		case uncertain:
 			// One flight at a time for this bucket: once the one in the air
 			// lands, the cache knows what Redis said.
-			f, after := s.conn.denials.flights.board(gate)
-			defer s.conn.denials.flights.land(gate, f)
+			f, after := s.denials.flights.board(gate)
+			defer s.denials.flights.land(gate, f)
 			if after != nil {
 				<-after
-				if d, answer, _ := s.conn.denials.answer(reqs); answer == denied {
+				if d, answer, _ := s.denials.answer(reqs); answer == denied {
 					return d, nil
 				}
 			}
 		}
 	}
-	if s.conn.breaker.Skipping() {
+	if s.breaker.Skipping() {
 		circuitOpenErrors.Inc()
 		return decision{}, errCircuitOpen
 	}
-	if s.conn.cluster {
+	if s.cluster {
 		if groups := hashSlotGroups(reqs); len(groups) > 1 {
 			return s.decideAcrossHashSlots(ctx, reqs, groups)
 		}
@@ -101,32 +239,32 @@ func (s *redisStore) decideShared(ctx context.Context, reqs []bucketRequest) (de
 // with the decisions instead of making a call of its own, and no response
 // waits for it.
 func (s *redisStore) decideAfter(reqs []bucketRequest, then func(decision, error)) {
-	if s.conn.coalescer == nil { // Cluster: a call per slot group, apart
-		s.conn.afterApart.add(1)
+	if s.coalescer == nil { // Cluster: a call per hash slot group, apart
+		s.afterApart.add(1)
 		go func() {
-			defer s.conn.afterApart.add(-1)
+			defer s.afterApart.add(-1)
 			then(s.decide(context.Background(), reqs))
 		}()
 		return
 	}
-	if s.conn.breaker.Skipping() {
+	if s.breaker.Skipping() {
 		circuitOpenErrors.Inc()
 		then(decision{}, errCircuitOpen)
 		return
 	}
 	p := newPending(reqs, nil)
 	p.then = func(p *pending) { then(p.d, p.err) }
-	s.conn.coalescer.submitAfter(p)
+	s.coalescer.submitAfter(p)
 }
 
 // decideAwaited decides work after a response that the response waits for
 // (finish.go): with the next call when calls are in flight, at once by
 // itself when none is.
 func (s *redisStore) decideAwaited(reqs []bucketRequest) (decision, error) {
-	if s.conn.coalescer == nil { // Cluster: a call per slot group
+	if s.coalescer == nil { // Cluster: a call per hash slot group
 		return s.decide(context.Background(), reqs)
 	}
-	if s.conn.breaker.Skipping() {
+	if s.breaker.Skipping() {
 		circuitOpenErrors.Inc()
 		return decision{}, errCircuitOpen
 	}
@@ -138,110 +276,47 @@ func (s *redisStore) decideAwaited(reqs []bucketRequest) (decision, error) {
 		d, err = p.d, p.err
 		done <- struct{}{}
 	}
-	s.conn.coalescer.submitAwaited(p)
+	s.coalescer.submitAwaited(p)
 	<-done
 	return d, err
 }
 
 // decideInOneCall decides buckets that one script call can reach: a single
-// Redis, or one Redis Cluster slot.
+// Redis, or one Redis Cluster hash slot.
 func (s *redisStore) decideInOneCall(ctx context.Context, reqs []bucketRequest) (decision, error) {
 	p := newPending(reqs, ctx)
-	if s.conn.coalescer != nil {
-		s.conn.coalescerFor(reqs).submit(p) // durable requests apart
+	if s.coalescer != nil {
+		s.coalescerFor(reqs).submit(p) // durable requests apart
 	} else {
 		p.err = errCallAborted
-		s.conn.call(p.one[:])
+		s.call(p.one[:])
 	}
 	d, err := p.d, p.err
-	if err == nil && s.conn.denials != nil {
-		s.conn.denials.learn(reqs, d, p.tats, p.sent, p.received)
+	if err == nil && s.denials != nil {
+		s.denials.learn(reqs, d, p.tats, p.sent, p.received)
 	}
 	p.recycle()
 	return d, err
 }
 
-// What only Redis can do (store.go): its capabilities, each the
-// connection's.
+// What only Redis can do (the capabilities of store.go's note): each answered
+// by the service that does it.
 
-func (s *redisStore) renewLeases(leases []lease) { s.conn.hold(leases) }
+func (s *redisStore) slotLeases() leaseKeeper { return s.leases }
 
-func (s *redisStore) releasing(leases []lease) ([]bucketRequest, []*Policy) {
-	return s.conn.releasing(leases)
-}
+func (s *redisStore) fleetView() *fleetView { return &s.fleet }
 
-func (s *redisStore) sendReleases(rels []bucketRequest, policies []*Policy) {
-	s.conn.sendReleases(s, rels, policies)
-}
+func (s *redisStore) storage() *storageFormat { return &s.format }
 
-func (s *redisStore) retryReleases(rels []bucketRequest, policies []*Policy) {
-	s.conn.retryReleases(rels, policies)
-}
-
-func (s *redisStore) announce(ctx context.Context, prefix, key string) error {
-	return s.conn.announce(ctx, prefix, key)
-}
-
-func (s *redisStore) announceOverride(ctx context.Context, prefix, key string) error {
-	return s.conn.announceOverride(ctx, prefix, key)
-}
-
-func (s *redisStore) join(h *Handler) { s.conn.join(h) }
-
-func (s *redisStore) part(h *Handler) { s.conn.part(h) }
-
-func (s *redisStore) fleetRecord(hs []*Handler) fleet.Record { return s.conn.fleetRecord(hs) }
-
-func (s *redisStore) readFleets(ctx context.Context) (fleetStore, error) {
-	return s.conn.readFleets(ctx)
-}
-
-func (s *redisStore) liveRecords(ctx context.Context) (int, []fleet.Record, error) {
-	return s.conn.liveRecords(ctx)
-}
-
-func (s *redisStore) fleetView() *fleetView { return &s.conn.fleet }
-
-func (s *redisStore) probe(defs []definition) []probeResult { return s.conn.probe(defs) }
-
-func (s *redisStore) setFormat(ctx context.Context, prefix, marker string) error {
-	if err := s.conn.setFormat(ctx, prefix, marker); err != nil {
-		return err
-	}
-	s.conn.readFormat()
-	return nil
-}
-
-func (s *redisStore) formatOf(ctx context.Context, prefix string) (marker, writes string, err error) {
-	marker, err = s.conn.client.Get(ctx, formatMarker(prefix)).Result()
-	if err != nil && !errors.Is(err, redis.Nil) {
-		return "", "", err
-	}
-	if marker != markerV2 {
-		marker = markerV1
-	}
-	return marker, formatName(int(s.conn.format.Load())), nil
-}
-
-func (s *redisStore) overridesKept() overrideStore { return s.conn }
+func (s *redisStore) overridesKept() overrideStore { return &s.overrides }
 
 func (s *redisStore) overrideFilter(prefix string) overrideFilter {
-	return s.conn.overrideSet(prefix)
+	return s.overrides.overrideSet(prefix)
 }
-
-// The capabilities it has.
-var (
-	_ leaseStore     = (*redisStore)(nil)
-	_ announcer      = (*redisStore)(nil)
-	_ fleetMember    = (*redisStore)(nil)
-	_ prober         = (*redisStore)(nil)
-	_ formatStore    = (*redisStore)(nil)
-	_ overrideKeeper = (*redisStore)(nil)
-)
 
 // call makes one script call for a batch, past the circuit breaker, and
 // tells the breaker how it went.
-func (c *redisConn) call(batch []*pending) {
+func (c *redisStore) call(batch []*pending) {
 	gen, ok := c.breaker.Allow()
 	if !ok {
 		for _, p := range batch {
@@ -257,12 +332,12 @@ func (c *redisConn) call(batch []*pending) {
 
 // eval decides the requests of a batch, in order, in one call of
 // lua/decide.lua.
-func (c *redisConn) eval(batch []*pending) breaker.Result {
+func (c *redisStore) eval(batch []*pending) breaker.Result {
 	if want := batchConfirmation(batch); want.wanted() {
 		return c.evalDurable(batch, want) // with its WAIT or WAITAOF
 	}
 	ctx := &callContext{Context: context.Background(), deadline: time.Now().Add(c.callTimeout)}
-	args := encodeCall(batch, int(c.format.Load()))
+	args := encodeCall(batch, c.format.current())
 	sent := monotonicMicros()
 	cmd := redis.NewIntSliceCmd(ctx, args...)
 	_ = c.client.Process(ctx, cmd)
@@ -316,7 +391,7 @@ func (c *callContext) Deadline() (time.Time, bool) { return c.deadline, true }
 // reportBadBucket counts and reports err if it is a request's own bucket's
 // (badBucketError). Apart from eval, so that what errors.As fills in is
 // allocated only for an error, not for every request.
-func (c *redisConn) reportBadBucket(err error) {
+func (c *redisStore) reportBadBucket(err error) {
 	var bad *badBucketError
 	if errors.As(err, &bad) {
 		storeErrors.WithLabelValues(bad.kind).Inc()

@@ -22,78 +22,50 @@ const spanName = "rate_limit.decide"
 // tracerName is the instrumentation scope of the spans: the module.
 const tracerName = "github.com/ratelimit-caddy/caddy-ratelimit"
 
-// callStats is what a decision knows of the store call that made it, for
-// its span.
-type callStats struct {
-	// calls: the script calls that decided it (several across Redis
-	// Cluster slots); 0 when none did (in process, or the deny cache).
-	calls int
-	// requests: the requests that rode the call (the largest of several),
-	// decisions and work after responses: 1 when it went alone.
-	requests int
-	// redisUS: the call's round trip, from sending it to its reply, µs
-	// (the longest of several).
-	redisUS int64
-	// cached: the deny cache answered, with no call; hot: blocks of hot
-	// keys this instance holds answered, with no call (hotkeys_store.go).
-	cached, hot bool
-}
-
-// merge adds another call's stats (a decision across slots).
-func (c callStats) merge(o callStats) callStats {
-	return callStats{calls: c.calls + o.calls, requests: max(c.requests, o.requests), redisUS: max(c.redisUS, o.redisUS), cached: c.cached && o.cached, hot: c.hot && o.hot}
-}
-
-// decide makes the request's decision (admit), in a rate_limit.decide span
-// when the request is traced. It returns the shed policy whose adaptive
-// limit turned the request away, if one did.
-func (h *Handler) decide(r *http.Request, res *admission) (shedBy *Policy) {
+// decideTraced makes the request's decision (decide, admission.go), in a
+// rate_limit.decide span when the request is traced: the span only reads
+// the admission.
+func (h *Handler) decideTraced(r *http.Request, res *admission) outcome {
 	parent := trace.SpanFromContext(r.Context())
 	if !parent.IsRecording() {
-		return h.admit(r, res)
+		return h.decide(r, res)
 	}
 	_, span := parent.TracerProvider().Tracer(tracerName, trace.WithInstrumentationVersion(Version)).
 		Start(r.Context(), spanName, trace.WithSpanKind(trace.SpanKindInternal))
-	shedBy = h.admit(r, res)
-	h.traceDecision(span, res, shedBy)
+	o := h.decide(r, res)
+	h.traceDecision(span, res)
 	span.End()
-	return shedBy
+	return o
 }
 
 // traceDecision sets the span's attributes from the decision.
-func (h *Handler) traceDecision(span trace.Span, res *admission, shedBy *Policy) {
-	if shedBy != nil { // an adaptive limit, on this instance alone
+func (h *Handler) traceDecision(span trace.Span, res *admission) {
+	if res.shedBy != nil { // an adaptive limit, on this instance alone
 		span.SetAttributes(
-			attribute.StringSlice("rate_limit.policies", []string{shedBy.Name}),
+			attribute.StringSlice("rate_limit.policies", []string{res.shedBy.Name}),
 			attribute.String("rate_limit.outcome", outcomeNames[outcomeShed]),
 			attribute.Bool("rate_limit.admitted", false),
 			attribute.String("rate_limit.store", "adaptive"),
 		)
 		return
 	}
-	n := len(res.policies)
+	n := len(res.parts)
 	names, costs, remaining := make([]string, n), make([]int64, n), make([]int64, n)
 	var deniedBy []string
-	for i, p := range res.policies {
-		names[i], costs[i], remaining[i] = p.Name, res.reqs[i].cost, -1
-	}
-	// The verdicts are of the policies shown: all, the local ones, or none
-	// (fail_open), in the order of res.policies.
-	for j, v := range res.d.verdicts {
-		for i, p := range res.policies {
-			if p != res.shown[j] {
-				continue
-			}
-			remaining[i] = v.remaining
-			if !v.allowed && !p.shadow {
-				deniedBy = append(deniedBy, p.Name)
-			}
+	for i := range res.parts {
+		pt := &res.parts[i]
+		names[i], costs[i], remaining[i] = pt.policy.Name, pt.rq.cost, -1
+		if res.decidedBy == localFallback && pt.rq.learns {
+			costs[i] = pt.rq.asked // the cost the store was asked, not the fallback's reservation
+		}
+		if pt.decided { // all, the local ones, or none (fail_open)
+			remaining[i] = pt.v.remaining
 		}
 	}
-	outcome := res.outcome
-	if res.failClosed == nil && !res.d.admitted && res.shedOnly() {
-		outcome = outcomeShed // answered as such by denyShed
+	for pt := range res.denials() {
+		deniedBy = append(deniedBy, pt.policy.Name)
 	}
+	outcome := res.outcome
 	attrs := []attribute.KeyValue{
 		attribute.StringSlice("rate_limit.policies", names),
 		attribute.String("rate_limit.outcome", outcomeNames[outcome]),

@@ -121,7 +121,7 @@ func TestDecisionSpan(t *testing.T) {
 // Redis counted.
 func TestDecisionCarriesItsCall(t *testing.T) {
 	srv, _, rs := newTestRedis(t)
-	rs.conn.denials = nil // every decision reaches Redis
+	rs.denials = nil // every decision reaches Redis
 	reqs := []bucketRequest{{key: "rl:p:{call}", limit: limit{interval: 1, burst: 1_000_000}, op: opTake, cost: 1}}
 	if _, err := rs.decide(context.Background(), reqs); err != nil { // loads the script
 		t.Fatal(err)

@@ -3,6 +3,7 @@ package ratelimit
 import (
 	"context"
 	"errors"
+	"sync/atomic"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -31,17 +32,51 @@ const (
 
 func formatMarker(prefix string) string { return prefix + "format" }
 
+// storageFormat is a Redis connection's storage format: the one it writes
+// buckets in (format.go), from the fleet markers of the key prefixes it
+// serves, followed until the connection closes. It holds what it needs of
+// the connection: the client, its name and logger, the bound of a call,
+// the connection's end, and the prefixes it serves.
+type storageFormat struct {
+	client      redis.UniversalClient
+	name        string
+	logger      *zap.Logger
+	callTimeout time.Duration
+	closed      <-chan struct{}
+	prefixes    func() []string
+	// writes is the format buckets are written in; changed asks to read the
+	// markers again.
+	writes  atomic.Int32
+	changed chan struct{}
+}
+
+// current is the format buckets are written in now.
+func (f *storageFormat) current() int { return int(f.writes.Load()) }
+
+// formatOf is the fleet's marker of the buckets under prefix, and the
+// format this connection writes them in.
+func (f *storageFormat) formatOf(ctx context.Context, prefix string) (marker, writes string, err error) {
+	marker, err = f.client.Get(ctx, formatMarker(prefix)).Result()
+	if err != nil && !errors.Is(err, redis.Nil) {
+		return "", "", err
+	}
+	if marker != markerV2 {
+		marker = markerV1
+	}
+	return marker, formatName(f.current()), nil
+}
+
 // followFormat reads the fleet markers every formatEvery until the
 // connection closes.
-func (c *redisConn) followFormat() {
+func (f *storageFormat) followFormat() {
 	t := time.NewTicker(formatEvery)
 	defer t.Stop()
 	for {
-		c.readFormat()
+		f.readFormat()
 		select {
 		case <-t.C:
-		case <-c.formatChanged:
-		case <-c.closed:
+		case <-f.changed:
+		case <-f.closed:
 			return
 		}
 	}
@@ -50,30 +85,30 @@ func (c *redisConn) followFormat() {
 // readFormat sets the format buckets are written in: v2 when the marker
 // of every key prefix this connection serves says v2, v1 otherwise (and
 // when the markers cannot be read).
-func (c *redisConn) readFormat() {
-	ctx, cancel := context.WithTimeout(context.Background(), c.callTimeout)
+func (f *storageFormat) readFormat() {
+	ctx, cancel := context.WithTimeout(context.Background(), f.callTimeout)
 	defer cancel()
 	format := int32(formatV2)
-	prefixes := c.events.prefixes()
+	prefixes := f.prefixes()
 	if len(prefixes) == 0 {
 		format = formatV1
 	}
 	for _, prefix := range prefixes {
-		v, err := c.client.Get(ctx, formatMarker(prefix)).Result()
+		v, err := f.client.Get(ctx, formatMarker(prefix)).Result()
 		if err != nil && !errors.Is(err, redis.Nil) {
 			if errors.Is(err, redis.ErrClosed) {
 				return // cleaned up first
 			}
-			c.logger.Debug("reading the fleet's storage format", zap.String("redis", c.name), zap.Error(err))
+			f.logger.Debug("reading the fleet's storage format", zap.String("redis", f.name), zap.Error(err))
 			return // keep what was known: a v1 fleet stays v1, a v2 one v2
 		}
 		if v != markerV2 {
 			format = formatV1
 		}
 	}
-	if old := c.format.Swap(format); old != format {
-		c.logger.Info("rate-limit buckets are written in format "+formatName(int(format)),
-			zap.String("redis", c.name), zap.Int32("was", old))
+	if old := f.writes.Swap(format); old != format {
+		f.logger.Info("rate-limit buckets are written in format "+formatName(int(format)),
+			zap.String("redis", f.name), zap.Int32("was", old))
 	}
 }
 
@@ -84,16 +119,21 @@ func formatName(format int) string {
 	return markerV1
 }
 
-// setFormat sets the fleet marker of prefix and tells every instance.
-func (c *redisConn) setFormat(ctx context.Context, prefix, marker string) error {
+// setFormat sets the fleet marker of prefix, tells every instance, and
+// writes in what the markers now say at once.
+func (f *storageFormat) setFormat(ctx context.Context, prefix, marker string) error {
 	var err error
 	if marker == markerV2 {
-		err = c.client.Set(ctx, formatMarker(prefix), markerV2, 0).Err()
+		err = f.client.Set(ctx, formatMarker(prefix), markerV2, 0).Err()
 	} else {
-		err = c.client.Del(ctx, formatMarker(prefix)).Err()
+		err = f.client.Del(ctx, formatMarker(prefix)).Err()
 	}
 	if err != nil {
 		return err
 	}
-	return c.client.Publish(ctx, eventsChannel(prefix), eventFormat+" "+prefix).Err()
+	if err := f.client.Publish(ctx, eventsChannel(prefix), eventFormat+" "+prefix).Err(); err != nil {
+		return err
+	}
+	f.readFormat() // this instance writes in what the markers say at once
+	return nil
 }

@@ -40,7 +40,7 @@ func encodeCall(batch []*pending, format int) []any {
 		nums = nums.add(int64(len(p.reqs)))
 		for _, rq := range p.reqs {
 			op := 4 * int64(rq.op)
-			if rq.quota != nil {
+			if rq.kind() == quotaBucket {
 				op = 4 * quotaCode(rq.op)
 			}
 			if rq.overridable {
@@ -52,7 +52,7 @@ func encodeCall(batch []*pending, format int) []any {
 			if rq.learns {
 				op += learnsOp
 			}
-			if rq.quota != nil {
+			if rq.kind() == quotaBucket {
 				nums = quotaNumbers(nums.add(op), rq, now)
 				if rq.overridable { // the policy's rule for an override's slack (override.go)
 					nums = nums.add(rq.overrideWait).add(rq.overrideDebt)
@@ -67,7 +67,7 @@ func encodeCall(batch []*pending, format int) []any {
 			case rq.op == opFree:
 				args = append(args, rq.events)
 				amount, wait = rq.delta, int64(len(args)-argv)
-			case rq.op.slots():
+			case rq.kind() == slotsBucket:
 				args = append(args, rq.lease, rq.events)
 				amount, wait = int64(len(args)-1-argv), int64(len(args)-argv)
 			}
@@ -159,7 +159,7 @@ func replyWidth(op bucketOp) int {
 // Redis picked) and that period's start, which Go checks against its own
 // pick.
 func bucketReplyWidth(rq bucketRequest) int {
-	if rq.quota != nil {
+	if rq.kind() == quotaBucket {
 		return 3
 	}
 	return replyWidth(rq.op)
@@ -246,7 +246,7 @@ func decodeRequest(now int64, res []int64, reqs []bucketRequest) (decision, []in
 		d.verdicts[i].learned = learned[i]
 	}
 	for i, rq := range reqs {
-		if rq.op.slots() {
+		if rq.kind() == slotsBucket {
 			d.verdicts[i].expired = res[at[i]+2]
 			// Wherever a lease is found expired (an acquire admitted or
 			// denied, a renewal, an inspect, a reset), it is counted.
@@ -257,7 +257,7 @@ func decodeRequest(now int64, res []int64, reqs []bucketRequest) (decision, []in
 		if rq.op == opRenew { // allowed says the lease was still held
 			d.verdicts[i].allowed = res[at[i]] == 1
 		}
-		if rq.quota != nil && res[at[i]+2] != d.verdicts[i].period.Start {
+		if rq.kind() == quotaBucket && res[at[i]+2] != d.verdicts[i].period.Start {
 			return decision{}, nil, fmt.Errorf("%w: Lua and Go disagree on the period of quota bucket %d (%d, %d)", errScriptReply, i, res[at[i]+2], d.verdicts[i].period.Start)
 		}
 	}

@@ -247,7 +247,10 @@ func TestDocsCaddyfilesAdaptWithCaddy(t *testing.T) {
 			if strings.HasPrefix(body, "policy ") { // a policy block alone, in a site's rate_limit
 				body = ":8080 {\n\trate_limit {\n" + regexp.MustCompile("(?m)^(.)").ReplaceAllString(body, "\t\t$1") + "\t}\n}\n"
 			}
-			t.Run(filepath.Base(f)+"#"+strconv.Itoa(i+1), func(t *testing.T) { caddyAdapt(t, body) })
+			t.Run(filepath.Base(f)+"#"+strconv.Itoa(i+1), func(t *testing.T) {
+				t.Parallel()
+				caddyAdapt(t, body)
+			})
 			n++
 		}
 	}
