@@ -70,14 +70,23 @@ check:
 	$(GO) vet ./...
 
 # The tests start their own redis-server processes; install the binary
-# from Debian's packages when it is missing (root only).
+# from Debian's packages when it is missing (root only). The server is a
+# variable: `make test REDIS_SERVER=/path/to/valkey-server
+# REDIS_CLI=/path/to/valkey-cli` runs every test against that server
+# instead (docs/redis.md, "Servers"); nothing is installed then.
 redis-server:
-	@command -v redis-server >/dev/null 2>&1 && command -v redis-cli >/dev/null 2>&1 || { \
+	@if [ -n "$(REDIS_SERVER)$(REDIS_CLI)" ]; then \
+		server="$${REDIS_SERVER:-redis-server}"; cli="$${REDIS_CLI:-redis-cli}"; \
+		command -v "$$server" >/dev/null 2>&1 || { echo "REDIS_SERVER=$$server: not found"; exit 1; }; \
+		command -v "$$cli" >/dev/null 2>&1 || { echo "REDIS_CLI=$$cli: not found"; exit 1; }; \
+		"$$server" --version; exit 0; \
+	fi; \
+	command -v redis-server >/dev/null 2>&1 && command -v redis-cli >/dev/null 2>&1 || { \
 		if [ "$$(id -u)" != 0 ]; then echo "redis-server is missing: install it (e.g. apt-get install redis-server) or run make test as root"; exit 1; fi; \
 		echo "installing redis-server from Debian's packages"; \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server redis-tools >/dev/null; \
-	}
-	@redis-server --version
+	}; \
+	redis-server --version
 
 # The dashboard and alert rules tests (docs/grafana, docs/prometheus) run
 # a real Prometheus and promtool; install them from Debian's packages when

@@ -81,17 +81,21 @@ func init() {
 // script and Redis clock, as decisions do; reset and grant reach every
 // instance at once (see redisStore.announce).
 //
-//	GET  /rate_limit/inspect?policy=<name>&identity=<id>
+//	POST /rate_limit/inspect {"policy": "<name>", "identity": "<id>"}
 //	POST /rate_limit/reset   {"policy": "<name>", "identity": "<id>"}
 //	POST /rate_limit/grant   {"policy": "<name>", "identity": "<id>", "tokens": <n>}
-//	GET  /rate_limit/top?policy=<name>&n=<n>
+//	GET  /rate_limit/top?policy=<name>&n=<n>[&show_keys=true]
 //	GET  /rate_limit/format
 //	POST /rate_limit/format  {"format": "v1" | "v2"}
 //	GET  /rate_limit/fleet
 //
 // and the overrides of admin_override.go. Inspect, reset and grant take
-// an optional plan (query or body), to read the bucket under that plan's
-// limit rather than the policy's own.
+// an optional plan, to read the bucket under that plan's limit rather than
+// the policy's own. An identity goes in a request body, never in a URL:
+// Caddy's admin API logs every request's URL at INFO (GET inspect without
+// an identity, for a fixed key or the empty key's bucket, still reads its
+// query). Top shows each identity's keyed fingerprint, and the raw
+// identity only when asked (show_keys).
 type adminAPI struct{}
 
 // CaddyModule returns the Caddy module information.
@@ -120,6 +124,9 @@ type adminRequest struct {
 	// EmptyKey names the bucket of the requests whose key resolved empty
 	// (Identity then empty): they all share it.
 	EmptyKey bool `json:"empty_key,omitempty"`
+	// ShowKeys: top shows the raw identities, not only their keyed
+	// fingerprints (caddy rate-limit top --show-keys).
+	ShowKeys bool `json:"show_keys,omitempty"`
 }
 
 // bucketState is a bucket as inspect, reset and grant answer it.
@@ -144,10 +151,10 @@ type bucketState struct {
 	// Granted is what grant gave back (at most what makes the bucket full:
 	// 0 for a full one).
 	Granted *int64 `json:"granted,omitempty"`
-	// Learned, for a settle policy: the largest usage of the key's recent
-	// settles that used more than they reserved, which its requests now
-	// reserve at least (at most the burst); 0 when none did. A reset
-	// forgets it.
+	// Learned, for a settle policy: the most the key's recent settles used
+	// beyond their reservations; a request reserves its own cost plus a
+	// high percentile of what requests of its size used beyond theirs (at
+	// most the burst); 0 when none did. A reset forgets it.
 	Learned *int64 `json:"learned,omitempty"`
 	// A concurrent policy's slots, and those held now (Tokens: those free);
 	// after a reset, the running requests' (kept), and Dropped, the stale
@@ -192,9 +199,18 @@ func (a adminAPI) serve(w http.ResponseWriter, r *http.Request) error {
 	if action == "override" || action == "overrides" {
 		return a.serveOverride(w, r, action)
 	}
-	method := map[string]string{"inspect": http.MethodGet, "top": http.MethodGet, "reset": http.MethodPost, "grant": http.MethodPost}[action]
+	method := map[string]string{"inspect": http.MethodPost, "top": http.MethodGet, "reset": http.MethodPost, "grant": http.MethodPost}[action]
 	if method == "" {
 		return apiError(http.StatusNotFound, "no such rate_limit endpoint %q: use inspect, reset, grant, top, format, fleet, override or overrides", action)
+	}
+	if action == "inspect" && r.Method == http.MethodGet {
+		// The query form, for what names no identity (a fixed key, the
+		// empty key's bucket); an identity in the URL is refused.
+		if r.URL.Query().Has("identity") {
+			return apiError(http.StatusBadRequest, "identity: send it in the request body, never in the URL, which Caddy's admin API logs: "+
+				`POST /rate_limit/inspect {"policy": "...", "identity": "..."} (caddy rate-limit inspect does); the identity in this URL was logged`)
+		}
+		method = http.MethodGet
 	}
 	if r.Method != method {
 		return apiError(http.StatusMethodNotAllowed, "%s takes %s", action, method)
@@ -210,8 +226,9 @@ func (a adminAPI) serve(w http.ResponseWriter, r *http.Request) error {
 		}
 	} else {
 		q := r.URL.Query()
-		req.Policy, req.Identity, req.Plan = q.Get("policy"), q.Get("identity"), q.Get("plan")
+		req.Policy, req.Plan = q.Get("policy"), q.Get("plan")
 		req.EmptyKey, _ = strconv.ParseBool(q.Get("empty_key"))
+		req.ShowKeys, _ = strconv.ParseBool(q.Get("show_keys"))
 		if n := q.Get("n"); n != "" {
 			v, err := strconv.Atoi(n)
 			if err != nil || v < 1 {
@@ -376,8 +393,8 @@ type topAnswer struct {
 	Window float64 `json:"window_seconds"`
 	// Currency: USD for a money policy, whose identities say what they
 	// have left (admin_money.go).
-	Currency   string        `json:"currency,omitempty"`
-	Identities []topIdentity `json:"identities"`
+	Currency   string     `json:"currency,omitempty"`
+	Identities []topEntry `json:"identities"`
 	// Truncated: the identities are not all those denied in the window
 	// (more than n were, or the sketch forgot some).
 	Truncated bool `json:"truncated"`
@@ -389,8 +406,61 @@ func (a adminAPI) top(ctx context.Context, def definition, req adminRequest) top
 		n = 10
 	}
 	ids, truncated := def.policy.top.Top(n)
+	out := make([]topEntry, 0, len(ids))
+	for _, e := range ids {
+		out = append(out, topEntry{Entry: e, Fingerprint: fingerprintOf(e.Key)})
+	}
+	a.topBudgets(ctx, def, out) // by each raw identity, before they are hidden
+	if !req.ShowKeys {
+		// The raw identity (an API key, for a policy keyed on the
+		// credential) only when asked: a listing is copied around.
+		for i := range out {
+			out[i].Identity, out[i].Truncated = "", false
+		}
+	}
 	return topAnswer{Policy: def.policy.Name, Window: topk.Window.Seconds(), Currency: def.policy.unit.currency(),
-		Identities: a.topBudgets(ctx, def, ids), Truncated: truncated}
+		Identities: out, Truncated: truncated}
+}
+
+// topEntry is an identity top lists: its keyed fingerprint, and its raw
+// value (Identity) only with show_keys; for a money policy, what its bucket
+// has left now and holds when full, in dollars (admin_money.go).
+type topEntry struct {
+	topk.Entry
+	Fingerprint string `json:"fingerprint"`
+	Left        string `json:"left,omitempty"`
+	Limit       string `json:"limit,omitempty"`
+}
+
+// MarshalJSON leaves out an identity not shown.
+func (e topEntry) MarshalJSON() ([]byte, error) {
+	type shown struct {
+		Fingerprint string `json:"fingerprint"`
+		Identity    string `json:"identity,omitempty"`
+		Key         string `json:"key"`
+		Denials     int64  `json:"denials"`
+		Error       int64  `json:"error_bound"`
+		Truncated   bool   `json:"truncated,omitempty"`
+		Left        string `json:"left,omitempty"`
+		Limit       string `json:"limit,omitempty"`
+	}
+	return json.Marshal(shown{e.Fingerprint, e.Identity, e.Key, e.Denials, e.Error, e.Truncated, e.Left, e.Limit})
+}
+
+// fingerprintLen is how much of a key's keyed hash top shows: enough to
+// tell identities apart and to find one in {http.rate_limit.key} of an
+// access log, and no more than the hash (a keyed hash: without the key
+// secret, it says nothing of the identity).
+const fingerprintLen = 12
+
+// fingerprintOf is the fingerprint of a storage key: the start of its
+// keyed hash (the whole key for a fixed one, which names no identity).
+func fingerprintOf(key string) string {
+	h := hashOf(key)
+	if h == key {
+		return key
+	}
+	return h[:min(len(h), fingerprintLen)]
 }
 
 // untilFull is the µs until a bucket that holds remaining tokens, the next

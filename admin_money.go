@@ -6,7 +6,6 @@ import (
 	"strconv"
 
 	"github.com/ratelimit-caddy/caddy-ratelimit/internal/price"
-	"github.com/ratelimit-caddy/caddy-ratelimit/internal/topk"
 )
 
 // The operator's view of money policies: inspect, reset and grant answer
@@ -52,23 +51,16 @@ func (st bucketState) amounts() func(int64) string {
 	return func(n int64) string { return strconv.FormatInt(n, 10) }
 }
 
-// topIdentity is one identity top lists, and for a money policy what its
-// bucket has left now and holds when full, in dollars.
-type topIdentity struct {
-	topk.Entry
-	Left  string `json:"left,omitempty"`
-	Limit string `json:"limit,omitempty"`
-}
-
-// topBudgets reads what each identity top lists has left of a money
+// topBudgets fills in what each identity top lists has left of a money
 // policy's budget (one store call each: their buckets may be in different
 // Redis Cluster slots); an identity listed truncated, or whose bucket
 // cannot be read, has none.
-func (a adminAPI) topBudgets(ctx context.Context, def definition, ids []topk.Entry) []topIdentity {
-	out := make([]topIdentity, len(ids))
+func (a adminAPI) topBudgets(ctx context.Context, def definition, ids []topEntry) {
+	if def.policy.unit != unitUSD {
+		return
+	}
 	for i, e := range ids {
-		out[i].Entry = e
-		if def.policy.unit != unitUSD || e.Truncated {
+		if e.Truncated {
 			continue
 		}
 		st, err := a.bucket(ctx, "inspect", def, adminRequest{Policy: def.policy.Name, Identity: e.Identity})
@@ -79,9 +71,8 @@ func (a adminAPI) topBudgets(ctx context.Context, def definition, ids []topk.Ent
 		if st.Quota > 0 {
 			limit = st.Quota
 		}
-		out[i].Left, out[i].Limit = price.FormatUSD(max(st.Tokens, 0)), price.FormatUSD(limit)
+		ids[i].Left, ids[i].Limit = price.FormatUSD(max(st.Tokens, 0)), price.FormatUSD(limit)
 	}
-	return out
 }
 
 // unitsOf writes an amount granted for a person: "$1.50", or "5 tokens"

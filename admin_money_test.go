@@ -19,7 +19,7 @@ func TestAdminMoney(t *testing.T) {
 	for range 3 { // 810 µ$ reserved each (the quota's $0.002 admits 2)
 		serveLLM(t, h, req, up, "Authorization", "Bearer acme")
 	}
-	status, body := adminDo(t, "GET", "/rate_limit/inspect?policy=money_admin&identity=acme", "")
+	status, body := adminDo(t, "POST", "/rate_limit/inspect", `{"policy":"money_admin","identity":"acme"}`)
 	var st bucketState
 	if err := json.Unmarshal([]byte(body), &st); err != nil || status != 200 || st.Currency != "USD" || st.Burst != 5_000_000 || st.Tokens != 5_000_000-2*6000 {
 		t.Fatalf("inspect: %d %s", status, body)
@@ -44,7 +44,7 @@ func TestAdminMoney(t *testing.T) {
 	}
 	// The quota: used and left in dollars; top lists the denied with what
 	// they have left.
-	status, body = adminDo(t, "GET", "/rate_limit/inspect?policy=money_admin_q&identity=acme", "")
+	status, body = adminDo(t, "POST", "/rate_limit/inspect", `{"policy":"money_admin_q","identity":"acme"}`)
 	out.Reset()
 	if err := printAnswer(&out, "inspect", []byte(body)); err != nil || !strings.Contains(out.String(), "$0.00162 of $0.002; $0.00038 left") {
 		t.Errorf("quota inspect printed: %d %s\n%s", status, body, out.String())

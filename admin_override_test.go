@@ -80,8 +80,8 @@ func TestServeHTTPOverride(t *testing.T) {
 	if status != 200 {
 		t.Fatalf("setting an override: %d %s", status, body)
 	}
-	if x := get(); x.status != 200 || q(x) != 100 || r(x) != 14 {
-		t.Fatalf("under the override: %d q=%d r=%d, want 200 q=100 r=14", x.status, q(x), r(x))
+	if x := get(); x.status != 200 || q(x) != 100 || r(x) != 14 || fields(t, x.header, "RateLimit-Policy")["ovr_unit"]["burst"] != 20 {
+		t.Fatalf("under the override: %d q=%d r=%d, RateLimit-Policy %s; want 200 q=100 r=14, its burst 20 (the limit in force)", x.status, q(x), r(x), x.header.Get("RateLimit-Policy"))
 	}
 	if x := serve([]*Handler{h}, nil, "X-User", "bob"); q(x) != 5 {
 		t.Fatalf("another identity: q=%d, want the policy's 5", q(x))
@@ -89,7 +89,7 @@ func TestServeHTTPOverride(t *testing.T) {
 	if l := list(); len(l) != 1 || l[0].Note != "contract 1" || l[0].describe() != "rate 100/1h burst 20" || l[0].Key != h.Policies[0].storageKey(h.hasher, "acme") {
 		t.Fatalf("list: %+v", l)
 	}
-	status, body = adminDo(t, "GET", "/rate_limit/inspect?policy=ovr_unit&identity=acme", "")
+	status, body = adminDo(t, "POST", "/rate_limit/inspect", `{"policy":"ovr_unit","identity":"acme"}`)
 	var st bucketState
 	if err := json.Unmarshal([]byte(body), &st); status != 200 || err != nil || st.Override == nil || st.Burst != 20 || st.Rate != "100/1h" || st.Tokens != 14 {
 		t.Fatalf("inspect: %d %s", status, body)
@@ -175,7 +175,7 @@ func TestServeHTTPQuotaOverride(t *testing.T) {
 	if x := get("bob-" + acme); q(x) != 5 {
 		t.Fatalf("another identity: q=%d, want the policy's 5", q(x))
 	}
-	status, body := adminDo(t, "GET", "/rate_limit/inspect?policy=qovr_unit&identity="+acme, "")
+	status, body := adminDo(t, "POST", "/rate_limit/inspect", `{"policy":"qovr_unit","identity":"`+acme+`"}`)
 	var st bucketState
 	if err := json.Unmarshal([]byte(body), &st); status != 200 || err != nil || st.Override == nil || st.Override.describe() != "quota 8/year" ||
 		st.Quota != 8 || st.Used == nil || *st.Used != 6 || st.Tokens != 2 {

@@ -42,7 +42,7 @@ func TestAdminQuota(t *testing.T) {
 		t.Logf("caddy rate-limit %s:\n%s", action, out.String())
 		return st
 	}
-	st := call("GET", "/rate_limit/inspect?policy=admin-quota-test&identity="+carol, "")
+	st := call("POST", "/rate_limit/inspect", `{"policy":"admin-quota-test","identity":"`+carol+`"}`)
 	now := time.Now().In(calendartest.Zone(t, "Europe/Berlin"))
 	start := time.Date(now.Year(), now.Month(), 1, 0, 0, 0, 0, now.Location())
 	if st.Used == nil || *st.Used != 4 || st.Quota != 10 || st.Tokens != 6 || st.Unit != "month" || st.Kind != "quota" || st.Period == nil ||

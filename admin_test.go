@@ -25,7 +25,7 @@ func TestAdminInspectPlan(t *testing.T) {
 		{"default", 200, "default", 6, 4, ""},
 		{"gold", 400, "", 0, 0, `plan "gold": policy "plans_inspect" has no such plan`},
 	} {
-		status, body := adminDo(t, "GET", "/rate_limit/inspect?policy=plans_inspect&identity=acme&plan="+tc.plan, "")
+		status, body := adminDo(t, "POST", "/rate_limit/inspect", `{"policy":"plans_inspect","identity":"acme","plan":"`+tc.plan+`"}`)
 		var st bucketState
 		_ = json.Unmarshal([]byte(body), &st)
 		if status != tc.status || status == 200 && (st.Plan != tc.planLabel || st.Burst != tc.burst || st.Tokens != tc.tokens) || !strings.Contains(body, tc.says) {

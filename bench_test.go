@@ -123,12 +123,23 @@ func BenchmarkRedisHotKey(b *testing.B) {
 // BenchmarkRedisDecide measures one decision through the Redis store with
 // many concurrent callers and 10,000 identities, with concurrent decisions
 // coalesced into one script call and with one call per decision;
-// allocations per decision included.
+// allocations per decision included. The settle cases decide a bucket of
+// a settle policy that may have overrides: its call also reads (and
+// declares in KEYS) the bucket's override and learned usage.
 func BenchmarkRedisDecide(b *testing.B) {
 	srv := testredis.Start(b)
-	for _, coalesce := range []bool{false, true} {
-		b.Run(fmt.Sprintf("coalesced=%v", coalesce), func(b *testing.B) {
-			noCoalescing = !coalesce
+	client := redis.NewClient(&redis.Options{Addr: srv.Addr})
+	defer client.Close()
+	for _, tc := range []struct {
+		name     string
+		coalesce bool
+		settle   bool
+	}{
+		{"coalesced=false", false, false}, {"coalesced=true", true, false},
+		{"settle,coalesced=false", false, true}, {"settle,coalesced=true", true, true},
+	} {
+		b.Run(tc.name, func(b *testing.B) {
+			noCoalescing = !tc.coalesce
 			defer func() { noCoalescing = false }()
 			conn, err := newRedisStore(RedisConfig{Addresses: []string{srv.Addr}, Timeout: testTimeout}.resolved(), zap.NewNop())
 			if err != nil {
@@ -138,20 +149,31 @@ func BenchmarkRedisDecide(b *testing.B) {
 			rs := conn
 			keys := benchKeys(10_000)
 			var n atomic.Int64
+			client.ConfigResetStat(context.Background())
 			b.SetParallelism(32)
 			b.ReportAllocs()
 			b.ResetTimer()
 			b.RunParallel(func(pb *testing.PB) {
 				for pb.Next() {
 					i := n.Add(1)
-					reqs := []bucketRequest{{key: keys[i%int64(len(keys))], limit: limit{interval: 1000, burst: 1_000_000}, op: opTake, cost: 1}}
-					if _, err := rs.decide(context.Background(), reqs); err != nil {
+					rq := bucketRequest{key: keys[i%int64(len(keys))], limit: limit{interval: 1000, burst: 1_000_000}, op: opTake, cost: 1}
+					if tc.settle {
+						rq.learns, rq.overridable, rq.overrideDebt = true, true, 1_000_000
+					}
+					if _, err := rs.decide(context.Background(), []bucketRequest{rq}); err != nil {
 						b.Error(err)
 						return
 					}
 				}
 			})
+			b.StopTimer()
 			b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "decisions/s")
+			// Redis's own time, which more KEYS would cost first.
+			info, _ := client.Info(context.Background(), "commandstats").Result()
+			if m := regexp.MustCompile(`cmdstat_evalsha:calls=\d+,usec=(\d+)`).FindStringSubmatch(info); m != nil {
+				usec, _ := strconv.ParseFloat(m[1], 64)
+				b.ReportMetric(usec/float64(b.N), "redis-µs/decision")
+			}
 		})
 	}
 }
@@ -635,4 +657,77 @@ func benchPaths(rs *redisStore) []benchPath {
 			return nil
 		}},
 	}
+}
+
+// BenchmarkDeclaredKeysCost: what declaring a bucket's override and
+// learned usage in KEYS costs Redis, as CPU time (schedstat), the same
+// calls with and without those keys in KEYS, each on its own
+// redis-server, in turn: 8 takes a call of a settle policy that may have
+// overrides (the script reads both keys either way), over 10,000
+// identities. The ratio is the median of the rounds' ratios, each round
+// 500 calls of each.
+//
+//	go test -run '^$' -bench BenchmarkDeclaredKeysCost -benchtime 20x .
+func BenchmarkDeclaredKeysCost(b *testing.B) {
+	ctx := context.Background()
+	type side struct {
+		client *redis.Client
+		pid    int
+		cpu    []float64
+	}
+	start := func() *side {
+		srv := testredis.Start(b)
+		client := redis.NewClient(&redis.Options{Addr: srv.Addr})
+		b.Cleanup(func() { client.Close() })
+		if err := client.ScriptLoad(ctx, decideLua).Err(); err != nil {
+			b.Fatal(err)
+		}
+		return &side{client: client, pid: srv.Pid()}
+	}
+	undeclared, declared := start(), start()
+	p, kh := &Policy{keyPrefix: "rl:tokens:"}, newKeyHasher("secret")
+	keys := make([]string, 10_000)
+	for i := range keys {
+		keys[i] = p.storageKey(kh, strconv.Itoa(i))
+	}
+	l := limit{interval: 10, burst: 100_000}
+	const calls, per = 500, 8
+	c := 0
+	call := func(s *side, args []any) {
+		res, err := s.client.Do(ctx, args...).Int64Slice()
+		if err != nil || len(res) == 0 {
+			b.Fatal(err)
+		}
+	}
+	b.ResetTimer()
+	for range b.N {
+		cpu0 := []int64{schedMicros(b, undeclared.pid), schedMicros(b, declared.pid)}
+		for range calls {
+			c++
+			batch := make([]*pending, per)
+			for q := range batch {
+				i := (c*per + q) * 7919 % len(keys)
+				batch[q] = &pending{reqs: []bucketRequest{{key: keys[i], limit: l, op: opTake, cost: 1, learns: true, overridable: true}}}
+			}
+			args := encodeCall(batch, formatV2)
+			call(declared, args)
+			// The same call with KEYS the buckets' alone, as before.
+			n := args[2].(int)
+			short := append(append([]any{args[0], args[1], per}, args[3:3+per]...), args[3+n:]...)
+			call(undeclared, short)
+		}
+		undeclared.cpu = append(undeclared.cpu, float64(schedMicros(b, undeclared.pid)-cpu0[0])/(calls*per))
+		declared.cpu = append(declared.cpu, float64(schedMicros(b, declared.pid)-cpu0[1])/(calls*per))
+	}
+	b.StopTimer()
+	ratios := make([]float64, b.N)
+	for i := range ratios {
+		ratios[i] = declared.cpu[i] / undeclared.cpu[i]
+	}
+	med := func(v []float64) float64 { v = slices.Clone(v); slices.Sort(v); return v[len(v)/2] }
+	b.ReportMetric(med(undeclared.cpu), "redis-cpu-µs/request-undeclared")
+	b.ReportMetric(med(declared.cpu), "redis-cpu-µs/request")
+	b.ReportMetric(med(ratios), "ratio")
+	b.ReportMetric(slices.Min(ratios), "ratio-min")
+	b.ReportMetric(slices.Max(ratios), "ratio-max")
 }

@@ -119,6 +119,15 @@ type bucketRequest struct {
 	// delta: tokens opAdjust charges (> 0) or gives back (< 0); for
 	// opFree, the µs a lease must have left to be kept.
 	delta int64
+	// due, for an opAdjust that gives tokens back: the store's µs at which
+	// the last of them is due (the TAT the take of them left, verdict.due).
+	// Only those still due when the store applies it go back: the bucket
+	// has refilled through the others, and giving them back would hand them
+	// out twice. 0: all of them (a grant). Negative, -due: a hot key's
+	// block (hotkeys_store.go), given back only while no token was taken
+	// after its own, as blocks held elsewhere are spent on the schedule of
+	// the TAT they were taken at (see givenBack).
+	due int64
 	// shadow: decided apart; never changes whether the request is admitted.
 	shadow bool
 	// overridable: the store may hold an operator's override of this
@@ -151,11 +160,11 @@ type bucketRequest struct {
 	// bucket.
 	overrideWait, overrideDebt int64
 	// learns: the bucket's key learns its usage (learned_usage.go): an
-	// opTake is raised to what it learned, an opAdjust remembers record
-	// (0: a settle within asked, the request's own reservation), an
-	// opReset forgets.
-	learns        bool
-	asked, record int64
+	// opTake is raised by what its key learned of requests of its class,
+	// an opAdjust remembers record (the usage beyond asked, the request's
+	// own reservation: 0 within it) in class (asked's), an opReset forgets.
+	learns               bool
+	asked, record, class int64
 }
 
 // counter is a metric that counts (a Prometheus counter).
@@ -188,6 +197,10 @@ type verdict struct {
 	// its key learned, for a bucket that learns); learned: the largest
 	// usage the key remembered before the request (learned_usage.go).
 	cost, learned int64
+	// due: for a take that charged, the store's µs at which the last token
+	// it took is due (the TAT it left): what a give-back of them carries
+	// (bucketRequest.due).
+	due int64
 }
 
 // decision is the outcome of one request across all its buckets.
@@ -218,9 +231,12 @@ func (l limit) rebase(tat, storedInterval, now int64) int64 {
 	}
 	ahead := tat - now
 	if storedInterval != l.interval && storedInterval > 0 {
-		// The tokens owed, ahead/storedInterval, at the current interval.
+		// The tokens owed, ahead/storedInterval, at the current interval,
+		// rounded up: a µs rounded away at each change of limit would let
+		// a token go early (found by the simulation: instances on two
+		// limits during a reload read each other's writes, each rounding).
 		// Lua evaluates this double expression the same way.
-		ahead = int64(math.Floor(float64(ahead) * float64(l.interval) / float64(storedInterval)))
+		ahead = int64(math.Ceil(float64(ahead) * float64(l.interval) / float64(storedInterval)))
 	}
 	return now + min(ahead, l.tau()+l.slack)
 }
@@ -247,10 +263,42 @@ func (l limit) tokens(base, now int64) (n, next int64) {
 }
 
 // adjust is the TAT after charging delta tokens (delta > 0, into debt up to
-// slack) or giving -delta back (never beyond a full bucket, which is now).
-func (l limit) adjust(tat, now, delta int64) int64 {
+// slack) or giving -delta back (never beyond a full bucket, which is now),
+// of tokens the last of which is due at due (0: any; see givenBack).
+func (l limit) adjust(tat, now, delta, due int64) int64 {
+	delta = l.givenBack(delta, start(tat, now), now, due)
 	next := start(tat, now) + delta*l.interval
 	return max(now, min(next, now+l.tau()+l.slack))
+}
+
+// givenBack is the delta an adjust applies at now to a bucket whose TAT is
+// base (start): a charge as it is; a give-back of tokens the last of which
+// is due at due (0: any) only of those still due, one every interval
+// before it. A token past its due was refilled by the bucket already:
+// given back, it would be handed out twice, and a give-back that reached
+// the store late (a long response's refund, a block's unspent tokens)
+// would forgive what the window spent. A block's give-back (due < 0, its
+// tokens due by -due) goes back only while its tokens end the bucket's
+// line (base is -due): no token was taken after them, as a block held
+// elsewhere is spent on the schedule of the TAT it was taken at, and
+// moving its tokens forward in the line would let its holder and a new
+// take spend the same due times; nor did the line move back since (a
+// reset, a grant, another limit), which gave them back already. Lua
+// evaluates the same double expression.
+func (l limit) givenBack(delta, base, now, due int64) int64 {
+	if delta >= 0 || due == 0 {
+		return delta
+	}
+	if due < 0 {
+		if due = -due; base != due {
+			return 0 // not the end of the line: they stay, and lapse
+		}
+	}
+	left := int64(0)
+	if due > now {
+		left = int64(math.Ceil(float64(due-now) / float64(l.interval)))
+	}
+	return -min(-delta, left)
 }
 
 // decideBuckets is the whole decision of one request, given each bucket's
@@ -320,12 +368,13 @@ func decideRate(d *decision, v *verdict, tat, now int64, rq bucketRequest) (next
 	case rq.op == opTake && d.admitted && v.allowed:
 		base += rq.cost * rq.limit.interval
 		next = base
+		v.due = base
 		// A turn beyond the bucket's capacity now is reserved: the
 		// request is held until then.
 		v.delay = max(0, base-rq.limit.tau()-now)
 		d.delay = max(d.delay, v.delay)
 	case rq.op == opAdjust:
-		base = rq.limit.adjust(tat, now, rq.delta)
+		base = rq.limit.adjust(tat, now, rq.delta, rq.due)
 		next = base
 	case rq.op == opReset:
 		base, next = now, 0

@@ -36,16 +36,20 @@ func (d definition) budgetShape() string {
 // limitShape is the policy's kind and limit, as its config says it: what
 // instances sharing its buckets must agree on besides the key (see
 // fleet.go).
-func (p *Policy) limitShape() string {
+func (p *Policy) limitShape() string { return p.limitShapeOf(false) }
+
+// limitShapeOf is limitShape, or with previous as the release before this
+// one (v0.4.0) wrote it (planShapeOf).
+func (p *Policy) limitShapeOf(previous bool) string {
 	switch p.kind {
 	case kindQuota:
-		return fmt.Sprintf("kind %s, quota %s, timezone %s", p.kindName(), p.Quota, p.quota.loc) + p.unitShape() + p.planShape()
+		return fmt.Sprintf("kind %s, quota %s, timezone %s", p.kindName(), p.Quota, p.quota.loc) + p.unitShape() + p.planShapeOf(previous)
 	case kindShed:
 		return fmt.Sprintf("kind %s, %s", p.kindName(), p.shedShape())
 	case kindConcurrent:
-		return fmt.Sprintf("kind %s, %d slots, lease %s", p.kindName(), p.Concurrent, time.Duration(p.limit.interval)*time.Microsecond) + p.planShape()
+		return fmt.Sprintf("kind %s, %d slots, lease %s", p.kindName(), p.Concurrent, time.Duration(p.limit.interval)*time.Microsecond) + p.planShapeOf(previous)
 	}
-	return fmt.Sprintf("kind %s, rate %s, burst %d", p.kindName(), p.Rate, p.limit.burst) + p.unitShape() + p.planShape()
+	return fmt.Sprintf("kind %s, rate %s, burst %d", p.kindName(), p.Rate, p.limit.burst) + p.unitShape() + p.planShapeOf(previous)
 }
 
 // unitShape is a money policy's unit, in its shape (a token policy's shape

@@ -383,16 +383,23 @@ func unmarshalPolicy(d *caddyfile.Dispenser) (*Policy, error) {
 			}
 		case "cost":
 			args := d.RemainingArgs()
-			if len(args) != 1 && len(args) != 3 || len(args) == 3 && args[1] != "max" {
-				return nil, s.errf(d, "cost: expected cost <n | {placeholder} | openai | anthropic> [max <n>]")
+			if len(args)%2 != 1 {
+				return nil, s.errf(d, "cost: expected cost <n | {placeholder} | openai | anthropic> [max <n>] [unbounded max|refuse]")
 			}
 			p.Cost = caddyhttp.WeakString(args[0])
-			if len(args) == 3 {
-				n, ok := positiveAmount(args[2])
-				if !ok {
-					return nil, s.errf(d, "cost: max %q must be a positive number", args[2])
+			for i := 1; i+1 < len(args); i += 2 {
+				switch args[i] {
+				case "max":
+					n, ok := positiveAmount(args[i+1])
+					if !ok {
+						return nil, s.errf(d, "cost: max %q must be a positive number", args[i+1])
+					}
+					p.MaxCost = n
+				case "unbounded":
+					p.Unbounded = args[i+1] // checked with the policy
+				default:
+					return nil, s.errf(d, "cost: expected cost <n | {placeholder} | openai | anthropic> [max <n>] [unbounded max|refuse], got %q", args[i])
 				}
-				p.MaxCost = n
 			}
 		case "on_error":
 			if err := s.oneArg(d, &p.OnError); err != nil {

@@ -478,6 +478,7 @@ func parseUsage(v string, max int64) (int64, bool) {
 // charge the store does not take, by the caller.
 func (aw *afterResponse) charges(err error) (reqs []bucketRequest, policies []*Policy) {
 	ctx, rs, res := aw.ctx, aw.rs, aw.res
+	failed := aw.wroteHeader && !succeeded(aw.status) // the upstream's error (charge_failed.go)
 	if !aw.wroteHeader {
 		// No response was written: a Caddy error's status stands for it, or,
 		// when the client went away first, no response at all: a charge_if
@@ -497,6 +498,11 @@ func (aw *afterResponse) charges(err error) (reqs []bucketRequest, policies []*P
 				res.after[k].charge = true
 			}
 		}
+		// Caddy's own error, the upstream not reached or not answering (a
+		// 502, a 504 of a dial): nothing was generated (charge_failed.go).
+		// A client gone first keeps the rule of a cut stream, and so does a
+		// timeout waiting for the answer: the upstream may be generating.
+		failed, aw.status = !gone && !succeeded(status) && (status != http.StatusGatewayTimeout || unreached(err)), status
 		if res.fieldsSent {
 			res.writeFields(aw.Header(), rs, true) // Caddy writes the error's response with them
 		}
@@ -540,10 +546,15 @@ func (aw *afterResponse) charges(err error) (reqs []bucketRequest, policies []*P
 					a.usage, a.settled = min(u, p.after.maxUsage), true
 				}
 			}
-			if a.settled {
+			switch {
+			case a.settled:
 				delta = a.usage - rq.cost
 				rq.remember(a.usage) // learned_usage.go
-			} else {
+			case failed:
+				// An error without usage: providers bill none (charge_failed.go).
+				delta, rq.learns = -rq.cost, false // nothing learned, nor forgotten
+				aw.failedLog(p)
+			default:
 				// No usage: the charge is what the response delivered implies,
 				// never less than the reservation.
 				a.lost = aw.lostReason(p, gone)
@@ -555,6 +566,12 @@ func (aw *afterResponse) charges(err error) (reqs []bucketRequest, policies []*P
 			}
 		}
 		rq.op, rq.delta, rq.cost, rq.wait = opAdjust, delta, 0, 0
+		if delta < 0 {
+			// Only the tokens still due go back (bucket.go, givenBack): a
+			// long response's refund must not forgive what the bucket has
+			// refilled since.
+			rq.due = res.d.verdicts[a.i].due
+		}
 		reqs = append(reqs, rq)
 		charged = append(charged, k)
 	}
@@ -654,7 +671,10 @@ func (w *afterResponse) chargeLost(p *Policy, reason int) {
 			zap.String("content_encoding", w.body.Coding()), zap.NamedError("why", w.body.Unreadable()))...)
 		return
 	}
-	hint := "the upstream sent no usage: the reservation stands (at least the estimate of what was delivered)"
+	hint := "the upstream answered " + strconv.Itoa(w.status) + " with no usage: charged the estimate of what was delivered, at least the reservation"
+	if p.Settle.From == settleHeader || p.Settle.From == settleTrailer {
+		hint = "the upstream answered " + strconv.Itoa(w.status) + " with no usage: the reservation stands"
+	}
 	switch p.Settle.From {
 	case settleOpenAI:
 		hint += `; OpenAI streams report usage only when the request sets "stream_options": {"include_usage": true}`

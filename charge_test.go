@@ -35,6 +35,16 @@ type llmExchange struct {
 // upstream, which is handed the request body as it arrived.
 func serveLLM(t *testing.T, h *Handler, body string, upstream func(w http.ResponseWriter, r *http.Request), header ...string) (x llmExchange) {
 	t.Helper()
+	return serveLLMError(t, h, body, func(w http.ResponseWriter, r *http.Request) error {
+		upstream(w, r)
+		return nil
+	}, header...)
+}
+
+// serveLLMError is serveLLM with an upstream that may fail as Caddy's
+// reverse_proxy does, returning an error without writing (a 502, a 504).
+func serveLLMError(t *testing.T, h *Handler, body string, upstream func(w http.ResponseWriter, r *http.Request) error, header ...string) (x llmExchange) {
+	t.Helper()
 	r := httptest.NewRequest("POST", "/v1/chat/completions", strings.NewReader(body))
 	for i := 0; i+1 < len(header); i += 2 {
 		r.Header.Set(header[i], header[i+1])
@@ -47,8 +57,7 @@ func serveLLM(t *testing.T, h *Handler, body string, upstream func(w http.Respon
 	next := caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
 		x.upstream, _ = io.ReadAll(r.Body)
 		r.Body = io.NopCloser(bytes.NewReader(x.upstream)) // for the upstream to read
-		upstream(w, r)
-		return nil
+		return upstream(w, r)
 	})
 	func() {
 		defer func() { x.panicked = recover() }()

@@ -137,6 +137,21 @@ func checkHandler(ctx context.Context, w io.Writer, h *Handler) (problems []stri
 		fmt.Fprintln(w, "  in-process buckets (no redis block): each instance decides alone; nothing to check against Redis")
 		return nil, false
 	}
+	server := ""
+	if s, err := pr.serverInfo(ctx); err == nil {
+		server = s.String()
+		fmt.Fprintf(w, "  server: %s\n", server)
+		if tooOld(s) {
+			var ps []*Policy
+			for _, d := range storeDefinitions([]*Handler{h}) {
+				ps = append(ps, d.policy)
+			}
+			fmt.Fprintf(w, "  server: TOO OLD: %s. Until then, where it refuses a call, %s\n", tooOldText(s), failureModes(ps))
+			problems = append(problems, fmt.Sprintf("the server (%s) is older than Redis %s", server, minRedisText))
+		}
+	} else {
+		fmt.Fprintf(w, "  server: did not say who it is (%v)\n", err)
+	}
 	decided := 0
 	for _, r := range pr.probe(storeDefinitions([]*Handler{h})) {
 		p := r.def.policy
@@ -145,11 +160,7 @@ func checkHandler(ctx context.Context, w io.Writer, h *Handler) (problems []stri
 			fmt.Fprintf(w, "  policy %s: decided by Redis\n", p.Name)
 			continue
 		}
-		cause, ok := probeCauses[r.kind]
-		if !ok {
-			cause = "Redis answered an error (" + r.kind + ")"
-		}
-		fmt.Fprintf(w, "  policy %s: NOT decided by Redis: %s (%v): %s. Until then, %s\n", p.Name, cause, r.err, fixOf(r.kind), failureModes([]*Policy{p}))
+		fmt.Fprintf(w, "  policy %s: NOT decided by Redis: %s (%v): %s. Until then, %s\n", p.Name, causeOf(r.kind, server), r.err, fixOf(r.kind), failureModes([]*Policy{p}))
 		problems = append(problems, fmt.Sprintf("policy %s would not be decided by Redis (%s)", p.Name, r.kind))
 	}
 	for _, p := range h.Policies {

@@ -35,7 +35,8 @@ admin API of a running Caddy:
   caddy rate-limit inspect <policy> <identity>           tokens, burst, rate, time to full
   caddy rate-limit reset   <policy> <identity>           a full bucket, on every instance at once
   caddy rate-limit grant   <policy> <identity> <tokens>  gives tokens back
-  caddy rate-limit top     <policy> [n]                  the identities this instance denied most in the last 5 minutes
+  caddy rate-limit top     <policy> [n] [--show-keys]    the identities this instance denied most in the last 5 minutes:
+                                                         their keyed fingerprints, the raw values with --show-keys
   caddy rate-limit format  [v1|v2]                       the fleet's storage format: v2 once every instance runs
                                                          v0.3.0 or later, v1 before rolling back (docs/redis.md)
   caddy rate-limit fleet                                 the live instances on each Redis, by database and
@@ -72,6 +73,7 @@ reads the config given with --config (and --adapter) instead.
 			cmd.PersistentFlags().Bool("json", false, "Print the admin API's JSON answer")
 			cmd.PersistentFlags().String("plan", "", "inspect, reset, grant: the plan whose limit to read the bucket under")
 			cmd.PersistentFlags().Bool("empty-key", false, "inspect, reset, grant: the bucket of the requests whose key resolved empty (give no identity)")
+			cmd.PersistentFlags().Bool("show-keys", false, "top: show the raw identities (API keys, for a policy keyed on the credential), not only their keyed fingerprints")
 			cmd.AddCommand(
 				&cobra.Command{Use: "inspect <policy> <identity>", Short: "Shows a bucket: tokens, burst, rate, time to full",
 					Args: cobra.RangeArgs(1, 2), RunE: rateLimitCommand("inspect")},
@@ -99,6 +101,7 @@ func rateLimitCommand(action string) func(*cobra.Command, []string) error {
 		cmd.SilenceUsage = true
 		plan, _ := cmd.Flags().GetString("plan")
 		emptyKey, _ := cmd.Flags().GetBool("empty-key")
+		showKeys, _ := cmd.Flags().GetBool("show-keys")
 		target, err := adminTargetOf(cmd) // command_cli.go
 		if err != nil {
 			return err
@@ -128,24 +131,25 @@ func rateLimitCommand(action string) func(*cobra.Command, []string) error {
 				method = http.MethodPost
 				body = bytes.NewReader([]byte(`{"format":"` + args[0] + `"}`))
 			}
-		case "inspect", "top":
+		case "top":
 			method = http.MethodGet
 			q := url.Values{"policy": {req.Policy}}
-			if action == "inspect" {
-				q.Set("identity", req.Identity)
-				if plan != "" {
-					q.Set("plan", plan)
-				}
-				if emptyKey {
-					q.Set("empty_key", "true")
-				}
-			} else if len(args) > 1 {
+			if len(args) > 1 {
 				if n, err := strconv.Atoi(args[1]); err != nil || n < 1 {
 					return fmt.Errorf("n: %q is not a positive integer", args[1])
 				}
 				q.Set("n", args[1])
 			}
-			uri = "/rate_limit/" + action + "?" + q.Encode()
+			if showKeys {
+				q.Set("show_keys", "true")
+			}
+			uri = "/rate_limit/top?" + q.Encode()
+		case "inspect":
+			// The identity in the body, never in the URL: Caddy's admin API
+			// logs URLs.
+			method, uri = http.MethodPost, "/rate_limit/inspect"
+			raw, _ := json.Marshal(req)
+			body = bytes.NewReader(raw)
 		case "grant":
 			// Tokens, or dollars for a money policy: the policy's unit, which
 			// the admin API reads the amount in.
@@ -193,25 +197,38 @@ func printAnswer(w io.Writer, action string, raw []byte) error {
 		}
 		tw := tabwriter.NewWriter(w, 2, 4, 2, ' ', 0)
 		money := t.Currency != ""
-		if money {
-			fmt.Fprintln(tw, "DENIALS\tAT MOST OVER BY\tLEFT NOW\tIDENTITY\tKEY")
-		} else {
-			fmt.Fprintln(tw, "DENIALS\tAT MOST OVER BY\tIDENTITY\tKEY")
-		}
+		shown := false // the raw identities, with --show-keys
 		for _, e := range t.Identities {
-			id := strconv.Quote(e.Identity)
-			if e.Truncated {
-				id += "..."
-			}
+			shown = shown || e.Identity != ""
+		}
+		header := "DENIALS\tAT MOST OVER BY"
+		if money {
+			header += "\tLEFT NOW"
+		}
+		header += "\tFINGERPRINT"
+		if shown {
+			header += "\tIDENTITY"
+		}
+		fmt.Fprintln(tw, header)
+		for _, e := range t.Identities {
+			line := fmt.Sprintf("%d\t%d", e.Denials, e.Error)
 			if money {
 				left := "?"
 				if e.Limit != "" {
 					left = "$" + e.Left + " of $" + e.Limit
 				}
-				fmt.Fprintf(tw, "%d\t%d\t%s\t%s\t%s\n", e.Denials, e.Error, left, id, e.Key)
+				line += "\t" + left
+			}
+			line += "\t" + e.Fingerprint
+			if !shown {
+				fmt.Fprintln(tw, line)
 				continue
 			}
-			fmt.Fprintf(tw, "%d\t%d\t%s\t%s\n", e.Denials, e.Error, id, e.Key)
+			id := strconv.Quote(e.Identity)
+			if e.Truncated {
+				id += "..."
+			}
+			fmt.Fprintf(tw, "%s\t%s\n", line, id)
 		}
 		if err := tw.Flush(); err != nil {
 			return err
@@ -269,7 +286,7 @@ func printAnswer(w io.Writer, action string, raw []byte) error {
 			fmt.Fprintf(tw, "blocks here\t%d tokens in %d blocks, taken and not spent yet (a hot key on this instance)\n", st.BlocksHere.Tokens, st.BlocksHere.Blocks)
 		}
 		if st.Learned != nil && *st.Learned > 0 {
-			fmt.Fprintf(tw, "learned\t%s: its recent requests used up to this beyond their reservations; each now reserves at least this (at most the burst)\n", n(*st.Learned))
+			fmt.Fprintf(tw, "learned\t%s: its recent requests used up to this beyond their reservations; a request like them reserves what they used beyond (at most the burst)\n", n(*st.Learned))
 		}
 		printPlanAndOverride(tw, st) // command_override.go
 		if err := tw.Flush(); err != nil {

@@ -3,6 +3,7 @@ package ratelimit
 import (
 	"fmt"
 	"net/http"
+	"slices"
 	"strings"
 	"sync/atomic"
 	"time"
@@ -60,6 +61,63 @@ func credential(h http.Header) string {
 	return cred
 }
 
+// One credential a request. A request carrying two different credentials
+// (a Bearer token and a different x-api-key, say) is refused with a 400
+// before any policy keyed on the credential decides it, and before the
+// provider: which of them the provider reads depends on the provider and
+// the endpoint (OpenAI reads Authorization, Anthropic x-api-key, Azure
+// api-key, and some accept either), so keying on one would let a client
+// be charged on a fresh bucket while the provider bills the other, and
+// resolving it empty (as before) put it in the bucket every request
+// without a credential shares. The official SDKs send one; the same value
+// in several fields is one credential.
+
+// twoCredentials is the credential fields of h when it carries two
+// different credentials (their names, not their values), else nil.
+func twoCredentials(h http.Header) []string {
+	var names []string
+	first := ""
+	differ := false
+	note := func(name, v string) {
+		if v == "" {
+			return
+		}
+		names = append(names, name)
+		switch {
+		case first == "":
+			first = v
+		case v != first:
+			differ = true
+		}
+	}
+	for _, v := range h["Authorization"] {
+		note("Authorization", bearerToken([]string{v}))
+	}
+	for _, name := range credentialHeaders {
+		for _, v := range h[name] {
+			note(name, strings.Trim(v, " \t"))
+		}
+	}
+	if !differ {
+		return nil
+	}
+	return slices.Compact(names)
+}
+
+// usesCredential reports whether the template reads the credential.
+func (t template) usesCredential() bool {
+	return t.cred || strings.Contains(t.text, "{"+credentialPlaceholder+"}")
+}
+
+// twoCredentialsRefusal refuses a request carrying two different
+// credentials (its header h), for policy p: the fields named, never their
+// values.
+func twoCredentialsRefusal(p *Policy, h http.Header) *refusal {
+	return &refusal{policy: p, code: "two_credentials", title: "Two Credentials",
+		detail: "The request carries two different credentials (" + strings.Join(twoCredentials(h), ", ") +
+			"): send one. Which of them the provider would read cannot be known, so the request is refused before it."}
+}
+
 // A policy warns when at least emptyKeyShare of its requests since it last
 // judged (at least emptyKeyJudged of them) resolved its key empty: they all
 // share one bucket. At most one line per lostLogInterval.
@@ -108,9 +166,16 @@ func (w *emptyKeyWatch) note(p *Policy, identity string, logger *zap.Logger) {
 		w.lastLine.CompareAndSwap(now, last) // no line written
 		return
 	}
+	advice := "Key on what identifies every client: {http.rate_limit.credential} reads " +
+		"Authorization: Bearer, x-api-key, api-key and x-goog-api-key (the official LLM SDKs send Authorization: Bearer); "
+	if p.keyTmpl.usesCredential() {
+		// Keyed on the credential already: these requests carry none (two
+		// different ones are refused, never keyed empty).
+		advice = "The key is the credential: these requests carry none in Authorization: Bearer, x-api-key, api-key or " +
+			"x-goog-api-key (a client without one, or a credential elsewhere, e.g. Gemini's ?key= query); require one before rate_limit, or match them apart; "
+	}
 	logger.Warn("rate_limit: policy "+p.Name+": its key resolved empty for "+share(empties, requests)+" of its requests: they all share one bucket, "+
-		"so one client's requests deny every other's. Key on what identifies every client: {http.rate_limit.credential} reads "+
-		"Authorization: Bearer, x-api-key, api-key and x-goog-api-key (the official LLM SDKs send Authorization: Bearer); "+
+		"so one client's requests deny every other's. "+advice+
 		"caddy rate-limit inspect "+p.Name+" --empty-key shows that bucket, reset --empty-key makes it full",
 		zap.String("policy", p.Name), zap.String("key", p.Key), zap.Int64("empty", empties), zap.Int64("requests", requests),
 		zap.Duration("one_line_per", lostLogInterval))

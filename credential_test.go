@@ -114,3 +114,51 @@ func TestEmptyKeyWarning(t *testing.T) {
 		t.Fatalf("reset of an identity and the empty key: %d %s, want 400", status, body)
 	}
 }
+
+// TestTwoCredentials: a request carrying two different credentials is
+// refused with a 400 problem naming the fields (not their values) by a
+// policy keyed on the credential, before the upstream and before any
+// bucket is charged; the same credential twice, a shadow policy, and a
+// policy keyed on something else let it through. A policy keyed on the
+// credential whose requests carry none warns that they carry none, not to
+// key on the credential.
+func TestTwoCredentials(t *testing.T) {
+	core, logs := observer.New(zapcore.WarnLevel)
+	h := testHandler(t, &Handler{Jitter: jitterOff(), Policies: []*Policy{
+		{Name: "two_creds", Key: "{http.rate_limit.credential}", Rate: "5/1h"},
+	}}, newMemoryStore((&clock{t: 1000 * sec}).now))
+	h.logger = zap.New(core)
+	x := serve([]*Handler{h}, nil, "Authorization", "Bearer sk-tenant", "X-Api-Key", "junk-key")
+	var p problem
+	_ = json.Unmarshal([]byte(x.body), &p)
+	if x.status != 400 || x.passed || p.Status != 400 || !strings.Contains(p.Detail, "Authorization, X-Api-Key") || strings.Contains(x.body, "sk-tenant") || strings.Contains(x.body, "junk") {
+		t.Fatalf("two credentials: %d (upstream reached %v) %s; want 400 naming the fields, not the values", x.status, x.passed, x.body)
+	}
+	for range 5 { // the tenant's bucket is untouched: its 5 go through
+		if x := serve([]*Handler{h}, nil, "Authorization", "Bearer sk-tenant"); x.status != 200 {
+			t.Fatalf("the tenant after a refused request: %d", x.status)
+		}
+	}
+	if x := serve([]*Handler{h}, nil, "Authorization", "Bearer sk-same", "X-Api-Key", "sk-same"); x.status != 200 {
+		t.Errorf("the same credential twice: %d, want 200", x.status)
+	}
+	other := testHandler(t, &Handler{Jitter: jitterOff(), Policies: []*Policy{
+		{Name: "two_creds_shadow", Key: "{http.rate_limit.credential}", Rate: "5/1h", Shadow: true},
+		{Name: "two_creds_ip", Key: "{client_ip}", Rate: "5/1h"},
+	}}, newMemoryStore((&clock{t: 1000 * sec}).now))
+	if x := serve([]*Handler{other}, nil, "Authorization", "Bearer a", "X-Api-Key", "b"); x.status != 200 {
+		t.Errorf("shadow and client-address policies: %d, want 200", x.status)
+	}
+	for i := range 30 {
+		serve([]*Handler{h}, nil, "X-Client", string(rune('a'+i%3))) // no credential
+	}
+	var warned []string
+	for _, e := range logs.All() {
+		if strings.Contains(e.Message, "resolved empty") {
+			warned = append(warned, e.Message)
+		}
+	}
+	if len(warned) != 1 || !strings.Contains(warned[0], "these requests carry none") || strings.Contains(warned[0], "Key on what identifies") {
+		t.Errorf("the empty-key WARN of a policy keyed on the credential: %q", warned)
+	}
+}

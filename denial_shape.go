@@ -49,6 +49,26 @@ func (res *admission) retryable(wait, ra int64) bool {
 	return true
 }
 
+// refundableWait reports whether a denial waits only for tokens that
+// reservations hold, which their responses may give back (charge_if,
+// settle): every policy that denied gives back after its responses, its
+// bucket owes nothing beyond empty (no debt: the wait is not a usage
+// already made), and the cost can fit. Such a wait may end with the next
+// response: the client is told to come back within maxRetryWait, never
+// not to retry (`x-should-retry: false`) — a tenant whose requests in
+// flight reserved its budget would otherwise be sent away for the hours
+// the bucket takes to refill, though their refunds come in seconds.
+func (res *admission) refundableWait() bool {
+	denied := false
+	for pt := range res.callerDenials() {
+		if !pt.policy.givesBack() || pt.rq.kind() == quotaBucket || pt.v.remaining < 0 || pt.v.untilFits == neverFits {
+			return false
+		}
+		denied = true
+	}
+	return denied
+}
+
 // writeDenial writes the body of a 429, in the error_format of the first
 // denying policy that sets one, or else the handler's: a problem (RFC
 // 9457) by default.
@@ -65,52 +85,62 @@ func (h *Handler) writeDenial(w http.ResponseWriter, res *admission, violated []
 		format = h.ErrorFormat
 	}
 	money, budgets := res.moneyDenial() // money.go
-	var body []byte
 	switch format {
 	case errorFormatOpenAI:
 		kind := "requests"
 		if tokens {
 			kind = "tokens"
 		}
-		type openaiError struct {
-			Message string  `json:"message"`
-			Type    string  `json:"type"`
-			Param   *string `json:"param"`
-			Code    string  `json:"code"`
-		}
-		body, _ = json.Marshal(struct {
-			Error openaiError `json:"error"`
-		}{openaiError{Message: strings.TrimSpace(denialMessage(violated, ra) + " " + money), Type: kind, Code: "rate_limit_exceeded"}})
+		return writeProviderError(w, http.StatusTooManyRequests, openAIError(strings.TrimSpace(denialMessage(violated, ra)+" "+money), kind, "rate_limit_exceeded"))
 	case errorFormatAnthropic:
-		type anthropicError struct {
-			Type    string `json:"type"`
-			Message string `json:"message"`
-		}
-		body, _ = json.Marshal(struct {
-			Type  string         `json:"type"`
-			Error anthropicError `json:"error"`
-		}{"error", anthropicError{Type: "rate_limit_error", Message: strings.TrimSpace(denialMessage(violated, ra) + " " + money)}})
-	default:
-		if budgets != nil {
-			pr := quotaExceeded(violated)
-			pr.Detail += " " + money
-			body, _ = json.Marshal(struct {
-				problem
-				Budgets []moneyBudget `json:"budgets"`
-			}{pr, budgets})
-			return writeProblemBody(w, http.StatusTooManyRequests, body)
-		}
-		if len(violated) == 1 {
-			return writeProblemBody(w, http.StatusTooManyRequests, denier.deniedBody)
-		}
-		return writeProblem(w, quotaExceeded(violated))
+		return writeProviderError(w, http.StatusTooManyRequests, anthropicError(strings.TrimSpace(denialMessage(violated, ra)+" "+money), "rate_limit_error"))
 	}
-	return writeJSONError(w, http.StatusTooManyRequests, body)
+	if budgets != nil {
+		pr := quotaExceeded(violated)
+		pr.Detail += " " + money
+		body, _ := json.Marshal(struct {
+			problem
+			Budgets []moneyBudget `json:"budgets"`
+		}{pr, budgets})
+		return writeProblemBody(w, http.StatusTooManyRequests, body)
+	}
+	if len(violated) == 1 {
+		return writeProblemBody(w, http.StatusTooManyRequests, denier.deniedBody)
+	}
+	return writeProblem(w, quotaExceeded(violated))
 }
 
-// writeJSONError writes an error body in a provider's JSON format: about
-// this client at this moment, never cached.
-func writeJSONError(w http.ResponseWriter, status int, body []byte) error {
+// openAIError is an error body as OpenAI's API writes one, which its SDK
+// shows: {"error": {"message", "type", "param", "code"}}.
+func openAIError(message, kind, code string) []byte {
+	type openaiError struct {
+		Message string  `json:"message"`
+		Type    string  `json:"type"`
+		Param   *string `json:"param"`
+		Code    string  `json:"code"`
+	}
+	body, _ := json.Marshal(struct {
+		Error openaiError `json:"error"`
+	}{openaiError{Message: message, Type: kind, Code: code}})
+	return body
+}
+
+// anthropicError is an error body as Anthropic's API writes one:
+// {"type": "error", "error": {"type", "message"}}.
+func anthropicError(message, kind string) []byte {
+	type anthropicErr struct {
+		Type    string `json:"type"`
+		Message string `json:"message"`
+	}
+	body, _ := json.Marshal(struct {
+		Type  string       `json:"type"`
+		Error anthropicErr `json:"error"`
+	}{"error", anthropicErr{Type: kind, Message: message}})
+	return body
+}
+
+// writeProviderError answers status with a provider-shaped error body.
+func writeProviderError(w http.ResponseWriter, status int, body []byte) error {
 	hdr := w.Header()
 	hdr.Set("Content-Type", "application/json")
 	hdr.Set("Cache-Control", "no-store")

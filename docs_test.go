@@ -614,19 +614,7 @@ func TestAlertRules(t *testing.T) {
 // POSTs as tokens too, leaves count_tokens out of the token budget only;
 // and the rest of the site answers 404 rather than reach the provider.
 func TestLLMExamplePaths(t *testing.T) {
-	raw, err := os.ReadFile("docs/after-admission.md")
-	if err != nil {
-		t.Fatal(err)
-	}
-	var example string
-	for _, m := range regexp.MustCompile("(?ms)^```caddyfile\n(.*?)^```").FindAllStringSubmatch(string(raw), -1) {
-		if strings.Contains(m[1], "openai.llm.example.com") {
-			example = m[1]
-		}
-	}
-	if example == "" {
-		t.Fatal("no LLM gateway example in docs/after-admission.md")
-	}
+	example := llmGatewayExample(t)
 	t.Setenv("RATE_LIMIT_SECRET", "test")
 	adapted, _, err := caddyconfig.GetAdapter("caddyfile").Adapt([]byte(example), nil)
 	if err != nil {

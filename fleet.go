@@ -294,6 +294,9 @@ func (v *fleetView) fleetRecord(hs []*Handler) fleet.Record {
 			}
 			fp := fleet.Policy{Name: p.Name, Prefix: h.keyPrefix, Limit: fleet.Bound(p.limitShape()),
 				Key: fleet.Bound(p.keyShape()), Secret: h.hasher.fingerprint()}
+			if p.Plan != nil { // v0.4.0 compares its plans' Go dumps
+				fp.Previous = fleet.Bound(p.limitShapeOf(true))
+			}
 			if !slices.Contains(r.Policies, fp) { // the same policy in two handlers
 				r.Policies = append(r.Policies, fp)
 			}

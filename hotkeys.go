@@ -75,6 +75,15 @@ func (p *Policy) checkHotKeys(interval, burst int64) error {
 			return fieldErr("hot_keys", "hot_keys: a settle policy's keys learn their usage, which each reservation reads in Redis: they are decided call by call (remove hot_keys, or set it off)")
 		}
 		return nil
+	case p.ChargeIf != nil:
+		// Its responses give tokens back to the bucket: a give-back moves
+		// the bucket's line forward under the blocks other instances hold,
+		// which are spent on the schedule they were taken on, so that the
+		// two would spend the same due times (over burst + rate × T).
+		if p.HotKeys != "" {
+			return fieldErr("hot_keys", "hot_keys: a charge_if policy gives tokens back after its responses, which blocks held by other instances cannot follow: its keys are decided call by call (remove hot_keys, or set it off)")
+		}
+		return nil
 	}
 	switch p.HotKeys {
 	case "":

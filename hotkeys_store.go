@@ -31,7 +31,7 @@ import (
 
 // hotKeys is one Redis connection's hot keys, shared by every config on it.
 type hotKeys struct {
-	store  *redisStore // fetches blocks and gives them back
+	store  blockStore // decides what blocks do not, fetches blocks and gives them back
 	seed   maphash.Seed
 	now    func() int64 // monotonic µs
 	rates  hotkey.Rates
@@ -93,10 +93,28 @@ type hotKey struct {
 	deniedAt, deniedUntil, retryAt, failedUntil int64
 	// gone: dropped; a block landing for it is given back.
 	gone bool
+	// counted: the unspent tokens of its ledger the policy's gauge counts
+	// (recount).
+	counted int64
+}
+
+// blockStore is what the hot keys need of the store behind them (the
+// Redis store; the simulation's, sim_test.go): a decision in one call, a
+// block's take, and work sent with the next call.
+type blockStore interface {
+	decideShared(ctx context.Context, reqs []bucketRequest) (decision, error)
+	takeBlock(rq bucketRequest, urgent bool, then func(blockReply))
+	decideAfter(reqs []bucketRequest, then func(decision, error))
 }
 
 func newHotKeys(conn *redisStore) *hotKeys {
-	h := &hotKeys{store: conn, seed: maphash.MakeSeed(), now: monotonicMicros, stop: make(chan struct{}), wait: conn.callTimeout}
+	return newHotKeysOn(conn, monotonicMicros, conn.callTimeout)
+}
+
+// newHotKeysOn is the hot keys of a store, on a clock of µs, waiting at
+// most wait for a block on its way.
+func newHotKeysOn(store blockStore, now func() int64, wait time.Duration) *hotKeys {
+	h := &hotKeys{store: store, seed: maphash.MakeSeed(), now: now, stop: make(chan struct{}), wait: wait}
 	for i := range h.shards {
 		h.shards[i].keys = map[string]*hotKey{}
 	}
@@ -148,11 +166,24 @@ type hotPart struct {
 	redisNow int64
 }
 
+// rateMark is what counted a request in the rates that make a key hot,
+// to take it back when another policy denies the request (notAdmitted).
+type rateMark struct {
+	observed bool    // h.rates (a key not hot)
+	key      *hotKey // its hot key's rate
+}
+
 // decide decides reqs, some of whose buckets are hot keys: from their
 // blocks alone when all are; with Redis deciding the others otherwise.
 func (h *hotKeys) decide(ctx context.Context, reqs []bucketRequest) (decision, error) {
 	var buf [4]hotPart
-	parts := buf[:0]
+	var mbuf [4]rateMark
+	parts, marks := buf[:0], mbuf[:0]
+	if len(reqs) > len(mbuf) {
+		marks = make([]rateMark, len(reqs))
+	} else {
+		marks = mbuf[:len(reqs)]
+	}
 	for attempt := 0; ; attempt++ {
 		now := h.now()
 		parts = parts[:0]
@@ -161,7 +192,7 @@ func (h *hotKeys) decide(ctx context.Context, reqs []bucketRequest) (decision, e
 		for i := range reqs {
 			pt := hotPart{}
 			if reqs[i].hotEligible() {
-				h.try(&reqs[i], now, &pt, attempt == 0)
+				h.try(&reqs[i], now, &pt, attempt == 0, &marks[i])
 			}
 			switch pt.answer {
 			case hotCold:
@@ -188,17 +219,50 @@ func (h *hotKeys) decide(ctx context.Context, reqs []bucketRequest) (decision, e
 		}
 		switch {
 		case denied && !cold:
-			return h.localDecision(parts, now, false), nil
+			d := h.localDecision(parts, now, false)
+			h.notAdmitted(reqs, marks, d, nil, now)
+			return d, nil
 		case denied || !took:
 			// Redis decides it all (a hot bucket denied too, unless a token
 			// came back meanwhile).
 			d, err := h.store.decideShared(ctx, reqs)
 			h.noteContention(reqs, parts, d, err, now)
+			h.notAdmitted(reqs, marks, d, err, now)
 			return d, err
 		case !cold:
 			return h.localDecision(parts, now, true), nil
 		}
-		return h.decideRest(ctx, reqs, parts, now)
+		d, err := h.decideRest(ctx, reqs, parts, now)
+		h.notAdmitted(reqs, marks, d, err, now)
+		return d, err
+	}
+}
+
+// notAdmitted takes back, from the rates that make keys hot and size their
+// blocks, the requests of a decision another policy denied: they asked
+// nothing of these buckets. A key kept busy only by requests that other
+// policies deny is then not hot (it takes no block), and one that was
+// cools and gives back what it holds: its blocks would sit unspent while
+// the bucket refills behind them.
+func (h *hotKeys) notAdmitted(reqs []bucketRequest, marks []rateMark, d decision, err error, now int64) {
+	if err != nil || d.admitted {
+		return
+	}
+	for i := range marks {
+		m := marks[i]
+		if i >= len(d.verdicts) || !d.verdicts[i].allowed || !m.observed && m.key == nil {
+			continue // this bucket denied it: the request asked it for tokens
+		}
+		id := maphash.String(h.seed, reqs[i].key)
+		if m.observed {
+			h.rates.Unobserve(id, reqs[i].cost, now)
+		}
+		if m.key != nil {
+			sh := &h.shards[id%hotShards]
+			sh.mu.Lock()
+			m.key.rate.Remove(reqs[i].cost, now)
+			sh.mu.Unlock()
+		}
 	}
 }
 
@@ -270,8 +334,9 @@ func (h *hotKeys) localDecision(parts []hotPart, now int64, admitted bool) decis
 
 // try decides rq's bucket from its key's blocks, filling in pt: hotCold
 // when the key is not hot (or has nothing to say), hotTook, hotDenied, or
-// hotWait (a block is on its way and mayWait: pt.landed).
-func (h *hotKeys) try(rq *bucketRequest, now int64, pt *hotPart, mayWait bool) {
+// hotWait (a block is on its way and mayWait: pt.landed). A first attempt
+// (mayWait) counts the request in the key's rate, and says where in mark.
+func (h *hotKeys) try(rq *bucketRequest, now int64, pt *hotPart, mayWait bool, mark *rateMark) {
 	pt.id = maphash.String(h.seed, rq.key)
 	sh := &h.shards[pt.id%hotShards]
 	sh.mu.Lock()
@@ -279,15 +344,19 @@ func (h *hotKeys) try(rq *bucketRequest, now int64, pt *hotPart, mayWait bool) {
 	if e != nil && (e.rq.limit != rq.limit || e.rq.overridable != rq.overridable || e.policy != rq.hot) {
 		// Another limit (a reload, a plan), override rule or policy: the
 		// blocks taken under the old go back.
-		h.dropLocked(sh, rq.key, e)
+		h.dropLocked(sh, rq.key, e, now)
 		e = nil
 	}
 	if e == nil {
 		sh.mu.Unlock()
+		if !mayWait {
+			return // counted by the first attempt, whose key went since
+		}
 		est, contended, tracked := h.rates.Observe(pt.id, rq.cost, now)
 		if !tracked {
 			return
 		}
+		mark.observed = true
 		decisions, amount := est.Rate(now)
 		if decisions < rq.hot.threshold && !contended {
 			return
@@ -308,27 +377,29 @@ func (h *hotKeys) try(rq *bucketRequest, now int64, pt *hotPart, mayWait bool) {
 				e.contended = now + hotContended
 			}
 			sh.keys[rq.key] = e
+			mark.key = e // its rate is the estimate's, this request counted
 			h.sweep()
 		}
-	} else {
+	} else if mayWait {
 		e.rate.Add(rq.cost, now)
+		mark.key = e
 	}
-	defer sh.mu.Unlock()
+	defer func() {
+		h.recount(e, now)
+		sh.mu.Unlock()
+	}()
 	e.lastSeen = now
 	_, amount := e.rate.Rate(now)
 	e.block, e.lead = hotkey.Size(amount, e.decided.interval, e.decided.burst, e.line)
-	if returned := e.ledger.Expire(now, hotkey.MaxAge); returned > 0 {
-		h.giveBack(e, returned)
-	}
+	h.giveBack(e, e.ledger.Expire(now, hotkey.MaxAge))
 	pt.e, pt.redisNow = e, e.redisNow+(now-e.received)
 	ok, at, taken := e.ledger.Take(rq.cost, now, rq.wait)
 	switch {
 	case ok:
-		e.policy.unspent.Sub(float64(rq.cost))
 		pt.answer, pt.taken = hotTook, taken
-		pt.v = verdict{allowed: true, delay: at - now, limit: e.decided}
+		pt.v = verdict{allowed: true, delay: at - now, limit: e.decided, cost: rq.cost, due: taken.Due()}
 		pt.v.remaining = e.ledger.Ready(now) + max(0, e.left)
-		if next, unspent := e.ledger.Next(); unspent && pt.v.remaining < e.decided.burst {
+		if next, unspent := e.ledger.Next(now); unspent && pt.v.remaining < e.decided.burst {
 			pt.v.untilFits = max(0, next-now)
 		} else if !unspent {
 			pt.v.untilFits = e.decided.interval
@@ -361,7 +432,7 @@ func (h *hotKeys) prefetch(e *hotKey, now, need int64) {
 	if e.fetching || e.gone || e.block == 0 || now < e.retryAt || now < e.failedUntil || e.ledger.Blocks() == hotkey.MaxBlocks {
 		return
 	}
-	unspent := e.ledger.Unspent()
+	unspent := e.ledger.Unspent(now)
 	size, fetch := hotkey.Next(unspent, e.ledger.Ready(now), e.lead, e.block, need)
 	if !fetch {
 		return
@@ -378,11 +449,12 @@ type blockReply struct {
 	err      error
 	admitted bool
 	// tat: the bucket's TAT after the take when admitted, as read (before)
-	// when denied; redisNow: Redis's clock in the decision; received: the
-	// local µs at (or after) which the reply came back.
-	tat, redisNow, received int64
-	limit                   limit // decided under
-	remaining               int64
+	// when denied; redisNow: Redis's clock in the decision; sent: a local µs
+	// at (or before) which the call was sent; received: the local µs at (or
+	// after) which the reply came back.
+	tat, redisNow, sent, received int64
+	limit                         limit // decided under
+	remaining                     int64
 }
 
 // land adds a block that came back to its key's ledger, or gives it back
@@ -415,12 +487,20 @@ func (h *hotKeys) land(e *hotKey, rq bucketRequest, r blockReply) {
 		return
 	}
 	l := r.limit
-	first := hotkey.Schedule(r.tat-rq.cost*l.interval, r.redisNow, r.received, l.interval, l.tau())
-	if e.gone || !e.ledger.Add(hotkey.Block{First: first, Interval: l.interval, Size: rq.cost, Taken: r.received}) {
-		h.giveBackRequest(rq, rq.cost)
+	first, last := hotkey.Spendable(r.tat-rq.cost*l.interval, r.redisNow, r.sent, r.received, l.interval, l.tau())
+	if last < first {
+		// The round trip took longer than the bucket takes to refill: no
+		// token of the block could be spent while the bucket would still
+		// have it. It goes back, and the key's requests go to Redis a while.
+		h.giveBackRequest(rq, rq.cost, r.tat)
+		e.failedUntil = r.received + hotkey.Window
 		return
 	}
-	e.policy.unspent.Add(float64(rq.cost))
+	if e.gone || !e.ledger.Add(hotkey.Block{First: first, Last: last, Interval: l.interval, Size: rq.cost, Taken: r.received, End: r.tat}, r.received) {
+		h.giveBackRequest(rq, rq.cost, r.tat)
+		return
+	}
+	h.recount(e, r.received)
 	e.policy.blocks.Inc()
 	e.decided, e.left, e.redisNow, e.received = l, r.remaining, r.redisNow, r.received
 	e.deniedUntil, e.retryAt, e.failedUntil = 0, 0, 0
@@ -442,14 +522,15 @@ func (h *hotKeys) putBack(parts []hotPart) {
 		}
 		sh := &h.shards[pt.id%hotShards]
 		sh.mu.Lock()
-		tokens := pt.taken.Tokens()
-		gone := pt.e.ledger.PutBack(pt.taken)
+		var gone []hotkey.Return
 		if pt.e.gone {
-			gone = tokens // dropped with its blocks: to Redis
+			gone = []hotkey.Return{{Tokens: pt.taken.Tokens(), Due: pt.taken.Due()}} // dropped with its blocks: to Redis
+		} else {
+			gone = pt.e.ledger.PutBack(pt.taken)
+			h.recount(pt.e, h.now())
 		}
-		pt.e.policy.unspent.Add(float64(tokens - gone))
-		if gone > 0 {
-			h.giveBackRequest(pt.e.rq, gone) // spent from the gauge already
+		for _, g := range gone {
+			h.giveBackRequest(pt.e.rq, g.Tokens, g.Due)
 		}
 		sh.mu.Unlock()
 		pt.returned = true
@@ -474,27 +555,47 @@ func (h *hotKeys) noteContention(reqs []bucketRequest, parts []hotPart, d decisi
 	}
 }
 
-// giveBack gives n unspent tokens of e's blocks back to the bucket, with
-// the next call; e's shard is locked.
-func (h *hotKeys) giveBack(e *hotKey, n int64) {
+// giveBack gives unspent tokens of e's blocks back to the bucket, with
+// the next call; e's shard is locked (the caller recounts).
+func (h *hotKeys) giveBack(e *hotKey, returned []hotkey.Return) {
+	for _, r := range returned {
+		h.giveBackRequest(e.rq, r.Tokens, r.Due)
+	}
+}
+
+// giveBackRequest gives n tokens of a block, the last of which is due at
+// the Redis µs due, back to rq's bucket (an adjust of -n under the limit
+// blocks were taken with), with the next call: Redis gives back those still
+// due when it applies it, and only while no token was taken after them
+// (bucket.go, givenBack): otherwise they lapse, as blocks held elsewhere
+// keep the schedule they were taken on.
+func (h *hotKeys) giveBackRequest(rq bucketRequest, n, due int64) {
 	if n <= 0 {
 		return
 	}
-	e.policy.unspent.Sub(float64(n))
-	h.giveBackRequest(e.rq, n)
+	rq.op, rq.delta, rq.cost, rq.wait, rq.due = opAdjust, -n, 0, 0, -due
+	h.store.decideAfter([]bucketRequest{rq}, func(decision, error) {})
 }
 
-// giveBackRequest gives n tokens back to rq's bucket (an adjust of -n
-// under the limit blocks were taken with), with the next call.
-func (h *hotKeys) giveBackRequest(rq bucketRequest, n int64) {
-	rq.op, rq.delta, rq.cost, rq.wait = opAdjust, -n, 0, 0
-	h.store.decideAfter([]bucketRequest{rq}, func(decision, error) {})
+// recount sets the policy's gauge of unspent tokens to what e's ledger
+// holds at now (its tokens lapse as time passes); e's shard is locked.
+func (h *hotKeys) recount(e *hotKey, now int64) {
+	if e == nil || e.gone {
+		return
+	}
+	live := e.ledger.Unspent(now)
+	if live != e.counted {
+		e.policy.unspent.Add(float64(live - e.counted))
+		e.counted = live
+	}
 }
 
 // dropLocked drops a hot key, giving back what it holds; its shard is
 // locked.
-func (h *hotKeys) dropLocked(sh *hotShard, key string, e *hotKey) {
-	h.giveBack(e, e.ledger.Drop())
+func (h *hotKeys) dropLocked(sh *hotShard, key string, e *hotKey, now int64) {
+	h.giveBack(e, e.ledger.Drop(now))
+	e.policy.unspent.Sub(float64(e.counted))
+	e.counted = 0
 	e.gone = true
 	delete(sh.keys, key)
 }
@@ -510,7 +611,7 @@ func (h *hotKeys) forget(key string) {
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
 	if e := sh.keys[key]; e != nil {
-		h.dropLocked(sh, key, e)
+		h.dropLocked(sh, key, e, h.now())
 	}
 }
 
@@ -523,8 +624,9 @@ func (h *hotKeys) releaseAll() {
 	for i := range h.shards {
 		sh := &h.shards[i]
 		sh.mu.Lock()
+		now := h.now()
 		for key, e := range sh.keys {
-			h.dropLocked(sh, key, e)
+			h.dropLocked(sh, key, e, now)
 		}
 		sh.mu.Unlock()
 	}
@@ -556,7 +658,7 @@ func (h *hotKeys) unspent(key string) (blocks int, tokens int64) {
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
 	if e := sh.keys[key]; e != nil {
-		return e.ledger.Blocks(), e.ledger.Unspent()
+		return e.ledger.Blocks(), e.ledger.Unspent(h.now())
 	}
 	return 0, 0
 }
@@ -596,14 +698,13 @@ func (h *hotKeys) sweepOnce(now int64) (left int) {
 		sh := &h.shards[i]
 		sh.mu.Lock()
 		for key, e := range sh.keys {
-			if returned := e.ledger.Expire(now, hotkey.MaxAge); returned > 0 {
-				h.giveBack(e, returned)
-			}
+			h.giveBack(e, e.ledger.Expire(now, hotkey.MaxAge))
 			decisions, _ := e.rate.Rate(now)
 			if now-e.lastSeen > hotIdle || decisions < e.policy.threshold/2 && now >= e.contended && !e.fetching {
-				h.dropLocked(sh, key, e)
+				h.dropLocked(sh, key, e, now)
 				continue
 			}
+			h.recount(e, now)
 			left++
 		}
 		sh.mu.Unlock()
@@ -627,8 +728,9 @@ func (h *hotKeys) count() (n int) {
 // waits for it), else with the next call (it rides). then is called with
 // what Redis said, never before takeBlock returns.
 func (s *redisStore) takeBlock(rq bucketRequest, urgent bool, then func(blockReply)) {
+	asked := monotonicMicros() // before the call is sent
 	reply := func(p *pending) {
-		r := blockReply{err: p.err, received: p.received}
+		r := blockReply{err: p.err, sent: max(asked, p.sent), received: p.received}
 		if p.received == 0 {
 			r.received = monotonicMicros()
 		}

@@ -116,7 +116,12 @@ func TestHotKeysNeverOverBudget(t *testing.T) {
 		len(admittedAt), tokens, budget, share, denied.Load(), calls, float64(calls)/float64(len(admittedAt)), testutilValue(hp.blocks), each)
 	// The figures (0.95 of the budget, 0.02 calls per admission)
 	// are integration_test's, through Caddy; here, beside the race
-	// detector on a busy machine, only that blocks work at all.
+	// detector on a busy machine, only that blocks work at all. They need
+	// the key over its budget: the callers ask some 50 times it beside two
+	// CPU hogs (258,000 decisions of cost 2 on average, for 10,500).
+	if asked := 2 * float64(len(admittedAt)+int(denied.Load())); asked < 2*budget {
+		t.Skipf("%.0f tokens asked, %.1f times the budget of %.0f: this machine did not load the key twice over", asked, asked/budget, budget)
+	}
 	if share < 0.8 {
 		t.Errorf("admitted %.3f of the budget, want at least 0.8", share)
 	}
@@ -428,7 +433,8 @@ func TestHotKeysLearnedUsage(t *testing.T) {
 	hp := hotTestPolicy("learned")
 	const learned = 3
 	key := "rl:learned:{hot}"
-	settle := bucketRequest{key: key, limit: slowHot, op: opAdjust, delta: 0, learns: true, record: learned}
+	// One settle of a 1-token reservation (class 1) that used 3: 2 beyond it.
+	settle := bucketRequest{key: key, limit: slowHot, op: opAdjust, delta: 0, learns: true, record: learned - 1, class: reservationClass(1)}
 	if _, err := rs.decide(context.Background(), []bucketRequest{settle}); err != nil {
 		t.Fatal(err)
 	}

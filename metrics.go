@@ -48,7 +48,7 @@ var (
 	})
 	storeErrors = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Namespace: "caddy", Subsystem: "rate_limit", Name: "store_errors_total",
-		Help: "Redis calls that failed, by kind (timeout, connection, wrongpass, noauth, noperm, readonly, oom, loading, busy, masterdown, clusterdown, redis, script); requests that skipped Redis (circuit_open); requests whose own bucket key holds something else (wrongtype, corrupt), or whose quota's bounds Redis's clock is outside of (clock); calls whose durable quotas Redis did not confirm (not_durable, waitaof_unsupported, aof_disabled).",
+		Help: "Redis calls that failed, by kind (timeout, connection, wrongpass, noauth, noperm, readonly, oom, loading, busy, masterdown, clusterdown, undeclared, redis, script); requests that skipped Redis (circuit_open); requests whose own bucket key holds something else (wrongtype, corrupt), or whose quota's bounds Redis's clock is outside of (clock); calls whose durable quotas Redis did not confirm (not_durable, waitaof_unsupported, aof_disabled).",
 	}, []string{"kind"})
 	// circuitOpenErrors is the circuit_open child, counted on the path
 	// that must stay cheapest while Redis is down.
@@ -168,13 +168,28 @@ func errorKind(err error) string {
 	case errors.Is(err, errScriptReply):
 		return "script"
 	case errors.As(err, &redisErr):
-		word, _, _ := strings.Cut(redisErr.Error(), " ")
+		msg := redisErr.Error()
+		word, _, _ := strings.Cut(msg, " ")
+		if i := strings.LastIndex(msg, ": -"); i >= 0 && strings.HasPrefix(msg, "ERR Error running script") {
+			// Redis 6.2 wraps an error a command of the script
+			// answered: "ERR Error running script (…): @user_script:1:
+			// @user_script: 1: -READONLY You can't write …".
+			word, _, _ = strings.Cut(msg[i+3:], " ")
+		}
 		switch word = strings.ToLower(word); word {
 		case "wrongpass", "noauth", "noperm", "readonly", "oom", "loading", "busy", "masterdown", "clusterdown":
 			return word
 		}
-		if strings.Contains(redisErr.Error(), "user executing the script can't") {
-			return "noperm" // an ACL without a command the script runs: ERR, not NOPERM
+		if strings.Contains(redisErr.Error(), "user executing the script can't") || strings.Contains(redisErr.Error(), "ACL failure in script") {
+			// An ACL without a command the script runs: ERR, not NOPERM
+			// (Redis; Valkey says "ACL failure in script").
+			return "noperm"
+		}
+		if strings.Contains(redisErr.Error(), "OOM command not allowed") {
+			return "oom" // raised inside a script: Redis 6.2 wraps it in ERR
+		}
+		if strings.Contains(redisErr.Error(), "undeclared key") {
+			return "undeclared" // Dragonfly: a script touched a key its call did not declare
 		}
 		return "redis"
 	case errors.Is(err, context.DeadlineExceeded), errors.As(err, &netErr) && netErr.Timeout():

@@ -172,7 +172,7 @@ func (h *Handler) refuseUnpriced(w http.ResponseWriter, rs *requestState, res *a
 		}{problem{Type: "about:blank", Title: "Forbidden", Status: http.StatusForbidden, Detail: msg}, p.Name, model})
 		return writeProblemBody(w, http.StatusForbidden, body)
 	}
-	return writeJSONError(w, http.StatusForbidden, body)
+	return writeProviderError(w, http.StatusForbidden, body)
 }
 
 // jsonQuote quotes s as JSON does, for messages that show a client's text.

@@ -226,7 +226,9 @@ func (res *admission) overridden() bool {
 
 // appendPolicyMember appends the RateLimit-Policy member of the part's
 // bucket: the policy's (its plan's), or, under an override, the override's
-// limit per the policy's window (a concurrency policy's: its slots).
+// limit per the policy's window, and its burst (`burst`) when it is not the
+// policy's: the limit in force, of which a burst is part (a concurrency
+// policy's: its slots).
 func (pt *part) appendPolicyMember(b []byte) []byte {
 	p, l := pt.policy, pt.decidedLimit()
 	if l == p.limit {
@@ -236,5 +238,10 @@ func (pt *part) appendPolicyMember(b []byte) []byte {
 		return slotsMember(b, p.Name, l.burst)
 	}
 	_, w := fieldQuota(p.rate.n, p.rate.per)
-	return policyMember(b, p.Name, min(w*1_000_000/l.interval, maxSFInteger), w, p.unit)
+	b = policyMember(b, p.Name, min(w*1_000_000/l.interval, maxSFInteger), w, p.unit)
+	if l.burst != p.limit.burst {
+		b = append(b, ";burst="...)
+		b = strconv.AppendInt(b, min(l.burst, maxSFInteger), 10)
+	}
+	return b
 }

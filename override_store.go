@@ -65,7 +65,10 @@ const (
 // overrideKey is where the override of the bucket under bucketKey is:
 // beside it, under the same hash tag (so in the same Cluster hash slot), the
 // script's cheapest key to derive.
-func overrideKey(bucketKey string) string { return bucketKey + ":override" }
+func overrideKey(bucketKey string) string { return bucketKey + overrideSuffix }
+
+// overrideSuffix names the key of a bucket's override.
+const overrideSuffix = ":override"
 
 // overrideIndex is the index of the overrides of the policy whose storage
 // keys start with prefix (<key_prefix><policy>:).

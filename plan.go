@@ -8,6 +8,8 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/fleet"
 )
 
 // Plans: one policy whose limit depends on the request. A policy with a
@@ -240,9 +242,11 @@ func (p *Policy) planNamed(name string) (*Policy, bool) {
 	return q, ok
 }
 
-// planShape is what two definitions of one policy name must share of
-// their plans (see budgetShape).
-func (p *Policy) planShape() string {
+// planShapeOf is what two definitions of one policy name must share of
+// their plans (see budgetShape), each plan's limit as the Caddyfile writes
+// it, or with previous as the release before this one (v0.4.0) wrote it,
+// a Go struct's dump (see fleet.Policy.Previous).
+func (p *Policy) planShapeOf(previous bool) string {
 	if p.Plan == nil {
 		return ""
 	}
@@ -258,7 +262,19 @@ func (p *Policy) planShape() string {
 		if lim == nil {
 			continue
 		}
-		fmt.Fprintf(&b, " %s %+v;", name, *lim)
+		if previous {
+			// v0.4.0's dump of its PlanLimit, whose burst and max were
+			// integers (a token policy's are whole: checked).
+			v04 := struct {
+				Rate           string
+				Burst, MaxCost int64
+				Concurrent     int64
+				Quota          string
+			}{lim.Rate, int64(lim.Burst), int64(lim.MaxCost), lim.Concurrent, lim.Quota}
+			fmt.Fprintf(&b, " %s %+v;", name, v04)
+			continue
+		}
+		fmt.Fprintf(&b, " %s %s;", name, fleet.PlanLimit(lim.Rate, lim.Burst, lim.MaxCost, lim.Concurrent, lim.Quota)) // as the Caddyfile writes it
 	}
 	b.WriteString(" }")
 	return b.String()

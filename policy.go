@@ -95,6 +95,16 @@ type Policy struct {
 	// The most one request is charged. Default: burst.
 	MaxCost float64 `json:"max_cost,omitempty"`
 
+	// With `cost openai`, what a request whose answer the body does not
+	// bound does: one without `max_tokens`, `max_completion_tokens` or
+	// `max_output_tokens` (a model that reasons may then generate far more
+	// than it shows), or with `"background": true` (answered at once, its
+	// usage null, billed as the work runs: its usage is never seen here).
+	// `max` reserves `max_cost` and keeps it, as for input the body does
+	// not show; `refuse` answers it 400 before the provider, asking for a
+	// ceiling. Default `max`.
+	Unbounded string `json:"unbounded,omitempty"`
+
 	// What this policy does when the shared store cannot decide (Redis down
 	// or not answering): `fail_open`, `fail_closed` or `local`. Default: the
 	// handler's `on_error`.
@@ -280,6 +290,7 @@ type rateSpec struct {
 type costRule struct {
 	fixed    int64    // 0 when Cost holds a placeholder, or is openai
 	fromBody bool     // Cost is openai
+	refuse   bool     // Unbounded is refuse: a body that does not bound its answer is refused
 	max      int64    // max_cost, or its default
 	tmpl     template // Cost, when it is a placeholder
 }
@@ -302,6 +313,9 @@ type afterRule struct {
 	debt     int64
 	lost     [numLostReasons]prometheus.Counter
 	logs     *[numLostReasons]lostLog
+	// failed limits the lines of the provider's errors given back
+	// (charge_failed.go).
+	failed *lostLog
 }
 
 // slotMetrics are a slot policy's metrics: in flight on this instance,
@@ -439,6 +453,9 @@ func (p *Policy) check() error {
 	}
 	if p.unit == unitUSD && (p.kind == kindShed || p.kind == kindConcurrent) {
 		return fieldErr("unit", "unit: usd is for rate and quota policies: a %s policy counts requests in flight", p.kindName())
+	}
+	if err := p.checkUnbounded(); err != nil {
+		return err
 	}
 	switch p.kind {
 	case kindShed:
@@ -634,7 +651,7 @@ func (p *Policy) provision(ctx caddy.Context, h *Handler) error {
 	for reason := range numLostReasons {
 		p.after.lost[reason] = chargesLost.WithLabelValues(p.Name, lostReasonNames[reason])
 	}
-	p.after.logs = new([numLostReasons]lostLog)
+	p.after.logs, p.after.failed = new([numLostReasons]lostLog), new(lostLog)
 	p.slots.inFlight = inFlight.WithLabelValues(p.Name)
 	p.slots.expired = leasesExpired.WithLabelValues(p.Name)
 	p.slots.retries = releaseRetries.WithLabelValues(p.Name)

@@ -7,6 +7,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/redisinfo"
 	"github.com/redis/go-redis/v9"
 	"go.uber.org/zap"
 )
@@ -17,6 +18,8 @@ import (
 // check` (probe.go, check.go). Implemented by redisStore.
 type prober interface {
 	probe(defs []definition) []probeResult
+	// serverInfo is who the server says it is (redis_server.go).
+	serverInfo(ctx context.Context) (redisinfo.Server, error)
 }
 
 var _ prober = (*redisStore)(nil)
@@ -209,12 +212,23 @@ func failuresOf(results []probeResult) []probeFailure {
 }
 
 // describe says what stops Redis deciding, and what to change.
-func (f probeFailure) describe() string {
-	cause, ok := probeCauses[f.kind]
-	if !ok {
-		cause = "Redis answered an error (" + f.kind + ")"
+func (f probeFailure) describe() string { return f.describeOn("") }
+
+// describeOn is describe naming the server, when it said who it is.
+func (f probeFailure) describeOn(server string) string {
+	return fmt.Sprintf("Redis cannot decide for %s: %s: %s", policiesText(f.policies), causeOf(f.kind, server), fixOf(f.kind))
+}
+
+// causeOf says what a kind of probe failure means; server names the
+// server (from INFO server), or is "" when it did not say.
+func causeOf(kind, server string) string {
+	if kind == "noscripting" {
+		return scriptsRefused(server)
 	}
-	return fmt.Sprintf("Redis cannot decide for %s: %s: %s", policiesText(f.policies), cause, fixOf(f.kind))
+	if cause, ok := probeCauses[kind]; ok {
+		return cause
+	}
+	return "Redis answered an error (" + kind + ")"
 }
 
 // probeStarted probes the policies of a config that started running and
@@ -225,19 +239,23 @@ func (c *redisStore) probeStarted(hs []*Handler) {
 	if len(defs) == 0 {
 		return
 	}
+	var ps []*Policy
+	for _, d := range defs {
+		ps = append(ps, d.policy)
+	}
 	failures := failuresOf(c.probe(defs))
 	v := &c.fleet
 	v.probeAgain = len(failures) > 0
 	for _, f := range failures {
 		v.probeAgain = v.probeAgain && away(f.kind)
 	}
+	if !v.probeAgain { // it answered: who is it? (not asked of a Redis away, which would only wait again)
+		c.identify(ps)
+	}
 	if len(failures) == 0 {
 		if !v.probeOK {
-			var ps []*Policy
-			for _, d := range defs {
-				ps = append(ps, d.policy)
-			}
-			c.logger.Info("Redis decides for "+policiesText(ps), zap.String("redis", c.name), zap.Int("db", c.db))
+			c.logger.Info("Redis decides for "+policiesText(ps), zap.String("redis", c.name), zap.Int("db", c.db),
+				zap.String("server", c.serverName()))
 		}
 		v.probeOK = true
 		return
@@ -250,7 +268,7 @@ func (c *redisStore) probeStarted(hs []*Handler) {
 		if !c.claimReport(f.kind, permanent) {
 			continue
 		}
-		c.logger.Error(f.describe()+". "+failureModes(f.policies),
+		c.logger.Error(f.describeOn(c.serverName())+". "+failureModes(f.policies),
 			zap.String("redis", c.name), zap.Int("db", c.db), zap.String("kind", f.kind), zap.Error(f.err))
 	}
 }

@@ -124,11 +124,18 @@ func (redisError) RedisError()     {}
 
 func TestProbeKind(t *testing.T) {
 	for err, want := range map[error]string{
-		redisError("ERR unknown command 'evalsha', with args beginning with: "):                                               "noscripting",
-		redisError("NOPERM User x has no permissions to run the 'evalsha' command"):                                           "noperm",
-		redisError("WRONGPASS invalid username-password pair or user is disabled."):                                           "wrongpass",
-		redisError("LOADING Redis is loading the dataset in memory"):                                                          "loading",
-		redisError("ERR The user executing the script can't run this command or subcommand script: 7580, on @user_script:1."): "noperm",
+		redisError("ERR unknown command 'evalsha', with args beginning with: "):                                                                        "noscripting",
+		redisError("NOPERM User x has no permissions to run the 'evalsha' command"):                                                                    "noperm",
+		redisError("WRONGPASS invalid username-password pair or user is disabled."):                                                                    "wrongpass",
+		redisError("LOADING Redis is loading the dataset in memory"):                                                                                   "loading",
+		redisError("ERR The user executing the script can't run this command or subcommand script: 7580, on @user_script:1."):                          "noperm",
+		redisError("ERR ACL failure in script: User nozset has no permissions to run the 'zremrangebyscore' command script: 7580, on @user_script:1."): "noperm", // Valkey 8
+		// Redis 6.2 wraps what a script raised in ERR.
+		redisError("ERR Error running script (call to f_58): @user_script:1: @user_script: 1: -READONLY You can't write against a read only replica."): "readonly",
+		redisError("ERR Error running script (call to f_75): @user_script:203: The user executing the script can't run this command or subcommand"):    "noperm",
+		redisError("ERR Error running script (call to f_75): @user_script:1: OOM command not allowed when used memory > 'maxmemory'."):                 "oom",
+		// Dragonfly's default: a key the call did not declare.
+		redisError("ERR Error running script (call to f_75): @user_script:1: script tried accessing undeclared key"): "undeclared",
 	} {
 		if got := probeKind(err); got != want {
 			t.Errorf("%v: %s, want %s", err, got, want)

@@ -114,7 +114,7 @@ func perKey(kind string) bool { return kind == "wrongtype" || kind == "corrupt" 
 // that is not a bucket; the sorted-set commands for concurrency slots; the
 // hash commands for overrides and the fleet), and PUBLISH and SUBSCRIBE
 // for the events between instances.
-const limiterACL = "~rl:* ~rate_limit:{fleet}* &rl:* +evalsha +eval +time +get +set +del +type +publish +subscribe +zadd +zrem +zcard +zremrangebyscore +pexpire +hset +hdel +hget +hgetall +hkeys +hscan +pubsub|numsub"
+const limiterACL = "~rl:* ~rate_limit:{fleet}* resetchannels &rl:* +evalsha +eval +time +get +set +del +type +publish +subscribe +zadd +zrem +zcard +zremrangebyscore +pexpire +hset +hdel +hget +hgetall +hkeys +hscan +pubsub|numsub"
 
 // errorFixes is what to change for each permanent error kind.
 var errorFixes = map[string]string{
@@ -127,4 +127,8 @@ var errorFixes = map[string]string{
 	"corrupt":   "a bucket's key holds a string that is not a bucket (was it written by hand?): DEL the key named in this log; the requests of that key follow on_error until then",
 	"script":    "the script's reply does not match this build: is another version of the module using the same Redis and key_prefix?",
 	"clock":     "Redis's clock and this instance's are more than a quota's period apart (a minute for quota N/minute): synchronise both with NTP; until then the requests of quota policies follow on_error",
+	// Dragonfly refuses, by default, a script that touches a key its call
+	// did not declare; this build declares every one (lua/decide.lua).
+	"undeclared": "the server refuses a script that touches a key its call did not declare (Dragonfly's default); this release declares every key: " +
+		"is an instance of an older release using this server? Upgrade it; or start Dragonfly with --default_lua_flags=allow-undeclared-keys, which locks the whole store for each script",
 }

@@ -27,3 +27,31 @@ func requestBodyOf(r *http.Request, rs *requestState) llm.Request {
 	}
 	return rs.body
 }
+
+// unboundedRefuse is `unbounded refuse`; unboundedMax, its default.
+const (
+	unboundedMax    = "max"
+	unboundedRefuse = "refuse"
+)
+
+// checkUnbounded checks `cost openai ... unbounded <max|refuse>`.
+func (p *Policy) checkUnbounded() error {
+	p.costs.refuse = p.Unbounded == unboundedRefuse
+	switch {
+	case p.Unbounded == "":
+		return nil
+	case p.Unbounded != unboundedMax && p.Unbounded != unboundedRefuse:
+		return fieldErr("cost", "cost: unbounded %q is not max or refuse", p.Unbounded)
+	case string(p.Cost) != costOpenAI && string(p.Cost) != costAnthropic:
+		return fieldErr("cost", "cost: unbounded is for cost openai or anthropic, which read the answer's ceiling from the body")
+	}
+	return nil
+}
+
+// unboundedRefusal refuses a request whose body does not bound its answer,
+// for policy p (`unbounded refuse`).
+func unboundedRefusal(p *Policy) *refusal {
+	return &refusal{policy: p, code: "ceiling_required", title: "Output Without a Ceiling",
+		detail: "This gateway needs a ceiling on the answer: set max_tokens (max_completion_tokens, max_output_tokens), " +
+			"and do not ask for a background response, whose usage it cannot see."}
+}

@@ -1,6 +1,7 @@
 package ratelimit
 
 import (
+	"errors"
 	"fmt"
 	"net/http"
 	"time"
@@ -27,6 +28,9 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	res := admissions.Get().(*admission)
 	defer res.recycle()
 	if err := h.match(r, repl, rs, res); err != nil {
+		if rf := (*refusal)(nil); errors.As(err, &rf) {
+			return h.refuse(w, rf) // refusal.go
+		}
 		return err
 	}
 	if res.unpriced != nil { // a model with no price (money.go)
@@ -93,6 +97,12 @@ func (h *Handler) match(r *http.Request, repl *caddy.Replacer, rs *requestState,
 			requestBodyOf(r, rs)
 		}
 		key, identity := p.fixedKey, p.keyTmpl.text
+		if key == "" && !p.shadow && p.keyTmpl.usesCredential() && twoCredentials(r.Header) != nil {
+			return twoCredentialsRefusal(p, r.Header) // one credential a request (credential.go)
+		}
+		if p.costs.refuse && !p.shadow && requestBodyOf(r, rs).Unbounded() {
+			return unboundedRefusal(p) // unbounded refuse (request_cost.go)
+		}
 		if key == "" {
 			identity = p.key(r, repl)
 			key = p.storageKey(h.hasher, identity)
@@ -172,7 +182,11 @@ func (h *Handler) deny(w http.ResponseWriter, r *http.Request, rs *requestState,
 			ra = res.paced(r, key, wait, stride, h.jitter)
 		}
 	}
-	setRetryFields(w.Header(), ra, res.retryable(wait, ra)) // denial_shape.go
+	retry := res.retryable(wait, ra)
+	if res.refundableWait() { // denial_shape.go
+		ra, retry = min(ra, maxRetryWait), true
+	}
+	setRetryFields(w.Header(), ra, retry) // denial_shape.go
 	h.report(w, rs, res, ra)
 	if ce := h.logger.Check(zap.DebugLevel, "rate limit exceeded"); ce != nil {
 		ce.Write(zap.Strings("policies", violated), zap.Int64("retry_after", ra))

@@ -159,7 +159,11 @@ func (m *memoryStore) decide(_ context.Context, reqs []bucketRequest) (decision,
 				learned = make([]int64, len(reqs))
 			}
 			l := m.shards[shards[i]].learnedOf(ids[i], now)
-			learned[i] = l.max()
+			if rq.op == opTake {
+				learned[i] = l.raise(reservationClass(rq.cost), rq.cost)
+			} else {
+				learned[i] = l.most() // what inspect shows
+			}
 		}
 	}
 	if learned != nil {

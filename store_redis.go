@@ -4,9 +4,11 @@ import (
 	"context"
 	"errors"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"github.com/ratelimit-caddy/caddy-ratelimit/internal/breaker"
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/redisinfo"
 	"github.com/redis/go-redis/v9"
 	"go.uber.org/zap"
 )
@@ -97,6 +99,8 @@ type redisStore struct {
 	fleet fleetView
 	// hot decides hot keys from blocks of their tokens (hotkeys_store.go).
 	hot *hotKeys
+	// server is who the server said it is, last asked (redis_server.go).
+	server atomic.Pointer[redisinfo.Server]
 }
 
 // noCoalescing sends every request in its own script call, for benchmarks

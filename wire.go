@@ -21,17 +21,27 @@ const learnsOp = 128
 // whose buckets it writes in the given format (see format.go): the keys,
 // the format, the numbers packed in one argument, then the strings.
 func encodeCall(batch []*pending, format int) []any {
-	n := 0
+	n, touched := 0, 0
 	for _, p := range batch {
 		n += len(p.reqs)
+		for i := range p.reqs {
+			if p.reqs[i].overridable {
+				touched++
+			}
+			if p.reqs[i].learns {
+				touched++
+			}
+		}
 	}
-	args := make([]any, 3, 5+n)
-	args[0], args[1], args[2] = "evalsha", decideSHAArg, n
+	args := make([]any, 3, 5+n+touched)
+	args[0], args[1] = "evalsha", decideSHAArg
 	for _, p := range batch {
 		for _, rq := range p.reqs {
 			args = append(args, rq.key)
 		}
 	}
+	args = declareTouched(args, batch)
+	args[2] = len(args) - 3
 	args = append(args, format, nil) // the numbers, once packed
 	argv := len(args) - 2            // ARGV[1]'s index in args
 	nums := make(callNumbers, 0, 8*(len(batch)+8*n))
@@ -63,7 +73,7 @@ func encodeCall(batch []*pending, format int) []any {
 			amount, wait := rq.cost, rq.wait
 			switch {
 			case rq.op == opAdjust:
-				amount = rq.delta
+				amount, wait = rq.delta, rq.due // a give-back's tokens' due (bucket.go, givenBack)
 			case rq.op == opFree:
 				args = append(args, rq.events)
 				amount, wait = rq.delta, int64(len(args)-argv)
@@ -75,13 +85,72 @@ func encodeCall(batch []*pending, format int) []any {
 			if rq.overridable { // the policy's rule for an override's slack (override.go)
 				nums = nums.add(rq.overrideWait).add(rq.overrideDebt)
 			}
-			if rq.learns { // the usage a settle remembers (learned_usage.go)
-				nums = nums.add(rq.record)
+			if rq.learns { // the class of a take, or of a settle's reservation and what it remembers (learned_usage.go)
+				class := rq.class
+				if rq.op != opAdjust {
+					class = reservationClass(rq.cost)
+				}
+				nums = nums.add(class).add(rq.record)
 			}
 		}
 	}
 	args[argv+1] = []byte(nums)
 	return args
+}
+
+// declareTouched appends to a call's KEYS (args, the buckets' keys) the
+// other keys its script touches: each bucket's override (an overridable
+// bucket, override.go) and learned usage (one that learns,
+// learned_usage.go), once each. The script names them from the bucket's
+// key (touchedKeys); declaring them is what lets a server that refuses
+// undeclared keys (Dragonfly, by default) run it, and what a Redis
+// Cluster's one slot per call rests on. The common bucket, a rate take
+// without overrides, adds nothing.
+func declareTouched(args []any, batch []*pending) []any {
+	from := len(args)
+	for _, p := range batch {
+		for i := range p.reqs {
+			rq := &p.reqs[i]
+			if !rq.overridable && !rq.learns {
+				continue
+			}
+			for _, k := range touchedKeys(rq) {
+				if k != "" && !declared(args[from:], k) {
+					args = append(args, k)
+				}
+			}
+		}
+	}
+	return args
+}
+
+// touchedKeys are the keys lua/decide.lua touches for a bucket beyond its
+// own ("" where it touches none): the names the script builds, and so the
+// one place they are declared from.
+func touchedKeys(rq *bucketRequest) [2]string {
+	var out [2]string
+	switch {
+	case rq.overridable && rq.learns: // both from one allocation
+		both := rq.key + overrideSuffix + rq.key + learnedSuffix
+		cut := len(rq.key) + len(overrideSuffix)
+		out[0], out[1] = both[:cut], both[cut:]
+	case rq.overridable:
+		out[0] = overrideKey(rq.key)
+	case rq.learns:
+		out[1] = learnedKey(rq.key)
+	}
+	return out
+}
+
+// declared reports whether k is among keys. Calls declare few such keys
+// (a call carries some 8 requests): a scan beats a map.
+func declared(keys []any, k string) bool {
+	for _, d := range keys {
+		if d.(string) == k {
+			return true
+		}
+	}
+	return false
 }
 
 // callNumbers are a call's numbers as the script reads them: little-endian

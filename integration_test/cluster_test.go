@@ -2,7 +2,6 @@ package integration_test
 
 import (
 	"fmt"
-	"math"
 	"strconv"
 	"sync/atomic"
 	"testing"
@@ -47,7 +46,11 @@ func TestClusterBudgets(t *testing.T) {
 	st := one.statuses()
 	budget := 10 + 20*one.elapsed.Seconds()
 	t.Logf("one user: admitted %d of the per-user budget %.1f; %v", st[200], budget, st)
-	if st[200]+st[429] != len(one.shots) || math.Abs(float64(st[200])-budget) > 2 {
+	if st[200]+st[429] != len(one.shots) || float64(st[200]) > budget+2 {
+		t.Errorf("one user: %v, want %.1f ± 2 admitted and only 429 besides", st, budget)
+	}
+	requireOver(t, "one user", len(one.shots), budget, 2)
+	if float64(st[200]) < budget-2 {
 		t.Errorf("one user: %v, want %.1f ± 2 admitted and only 429 besides", st, budget)
 	}
 
@@ -60,7 +63,11 @@ func TestClusterBudgets(t *testing.T) {
 	st = many.statuses()
 	budget = 10 + 30*many.elapsed.Seconds()
 	t.Logf("500 users: admitted %d of the global budget %.1f; %v", st[200], budget, st)
-	if st[200]+st[429] != len(many.shots) || math.Abs(float64(st[200])-budget) > 2 {
+	if st[200]+st[429] != len(many.shots) || float64(st[200]) > budget+2 {
+		t.Errorf("500 users: %v, want %.1f ± 2 admitted and only 429 besides", st, budget)
+	}
+	requireOver(t, "500 users", len(many.shots), budget, 2)
+	if float64(st[200]) < budget-2 {
 		t.Errorf("500 users: %v, want %.1f ± 2 admitted and only 429 besides", st, budget)
 	}
 }
@@ -93,7 +100,11 @@ func checkRecovered(t *testing.T, tl *tally) {
 	if first < 0 || lastFail > 2*time.Second {
 		t.Errorf("limiting not back within 2s: first decision %v, last 503 %v", first, lastFail)
 	}
-	if n := float64(st[200]); n > most || n < least {
+	if n := float64(st[200]); n > most {
+		t.Errorf("admitted %d, want %.1f to %.1f", st[200], least, most)
+	}
+	requireOver(t, "after", st[200]+st[429], most, 2)
+	if n := float64(st[200]); n < least {
 		t.Errorf("admitted %d, want %.1f to %.1f", st[200], least, most)
 	}
 }
@@ -148,7 +159,12 @@ func TestSentinelFailover(t *testing.T) {
 		fleet = append(fleet, startCaddy(t, clusterLimiter(redis, "20/1s", 10, "1000/1s", 1000), echo()))
 	}
 	before := drive(t, fleet, 8, 2*time.Second, "X-User", "before")
-	if st := before.statuses(); math.Abs(float64(st[200])-(10+20*before.elapsed.Seconds())) > 2 {
+	budget := 10 + 20*before.elapsed.Seconds()
+	if st := before.statuses(); float64(st[200]) > budget+2 {
+		t.Fatalf("before the failover: %v", st)
+	}
+	requireOver(t, "before the failover", len(before.shots), budget, 2)
+	if st := before.statuses(); float64(st[200]) < budget-2 {
 		t.Fatalf("before the failover: %v", st)
 	}
 	sn.Master.Stop()

@@ -188,6 +188,70 @@ func heldGauge(in *instance) float64 {
 	return v
 }
 
+// hotKey is a hot key's limit: rate a second, and burst.
+type hotKey struct{ rate, burst int }
+
+// issueKey is the issue's key: 5,000 a second, burst 500.
+var issueKey = hotKey{hotRate, hotBurst}
+
+func (k hotKey) String() string { return fmt.Sprintf("%d/s burst %d", k.rate, k.burst) }
+
+// policy is hotPolicy with the key's limit, and the extra pairs.
+func (k hotKey) policy(extra ...any) map[string]any {
+	return hotPolicy(append([]any{"rate", fmt.Sprintf("%d/1s", k.rate), "burst", k.burst}, extra...)...)
+}
+
+// hotLadder are the rates a hot-key test may be sized down to: each a whole
+// number of microseconds apart (the bucket's interval, and the exact
+// bucket's of idealAdmitsOf, are exact), from the issue's 5,000 a second.
+var hotLadder = []int{5000, 4000, 2500, 2000, 1600, 1250, 1000, 800, 500, 400}
+
+// sizeHotKey sizes a hot-key test's key to what this machine delivers. It
+// drives the load the test will (conns and skew as hotLoad) for 1.5 s on a
+// key of its own, measures the requests a second the fleet was sent from
+// 0.5 s on (the connections opened, the key hot), and returns the largest
+// limit of the ladder, at most want, that this load exceeds over times,
+// with the burst in want's proportion; reload, when that is not want, puts
+// it on the fleet (the key's policy in the handlers of each instance). It
+// waits until the fleet has given back what it held of the calibration key.
+// A machine too slow to load even the ladder's smallest rate over times
+// skips the test, saying so: what it measures needs the key over its
+// budget. Only the assumption about the machine changes: what the test
+// asserts of the key holds at any rate.
+func sizeHotKey(t *testing.T, fleet []*instance, conns, skew []int, want hotKey, over float64, reload func(hotKey) []map[string]any) (hotKey, float64) {
+	t.Helper()
+	const warm = 500 * time.Millisecond
+	cal := hotLoad(t, fleet, conns, skew, warm+time.Second, "calibration-"+strings.ToLower(t.Name()))
+	n := 0
+	for _, at := range cal.sent {
+		if at >= warm {
+			n++
+		}
+	}
+	delivered := float64(n) / (cal.elapsed - warm).Seconds()
+	key := hotKey{}
+	for _, rate := range hotLadder {
+		if rate <= want.rate && float64(rate)*over <= delivered {
+			key = hotKey{rate, max(1, rate*want.burst/want.rate)}
+			break
+		}
+	}
+	if key.rate == 0 {
+		t.Skipf("this machine delivers %.0f requests a second of the load: %.1f times the smallest key of %d/s would need %.0f; what the test measures needs the key over its budget",
+			delivered, over, hotLadder[len(hotLadder)-1], over*float64(hotLadder[len(hotLadder)-1]))
+	}
+	if key != want {
+		for _, in := range fleet {
+			in.reload(t, reload(key)...)
+		}
+		t.Logf("the machine delivers %.0f requests a second of the load, less than %.1f times %v: the key is %v", delivered, over, want, key)
+	} else {
+		t.Logf("the machine delivers %.0f requests a second of the load: the key is %v", delivered, key)
+	}
+	waitReturned(t, fleet)
+	return key, delivered
+}
+
 // all is every admission's time, in order.
 func (r *hotRun) all() []time.Duration {
 	var out []time.Duration
@@ -260,63 +324,62 @@ func waitReturned(t *testing.T, fleet []*instance) {
 // TestHotKeyFleet is the issue's measure: four instances hammering one key
 // (5,000/s, burst 500) for 10 s with all the load this machine gives. At
 // every instant the fleet admits at most burst + rate × elapsed, and by the
-// end at least 0.95 of it (of what one exact bucket admits of the requests
-// sent, when a busy machine sends less than 1.5 times the budget); Redis runs
-// at most one script call per 50 admissions; each instance admits within
-// ±10% of its share of the requests; what the instances hold stays within
-// the bound docs/hot-keys.md states, and goes back once the key cools.
+// end at least 0.95 of it, and of what one exact bucket admits of the
+// requests sent; Redis runs at most one script call per 50 admissions; each
+// instance admits within ±10% of its share of the requests; what the
+// instances hold stays within the bound docs/hot-keys.md states, and goes
+// back once the key cools. On a machine that cannot send 1.5 times the
+// issue's key, the key is the largest of hotLadder it does (sizeHotKey),
+// and the calls per admission, the issue's figure at the issue's key and
+// load, are not measured (the subtest says so): a block is 50 ms of an
+// instance's rate, fewer admissions a call at a lower one.
 func TestHotKeyFleet(t *testing.T) {
 	srv := testredis.Start(t)
+	handlers := func(k hotKey) []map[string]any {
+		return []map[string]any{decidedByRedis(srv.Addr, k.policy()), respond()}
+	}
 	var fleet []*instance
 	for range 4 {
-		fleet = append(fleet, startCaddy(t, decidedByRedis(srv.Addr, hotPolicy()), respond()))
+		fleet = append(fleet, startCaddy(t, handlers(issueKey)...))
+	}
+	conns := []int{8, 8, 8, 8}
+	key, delivered := sizeHotKey(t, fleet, conns, nil, issueKey, 1.5, handlers)
+	blocksBefore := make([]float64, len(fleet))
+	for i, in := range fleet {
+		blocksBefore[i] = metricValue(t, in, "caddy_rate_limit_hot_blocks_total", map[string]string{"policy": "api_wide"})
 	}
 	if _, err := srv.Do("CONFIG", "RESETSTAT"); err != nil {
 		t.Fatal(err)
 	}
-	r := hotLoad(t, fleet, []int{8, 8, 8, 8}, nil, 10*time.Second, "tenant-hot")
+	r := hotLoad(t, fleet, conns, nil, 10*time.Second, "tenant-hot")
 	calls := scriptCallsOf(t, srv)
-	admitted, budget := checkBudget(t, r)
+	admitted, budget := checkBudgetOf(t, r, float64(key.rate), float64(key.burst))
 	var sent int64
 	for _, n := range r.requests {
 		sent += n
 	}
 	shares := r.shares()
-	t.Logf("4 instances, %.1f s: %d requests (%.0f/s), admitted %d of a budget of %.1f (%.4f); %d script calls, %.4f per admission; "+
+	t.Logf("4 instances, key %v, %.1f s: %d requests (%.0f/s), admitted %d of a budget of %.1f (%.4f); %d script calls, %.4f per admission; "+
 		"requests by instance %v, admitted %v, share of admissions over share of requests %.3f; unspent tokens at most %v by instance, %.0f by the fleet; %d failed",
-		r.elapsed.Seconds(), sent, float64(sent)/r.elapsed.Seconds(), admitted, budget, float64(admitted)/budget, calls, float64(calls)/float64(admitted),
+		key, r.elapsed.Seconds(), sent, float64(sent)/r.elapsed.Seconds(), admitted, budget, float64(admitted)/budget, calls, float64(calls)/float64(admitted),
 		r.requests, counts(r.admitted), shares, r.peakHeld, r.peakFleet, r.failed)
 	var blocks []float64
-	for _, in := range fleet {
-		blocks = append(blocks, metricValue(t, in, "caddy_rate_limit_hot_blocks_total", map[string]string{"policy": "api_wide"}))
+	for i, in := range fleet {
+		blocks = append(blocks, metricValue(t, in, "caddy_rate_limit_hot_blocks_total", map[string]string{"policy": "api_wide"})-blocksBefore[i])
 	}
 	t.Logf("blocks taken by instance %v; by tenth of a second, admitted: %v; sent: %v", blocks, perTenth(r.all(), r.elapsed), perTenth(r.sent, r.elapsed))
 	if path := os.Getenv("HOTKEYS_SVG"); path != "" {
-		if err := writeHotChart(path, r, calls); err != nil {
+		if err := writeHotChart(path, r, key, calls); err != nil {
 			t.Errorf("writing the chart: %v", err)
 		}
 	}
 	if r.failed != 0 {
 		t.Errorf("%d responses neither 200 nor 429 (every decision is Redis's or a block's)", r.failed)
 	}
-	// On a busy machine the client may not even send the budget: what one
-	// exact bucket would admit of the requests as they were sent is the
-	// measure then. When the load is the issue's (half as much again as the
-	// budget, or more), that is the budget, and so are the calls it allows.
-	ideal := idealAdmits(r.sent)
+	ideal := idealAdmitsOf(r.sent, int64(key.rate), int64(key.burst))
 	t.Logf("one exact bucket would have admitted %d of the %d requests as sent: admitted %.4f of that", ideal, len(r.sent), float64(admitted)/float64(ideal))
 	if share := float64(admitted) / float64(ideal); share < 0.95 {
 		t.Errorf("admitted %.4f of what one exact bucket admits of the same requests, want at least 0.95", share)
-	}
-	if float64(len(r.sent)) < 1.5*budget {
-		t.Logf("the machine sent %d requests, less than 1.5 times the budget of %.0f: the budget's share and calls per admission not checked (blocks follow each instance's rate)", len(r.sent), budget)
-	} else {
-		if share := float64(admitted) / budget; share < 0.95 {
-			t.Errorf("admitted %.4f of the budget, want at least 0.95", share)
-		}
-		if per := float64(calls) / float64(admitted); per > 0.02 {
-			t.Errorf("%.4f script calls per admission, want at most 0.02", per)
-		}
 	}
 	for i, s := range shares {
 		if math.Abs(s-1) > 0.1 {
@@ -326,30 +389,54 @@ func TestHotKeyFleet(t *testing.T) {
 	// The bound of docs/hot-keys.md: an instance holds at most its lead (at
 	// most half the horizon: 1,250 tokens at 5,000/s) and three blocks (each
 	// at most a quarter of the burst); the fleet, the sum of its instances'.
-	const bound = hotRate/4 + 3*hotBurst/4
+	bound := float64(key.rate/4 + 3*key.burst/4)
 	for i, peak := range r.peakHeld {
 		if peak > bound {
-			t.Errorf("instance %d held %.0f tokens at its peak, over the bound of %d", i, peak, bound)
+			t.Errorf("instance %d held %.0f tokens at its peak, over the bound of %.0f", i, peak, bound)
 		}
 	}
 	if r.peakFleet > 4*bound {
-		t.Errorf("the fleet held %.0f tokens at its peak, over the bound of %d", r.peakFleet, 4*bound)
+		t.Errorf("the fleet held %.0f tokens at its peak, over the bound of %.0f", r.peakFleet, 4*bound)
 	}
 	waitReturned(t, fleet)
+	// The calls a block saves are the issue's figure for its key under its
+	// load, half as much again as the budget: blocks follow each instance's
+	// rate.
+	t.Run("calls per admission", func(t *testing.T) {
+		if key != issueKey || float64(len(r.sent)) < 1.5*budget {
+			t.Skipf("measured at the issue's key (%v) under 1.5 times its budget; the key was %v, sent %.2f times its budget", issueKey, key, float64(len(r.sent))/budget)
+		}
+		if per := float64(calls) / float64(admitted); per > 0.02 {
+			t.Errorf("%.4f script calls per admission, want at most 0.02", per)
+		}
+	})
 	if os.Getenv("HOTKEYS_COMPARE") != "" {
 		// The same load with hot keys off: every decision a script call.
 		var off []*instance
 		for range 4 {
-			off = append(off, startCaddy(t, decidedByRedis(srv.Addr, hotPolicy("hot_keys", "off")), respond()))
+			off = append(off, startCaddy(t, decidedByRedis(srv.Addr, key.policy("hot_keys", "off")), respond()))
 		}
 		if _, err := srv.Do("CONFIG", "RESETSTAT"); err != nil {
 			t.Fatal(err)
 		}
-		o := hotLoad(t, off, []int{8, 8, 8, 8}, nil, 10*time.Second, "tenant-cold")
+		o := hotLoad(t, off, conns, nil, 10*time.Second, "tenant-cold")
 		calls := scriptCallsOf(t, srv)
-		admitted, budget := checkBudget(t, o)
+		admitted, budget := checkBudgetOf(t, o, float64(key.rate), float64(key.burst))
 		t.Logf("hot_keys off, the same load: %d requests, admitted %d of a budget of %.1f (%.4f); %d script calls, %.4f per admission; shares %.3f",
 			len(o.sent), admitted, budget, float64(admitted)/budget, calls, float64(calls)/float64(admitted), o.shares())
+	}
+	// The budget is the measure once the load is over it all along: the
+	// key was sized to what the machine delivered a moment before (1.5
+	// times it), but a busy machine stalls the client now and then (beside
+	// four CPU hogs, once, an exact bucket would have admitted 0.951 of the
+	// budget of the requests sent 1.6 times it). What one exact bucket
+	// admits of them, checked above, is the measure then.
+	if float64(ideal) < 0.99*budget {
+		t.Skipf("%d requests sent (%.0f a second, against %.0f in the calibration), %.2f times the budget of %.0f, of which one exact bucket admits %.4f of the budget: the load fell below the rate, the budget's share not measured",
+			len(r.sent), float64(len(r.sent))/r.elapsed.Seconds(), delivered, float64(len(r.sent))/budget, budget, float64(ideal)/budget)
+	}
+	if share := float64(admitted) / budget; share < 0.95 {
+		t.Errorf("admitted %.4f of the budget, want at least 0.95", share)
 	}
 }
 
@@ -380,58 +467,67 @@ func scriptCallsOf(t *testing.T, srv *testredis.Server) int {
 // TestHotKeyFairness: one instance receives ten times the others' requests
 // on a key over its budget; each still admits within ±10% of its share of
 // the requests: the busy instance's blocks are not budget the others can
-// never reach. The key (2,000/s, burst 200) is one a busy machine still
-// loads over its budget.
+// never reach. The key is 2,000/s burst 200, or, on a machine that cannot
+// send twice that, the largest of hotLadder it sends twice (sizeHotKey).
 func TestHotKeyFairness(t *testing.T) {
-	const rate, burst = 2_000, 200
 	srv := testredis.Start(t)
+	handlers := func(k hotKey) []map[string]any {
+		return []map[string]any{decidedByRedis(srv.Addr, k.policy()), respond()}
+	}
+	want := hotKey{2_000, 200}
 	var fleet []*instance
 	for range 4 {
-		fleet = append(fleet, startCaddy(t, decidedByRedis(srv.Addr, hotPolicy("rate", "2000/1s", "burst", burst)), respond()))
+		fleet = append(fleet, startCaddy(t, handlers(want)...))
 	}
-	r := hotLoad(t, fleet, []int{16, 2, 2, 2}, []int{0, 10, 10, 10}, 8*time.Second, "tenant-skewed")
-	admitted, budget := checkBudgetOf(t, r, rate, burst)
-	ideal := idealAdmitsOf(r.sent, rate, burst)
+	conns, skew := []int{16, 2, 2, 2}, []int{0, 10, 10, 10}
+	key, delivered := sizeHotKey(t, fleet, conns, skew, want, 2, handlers)
+	r := hotLoad(t, fleet, conns, skew, 8*time.Second, "tenant-skewed")
+	admitted, budget := checkBudgetOf(t, r, float64(key.rate), float64(key.burst))
+	ideal := idealAdmitsOf(r.sent, int64(key.rate), int64(key.burst))
 	shares := r.shares()
 	var blocks []float64
 	for _, in := range fleet {
 		blocks = append(blocks, metricValue(t, in, "caddy_rate_limit_hot_blocks_total", map[string]string{"policy": "api_wide"}))
 	}
-	t.Logf("requests by instance %v, admitted %v (%d of a budget of %.1f; one exact bucket would have admitted %d of them); share of admissions over share of requests %.3f; blocks taken %v",
-		r.requests, counts(r.admitted), admitted, budget, ideal, shares, blocks)
+	t.Logf("key %v: requests by instance %v, admitted %v (%d of a budget of %.1f; one exact bucket would have admitted %d of them); share of admissions over share of requests %.3f; blocks taken (with the calibration's) %v",
+		key, r.requests, counts(r.admitted), admitted, budget, ideal, shares, blocks)
+	if share := float64(admitted) / float64(ideal); share < 0.95 {
+		t.Errorf("admitted %.4f of what one exact bucket admits of the same requests, want at least 0.95", share)
+	}
 	if float64(len(r.sent)) < 1.2*float64(ideal) {
-		t.Fatalf("%d requests sent for %d an exact bucket admits: not over the budget (the machine?), no shares to measure", len(r.sent), ideal)
+		// The key was sized to half what the machine delivered a moment
+		// before: it slowed down by half since.
+		t.Skipf("%d requests sent (%.0f a second, against %.0f in the calibration) for %d an exact bucket admits: the key not over its budget, no shares to measure",
+			len(r.sent), float64(len(r.sent))/r.elapsed.Seconds(), delivered, ideal)
 	}
 	for i, s := range shares {
 		if math.Abs(s-1) > 0.1 {
 			t.Errorf("instance %d admitted %.3f of its share of the requests, want 1 ± 0.1", i, s)
 		}
 	}
-	if share := float64(admitted) / float64(ideal); share < 0.95 {
-		t.Errorf("admitted %.4f of what one exact bucket admits of the same requests, want at least 0.95", share)
-	}
 }
 
 // writeHotChart draws, as an SVG, each instance's admissions and the
 // fleet's since the load began, against the budget burst + rate × t.
-func writeHotChart(path string, r *hotRun, calls int) error {
+func writeHotChart(path string, r *hotRun, key hotKey, calls int) error {
 	const (
 		width, height            = 820, 440
 		left, right, top, bottom = 80, 230, 60, 60
 		plotW, plotH             = width - left - right, height - top - bottom
 	)
 	secs := r.elapsed.Seconds()
-	yMax := math.Ceil((hotBurst+hotRate*secs)/5000) * 5000
+	rate, burst, step := float64(key.rate), float64(key.burst), float64(key.rate) // a grid line a second of the rate
+	yMax := math.Ceil((burst+rate*secs)/step) * step
 	x := func(s float64) float64 { return left + s/secs*plotW }
 	y := func(v float64) float64 { return top + plotH - v/yMax*plotH }
 	var b strings.Builder
 	fmt.Fprintf(&b, `<svg xmlns="http://www.w3.org/2000/svg" width="%d" height="%d" viewBox="0 0 %d %d" font-family="sans-serif" font-size="13">`+"\n", width, height, width, height)
 	fmt.Fprintf(&b, `<rect width="%d" height="%d" fill="white"/>`+"\n", width, height)
-	fmt.Fprintf(&b, `<text x="%d" y="22" font-size="16" font-weight="bold">Admitted on one hot key: 4 Caddy instances, 5,000/s burst 500</text>`+"\n", left)
+	fmt.Fprintf(&b, `<text x="%d" y="22" font-size="16" font-weight="bold">Admitted on one hot key: 4 Caddy instances, %s/s burst %s</text>`+"\n", left, thousands(key.rate), thousands(key.burst))
 	all := r.all()
 	fmt.Fprintf(&b, `<text x="%d" y="40" fill="#555">Each instance decides from blocks of the key's tokens; %d admitted of a budget of %.0f, %d script calls.</text>`+"\n",
-		left, len(all), hotBurst+hotRate*all[len(all)-1].Seconds(), calls)
-	for v := 0.0; v <= yMax+1e-9; v += 5000 {
+		left, len(all), burst+rate*all[len(all)-1].Seconds(), calls)
+	for v := 0.0; v <= yMax+1e-9; v += step {
 		fmt.Fprintf(&b, `<line x1="%d" y1="%.1f" x2="%d" y2="%.1f" stroke="#e4e4e4"/>`+"\n", left, y(v), left+plotW, y(v))
 		fmt.Fprintf(&b, `<text x="%d" y="%.1f" text-anchor="end">%.0f</text>`+"\n", left-8, y(v)+4, v)
 	}
@@ -462,8 +558,8 @@ func writeHotChart(path string, r *hotRun, calls int) error {
 		lines = append(lines, series{fmt.Sprintf("instance %d: %d", i+1, len(a)), colors[i%len(colors)], "", line(a)})
 	}
 	lines = append(lines, series{fmt.Sprintf("the fleet: %d", len(all)), "#d62728", "", line(all)})
-	budget := fmt.Sprintf("%.1f,%.1f %.1f,%.1f", x(0), y(hotBurst), x(secs), y(hotBurst+hotRate*secs))
-	lines = append(lines, series{"budget: 500 + 5,000/s × t", "#222222", `stroke-dasharray="7 5"`, budget})
+	budget := fmt.Sprintf("%.1f,%.1f %.1f,%.1f", x(0), y(burst), x(secs), y(burst+rate*secs))
+	lines = append(lines, series{fmt.Sprintf("budget: %s + %s/s × t", thousands(key.burst), thousands(key.rate)), "#222222", `stroke-dasharray="7 5"`, budget})
 	for i, l := range lines {
 		fmt.Fprintf(&b, `<polyline fill="none" stroke="%s" stroke-width="2" %s points="%s"/>`+"\n", l.color, l.dash, l.points)
 		ly := top + 20 + 26*i
@@ -472,6 +568,15 @@ func writeHotChart(path string, r *hotRun, calls int) error {
 	}
 	b.WriteString("</svg>\n")
 	return os.WriteFile(path, []byte(b.String()), 0o644)
+}
+
+// thousands writes n with a comma between thousands, as the docs do.
+func thousands(n int) string {
+	s := strconv.Itoa(n)
+	for i := len(s) - 3; i > 0; i -= 3 {
+		s = s[:i] + "," + s[i:]
+	}
+	return s
 }
 
 // perTenth is the admissions in each tenth of a second of the run.
@@ -585,7 +690,7 @@ func TestHotKeyChangesReachBlocks(t *testing.T) {
 		fleet := []*instance{startCaddy(t, decidedByRedis(srv.Addr, hotPolicy()), respond()), startCaddy(t, decidedByRedis(srv.Addr, hotPolicy()), respond())}
 		var held string
 		admitted, changed := admissionsUnder(t, fleet, 5*time.Second, 2*time.Second, "tenant-override", nil, func() {
-			_, held = adminCall(t, fleet[1], "GET", "/rate_limit/inspect?policy=api_wide&identity=tenant-override", "")
+			_, held = adminCall(t, fleet[1], "POST", "/rate_limit/inspect", `{"policy":"api_wide","identity":"tenant-override"}`)
 			status, body := adminCall(t, fleet[0], "POST", "/rate_limit/override", `{"policy":"api_wide","identity":"tenant-override","rate":"500/1s","burst":50}`)
 			if status != 200 {
 				t.Errorf("override: %d %s", status, body)
@@ -743,7 +848,10 @@ func TestHotKeyRedisAway(t *testing.T) {
 // block's lifetime (hotkey.MaxAge, 1 s): over the seconds after the kill the
 // survivors admit at least 0.95 of what one exact bucket, empty at the kill,
 // would admit of the requests they were sent, and from a block's lifetime
-// after the kill on, at least 0.95 of it as well.
+// after the kill on, at least 0.95 of it as well. The key is the issue's,
+// or, on a machine that cannot send the survivors 1.5 times its rate, the
+// largest of hotLadder it does (sizeHotKey): what the kill strands is
+// measured only while the survivors are over the budget.
 func TestHotKeyInstanceKilled(t *testing.T) {
 	const (
 		killAt   = 3 * time.Second
@@ -752,11 +860,19 @@ func TestHotKeyInstanceKilled(t *testing.T) {
 		run      = killAt + time.Second + window + 500*time.Millisecond
 	)
 	srv := testredis.Start(t)
+	handlers := func(k hotKey) []map[string]any {
+		return []map[string]any{decidedByRedis(srv.Addr, k.policy()), respond()}
+	}
 	var fleet []*instance
 	for range 4 {
-		fleet = append(fleet, startCaddy(t, decidedByRedis(srv.Addr, hotPolicy()), respond()))
+		fleet = append(fleet, startCaddy(t, handlers(issueKey)...))
 	}
+	// The survivors are sent three quarters of the load: 1.5 times the
+	// rate is twice it for the four.
+	key, _ := sizeHotKey(t, fleet, []int{8, 8, 8, 8}, nil, issueKey, 2, handlers)
+	rate, burst := float64(key.rate), int64(key.burst)
 	doomed := fleet[0]
+	blocksBefore := metricValue(t, doomed, "caddy_rate_limit_hot_blocks_total", map[string]string{"policy": "api_wide"})
 	var (
 		mu       sync.Mutex
 		admitted []time.Duration // every instance's, as their responses came
@@ -805,7 +921,7 @@ func TestHotKeyInstanceKilled(t *testing.T) {
 	if held == 0 {
 		t.Fatal("the instance to kill holds no tokens of the hot key")
 	}
-	blocks := metricValue(t, doomed, "caddy_rate_limit_hot_blocks_total", map[string]string{"policy": "api_wide"})
+	blocks := metricValue(t, doomed, "caddy_rate_limit_hot_blocks_total", map[string]string{"policy": "api_wide"}) - blocksBefore
 	killed.Store(true)
 	if err := syscall.Kill(doomed.Pid(), syscall.SIGKILL); err != nil {
 		t.Fatal(err)
@@ -814,7 +930,7 @@ func TestHotKeyInstanceKilled(t *testing.T) {
 	wg.Wait()
 	sort.Slice(admitted, func(a, b int) bool { return admitted[a] < admitted[b] })
 	for i, at := range admitted {
-		if b := hotBurst + hotRate*at.Seconds(); float64(i+1) > b {
+		if b := float64(burst) + rate*at.Seconds(); float64(i+1) > b {
 			t.Fatalf("%d admitted by %v since the load began (an instance killed at %v holding %.0f tokens): over the budget of %.1f", i+1, at, kill, held, b)
 		}
 	}
@@ -826,15 +942,15 @@ func TestHotKeyInstanceKilled(t *testing.T) {
 				got++
 			}
 		}
-		interval := int64(1_000_000 / hotRate)
-		tat := from.Microseconds() + hotBurst*interval // empty
+		interval := int64(1_000_000 / key.rate)
+		tat := from.Microseconds() + burst*interval // empty
 		sort.Slice(survived, func(a, b int) bool { return survived[a] < survived[b] })
 		for _, s := range survived {
 			if s < from || s >= to {
 				continue
 			}
 			now := s.Microseconds()
-			if base := max(tat, now); base+interval-now <= hotBurst*interval {
+			if base := max(tat, now); base+interval-now <= burst*interval {
 				tat, exact = base+interval, exact+1
 			}
 		}
@@ -848,13 +964,13 @@ func TestHotKeyInstanceKilled(t *testing.T) {
 			sent++
 		}
 	}
-	t.Logf("killed at %v holding %.0f tokens (%.0f blocks taken); in the %v after: the survivors were sent %d requests, admitted %d of the %d one exact bucket empty at the kill admits (%.4f; the rate alone: %.0f); from %v after the kill: %d of %d (%.4f); %d failed",
-		kill.Round(time.Millisecond), held, blocks, window, sent, got, exact, float64(got)/float64(exact), hotRate*window.Seconds(),
+	t.Logf("key %v: killed at %v holding %.0f tokens (%.0f blocks taken); in the %v after: the survivors were sent %d requests, admitted %d of the %d one exact bucket empty at the kill admits (%.4f; the rate alone: %.0f); from %v after the kill: %d of %d (%.4f); %d failed",
+		key, kill.Round(time.Millisecond), held, blocks, window, sent, got, exact, float64(got)/float64(exact), rate*window.Seconds(),
 		lifetime, later, laterExact, float64(later)/float64(laterExact), failed.Load())
-	if float64(sent) < 1.5*hotRate*window.Seconds() {
+	if float64(sent) < 1.5*rate*window.Seconds() {
 		// The survivors then hold blocks sized to less than the budget,
 		// and what the killed one held is hidden in what they were not sent.
-		t.Logf("the machine sent the survivors %d requests, less than 1.5 times the %.0f the rate allows in the %v: what the kill strands is measured only in part", sent, hotRate*window.Seconds(), window)
+		t.Logf("the machine sent the survivors %d requests, less than 1.5 times the %.0f the rate allows in the %v: what the kill strands is measured only in part", sent, rate*window.Seconds(), window)
 	}
 	if failed.Load() != 0 {
 		t.Errorf("%d responses of the survivors neither 200 nor 429", failed.Load())
@@ -867,13 +983,13 @@ func TestHotKeyInstanceKilled(t *testing.T) {
 	}
 }
 
-// TestHotKeyChargeIf: a hot key of a charge_if policy (charged only for a
-// 401, the others' tokens given back after their responses) is decided from
-// blocks like any rate key, and what its users see still holds: the charged
-// responses never exceed burst + rate × elapsed across the fleet, a response
-// not charged leaves its token for the others (the charged ones reach at
-// least 0.95 of what one exact bucket admits of the 401s sent), and the key
-// is hot (blocks are taken).
+// TestHotKeyChargeIf: a busy key of a charge_if policy (charged only for a
+// 401, the others' tokens given back after their responses) is decided call
+// by call, never from blocks (its give-backs would move the bucket's line
+// under blocks held elsewhere), and what its users see holds: the charged
+// responses never exceed burst + rate × elapsed across the fleet, and a
+// response not charged leaves its token for the others (the charged ones
+// reach at least 0.95 of what one exact bucket admits of the 401s sent).
 func TestHotKeyChargeIf(t *testing.T) {
 	const rate, burst = 2_000, 200
 	srv := testredis.Start(t)
@@ -948,8 +1064,8 @@ func TestHotKeyChargeIf(t *testing.T) {
 	if failed.Load() != 0 {
 		t.Errorf("%d responses neither 429 nor the status asked for", failed.Load())
 	}
-	if blocks == 0 {
-		t.Error("no block taken: the charge_if key was never hot")
+	if blocks != 0 {
+		t.Errorf("%.0f blocks taken of a charge_if key", blocks)
 	}
 	if share := float64(len(charged)) / float64(exact); share < 0.95 {
 		t.Errorf("charged %.4f of what one exact bucket admits of the 401s sent, want at least 0.95: the tokens of responses not charged did not come back", share)

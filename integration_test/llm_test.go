@@ -345,7 +345,7 @@ func llmPost(t *testing.T, client *http.Client, url, key, body string, header ..
 // inspect` does.
 func bucketTokens(t *testing.T, in *instance, policy, identity string) int64 {
 	t.Helper()
-	status, body := adminCall(t, in, "GET", "/rate_limit/inspect?policy="+policy+"&identity="+identity, "")
+	status, body := adminCall(t, in, "POST", "/rate_limit/inspect", `{"policy":"`+policy+`","identity":"`+identity+`"}`)
 	var b bucketAnswer
 	if err := json.Unmarshal([]byte(body), &b); err != nil || status != 200 {
 		t.Fatalf("inspect %s %s: %d %s", policy, identity, status, body)

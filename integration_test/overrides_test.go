@@ -167,7 +167,7 @@ func TestOverrideExpires(t *testing.T) {
 	// through inspect (the admin API), a request each time.
 	var lastIn, firstGone time.Time
 	for time.Since(before) < 4*time.Second {
-		status, body := adminCall(t, fleet[1], "GET", "/rate_limit/inspect?policy=per_user&identity=cleo", "")
+		status, body := adminCall(t, fleet[1], "POST", "/rate_limit/inspect", `{"policy":"per_user","identity":"cleo"}`)
 		now := time.Now()
 		var b inspectedOverride
 		if err := json.Unmarshal([]byte(body), &b); status != 200 || err != nil {

@@ -436,7 +436,7 @@ func TestQuotaDurableFailover(t *testing.T) {
 	var durable, plain quotaAnswer
 	deadline := time.Now().Add(15 * time.Second)
 	for {
-		status, body := adminCall(t, fleet[1], "GET", "/rate_limit/inspect?policy=durable&identity=acme", "")
+		status, body := adminCall(t, fleet[1], "POST", "/rate_limit/inspect", `{"policy":"durable","identity":"acme"}`)
 		if status == 200 && json.Unmarshal([]byte(body), &durable) == nil {
 			break
 		}

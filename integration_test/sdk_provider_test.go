@@ -32,14 +32,18 @@ import (
 //     what follows; OpenAI's cached_tokens are the part of a prompt of
 //     1,024 tokens or more seen before, by 128, within prompt_tokens;
 //   - the answer: X-Output-Tokens tokens (default 30), at most the
-//     request's max_tokens, its text "abcd" each (4 bytes a token).
+//     request's max_tokens, its text "abcd" each (4 bytes a token), times
+//     n (choices) when the request sets it;
+//   - `background: true` (Responses API): answered at once, queued, usage
+//     null; the usage recorded is what it bills later.
 //
 // X-Cut: <bytes> stops a stream after that much text, and waits for the
-// client to go. A streamed chat completion carries its usage only when
-// the request asks (stream_options.include_usage), as OpenAI's does: then
-// every chunk has "usage": null and a last chunk, with no choices, the
-// usage; otherwise no usage at all. Responses name the model served:
-// served's dated snapshot of the model asked for, or the model asked for.
+// client to go; X-Provider-Status: <4xx or 5xx> answers that error, without
+// usage. A streamed chat completion carries its usage only when the request
+// asks (stream_options.include_usage), as OpenAI's does: then every chunk
+// has "usage": null and a last chunk, with no choices, the usage; otherwise
+// no usage at all. Responses name the model served: served's dated
+// snapshot of the model asked for, or the model asked for.
 type sdkProvider struct {
 	addr string
 	// served maps a model asked for to the one served (set before use).
@@ -157,6 +161,13 @@ func (pp *promptParts) content(v any) {
 
 func (p *sdkProvider) serve(w http.ResponseWriter, r *http.Request) {
 	raw, _ := io.ReadAll(r.Body)
+	if v, err := strconv.Atoi(r.Header.Get("X-Provider-Status")); err == nil && v >= 400 {
+		// The provider's error: no usage, as providers answer one.
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(v)
+		fmt.Fprintf(w, `{"error":{"message":"the provider failed (%d)","type":"server_error","param":null,"code":null}}`, v)
+		return
+	}
 	var req map[string]any
 	if err := json.Unmarshal(raw, &req); err != nil && r.Method == "POST" {
 		http.Error(w, `{"error":{"message":"not JSON"}}`, 400)
@@ -256,6 +267,11 @@ func (p *sdkProvider) serve(w http.ResponseWriter, r *http.Request) {
 	if ceiling > 0 {
 		out = min(out, ceiling)
 	}
+	// n choices (chat completions), each of out tokens: one text of all
+	// of them, as far as a usage scanner is concerned.
+	if n, _ := req["n"].(float64); n > 1 {
+		out *= int64(n)
+	}
 	c.output = out
 	if path == "/v1/messages/count_tokens" {
 		c.output = 0
@@ -267,6 +283,13 @@ func (p *sdkProvider) serve(w http.ResponseWriter, r *http.Request) {
 	p.mu.Lock()
 	p.stored[id] = c.input + c.cacheWrite + c.cacheRead + out
 	p.mu.Unlock()
+	if bg, _ := req["background"].(bool); bg && path == "/v1/responses" {
+		// Answered at once, queued, its usage null: billed as the work runs.
+		w.Header().Set("Content-Type", "application/json")
+		fmt.Fprintf(w, `{"id":%q,"object":"response","created_at":1741476542,"status":"queued","background":true,"model":%q,"output":[],"usage":null}`, id, c.model)
+		p.record(c)
+		return
+	}
 	text := strings.Repeat("abcd", int(out))
 	cut, _ := strconv.Atoi(r.Header.Get("X-Cut"))
 	// Each of the codings the client accepts in turn, and none.

@@ -95,6 +95,11 @@ func TestRedisComesBack(t *testing.T) {
 	waitForLog(t, in, 15*time.Second, "Redis deciding again", func(e map[string]any) bool {
 		return e["level"] == "info" && e["msg"] == "Redis decides for policy per_user"
 	})
+	// It names the server, as the server names itself.
+	server := srv.Server().String()
+	waitForLog(t, in, time.Second, "the server named "+server, func(e map[string]any) bool {
+		return e["msg"] == "Redis decides for policy per_user" && e["server"] == server
+	})
 	t.Logf("logged that Redis decides %.1f s after it came back", time.Since(back).Seconds())
 }
 

@@ -60,7 +60,7 @@ func testCA(t *testing.T) (caFile, certFile, keyFile string, pool *x509.CertPool
 }
 
 // limiterACL is the ACL docs/redis.md gives the limiter's Redis user.
-const limiterACL = "~rl:* ~rate_limit:{fleet}* &rl:* +evalsha +eval +time +get +set +del +type +publish +subscribe +zadd +zrem +zcard +zremrangebyscore +pexpire +hset +hdel +hget +hgetall +hkeys +hscan +pubsub|numsub"
+const limiterACL = "~rl:* ~rate_limit:{fleet}* resetchannels &rl:* +evalsha +eval +time +get +set +del +type +publish +subscribe +zadd +zrem +zcard +zremrangebyscore +pexpire +hset +hdel +hget +hgetall +hkeys +hscan +pubsub|numsub"
 
 // TestRedisTLSAndACL: a Redis that speaks only TLS, with an ACL user for
 // the limiter. With the right CA and credentials Caddy limits exactly;

@@ -3,7 +3,14 @@
 -- decided atomically, in order. The same algorithm as bucket.go (rebase,
 -- decideBuckets, adjust); keep the two in step.
 --
--- KEYS   the buckets of every request, request after request
+-- KEYS   the buckets of every request, request after request; then every
+--        other key the call touches, once each: the override of each
+--        overridable bucket (<bucket>:override) and the learned usage of
+--        each bucket that learns (<bucket>:usage). The script names those
+--        from the bucket's key and reads them from no index: they are
+--        declared so that a server that refuses a script touching a key
+--        its call did not declare (Dragonfly, by default) runs it
+--        (wire.go, touchedKeys: the names, on the Go side).
 -- ARGV   first the format buckets are written in (1 or 2, see format.go);
 --        then the call's numbers in one string, little-endian doubles
 --        (exact: every value stays below 2^53), read by one struct.unpack:
@@ -28,6 +35,11 @@
 --                    or given back (< 0); slots: the lease's member (a
 --                    string); free: the µs a lease must have left to be kept
 --          wait      take: µs ahead a slot may be reserved (policy `wait`);
+--                    adjust: for a give-back (amount < 0), the Redis µs at
+--                    which the last token given back is due (0: any): only
+--                    those still due go back; negative for a hot key's
+--                    block, given back only while the TAT is its own end
+--                    (bucket.go, givenBack);
 --                    slots: the channel of events between instances (a
 --                    string)
 --        a quota bucket (codes 12 take, 13 check, 14 adjust, 15 inspect,
@@ -41,10 +53,11 @@
 --          the policy's wait (µs) and debt rule, which give an override's
 --          limit its slack (see override.go, limitFor)
 --        a rate bucket whose key learns its usage (op + 128, see
---        learned_usage.go) takes one more after those: for an adjust (a
---        settle), the usage to remember (0: the settle used no more than
---        its own reservation); a take is raised to the largest usage
---        remembered, at most burst; a reset forgets them
+--        learned_usage.go) takes two more after those: the class of its
+--        reservation (a take's, or the settled request's), then, for an
+--        adjust (a settle), what it used beyond its reservation to
+--        remember (0: within it); a take is raised by a high percentile of
+--        what its class used beyond, at most burst; a reset forgets them
 --
 -- A bucket is its theoretical arrival time (TAT) in µs and the interval
 -- that TAT was written under, stored in one of the formats of format.go
@@ -93,8 +106,8 @@
 -- decided under: an operator's override of its limit, when one of its kind
 -- is stored beside it (<prefix><policy>:{<hash>}:override, in its slot), or
 -- the limit sent (a quota's: 0, its N and its slack); then, for a bucket
--- that learns, the largest usage its key remembered before this request
--- (<prefix><policy>:{<hash>}:usage, in its slot).
+-- that learns, what its key raised a take by, or (other ops) the most it
+-- raises one (<prefix><policy>:{<hash>}:usage, in its slot).
 --
 -- Redis work is what costs: each key is read once per call and written at
 -- most once, at the end, with what the call's last request left in it. On
@@ -168,7 +181,8 @@ end
 local function stored(key, value, interval)
   if type(value) == 'table' then -- an error reply
     if not string.find(value.err or '', 'WRONGTYPE', 1, true) then
-      error(value)
+      if redis.REDIS_VERSION_NUM then error(value) end
+      error(value.err, 0) -- Redis 6.2 cannot raise an error reply: its text
     end
     if redis.call('TYPE', key).ok == 'zset' then
       -- A concurrency policy's slots, left by an earlier config that gave
@@ -238,25 +252,36 @@ local function quota_overridden(o, limit, slack, debt)
   return o.burst, math.min(units, 2 ^ 53 - o.burst)
 end
 
--- Learned usage (learned_usage.go): the usage of the key's last settles,
--- "l1 <u1> <u2> ...", newest first, at most LEARNED of them (0: a settle
--- that used no more than its own reservation), in the key beside the
--- bucket's, read once per call. A value that is not one reads as none. The
--- release before this one never reads it.
+-- Learned usage (learned_usage.go): the key's last settles, newest first,
+-- at most LEARNED of them, each the class of its reservation and what it
+-- used beyond it (0: within it), "l2 <class>:<excess> ...", in the key
+-- beside the bucket's, read once per call. The release before this one
+-- wrote "l1 <usage> ...": the largest is a floor a take is raised to, until
+-- the next settle writes l2. A value that is neither reads as none.
 local function learned_of(learned, key, most)
   local l = learned[key]
   if l then return l end
-  l = {records = {}, held = false, dirty = false}
+  l = {classes = {}, excess = {}, floor = 0, held = false, dirty = false}
   local v = redis.pcall('GET', key .. ':usage')
   if type(v) == 'string' then
     l.held = true
     if string.match(v, '^l1[ %d]*$') then
       for n in string.gmatch(string.sub(v, 3), '%d+') do
         if #n > 16 then -- at or above 2^53: not one written
-          l.records = {}
+          l.floor = 0
           break
         end
-        if #l.records < most then l.records[#l.records + 1] = tonumber(n) end
+        if tonumber(n) > l.floor then l.floor = tonumber(n) end
+      end
+    elseif string.match(v, '^l2[ %d:]*$') then
+      for c, e in string.gmatch(string.sub(v, 3), '(%d+):(%d+)') do
+        if #c > 2 or tonumber(c) > 63 or #e > 16 then -- not one written
+          l.classes, l.excess = {}, {}
+          break
+        end
+        if #l.classes < most then
+          l.classes[#l.classes + 1], l.excess[#l.excess + 1] = tonumber(c), tonumber(e)
+        end
       end
     end
   end
@@ -264,13 +289,31 @@ local function learned_of(learned, key, most)
   return l
 end
 
--- learned_max is the largest usage remembered, 0 for none.
-local function learned_max(records)
-  local m = 0
-  for j = 1, #records do
-    if records[j] > m then m = records[j] end
+-- learned_most is the largest a take is raised to or by: the largest
+-- excess remembered, or the floor; 0 for none.
+local function learned_most(l)
+  local m = l.floor
+  for j = 1, #l.excess do
+    if l.excess[j] > m then m = l.excess[j] end
   end
   return m
+end
+
+-- learned_raise is what a take of class reserving cost is raised by: of
+-- its class's records, the largest excess while there are fewer than five,
+-- the second largest from five on; or up to the floor when that is more.
+local function learned_raise(l, class, cost)
+  local e = {}
+  for j = 1, #l.classes do
+    if l.classes[j] == class then e[#e + 1] = l.excess[j] end
+  end
+  local r = 0
+  if #e > 0 then
+    table.sort(e)
+    r = e[#e - (#e - #e % 5) / 5]
+  end
+  if l.floor > cost + r then r = l.floor - cost end
+  return r
 end
 
 -- numbers unpacks the call's numbers: at most 1000 a struct.unpack (each
@@ -329,7 +372,8 @@ local function quota_kind()
     end
     if type(value) == 'table' then -- an error reply
       if not string.find(value.err or '', 'WRONGTYPE', 1, true) then
-        error(value)
+        if redis.REDIS_VERSION_NUM then error(value) end
+        error(value.err, 0) -- Redis 6.2 cannot raise an error reply: its text
       end
       if redis.call('TYPE', key).ok == 'zset' then
         return true, 0, 0, 0 -- a concurrency policy's slots: replaced
@@ -445,7 +489,9 @@ local function slots_kind()
     local expired = redis.pcall('ZREMRANGEBYSCORE', key, '-inf', now)
     if type(expired) == 'table' then
       if not string.find(expired.err or '', 'WRONGTYPE', 1, true) then
-        error(expired) -- an ACL without the command, not a key of another type
+        -- An ACL without the command, not a key of another type.
+        if redis.REDIS_VERSION_NUM then error(expired) end
+        error(expired.err, 0) -- Redis 6.2 cannot raise an error reply: its text
       end
       if redis.call('TYPE', key).ok ~= 'string' then
         return nil
@@ -582,12 +628,16 @@ while arg <= n_args do
       bursts[i], slacks[i] = burst, slack
       width = width + 2
     end
-    local lval
     if learn then
       if not lws then lws, lvals, learned = {}, {}, {} end
-      lval = learned_max(learned_of(learned, key, LEARNED).records)
-      lws[i], lvals[i] = arg + width, lval
-      width = width + 1
+      local l = learned_of(learned, key, LEARNED)
+      lws[i] = arg + width -- the class, then what a settle remembers
+      if code == TAKE then
+        lvals[i] = learned_raise(l, A[arg + width], A[arg + 4])
+      else
+        lvals[i] = learned_most(l) -- what inspect shows
+      end
+      width = width + 2
     elseif lws then
       lws[i] = nil
     end
@@ -596,8 +646,8 @@ while arg <= n_args do
       -- A rate bucket's decide.
       allowed[i] = 1
       local amount = A[arg + 4]
-      if lval and code == TAKE then
-        amount = max(amount, min(lval, burst)) -- what the key recently used
+      if learn and code == TAKE and amount <= burst then
+        amount = min(amount + lvals[i], burst) -- what like requests of the key recently used beyond theirs
       end
       local bucket = index_of[key]
       if not bucket then
@@ -640,7 +690,7 @@ while arg <= n_args do
       if tat > now then
         local ahead = tat - now
         if interval_now[bucket] ~= interval then
-          ahead = floor(ahead * interval / interval_now[bucket])
+          ahead = ceil(ahead * interval / interval_now[bucket]) -- rounded up, as bucket.go
         end
         slack = slack or A[arg + 3]
         tat = now + min(ahead, tau + slack)
@@ -657,6 +707,16 @@ while arg <= n_args do
         next[i] = tat + amount * interval
       elseif code == ADJUST then
         local delta = amount -- tokens charged (> 0) or given back (< 0): Go's bucketRequest.delta
+        local due = A[arg + 5] -- a give-back's last token is due then (0: any): only those still due go back
+        if delta < 0 and due ~= 0 then
+          if due < 0 then -- a hot key's block: only while its tokens end the line
+            due = -due
+            if tat ~= due then delta = 0 end
+          end
+          local left = 0
+          if due > now then left = ceil((due - now) / interval) end
+          if -delta > left then delta = -left end
+        end
         slack = slack or A[arg + 3]
         next[i] = min(tat + delta * interval, now + tau + slack)
         if next[i] <= now then next[i] = 0 end -- never beyond a full bucket
@@ -698,13 +758,14 @@ while arg <= n_args do
           tat_now[bucket] = 0
         end
         if lws and lws[i] and (code == ADJUST or code == RESET) then
-          local l, u = learned[KEYS[first_key + i]], A[lws[i]]
+          local l, class, u = learned[KEYS[first_key + i]], A[lws[i]], A[lws[i] + 1]
           if code == RESET then
-            l.records, l.dirty = {}, true
-          elseif u > 0 or learned_max(l.records) > 0 then -- else nothing to remember or to forget
-            table.insert(l.records, 1, u)
-            l.records[LEARNED + 1], l.dirty = nil, true
-            if learned_max(l.records) == 0 then l.records = {} end -- all within their reservations: forgotten
+            l.classes, l.excess, l.floor, l.dirty = {}, {}, 0, true
+          elseif u > 0 or learned_most(l) > 0 then -- else nothing to remember or to forget
+            table.insert(l.classes, 1, class)
+            table.insert(l.excess, 1, u)
+            l.classes[LEARNED + 1], l.excess[LEARNED + 1], l.floor, l.dirty = nil, nil, 0, true
+            if learned_most(l) == 0 then l.classes, l.excess = {}, {} end -- all within their reservations: forgotten
           end
         end
       end
@@ -748,14 +809,21 @@ end
 if learned then
   for key, l in pairs(learned) do
     if l.dirty then
-      if learned_max(l.records) > 0 then
+      if #l.excess > 0 and learned_most(l) > 0 then
         local parts = {}
-        for j = 1, #l.records do parts[j] = string.format('%d', l.records[j]) end
-        rcall('SET', key .. ':usage', 'l1 ' .. table.concat(parts, ' '), 'PX', LEARNED_TTL)
+        for j = 1, #l.excess do parts[j] = string.format('%d:%d', l.classes[j], l.excess[j]) end
+        rcall('SET', key .. ':usage', 'l2 ' .. table.concat(parts, ' '), 'PX', LEARNED_TTL)
       elseif l.held then
         rcall('DEL', key .. ':usage')
       end
     end
   end
+end
+-- Lua 5.3 and later (Dragonfly runs 5.4, Redis and Valkey 5.1) tell
+-- integers from floats, and a server replies a float as a double where
+-- Redis replies every number as an integer: the reply's numbers are all
+-- integers (below 2^53), so they are sent as such.
+if math.type then
+  for i = 1, n_out do out[i] = math.tointeger(out[i]) or out[i] end
 end
 return out

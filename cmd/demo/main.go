@@ -61,7 +61,7 @@ func main() {
 		s.Fatalf("building caddy: %v", err)
 	}
 	srv := testredis.Start(s)
-	fmt.Printf("Started redis-server %s on %s.\n\n", srv.Version(), srv.Addr)
+	fmt.Printf("Started %s on %s.\n\n", srv.Server(), srv.Addr)
 
 	// Inbound: one API key, one policy, four instances.
 	fmt.Printf("Inbound: policy %q keyed on the X-Api-Key header, rate %d/1s, burst %d, on %d Caddy instances.\n", redisPolicy, inRate, inBurst, fleetSize)

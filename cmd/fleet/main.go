@@ -109,7 +109,7 @@ func main() {
 
 	fmt.Printf("\nA fleet: one Redis and two Caddy instances running %s, one file for both:\n", caddyfile)
 	tw := tabwriter.NewWriter(os.Stdout, 0, 0, 2, ' ', 0)
-	fmt.Fprintf(tw, "  redis-server %s\t%s\tpid %d\n", srv.Version(), srv.Addr, srv.Pid())
+	fmt.Fprintf(tw, "  %s\t%s\tpid %d\n", srv.Server(), srv.Addr, srv.Pid())
 	for i, in := range fleet {
 		fmt.Fprintf(tw, "  %s\t%s\tpid %d, admin API %s, log %s\n", names[i], in.URL, in.Pid(), strings.TrimPrefix(in.Admin, "http://"), in.Log)
 	}

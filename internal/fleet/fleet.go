@@ -13,7 +13,9 @@ import (
 	"encoding/base64"
 	"encoding/hex"
 	"encoding/json"
+	"regexp"
 	"slices"
+	"strconv"
 	"strings"
 )
 
@@ -50,6 +52,12 @@ type Policy struct {
 	// Limit is the policy's kind and limit (rate and burst, slots and
 	// lease, quota and time zone, plans), as its config says it.
 	Limit string `json:"limit"`
+	// Previous is Limit as the release before this one (v0.4.0) writes it,
+	// when that differs (a policy with plans, which it wrote as Go struct
+	// dumps): the record stores it as "limit", which that release compares
+	// with its own, and Limit as "caddyfile_limit", which this one reads
+	// (see MarshalJSON). Never read back.
+	Previous string `json:"-"`
 	// Key is the key template, with the address mask that keys on a client
 	// address keep.
 	Key string `json:"key"`
@@ -157,11 +165,86 @@ func Digest(raw []byte) string {
 	return base64.RawURLEncoding.EncodeToString(sum[:9])
 }
 
-// Decode reads a stored record.
+// Decode reads a stored record. A plan's limit written by the release
+// before this one (v0.4.0), a Go struct's dump (`pro {Rate:60/1h Burst:20
+// MaxCost:0 Concurrent:0 Quota:};`), is read as this one writes it (`pro
+// rate 60/1h burst 20;`), so that a fleet mixing the two agrees on a policy
+// both enforce alike, and shows it as a Caddyfile says it.
 func Decode(raw []byte) (Record, error) {
 	var r Record
 	err := json.Unmarshal(raw, &r)
 	return r, err
+}
+
+// storedPolicy is a Policy as a record stores it.
+type storedPolicy struct {
+	Name   string `json:"name"`
+	Prefix string `json:"key_prefix"`
+	Limit  string `json:"limit"`
+	// Caddyfile is the limit as this release writes it, when "limit" is
+	// the release before's (Policy.Previous).
+	Caddyfile string `json:"caddyfile_limit,omitempty"`
+	Key       string `json:"key"`
+	Secret    string `json:"key_secret"`
+}
+
+// MarshalJSON stores the policy with its limit as both releases of a
+// mixed fleet compare it: "limit" as the release before writes it, and
+// the Caddyfile's form beside it when that differs.
+func (p Policy) MarshalJSON() ([]byte, error) {
+	s := storedPolicy{Name: p.Name, Prefix: p.Prefix, Limit: p.Limit, Key: p.Key, Secret: p.Secret}
+	if p.Previous != "" && p.Previous != p.Limit {
+		s.Limit, s.Caddyfile = p.Previous, p.Limit
+	}
+	return json.Marshal(s)
+}
+
+// UnmarshalJSON reads a stored policy: its Caddyfile form when stored, or
+// its "limit" with the release before's plan dumps read as this one
+// writes them.
+func (p *Policy) UnmarshalJSON(raw []byte) error {
+	var s storedPolicy
+	if err := json.Unmarshal(raw, &s); err != nil {
+		return err
+	}
+	*p = Policy{Name: s.Name, Prefix: s.Prefix, Limit: s.Caddyfile, Key: s.Key, Secret: s.Secret}
+	if p.Limit == "" {
+		p.Limit = planDumps.ReplaceAllStringFunc(s.Limit, planOfDump)
+	}
+	return nil
+}
+
+// planDumps are the plan limits the release before this one wrote.
+var planDumps = regexp.MustCompile(`\{Rate:(\S*) Burst:(\d+) MaxCost:(\d+) Concurrent:(\d+) Quota:(\S*)\}`)
+
+// planOfDump is a dumped plan limit as PlanLimit writes it.
+func planOfDump(dump string) string {
+	m := planDumps.FindStringSubmatch(dump)
+	atoi := func(s string) int64 { n, _ := strconv.ParseInt(s, 10, 64); return n }
+	return PlanLimit(m[1], float64(atoi(m[2])), float64(atoi(m[3])), atoi(m[4]), m[5])
+}
+
+// PlanLimit is a plan's limit as the Caddyfile writes it: `rate <N>/<d>
+// burst <n> cost max <n>`, `concurrent <n>` or `quota <N>`, each part given;
+// burst and max in the policy's unit (dollars for a money policy).
+func PlanLimit(rate string, burst, maxCost float64, concurrent int64, quota string) string {
+	var parts []string
+	if rate != "" {
+		parts = append(parts, "rate "+rate)
+	}
+	if burst != 0 {
+		parts = append(parts, "burst "+strconv.FormatFloat(burst, 'f', -1, 64))
+	}
+	if maxCost != 0 {
+		parts = append(parts, "cost max "+strconv.FormatFloat(maxCost, 'f', -1, 64))
+	}
+	if concurrent != 0 {
+		parts = append(parts, "concurrent "+strconv.FormatInt(concurrent, 10))
+	}
+	if quota != "" {
+		parts = append(parts, "quota "+quota)
+	}
+	return strings.Join(parts, " ")
 }
 
 // Variant is one way a policy is enforced, and the instances enforcing it

@@ -1,6 +1,7 @@
 package fleet
 
 import (
+	"encoding/json"
 	"fmt"
 	"reflect"
 	"slices"
@@ -169,5 +170,52 @@ func TestFleets(t *testing.T) {
 	}
 	if !reflect.DeepEqual(b, want) {
 		t.Errorf("fleets\n got %v\nwant %v", b, want)
+	}
+}
+
+// TestDecodeOldPlans: a plan's limit that the release before this one
+// wrote as a Go struct's dump is read as this one writes it (as a
+// Caddyfile says it), so that a mixed fleet agrees on a policy both
+// enforce alike.
+func TestDecodeOldPlans(t *testing.T) {
+	old := `{"id":"a","policies":[{"name":"per_tenant","key_prefix":"rl:","limit":"kind rate, rate 10/1m, burst 10, plan {http.request.header.X-Plan} { pro {Rate:60/1h Burst:20 MaxCost:0 Concurrent:0 Quota:}; team {Rate: Burst:0 MaxCost:5 Concurrent:0 Quota:}; }","key":"{client_ip}","key_secret":"none"}]}`
+	r, err := Decode([]byte(old))
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := "kind rate, rate 10/1m, burst 10, plan {http.request.header.X-Plan} { pro rate 60/1h burst 20; team cost max 5; }"
+	if got := r.Policies[0].Limit; got != want {
+		t.Errorf("read %q, want %q", got, want)
+	}
+	if got := PlanLimit("", 0, 0, 3, ""); got != "concurrent 3" {
+		t.Errorf("PlanLimit: %q", got)
+	}
+}
+
+// TestRecordBesideV040: a policy whose limit the release before this one
+// wrote otherwise (Previous) is stored with that form as "limit", which
+// v0.4.0 compares with its own, and the Caddyfile's form beside it, which
+// this release reads back.
+func TestRecordBesideV040(t *testing.T) {
+	const (
+		now = "kind rate, rate 10/1m, burst 10, plan {x} { pro rate 60/1h burst 20; }"
+		was = "kind rate, rate 10/1m, burst 10, plan {x} { pro {Rate:60/1h Burst:20 MaxCost:0 Concurrent:0 Quota:}; }"
+	)
+	raw, _ := Encode(Record{ID: "a", Policies: []Policy{{Name: "p", Limit: now, Previous: was}, {Name: "q", Limit: "kind rate, rate 1/1s, burst 1"}}})
+	var v040 struct {
+		Policies []map[string]string `json:"policies"`
+	}
+	if err := json.Unmarshal(raw, &v040); err != nil {
+		t.Fatal(err)
+	}
+	if p := v040.Policies[0]; p["limit"] != was || p["caddyfile_limit"] != now {
+		t.Errorf("stored %q", raw)
+	}
+	if _, ok := v040.Policies[1]["caddyfile_limit"]; ok {
+		t.Errorf("a limit both releases write alike is stored twice: %q", raw)
+	}
+	r, err := Decode(raw)
+	if err != nil || r.Policies[0].Limit != now || r.Policies[0].Previous != "" || r.Policies[1].Limit != "kind rate, rate 1/1s, burst 1" {
+		t.Errorf("read back %+v, %v", r.Policies, err)
 	}
 }

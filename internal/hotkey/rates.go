@@ -44,6 +44,21 @@ func (e *Estimator) Add(amount, now int64) {
 	e.any = true
 }
 
+// Remove takes back one decision of the given amount counted at now or
+// shortly before (in the current window, else the last): a request that
+// another policy denied asked nothing of this key's bucket.
+func (e *Estimator) Remove(amount, now int64) {
+	e.roll(now)
+	switch {
+	case e.curN > 0:
+		e.curN--
+		e.curA = max(0, e.curA-amount)
+	case e.prevN > 0:
+		e.prevN--
+		e.prevA = max(0, e.prevA-amount)
+	}
+}
+
 // Rate is the decisions and the amount per second at now.
 func (e *Estimator) Rate(now int64) (decisions, amount float64) {
 	e.roll(now)
@@ -126,6 +141,22 @@ func (r *Rates) Observe(id uint64, amount, now int64) (est Estimator, contended,
 	}
 	en.est.Add(amount, now)
 	return en.est, en.contended > now, true
+}
+
+// Unobserve takes back a decision Observe counted: the request was
+// denied by another policy, and asked nothing of this key's bucket, so
+// that requests another policy denies never make a key hot.
+func (r *Rates) Unobserve(id uint64, amount, now int64) {
+	s := &r.shards[id%rateShards]
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	a, b := &s.entries[(id>>8)%rateEntries], &s.entries[(id>>16)%rateEntries]
+	switch {
+	case a.id == id && a.est.started:
+		a.est.Remove(amount, now)
+	case b.id == id && b.est.started:
+		b.est.Remove(amount, now)
+	}
 }
 
 // Contend marks key id contended until the local µs until: another

@@ -21,12 +21,16 @@ const denseBytesPerToken = 1
 // the input, cache writes and reads: exact), or else the prompt's bytes
 // that its request's body showed (ReadRequest) at one token each; plus its
 // answer at the ceiling the request set (max_tokens, which the provider
-// enforces: what the rest of the stream could have used), or, without
-// one, the text it delivered at one token a byte.
+// enforces, times the answers it asked for: what the rest of the stream
+// could have used), and at least the text it delivered at one token a
+// byte.
 func cutEstimate(p Provider, w Weights, body Request, found *scanFound) int64 {
 	out := found.text / denseBytesPerToken
 	if body.ok {
-		out = body.maxTokens
+		// Its ceilings (each answer's, times the answers asked for), and at
+		// least what it delivered: a ceiling the request does not show
+		// binding (n not read, reasoning) is no discount.
+		out = max(out, body.ceiling())
 	}
 	if p == Anthropic {
 		if in, ok := found.first(slotUsageInput, slotMsgInput); ok {

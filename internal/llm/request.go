@@ -32,10 +32,18 @@ type Request struct {
 	// hides: the body carries input it does not show (a stored
 	// conversation, an image, a file, a provider-side tool: see
 	// jsonScan.hiddenValue and hiddenType), or is longer than the prefix
-	// read, whose rest may: the provider bills input the estimate cannot
-	// see, so the request reserves max. So does a body that names two
-	// models (the provider reads one of them, maybe the dearer).
+	// read, whose rest may, or asks for output the request cannot bound
+	// (background): the provider bills what the estimate cannot see, so
+	// the request reserves max. So does a body that names two models (the
+	// provider reads one of them, maybe the dearer).
 	hides bool
+	// outputs is how many answers the ceiling bounds each: `n` choices
+	// (chat and legacy completions) or `best_of` completions generated,
+	// the larger, for each prompt of a `prompt` array; 1 for most.
+	outputs int64
+	// background: `"background": true` (the Responses API answers at once,
+	// usage null, and bills as the work runs).
+	background bool
 	// model is the model the body names (`model`), decoded; empty when it
 	// names none (or one longer than maxModel, or only in the part of the
 	// body past the prefix read).
@@ -102,8 +110,10 @@ func scanRequest(body []byte, truncated bool, contentLength int64) Request {
 	if !truncated && (j.depth != 0 || j.inString) {
 		rb.ok = false // not a whole JSON document
 	}
-	rb.promptTokens, rb.promptBytes = TokensOf(f.strings), f.strings
-	rb.hides = f.hides || truncated || f.models > 1
+	rb.promptTokens, rb.promptBytes = TokensOf(f.strings)+f.tokenIDs, f.strings+f.tokenIDs
+	rb.outputs = outputs(&f)
+	rb.background = f.background
+	rb.hides = f.hides || truncated || f.background || f.models > 1
 	rb.model, rb.namesModel, rb.truncated = f.model.String(), f.models > 0, truncated
 	if truncated {
 		rb.promptBytes = max(contentLength, int64(len(body)))
@@ -116,14 +126,47 @@ func scanRequest(body []byte, truncated bool, contentLength int64) Request {
 }
 
 // Reservation is what the request reserves under a policy: the ceiling on
-// the answer and the prompt's estimate, weighed as the policy's settle
-// weighs usage (w), at most maxCost; maxCost when the body does not say,
-// or hides input.
+// each answer times the answers asked for (outputs) and the prompt's
+// estimate, weighed as the policy's settle weighs usage (w), at most
+// maxCost; maxCost when the body does not say, or hides input.
 func (rb Request) Reservation(w Weights, maxCost int64) int64 {
 	if !rb.ok || rb.hides {
 		return maxCost
 	}
-	return min(max(1, w.weigh(rb.promptTokens, rb.maxTokens)), maxCost)
+	return min(max(1, w.weigh(rb.promptTokens, rb.ceiling())), maxCost)
+}
+
+// ceiling is the most output the request may be billed: its ceiling on an
+// answer times the answers it asks for.
+func (rb Request) ceiling() int64 { return saturatingMul(rb.maxTokens, max(1, rb.outputs)) }
+
+// Unbounded reports whether the request's output has no ceiling the body
+// shows: no max_tokens (or a newer name) that could be read, or
+// `"background": true`, whose usage comes after its answer (see the
+// module's `unbounded refuse`).
+func (rb Request) Unbounded() bool { return !rb.ok || rb.background }
+
+// maxOutputs bounds the answers one request is read as asking for: OpenAI
+// allows n up to 128 and best_of up to 20, and a prompt array of up to
+// 2,048 prompts; more is capped (the reservation is capped by max anyway).
+const maxOutputs = 1 << 20
+
+// outputs is the answers a request asks for, from what its scan found:
+// the larger of `n` and `best_of` (at least 1), for each prompt of a
+// top-level `prompt` array (one when it is an array of token ids, or not
+// an array).
+func outputs(f *scanFound) int64 {
+	per := int64(1)
+	for _, s := range [...]int{slotN, slotBestOf} {
+		if v, ok := f.get(s); ok && v > per {
+			per = v
+		}
+	}
+	prompts := f.prompts
+	if f.idPrompt {
+		prompts++ // the array itself is one prompt of token ids
+	}
+	return min(saturatingMul(per, max(1, prompts)), maxOutputs)
 }
 
 // prefixedBody is a request body whose first bytes were read already.

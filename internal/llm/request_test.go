@@ -225,3 +225,45 @@ func TestScanRequestHidden(t *testing.T) {
 		t.Errorf("a body longer than the prefix read: %+v reserves %d, want max", rb, rb.Reservation(UnitWeights, 8000))
 	}
 }
+
+// TestScanRequestOutputs: every multiplier of the output is reserved: `n`
+// choices, `best_of` completions generated, each prompt of a `prompt`
+// array (strings, or arrays of token ids; an array of token ids is one
+// prompt, each id a token of the prompt); `"background": true` has no
+// ceiling the request shows (Unbounded, and hidden: max).
+func TestScanRequestOutputs(t *testing.T) {
+	for _, tc := range []struct {
+		name       string
+		body       string
+		outputs    int64
+		prompt     int64 // tokens
+		reserved   int64 // weighed 1, max 1,000,000
+		unbounded  bool
+		background bool
+	}{
+		{"one answer", `{"max_tokens":50,"messages":[{"role":"user","content":"Hi"}]}`, 1, 2, 52, false, false},
+		{"n = 128", `{"max_tokens":50,"n":128,"messages":[{"role":"user","content":"Hi"}]}`, 128, 2, 2 + 128*50, false, false},
+		{"n in a message is not the request's", `{"max_tokens":50,"messages":[{"role":"user","content":"Hi","n":128}]}`, 1, 2, 52, false, false},
+		{"best_of above n", `{"model":"davinci-002","prompt":"Hi","max_tokens":10,"n":2,"best_of":5}`, 5, 4, 4 + 5*10, false, false},
+		{"a prompt array", `{"prompt":["one","two","three"],"max_tokens":10,"n":2}`, 6, 3, 3 + 60, false, false},
+		{"a prompt of token ids", `{"prompt":[1212,318,257,1332],"max_tokens":10}`, 1, 4, 4 + 10, false, false},
+		{"prompts of token ids", `{"prompt":[[1212,318],[257,1332,13]],"max_tokens":10}`, 2, 5, 5 + 20, false, false},
+		{"background", `{"model":"o3","input":"Think","max_output_tokens":100,"background":true}`, 1, 2, 1_000_000, true, true},
+		{"background false", `{"model":"o3","input":"Think","max_output_tokens":100,"background":false}`, 1, 2, 102, false, false},
+		{"no ceiling", `{"model":"o3","input":"Think","reasoning":{"effort":"high"}}`, 1, 3, 1_000_000, true, false},
+		{"an absurd n", `{"max_tokens":50,"n":999999999999}`, maxOutputs, 0, 1_000_000, false, false},
+		// An n the scan cannot read as a whole number, which a provider may
+		// still read as one: what the body asks is not known (hidden: max).
+		{"n as a decimal", `{"max_tokens":50,"n":128.0}`, 1, 0, 1_000_000, false, false},
+		{"n as a string", `{"max_tokens":50,"n":"128"}`, 1, 1, 1_000_000, false, false},
+		{"best_of with an exponent", `{"max_tokens":50,"best_of":1e2}`, 1, 0, 1_000_000, false, false},
+	} {
+		rb := scanRequest([]byte(tc.body), false, 0)
+		if rb.outputs != tc.outputs || rb.promptTokens != tc.prompt || rb.Unbounded() != tc.unbounded || rb.background != tc.background {
+			t.Errorf("%s: outputs %d, prompt %d, unbounded %v, background %v; want %d, %d, %v, %v", tc.name, rb.outputs, rb.promptTokens, rb.Unbounded(), rb.background, tc.outputs, tc.prompt, tc.unbounded, tc.background)
+		}
+		if got := rb.Reservation(UnitWeights, 1_000_000); got != tc.reserved {
+			t.Errorf("%s: reserves %d, want %d", tc.name, got, tc.reserved)
+		}
+	}
+}

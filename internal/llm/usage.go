@@ -57,6 +57,16 @@ type scanFound struct {
 	// a provider-side tool; or a key or type written with an escape, which
 	// the provider reads decoded and the scan does not.
 	hides bool
+	// The output multipliers of a request (request.go, outputs): the
+	// prompts of a top-level `prompt` array (strings, or arrays of token
+	// ids), whether that array is itself one prompt of token ids, and the
+	// token ids read (one token each, which no byte shows).
+	prompts  int64
+	idPrompt bool
+	tokenIDs int64
+	// background: the request sets `"background": true` (the Responses
+	// API answers at once and bills as the work runs, after).
+	background bool
 
 	// model is the last model named (see jsonScan.modelPlace), as sent
 	// (escapes and all) up to maxModel bytes; models counts the names.
@@ -102,7 +112,9 @@ const (
 	slotMaxTokens     = 3 * usageFields   // max_tokens (request)
 	slotMaxCompletion = slotMaxTokens + 1 // max_completion_tokens (request)
 	slotMaxOutput     = slotMaxTokens + 2 // max_output_tokens (request)
-	numSlots          = slotMaxTokens + 3
+	slotN             = slotMaxTokens + 3 // n (request): choices per prompt
+	slotBestOf        = slotMaxTokens + 4 // best_of (request): completions generated per prompt
+	numSlots          = slotMaxTokens + 5
 )
 
 // The fields of a usage object, from its slot.
@@ -231,6 +243,9 @@ const (
 	keyThinking
 	keyRefusal
 	keyReasoningContent
+	keyN
+	keyBestOf
+	keyBackground
 )
 
 var knownKeys = map[string]uint8{
@@ -244,6 +259,7 @@ var knownKeys = map[string]uint8{
 	"type": keyType, "previous_response_id": keyPreviousResponseID, "conversation": keyConversation, "prompt": keyPrompt,
 	"tools": keyTools, "mcp_servers": keyMCPServers, "container": keyContainer, "web_search_options": keyWebSearchOptions,
 	"image_url": keyImageURL, "file_id": keyFileID, "model": keyModel,
+	"n": keyN, "best_of": keyBestOf, "background": keyBackground,
 }
 
 // maxKeyDepth is how deep a scan follows keys; deeper, it only counts
@@ -365,6 +381,11 @@ func (j *jsonScan) feed(b []byte, f *scanFound, text int) {
 			// The number ended: a whole one, not too long, is taken.
 			if j.digits > 0 && j.digits <= 18 {
 				j.take(f)
+			} else if j.multiplier() {
+				// `n: 128.0` (or 1e2, or a number too long to read) may still
+				// be read by the provider as answers asked for: what the body
+				// asks cannot be known, as for input it hides.
+				f.hides = true
 			}
 			j.digits, j.number = 0, 0
 		}
@@ -372,10 +393,13 @@ func (j *jsonScan) feed(b []byte, f *scanFound, text int) {
 		case '"':
 			j.inString, j.escaped, j.strLen = true, false, 0
 			j.isKey = j.wantKey && j.inObject()
+			if !j.isKey && j.inPromptArray() {
+				f.prompts++ // a prompt of text
+			}
 			j.isText = !j.isKey && j.textString(text)
 			if !j.isKey {
 				j.capture = j.key() == keyType
-				f.hides = f.hides || j.hiddenValue(c)
+				f.hides = f.hides || j.hiddenValue(c) || j.multiplier() // `n: "128"` is no number read
 				if j.naming = j.modelPlace(); j.naming {
 					f.model = modelName{}
 					f.models++
@@ -391,6 +415,9 @@ func (j *jsonScan) feed(b []byte, f *scanFound, text int) {
 		case '{', '[':
 			if j.deltaAt == 0 && j.key() == keyDelta {
 				j.deltaAt = j.depth
+			}
+			if c == '[' && j.inPromptArray() {
+				f.prompts++ // a prompt of token ids
 			}
 			f.hides = f.hides || j.hiddenValue(c)
 			j.depth++
@@ -414,10 +441,13 @@ func (j *jsonScan) feed(b []byte, f *scanFound, text int) {
 			}
 			j.wantKey = false
 		default:
-			if c >= '0' && c <= '9' {
+			switch {
+			case c >= '0' && c <= '9':
 				j.number, j.digits = int64(c-'0'), 1
-			} else if c == '-' {
+			case c == '-':
 				j.digits = -1 // negative: never a count
+			case c == 't' && j.depth == 1 && j.key() == keyBackground:
+				f.background = true // the literal true
 			}
 		}
 	}
@@ -446,6 +476,19 @@ var hiddenTypes = map[string]bool{
 	"image_url": true, "input_image": true, "image": true, "document": true, "input_file": true, "file": true,
 	"input_audio": true, "container_upload": true, "item_reference": true, "reasoning": true, "redacted_thinking": true,
 	"compaction": true, "web_search_tool_result": true, "web_fetch_tool_result": true,
+}
+
+// multiplier reports whether the value being read is the request's `n` or
+// `best_of`.
+func (j *jsonScan) multiplier() bool {
+	return j.depth == 1 && (j.keys[1] == keyN || j.keys[1] == keyBestOf)
+}
+
+// inPromptArray reports whether a value starting now is an element of the
+// top-level `prompt` array (legacy completions: one completion per
+// element).
+func (j *jsonScan) inPromptArray() bool {
+	return j.depth == 2 && j.keys[1] == keyPrompt && j.objects&3 == 1
 }
 
 // hiddenValue reports whether the value starting now (with c: a string's
@@ -512,8 +555,19 @@ func (j *jsonScan) take(f *scanFound) {
 			slot = slotMaxCompletion
 		case keyMaxOutputTokens:
 			slot = slotMaxOutput
+		case keyN:
+			slot = slotN
+		case keyBestOf:
+			slot = slotBestOf
 		}
 	case 2, 3, 4:
+		if j.keys[1] == keyPrompt && j.objects&1 == 1 && j.objects&(1<<(j.depth-1)) == 0 && j.depth <= 3 {
+			// A token id of a prompt array (`prompt: [1, 2]`, or
+			// `prompt: [[1, 2], [3]]`): a token each.
+			f.tokenIDs++
+			f.idPrompt = f.idPrompt || j.depth == 2
+			return
+		}
 		// A usage object's member (usage.input_tokens), or its cached
 		// tokens one level down (usage.prompt_tokens_details.cached_tokens),
 		// at the top level, or in `response` or `message`.

@@ -14,11 +14,6 @@ import (
 // history. Move it forward with each release.
 const PreviousRelease = "675d57770cecaef88c5c6500878767667e23bbff"
 
-// ReleaseV04 is v0.4.0's commit (main when money budgets began), which a
-// fleet upgrading to money budgets runs beside this build: the money
-// tests hold a mixed fleet to its token policies.
-const ReleaseV04 = "6ef2a46877bb2eeb72880f3d8fcbd52ac8770d2c"
-
 // ReleaseV02 is v0.2.0's commit, whose reading of what later releases
 // write (a quota count, a v2 bucket) the format tests still hold: a fleet
 // may roll back that far.

@@ -30,9 +30,9 @@ func (c *Cluster) Addrs() []string {
 // (at most 30 s) until every node reports cluster_state:ok.
 func StartCluster(t testing.TB, masters int, replicas bool) *Cluster {
 	t.Helper()
-	cli, err := exec.LookPath("redis-cli")
+	cli, err := CLIBinary()
 	if err != nil {
-		t.Fatalf("redis-cli not found (run `make test`, which installs redis-tools): %v", err)
+		t.Fatalf("%v", err)
 	}
 	n := masters
 	if replicas {
@@ -52,7 +52,7 @@ func StartCluster(t testing.TB, masters int, replicas bool) *Cluster {
 	}
 	args = append(args, "--cluster-yes")
 	if out, err := exec.Command(cli, args...).CombinedOutput(); err != nil {
-		t.Fatalf("redis-cli --cluster create: %v\n%s", err, out)
+		t.Fatalf("%s --cluster create: %v\n%s", cli, err, out)
 	}
 	c := &Cluster{}
 	deadline := time.Now().Add(30 * time.Second)

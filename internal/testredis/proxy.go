@@ -61,12 +61,6 @@ func StartProxy(t TB, target string, oneWay time.Duration) *Proxy {
 	if err := cmd.Start(); err != nil {
 		t.Fatalf("proxy: %v", err)
 	}
-	// The proxy stands for the network, which takes no CPU from Caddy: at
-	// a higher priority than the processes under test (as root; otherwise
-	// as it is), so that a Caddy that keeps both cores busy does not also
-	// stall the link by tens of milliseconds, which the test would read as
-	// a slow Redis.
-	_ = syscall.Setpriority(syscall.PRIO_PROCESS, cmd.Process.Pid, -10)
 	p := &Proxy{cmd: cmd, stdin: stdin}
 	t.Cleanup(p.Close)
 	addr := make(chan string, 1)
@@ -82,6 +76,12 @@ func StartProxy(t TB, target string, oneWay time.Duration) *Proxy {
 		p.Close()
 		t.Fatalf("proxy: the proxy process did not report its address (did TestMain call RunProxyIfAsked?)")
 	}
+	// The proxy stands for the network, which takes no CPU from Caddy: at
+	// a higher priority than the processes under test, every thread of it
+	// (testproc.Favour), so that a Caddy that keeps both cores busy does
+	// not also stall the link by tens of milliseconds, which the test would
+	// read as a slow Redis.
+	testproc.Favour(cmd.Process.Pid)
 	return p
 }
 
@@ -96,8 +96,9 @@ func (p *Proxy) Close() {
 
 // Pause freezes the proxy process (SIGSTOP): the bytes sent through it
 // wait in the kernel's buffers, as over a partitioned network, while the
-// connections stay open. Resume undoes it.
-func (p *Proxy) Pause() error  { return p.cmd.Process.Signal(syscall.SIGSTOP) }
+// connections stay open. It returns once the process is stopped (at most
+// 1 s): a write the test makes after it is not forwarded. Resume undoes it.
+func (p *Proxy) Pause() error  { return pause(p.cmd) }
 func (p *Proxy) Resume() error { return p.cmd.Process.Signal(syscall.SIGCONT) }
 
 // RunProxyIfAsked is to be called first in TestMain: in a process started
