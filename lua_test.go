@@ -602,6 +602,12 @@ func luaMatchesGoBucket(t *testing.T, client *redis.Client, script string, forma
 				}
 				if rq.learns {
 					rq.class = 1 + rng.Int64N(3) // the class of the settled request's reservation
+					if shapes.costs > 3 {
+						// Of a reservation as the takes draw them (money's
+						// are µ$: classes up to 20), or no take would be
+						// raised by what its class learned.
+						rq.class = reservationClass(1 + rng.Int64N(shapes.costs))
+					}
 					if rng.IntN(3) == 0 {
 						rq.record = 1 + rng.Int64N(2*l.burst) // a settle beyond its own reservation
 					}
