@@ -3,6 +3,7 @@ package ratelimit
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"net/http"
@@ -11,6 +12,8 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 )
 
 // moneyPrices are the prices the money tests use: USD per million tokens.
@@ -360,6 +363,62 @@ func TestMoneyHierarchy(t *testing.T) {
 		pol := h.Policies[slices.IndexFunc(h.Policies, func(p *Policy) bool { return p.Name == c.p })]
 		if left := remainingOf(t, h, pol, c.id); left != pol.limit.burst-c.used {
 			t.Errorf("%s %s: %d µ$ used, want %d", c.p, c.id, pol.limit.burst-left, c.used)
+		}
+	}
+}
+
+// TestMoneyProviderFailure: a money budget follows the rule of a provider's
+// failure (charge_failed.go): an error without usage (a 400 for a prompt
+// too long, a 503, a 529, Caddy's 502) gives the whole priced reservation
+// back and counts no spend, streamed with include_usage or not; an error
+// reporting usage is charged that usage at its model's price; a 200 stream
+// cut before its usage keeps the priced estimate of what it delivered.
+func TestMoneyProviderFailure(t *testing.T) {
+	big := `{"model":"gpt-4.1","max_tokens":100,"messages":[{"role":"user","content":"` + strings.Repeat("x", 1<<20) + `"}]}`
+	stream := `{"model":"gpt-4.1","stream":true,"max_tokens":100,"messages":[{"role":"user","content":"Say hi"}]}`
+	const reserved = 5*2 + 100*8 // "gpt-4.1" "user" "Say hi": 5 tokens at $2, 100 out at $8 per million
+	for _, tc := range []struct {
+		name         string
+		body         string
+		status       int   // the upstream's; 0: Caddy's own error (err)
+		err          error // what the handler chain returns
+		ct, answer   string
+		charged      int64 // µ$; -1: more than nothing, at least the reservation
+		includeUsage bool
+	}{
+		{"400, context too long, a 1 MB prompt", big, 400, nil, "application/json", `{"error":{"message":"This model's maximum context length is 1047576 tokens."}}`, 0, false},
+		{"503 to a stream asked for its usage", stream, 503, nil, "application/json", `{"error":{"message":"unavailable"}}`, 0, true},
+		{"529 overloaded", stream, 529, nil, "application/json", `{"type":"error","error":{"type":"overloaded_error"}}`, 0, false},
+		{"Caddy's 502: the provider down", stream, 0, caddyhttp.Error(http.StatusBadGateway, errors.New("dial tcp: connection refused")), "", "", 0, true},
+		{"an error reporting usage is charged it", stream, 400, nil, "application/json", `{"error":{},"usage":{"prompt_tokens":10,"completion_tokens":0,"total_tokens":10}}`, 10 * 2, false},
+		{"a 200 stream cut before its usage", stream, 200, nil, "text/event-stream", "data: {\"model\":\"gpt-4.1\",\"choices\":[{\"delta\":{\"content\":\"hi\"}}]}\n\n", -1, false},
+	} {
+		p := moneyPolicy(settleOpenAI)
+		p.Settle.IncludeUsage = tc.includeUsage
+		h := testHandler(t, &Handler{Jitter: jitterOff(), Prices: moneyPrices(""), Policies: []*Policy{p}}, newMemoryStore((&clock{t: 1000 * sec}).now))
+		spent := counterValue(spendUSD.WithLabelValues("spend", "gpt-4.1"))
+		x := serveLLMError(t, h, tc.body, func(w http.ResponseWriter, r *http.Request) error {
+			if tc.err != nil {
+				return tc.err
+			}
+			w.Header().Set("Content-Type", tc.ct)
+			w.WriteHeader(tc.status)
+			_, _ = io.WriteString(w, tc.answer)
+			return nil
+		}, "Authorization", "Bearer sk-failed")
+		if x.panicked != nil {
+			t.Fatalf("%s: panicked: %v", tc.name, x.panicked)
+		}
+		charged := 5_000_000 - remainingOf(t, h, p, "sk-failed")
+		counted := counterValue(spendUSD.WithLabelValues("spend", "gpt-4.1")) - spent
+		switch {
+		case tc.charged >= 0 && charged != tc.charged:
+			t.Errorf("%s: charged %d µ$, want %d", tc.name, charged, tc.charged)
+		case tc.charged < 0 && charged < reserved:
+			t.Errorf("%s: charged %d µ$, want at least the reservation's %d", tc.name, charged, reserved)
+		}
+		if fmt.Sprintf("%.6f", counted) != fmt.Sprintf("%.6f", float64(charged)/1e6) {
+			t.Errorf("%s: spend counted $%.6f, charged $%.6f", tc.name, counted, float64(charged)/1e6)
 		}
 	}
 }
