@@ -287,7 +287,7 @@ func (p *Policy) checkOverride(req overrideRequest) (override, overrideEntry, er
 		return override{}, overrideEntry{}, errors.New("a limit is required: rate <N>/<duration> [burst <n>]")
 	}
 	q := *p
-	q.Plan, q.Rate, q.Burst = nil, rate, burst
+	q.Plan, q.Rate, q.Burst = nil, rate, float64(burst)
 	if err := q.check(); err != nil {
 		return override{}, overrideEntry{}, err
 	}
