@@ -309,7 +309,13 @@ func agreementPolicies() []map[string]any {
 // leaving a few ms late can take the token another would have had, which
 // changes what the request's other policies decide (a slot, a charge); so
 // it is held to 2% only when every request left within 5 ms of its time
-// (a quiet machine), and reported otherwise.
+// (a quiet machine), and reported otherwise. Its concurrency policy is
+// reported only: which export holds the slot, for seconds, is decided by
+// which of the burst's requests took per_key's token first, and a request
+// a millisecond later, or decided a millisecond later by a loaded Caddy,
+// moves every later decision of that slot (4, 9 and 13 denied in three
+// runs of one machine, the replay of Caddy's own log equal to Caddy's
+// each time).
 func TestReplayAgreesWithCaddy(t *testing.T) {
 	entries := sliceOf(accesslog.BurstAt, time.Minute)
 	// Requests still running a second after the minute end then (in the
@@ -405,7 +411,7 @@ func TestReplayAgreesWithCaddy(t *testing.T) {
 	sent := time.Since(began)
 	in.Stop() // its access log complete
 
-	compare := func(what string, rep replayJSON, strict bool) {
+	compare := func(what string, rep replayJSON, strict func(policy string) bool) {
 		t.Helper()
 		if rep.Requests != int64(len(entries)) {
 			t.Fatalf("%s: replayed %d requests of %d", what, rep.Requests, len(entries))
@@ -416,7 +422,7 @@ func TestReplayAgreesWithCaddy(t *testing.T) {
 			tolerance := max(1, int64(math.Ceil(0.02*float64(max(c, p.WouldDeny)))))
 			diff := c - p.WouldDeny
 			table = append(table, fmt.Sprintf("%-8s matched %5d  replay %5d  caddy %5d  difference %+d (allowed %d)", p.Policy, p.Matched, p.WouldDeny, c, diff, tolerance))
-			if strict && (diff > tolerance || -diff > tolerance) {
+			if strict(p.Policy) && (diff > tolerance || -diff > tolerance) {
 				t.Errorf("%s: %s: the replay would deny %d, Caddy denied %d: more than 2%% apart", what, p.Policy, p.WouldDeny, c)
 			}
 		}
@@ -425,10 +431,10 @@ func TestReplayAgreesWithCaddy(t *testing.T) {
 	onTime := late < 5*time.Millisecond
 	t.Logf("%d requests of the minute from 09:00 sent at their pace in %v, the latest %v late", len(entries), sent.Round(time.Millisecond), late.Round(100*time.Microsecond))
 	_, rep := runReplay(t, config, logPath, "--json")
-	compare("the replay of the minute as generated", rep, onTime)
+	compare("the replay of the minute as generated", rep, func(policy string) bool { return onTime && policy != "exports" })
 	if !onTime {
 		t.Logf("a request left %v late (a loaded machine): the replay of the minute as generated is reported, not held to 2%%", late.Round(100*time.Microsecond))
 	}
 	_, own := runReplay(t, config, accessLog, "--json")
-	compare("the replay of Caddy's own access log of the minute", own, true)
+	compare("the replay of Caddy's own access log of the minute", own, func(string) bool { return true })
 }
