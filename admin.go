@@ -89,9 +89,10 @@ func init() {
 //	POST /rate_limit/format  {"format": "v1" | "v2"}
 //	GET  /rate_limit/fleet
 //
-// and the overrides of admin_override.go. Inspect, reset and grant take
-// an optional plan, to read the bucket under that plan's limit rather than
-// the policy's own. An identity goes in a request body, never in a URL:
+// and the overrides of admin_override.go and admin_apply.go, and the dry
+// run of dryrun.go. Inspect, reset and grant take an optional plan, to read
+// the bucket under that plan's limit rather than the policy's own. An
+// identity goes in a request body, never in a URL:
 // Caddy's admin API logs every request's URL at INFO (GET inspect without
 // an identity, for a fixed key or the empty key's bucket, still reads its
 // query). Top shows each identity's keyed fingerprint, and the raw
@@ -116,8 +117,11 @@ type adminRequest struct {
 	Policy   string `json:"policy"`
 	Identity string `json:"identity"`
 	Tokens   int64  `json:"tokens"`
-	N        int    `json:"n"`
-	Plan     string `json:"plan,omitempty"`
+	// Amount is what a grant gives back in the policy's unit, as a person
+	// writes it: dollars (1.50) for a money policy (admin_money.go).
+	Amount string `json:"amount,omitempty"`
+	N      int    `json:"n"`
+	Plan   string `json:"plan,omitempty"`
 	// EmptyKey names the bucket of the requests whose key resolved empty
 	// (Identity then empty): they all share it.
 	EmptyKey bool `json:"empty_key,omitempty"`
@@ -137,6 +141,9 @@ type bucketState struct {
 	// ({http.rate_limit.key}) show instead of the identity.
 	Key   string `json:"key"`
 	Store string `json:"store"`
+	// Currency: USD for a money policy, whose amounts (burst, tokens,
+	// quota, used, granted, learned) are then micro-dollars.
+	Currency string `json:"currency,omitempty"`
 	// Tokens in the bucket now (negative: owed); NextToken and Full are
 	// seconds until one more token and until the bucket is full.
 	Tokens    int64   `json:"tokens"`
@@ -193,9 +200,15 @@ func (a adminAPI) serve(w http.ResponseWriter, r *http.Request) error {
 	if action == "override" || action == "overrides" {
 		return a.serveOverride(w, r, action)
 	}
+	if action == "apply" {
+		return a.apply(w, r) // admin_apply.go
+	}
+	if action == "dry_run" {
+		return a.dryRun(w, r) // dryrun.go
+	}
 	method := map[string]string{"inspect": http.MethodPost, "top": http.MethodGet, "reset": http.MethodPost, "grant": http.MethodPost}[action]
 	if method == "" {
-		return apiError(http.StatusNotFound, "no such rate_limit endpoint %q: use inspect, reset, grant, top, format, fleet, override or overrides", action)
+		return apiError(http.StatusNotFound, "no such rate_limit endpoint %q: use inspect, reset, grant, top, format, fleet, override, overrides, apply or dry_run", action)
 	}
 	if action == "inspect" && r.Method == http.MethodGet {
 		// The query form, for what names no identity (a fixed key, the
@@ -242,7 +255,7 @@ func (a adminAPI) serve(w http.ResponseWriter, r *http.Request) error {
 	var err error
 	switch action {
 	case "top":
-		answer = a.top(def, req)
+		answer = a.top(r.Context(), def, req)
 	case "inspect", "reset", "grant":
 		answer, err = a.bucket(r.Context(), action, def, req)
 	}
@@ -292,11 +305,12 @@ func (adminAPI) bucket(ctx context.Context, action string, def definition, req a
 	case "reset":
 		reqs[0].op = opReset // and forgets what its key learned
 	case "grant":
-		if req.Tokens < 1 || req.Tokens > maxJSONInteger {
-			return nil, apiError(http.StatusBadRequest, "tokens: %d is not a positive integer", req.Tokens)
+		tokens, err := p.grantAmount(req) // admin_money.go
+		if err != nil {
+			return nil, err
 		}
 		grant := inspect
-		grant.op, grant.delta, grant.learns = opAdjust, -req.Tokens, false // no settle: nothing to learn
+		grant.op, grant.delta, grant.learns = opAdjust, -tokens, false // no settle: nothing to learn
 		reqs = append(reqs, grant)
 	}
 	d, err := h.store.decide(ctx, reqs)
@@ -307,7 +321,7 @@ func (adminAPI) bucket(ctx context.Context, action string, def definition, req a
 	st := &bucketState{
 		Policy: p.Name, Kind: p.kindName(), Rate: p.Rate, Burst: v.limit.burst, Identity: req.Identity, Key: key, Store: h.storeName(),
 		Tokens: v.remaining, NextToken: seconds(v.untilFits), Full: seconds(v.limit.untilFull(v.remaining, v.untilFits)),
-		Plan: p.planLabel(),
+		Plan: p.planLabel(), Currency: p.unit.currency(),
 	}
 	showOverride(ctx, h, key, v, st)
 	if bk, ok := h.store.(blockKeeper); ok {
@@ -382,15 +396,18 @@ const staleAfter = 5
 
 // topAnswer is what top answers.
 type topAnswer struct {
-	Policy     string     `json:"policy"`
-	Window     float64    `json:"window_seconds"`
+	Policy string  `json:"policy"`
+	Window float64 `json:"window_seconds"`
+	// Currency: USD for a money policy, whose identities say what they
+	// have left (admin_money.go).
+	Currency   string     `json:"currency,omitempty"`
 	Identities []topEntry `json:"identities"`
 	// Truncated: the identities are not all those denied in the window
 	// (more than n were, or the sketch forgot some).
 	Truncated bool `json:"truncated"`
 }
 
-func (adminAPI) top(def definition, req adminRequest) topAnswer {
+func (a adminAPI) top(ctx context.Context, def definition, req adminRequest) topAnswer {
 	n := req.N
 	if n == 0 {
 		n = 10
@@ -398,22 +415,28 @@ func (adminAPI) top(def definition, req adminRequest) topAnswer {
 	ids, truncated := def.policy.top.Top(n)
 	out := make([]topEntry, 0, len(ids))
 	for _, e := range ids {
-		te := topEntry{Entry: e, Fingerprint: fingerprintOf(e.Key)}
-		if !req.ShowKeys {
-			// The raw identity (an API key, for a policy keyed on the
-			// credential) only when asked: a listing is copied around.
-			te.Identity, te.Truncated = "", false
-		}
-		out = append(out, te)
+		out = append(out, topEntry{Entry: e, Fingerprint: fingerprintOf(e.Key)})
 	}
-	return topAnswer{Policy: def.policy.Name, Window: topk.Window.Seconds(), Identities: out, Truncated: truncated}
+	a.topBudgets(ctx, def, out) // by each raw identity, before they are hidden
+	if !req.ShowKeys {
+		// The raw identity (an API key, for a policy keyed on the
+		// credential) only when asked: a listing is copied around.
+		for i := range out {
+			out[i].Identity, out[i].Truncated = "", false
+		}
+	}
+	return topAnswer{Policy: def.policy.Name, Window: topk.Window.Seconds(), Currency: def.policy.unit.currency(),
+		Identities: out, Truncated: truncated}
 }
 
 // topEntry is an identity top lists: its keyed fingerprint, and its raw
-// value (Identity) only with show_keys.
+// value (Identity) only with show_keys; for a money policy, what its bucket
+// has left now and holds when full, in dollars (admin_money.go).
 type topEntry struct {
 	topk.Entry
 	Fingerprint string `json:"fingerprint"`
+	Left        string `json:"left,omitempty"`
+	Limit       string `json:"limit,omitempty"`
 }
 
 // MarshalJSON leaves out an identity not shown.
@@ -425,8 +448,10 @@ func (e topEntry) MarshalJSON() ([]byte, error) {
 		Denials     int64  `json:"denials"`
 		Error       int64  `json:"error_bound"`
 		Truncated   bool   `json:"truncated,omitempty"`
+		Left        string `json:"left,omitempty"`
+		Limit       string `json:"limit,omitempty"`
 	}
-	return json.Marshal(shown{e.Fingerprint, e.Identity, e.Key, e.Denials, e.Error, e.Truncated})
+	return json.Marshal(shown{e.Fingerprint, e.Identity, e.Key, e.Denials, e.Error, e.Truncated, e.Left, e.Limit})
 }
 
 // fingerprintLen is how much of a key's keyed hash top shows: enough to

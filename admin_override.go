@@ -192,7 +192,8 @@ func (adminAPI) deleteOverride(r *http.Request) (*overrideAnswer, error) {
 		return nil, storeAPIError(err)
 	}
 	if !deleted {
-		return nil, apiError(http.StatusNotFound, "policy %q, identity %q (key %s): no override in force", p.Name, req.Identity, key)
+		// Not the identity: Caddy's admin API logs the errors it returns.
+		return nil, apiError(http.StatusNotFound, "policy %q, key %s: no override in force for this identity", p.Name, key)
 	}
 	announced := announceOverride(r.Context(), h, key)
 	h.logger.Info("rate limit override deleted", zap.String("policy", p.Name), zap.String("key", key))
@@ -286,7 +287,7 @@ func (p *Policy) checkOverride(req overrideRequest) (override, overrideEntry, er
 		return override{}, overrideEntry{}, errors.New("a limit is required: rate <N>/<duration> [burst <n>]")
 	}
 	q := *p
-	q.Plan, q.Rate, q.Burst = nil, rate, burst
+	q.Plan, q.Rate, q.Burst = nil, rate, float64(burst)
 	if err := q.check(); err != nil {
 		return override{}, overrideEntry{}, err
 	}

@@ -2,7 +2,6 @@ package ratelimit
 
 import (
 	"context"
-	"net/http"
 
 	"go.uber.org/zap"
 )
@@ -25,11 +24,12 @@ func (adminAPI) quota(ctx context.Context, action string, def definition, req ad
 	case "reset":
 		reqs[0].op = opReset
 	case "grant":
-		if req.Tokens < 1 || req.Tokens > maxJSONInteger {
-			return nil, apiError(http.StatusBadRequest, "tokens: %d is not a positive integer", req.Tokens)
+		tokens, err := p.grantAmount(req) // admin_money.go
+		if err != nil {
+			return nil, err
 		}
 		grant := inspect
-		grant.op, grant.delta = opAdjust, -req.Tokens
+		grant.op, grant.delta = opAdjust, -tokens
 		reqs = append(reqs, grant)
 	}
 	d, err := h.store.decide(ctx, reqs)
@@ -43,7 +43,7 @@ func (adminAPI) quota(ctx context.Context, action string, def definition, req ad
 	st := &bucketState{
 		Policy: p.Name, Kind: p.kindName(), Identity: req.Identity, Key: key, Store: h.storeName(),
 		Tokens: v.remaining, Quota: n, Unit: p.quota.unit.String(), Used: &used, Period: &text,
-		Plan: p.planLabel(),
+		Plan: p.planLabel(), Currency: p.unit.currency(),
 	}
 	showOverride(ctx, h, key, v, st)
 	if action == "inspect" {

@@ -53,6 +53,9 @@ type admission struct {
 	decidedBy store
 	// failClosed is the policy whose fail_closed answers 503.
 	failClosed *Policy
+	// unpriced is the money policy that has no price for the request's
+	// model (money.go): refused before any decision.
+	unpriced *Policy
 	// clientGone: the client went away while its decision queued.
 	clientGone bool
 	heldPlaces []*Policy // `wait` policies whose held places it took

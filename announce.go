@@ -244,27 +244,10 @@ func (c *redisStore) dispatch(channel, payload string) {
 var errUnconfirmed = errors.New("the override was announced, but not every instance confirmed it within 1s: those that did not see it within 10s")
 
 // announceOverride announces the override of the bucket under key and
-// waits for every instance to confirm it, at most a second.
+// waits for every instance to confirm it, at most a second
+// (announceOverrides, override_batch.go).
 func (c *redisStore) announceOverride(ctx context.Context, prefix, key string) error {
-	ch := eventsChannel(prefix)
-	want := c.subscribers(ctx, ch)
-	w := c.overrides.expect(key)
-	defer c.overrides.unexpect(key, w)
-	if err := c.client.Publish(ctx, ch, eventOverride+" "+instanceID+" "+key).Err(); err != nil {
-		return err
-	}
-	deadline := time.NewTimer(time.Second)
-	defer deadline.Stop()
-	for w.n.Load() < want {
-		select {
-		case <-w.signal:
-		case <-deadline.C:
-			return errUnconfirmed
-		case <-ctx.Done():
-			return ctx.Err()
-		}
-	}
-	return nil
+	return c.announceOverrides(ctx, prefix, []string{key})
 }
 
 // subscribers is how many connections listen to the events channel ch:

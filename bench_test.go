@@ -3,6 +3,7 @@ package ratelimit
 import (
 	"context"
 	"fmt"
+	"io"
 	"net/http"
 	"net/http/httptest"
 	"os"
@@ -32,7 +33,7 @@ import (
 //
 //   - take: a rate bucket's decision, admitted (the common case);
 //   - settle: a take, then its settle after the response (rides with the
-//     next call);
+//     next call); settle_usd the same in a money policy's micro-dollars;
 //   - acquire_release: a concurrency slot taken, then freed (rides with the
 //     next call);
 //   - deny_cache_hit: a request the deny cache denies without Redis.
@@ -364,6 +365,66 @@ func BenchmarkHandler(b *testing.B) {
 	}
 }
 
+// BenchmarkSettleLLM measures a chat completion through the handler, its
+// reservation read from its body and its settle from its response's
+// usage, in tokens and in dollars (at the prices of the models the
+// request and its response name), with the in-process store: what pricing
+// adds to the handler's own cost. make bench's (l) and (m) measure the
+// same through Redis, as Caddy's CPU per request.
+//
+//	go test -run '^$' -bench BenchmarkSettleLLM -count 5 .
+func BenchmarkSettleLLM(b *testing.B) {
+	const body = `{"model":"gpt-4.1","messages":[{"role":"system","content":"You answer in one short sentence."},{"role":"user","content":"Say hello to the gateway"}],"max_tokens":100}`
+	const answer = `{"id":"chatcmpl-B9MBs8CjcvOU2jLn4n570S5qMJKcT","object":"chat.completion","created":1741569952,"model":"gpt-4.1-2025-04-14",` +
+		`"choices":[{"index":0,"message":{"role":"assistant","content":"Hello, gateway! How can I help you today?","refusal":null,"annotations":[]},"logprobs":null,"finish_reason":"stop"}],` +
+		`"usage":{"prompt_tokens":24,"completion_tokens":11,"total_tokens":35,"prompt_tokens_details":{"cached_tokens":0,"audio_tokens":0},` +
+		`"completion_tokens_details":{"reasoning_tokens":0,"audio_tokens":0,"accepted_prediction_tokens":0,"rejected_prediction_tokens":0}},"service_tier":"default","system_fingerprint":"fp_ef015fa747"}`
+	for _, tc := range []struct {
+		name string
+		h    *Handler
+	}{
+		{"tokens", &Handler{Policies: []*Policy{{Name: "llm_tokens", Key: "{http.request.header.X-User}", Rate: "1000000/1s", Burst: 1e9,
+			Cost: "openai", MaxCost: 8000, Settle: &Settle{From: settleOpenAI}}}}},
+		{"usd", &Handler{Prices: &Prices{Models: []*ModelPrice{{Model: "gpt-4.1", Input: "2", Output: "8", CacheRead: "0.5"}}},
+			Policies: []*Policy{{Name: "llm_usd", Key: "{http.request.header.X-User}", Unit: "usd", Rate: "1/1s", Burst: 1000,
+				Cost: "openai", MaxCost: 1, Settle: &Settle{From: settleOpenAI}}}}},
+	} {
+		b.Run(tc.name, func(b *testing.B) {
+			h := tc.h
+			h.KeySecret = "secret"
+			ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+			defer cancel()
+			if err := h.Provision(ctx); err != nil {
+				b.Fatal(err)
+			}
+			defer h.Cleanup()
+			users := benchKeys(10_000)
+			next := caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
+				_, _ = io.Copy(io.Discard, r.Body)
+				w.Header().Set("Content-Type", "application/json")
+				_, err := io.WriteString(w, answer)
+				return err
+			})
+			var n atomic.Int64
+			b.ReportAllocs()
+			b.ResetTimer()
+			b.RunParallel(func(pb *testing.PB) {
+				for pb.Next() {
+					r := httptest.NewRequest("POST", "/v1/chat/completions", strings.NewReader(body))
+					r.Header.Set("X-User", users[n.Add(1)%int64(len(users))])
+					repl := caddy.NewReplacer()
+					ctx := context.WithValue(r.Context(), caddy.ReplacerCtxKey, repl)
+					r = r.WithContext(context.WithValue(ctx, caddyhttp.VarsCtxKey, map[string]any{}))
+					w := httptest.NewRecorder()
+					if err := h.ServeHTTP(w, r, next); err != nil || w.Code != 200 {
+						b.Fatal(err, w.Code)
+					}
+				}
+			})
+		})
+	}
+}
+
 // BenchmarkAfterRides: script calls per request of the paths with work
 // after the response (settle, acquire_release) beside take, through the
 // Redis store's coalescer, 32 callers over 10,000 identities, each pausing
@@ -609,6 +670,7 @@ type benchPath struct {
 // concurrency slot acquired then released.
 func benchPaths(rs *redisStore) []benchPath {
 	wide := limit{interval: 10, burst: 1_000_000}
+	money := limit{interval: 720, burst: 5_000_000}
 	slots := limit{interval: 30_000_000, burst: 100}
 	return []benchPath{
 		{"take", func(key string) error {
@@ -621,6 +683,17 @@ func benchPaths(rs *redisStore) []benchPath {
 				return err
 			}
 			rq.op, rq.delta, rq.cost = opAdjust, -7, 0
+			rs.decideAfter([]bucketRequest{rq}, func(decision, error) {})
+			return nil
+		}},
+		// A money policy's settle is a token bucket's, in micro-dollars: $5
+		// an hour (720 µs a µ$), $810 µ$ reserved, 360 given back.
+		{"settle_usd", func(key string) error {
+			rq := bucketRequest{key: key, limit: money, op: opTake, cost: 810, givesBack: true}
+			if _, err := rs.decide(context.Background(), []bucketRequest{rq}); err != nil {
+				return err
+			}
+			rq.op, rq.delta, rq.cost = opAdjust, -360, 0
 			rs.decideAfter([]bucketRequest{rq}, func(decision, error) {})
 			return nil
 		}},

@@ -43,13 +43,22 @@ func (p *Policy) limitShape() string { return p.limitShapeOf(false) }
 func (p *Policy) limitShapeOf(previous bool) string {
 	switch p.kind {
 	case kindQuota:
-		return fmt.Sprintf("kind %s, quota %s, timezone %s", p.kindName(), p.Quota, p.quota.loc) + p.planShapeOf(previous)
+		return fmt.Sprintf("kind %s, quota %s, timezone %s", p.kindName(), p.Quota, p.quota.loc) + p.unitShape() + p.planShapeOf(previous)
 	case kindShed:
 		return fmt.Sprintf("kind %s, %s", p.kindName(), p.shedShape())
 	case kindConcurrent:
 		return fmt.Sprintf("kind %s, %d slots, lease %s", p.kindName(), p.Concurrent, time.Duration(p.limit.interval)*time.Microsecond) + p.planShapeOf(previous)
 	}
-	return fmt.Sprintf("kind %s, rate %s, burst %d", p.kindName(), p.Rate, p.limit.burst) + p.planShapeOf(previous)
+	return fmt.Sprintf("kind %s, rate %s, burst %d", p.kindName(), p.Rate, p.limit.burst) + p.unitShape() + p.planShapeOf(previous)
+}
+
+// unitShape is a money policy's unit, in its shape (a token policy's shape
+// says none, as before money).
+func (p *Policy) unitShape() string {
+	if p.unit == unitUSD {
+		return ", unit usd"
+	}
+	return ""
 }
 
 // keyShape is the policy's key template, with the mask of a client
@@ -71,7 +80,7 @@ func (p *Policy) kindName() string {
 	case p.charging() == chargedIfMatched:
 		return "rate, charged if the response matches"
 	case p.charging() == chargedBySettle:
-		return "rate, " + p.Settle.describe()
+		return "rate, " + p.Settle.shape()
 	}
 	return "rate"
 }

@@ -3,6 +3,7 @@ package ratelimit
 import (
 	"errors"
 	"fmt"
+	"math"
 	"slices"
 	"strconv"
 	"strings"
@@ -73,20 +74,26 @@ const mholtOrderWarning = "rate_limit: a zone is mholt/caddy-ratelimit's syntax,
 //	    instances  <n>
 //	    ipv6_prefix <bits>
 //	    ipv4_prefix <bits>
+//	    prices {
+//	        <model> input <usd> output <usd> [cache_write <usd>] [cache_read <usd>]
+//	        file    <path>
+//	        unknown deny|<model>
+//	    }
 //
 //	    policy <name> {
 //	        match { <request matchers> }
 //	        key      <template>
 //	        rate     <N>/<duration>   # or: concurrent <n>, with lease <duration>
 //	        burst    <n>
-//	        cost     <n | {placeholder} | openai> [max <n>]
+//	        unit     tokens|usd
+//	        cost     <n | {placeholder} | openai | anthropic> [max <n>]
 //	        on_error fail_open|fail_closed|local
 //	        error_format problem|openai|anthropic
 //	        shadow
 //	        wait     <duration> [<max_held>]
 //	        charge_if { <response matchers> }
 //	        settle   header|trailer <field> [max <n>] [debt <n>]
-//	        settle   openai|anthropic [weights input <a> output <b> [cache_write <w>] [cache_read <r>]] [max <n>] [debt <n>]
+//	        settle   openai|anthropic [include_usage] [weights input <a> output <b> [cache_write <w>] [cache_read <r>]] [max <n>] [debt <n>]
 //	        ipv6_prefix <bits>
 //	        ipv4_prefix <bits>
 //	        quota    <N>/<minute|hour|day|week|month|year>   # instead of rate
@@ -198,6 +205,11 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			if err := top.prefixArg(d, &h.IPv4Prefix, 32, false); err != nil {
 				return err
 			}
+		case "prices": // prices.go
+			h.Prices = new(Prices)
+			if err := h.Prices.unmarshalCaddyfile(d); err != nil {
+				return err
+			}
 		case "policy", "zone": // a zone is mholt/caddy-ratelimit's policy
 			at := *d // the policy's line
 			read := unmarshalPolicy
@@ -234,6 +246,9 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	}
 	if len(h.Policies) == 0 {
 		return top.at.Err("at least one policy is required")
+	}
+	if err := h.checkPrices(); err != nil {
+		return top.fail(err)
 	}
 	if err := h.checkDurableStore(); err != nil {
 		return err
@@ -351,7 +366,11 @@ func unmarshalPolicy(d *caddyfile.Dispenser) (*Policy, error) {
 				return nil, err
 			}
 		case "burst":
-			if err := s.positiveArg(d, &p.Burst); err != nil {
+			if err := s.amountArg(d, &p.Burst); err != nil {
+				return nil, err
+			}
+		case "unit": // unit.go
+			if err := s.oneArg(d, &p.Unit); err != nil {
 				return nil, err
 			}
 		case "concurrent":
@@ -365,21 +384,21 @@ func unmarshalPolicy(d *caddyfile.Dispenser) (*Policy, error) {
 		case "cost":
 			args := d.RemainingArgs()
 			if len(args)%2 != 1 {
-				return nil, s.errf(d, "cost: expected cost <n | {placeholder} | openai> [max <n>] [unbounded max|refuse]")
+				return nil, s.errf(d, "cost: expected cost <n | {placeholder} | openai | anthropic> [max <n>] [unbounded max|refuse]")
 			}
 			p.Cost = caddyhttp.WeakString(args[0])
 			for i := 1; i+1 < len(args); i += 2 {
 				switch args[i] {
 				case "max":
-					n, ok := positive(args[i+1])
+					n, ok := positiveAmount(args[i+1])
 					if !ok {
-						return nil, s.errf(d, "cost: max %q must be a positive integer", args[i+1])
+						return nil, s.errf(d, "cost: max %q must be a positive number", args[i+1])
 					}
 					p.MaxCost = n
 				case "unbounded":
 					p.Unbounded = args[i+1] // checked with the policy
 				default:
-					return nil, s.errf(d, "cost: expected cost <n | {placeholder} | openai> [max <n>] [unbounded max|refuse], got %q", args[i])
+					return nil, s.errf(d, "cost: expected cost <n | {placeholder} | openai | anthropic> [max <n>] [unbounded max|refuse], got %q", args[i])
 				}
 			}
 		case "on_error":
@@ -499,7 +518,7 @@ func (s *section) warnUnusedPrefix(p *Policy) {
 // the options in any order. What the values mean is checked with the
 // policy (Settle.check).
 func parseSettle(args []string) (*Settle, error) {
-	const syntax = "expected settle header|trailer <field> [max <n>] [debt <n>], or settle openai|anthropic [weights input <a> output <b> [cache_write <w>] [cache_read <r>]] [max <n>] [debt <n>]"
+	const syntax = "expected settle header|trailer <field> [max <n>] [debt <n>], or settle openai|anthropic [include_usage] [weights input <a> output <b> [cache_write <w>] [cache_read <r>]] [max <n>] [debt <n>]"
 	st := new(Settle)
 	if len(args) == 0 {
 		return nil, errors.New(syntax)
@@ -521,11 +540,16 @@ func parseSettle(args []string) (*Settle, error) {
 			if len(args) < 2 {
 				return nil, fmt.Errorf("%s: a value is required", opt)
 			}
-			n, ok := positive(args[1])
+			n, ok := positiveAmount(args[1])
 			if !ok {
-				return nil, fmt.Errorf("%s %q must be a positive integer", opt, args[1])
+				return nil, fmt.Errorf("%s %q must be a positive number", opt, args[1])
 			}
 			*dst, args = n, args[2:]
+		case "include_usage":
+			if st.IncludeUsage {
+				return nil, errors.New("include_usage: given twice")
+			}
+			st.IncludeUsage, args = true, args[1:]
 		case "weights":
 			if st.Weights != nil {
 				return nil, errors.New("weights: given twice")
@@ -714,6 +738,30 @@ func (s *section) prefixArg(d *caddyfile.Dispenser, dst *int, all int, zero bool
 	}
 	*dst = n
 	return nil
+}
+
+// amountArg reads a positive number: an integer of tokens, or under
+// `unit usd` dollars (whose decimals the policy's checks read, as in
+// JSON).
+func (s *section) amountArg(d *caddyfile.Dispenser, dst *float64) error {
+	sub := d.Val()
+	var v string
+	if err := s.oneArg(d, &v); err != nil {
+		return err
+	}
+	n, ok := positiveAmount(v)
+	if !ok {
+		return s.errf(d, "%s: %q must be a positive number", sub, v)
+	}
+	*dst = n
+	return nil
+}
+
+// positiveAmount parses a positive decimal number (1, 1.50), as JSON
+// holds it.
+func positiveAmount(v string) (float64, bool) {
+	n, err := strconv.ParseFloat(v, 64)
+	return n, err == nil && n > 0 && !math.IsInf(n, 0) && !strings.ContainsAny(v, "xXpP_") && !strings.HasPrefix(v, "+")
 }
 
 // positive parses a positive integer.

@@ -14,6 +14,7 @@ import (
 
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/ratelimit-caddy/caddy-ratelimit/internal/llm"
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/price"
 	"go.uber.org/zap"
 )
 
@@ -66,18 +67,18 @@ type Settle struct {
 	// integer. Required for `header` and `trailer`.
 	Field string `json:"field,omitempty"`
 
-	// The most usage one response settles. Default: no cap but the debt's
-	// (burst + debt: a response cannot take more than a full bucket and
-	// all the debt it may owe).
-	Max int64 `json:"max,omitempty"`
+	// The most usage one response settles (in dollars, under `unit
+	// usd`). Default: no cap but the debt's (burst + debt: a response
+	// cannot take more than a full bucket and all the debt it may owe).
+	Max float64 `json:"max,omitempty"`
 
-	// The most tokens a key may owe beyond an empty bucket, charged by
-	// responses that used more than they reserved: the key is denied
-	// until the rate has paid it back. It bounds how long a broken
-	// upstream reporting an absurd usage can lock a key out. Default:
-	// what the rate refills in 24 hours, at least twice the burst; for a
-	// quota, twice its N.
-	Debt int64 `json:"debt,omitempty"`
+	// The most tokens (dollars, under `unit usd`) a key may owe beyond an
+	// empty bucket, charged by responses that used more than they
+	// reserved: the key is denied until the rate has paid it back. It
+	// bounds how long a broken upstream reporting an absurd usage can lock
+	// a key out. Default: what the rate refills in 24 hours, at least
+	// twice the burst; for a quota, twice its N.
+	Debt float64 `json:"debt,omitempty"`
 
 	// Weighs input, output and cached prompt tokens apart (`openai` and
 	// `anthropic` only): the usage is input × `input` + output × `output`
@@ -90,7 +91,20 @@ type Settle struct {
 	// do not count). Without weights, `openai` settles `total_tokens`.
 	Weights *SettleWeights `json:"weights,omitempty"`
 
-	w llm.Weights // provisioned: Weights with their defaults
+	// Makes a streaming chat completions request ask for its usage
+	// (`openai` only): a request with `"stream": true` that does not set
+	// `"stream_options": {"include_usage": true}` gets it on its way to
+	// the provider, and the chunk of usage this adds (and each chunk's
+	// `"usage": null`) is taken out of what its client receives: the
+	// client gets the stream it asked for, byte for byte, and the request
+	// is settled at its usage, not an estimate. For upstreams that take
+	// stream_options (OpenAI, Azure OpenAI, most OpenAI-compatible
+	// servers); applies to requests whose path ends in /chat/completions.
+	IncludeUsage bool `json:"include_usage,omitempty"`
+
+	w         llm.Weights // provisioned: Weights with their defaults
+	max, debt int64       // Max and Debt in the policy's unit
+	unit      unit        // the policy's
 }
 
 // SettleWeights are the prices of input (prompt) and output (completion)
@@ -130,8 +144,9 @@ func providerOf(from string) llm.Provider {
 	return llm.OpenAI
 }
 
-// check checks the settle options; settleLimits gives their caps.
-func (s *Settle) check() (err error) {
+// check checks the settle options of a policy in unit u; settleLimits
+// gives their caps.
+func (s *Settle) check(u unit) (err error) {
 	switch s.From {
 	case settleHeader, settleTrailer:
 		if s.Field == "" {
@@ -147,11 +162,18 @@ func (s *Settle) check() (err error) {
 	default:
 		return fieldErr("settle", "settle: %q is not header, trailer, openai or anthropic", s.From)
 	}
-	if s.Max < 0 || s.Max > maxJSONInteger {
-		return fieldErr("settle", "settle: max %d must be from 1 to %d", s.Max, int64(maxJSONInteger))
+	s.unit = u
+	if s.max, err = u.count(s.Max); err != nil {
+		return fieldErr("settle", "settle: max %v", err)
 	}
-	if s.Debt < 0 || s.Debt > maxJSONInteger {
-		return fieldErr("settle", "settle: debt %d must be from 1 to %d", s.Debt, int64(maxJSONInteger))
+	if s.debt, err = u.count(s.Debt); err != nil {
+		return fieldErr("settle", "settle: debt %v", err)
+	}
+	if s.IncludeUsage && s.From != settleOpenAI {
+		return fieldErr("settle", "settle: include_usage is for openai: it asks OpenAI's streamed chat completions for their usage (other APIs stream theirs)")
+	}
+	if u == unitUSD && s.Weights != nil {
+		return fieldErr("settle", "settle: weights and unit usd do not mix: a money policy prices each model's input, output and cached tokens with the handler's prices")
 	}
 	s.w, err = s.Weights.check(s.From)
 	return err
@@ -203,6 +225,9 @@ type afterResponse struct {
 	wroteHeader bool
 	status      int
 	body        *llm.Response // settle openai, anthropic
+	// filter gives the client the stream without the usage asked for it
+	// (settle openai include_usage; money.go), nil when there is none.
+	filter *llm.UsageFilter
 	// wantTrailers: the client takes trailers, and a settle is known only
 	// after the body; trailers: the response declared the RateLimit
 	// trailer, sent with the settled state.
@@ -237,6 +262,7 @@ func (w *afterResponse) WriteHeader(status int) {
 		if w.body != nil {
 			w.body.Start(hdr)
 		}
+		w.filter = usageFilterFor(w.rs, hdr, w.ResponseWriter)
 		if w.trailers = w.wantTrailers && w.res.fieldsSent && hasBody(status); w.trailers {
 			// Declared, RateLimit is sent again after the body, from what
 			// the header map holds when the handler returns.
@@ -274,7 +300,13 @@ func (w *afterResponse) Write(b []byte) (int, error) {
 		w.written += int64(n)
 		return n, err
 	}
-	n, err := w.ResponseWriter.Write(b)
+	var n int
+	var err error
+	if w.filter != nil {
+		n, err = w.filter.Write(b)
+	} else {
+		n, err = w.ResponseWriter.Write(b)
+	}
 	w.written += int64(n)
 	if w.body != nil && n > 0 && !w.finished {
 		w.body.Write(b[:n])
@@ -299,11 +331,12 @@ type writerOnly struct{ io.Writer }
 
 // afterCharge is what one policy charges after the response.
 type afterCharge struct {
-	i       int   // the policy's part in the admission (res.parts)
-	charge  bool  // charge_if matched: charge the cost
-	usage   int64 // settle: the usage reported, capped; -1 none
-	settled bool  // the usage is known
-	lost    int   // why the charge was not made as measured (lostReason), or -1
+	i       int    // the policy's part in the admission (res.parts)
+	charge  bool   // charge_if matched: charge the cost
+	usage   int64  // settle: the usage reported, capped; -1 none
+	settled bool   // the usage is known
+	lost    int    // why the charge was not made as measured (lostReason), or -1
+	model   string // a money policy's: the model priced (money.go)
 }
 
 // serveWatched runs the rest of the handler chain with the response
@@ -328,6 +361,9 @@ func (h *Handler) serveWatched(w http.ResponseWriter, r *http.Request, next cadd
 	err := next.ServeHTTP(aw, r)
 	returned = true
 	aw.finish(err)
+	if aw.filter != nil {
+		_ = aw.filter.Close() // what a cut stream held, after the settle
+	}
 	return err
 }
 
@@ -403,9 +439,24 @@ func (res *admission) responseKnown(status int, hdr http.Header) {
 		case p.charging() == chargedIfMatched:
 			a.charge = p.ChargeIf.Match(status, hdr)
 		case p.Settle.From == settleHeader:
-			a.usage, a.settled = parseUsage(hdr.Get(p.Settle.Field), p.after.maxUsage)
+			a.usage, a.settled = p.unit.usage(hdr.Get(p.Settle.Field), p.after.maxUsage)
 		}
 	}
+}
+
+// usage reads a usage value of a header or trailer in the unit: a
+// non-negative integer of tokens, or dollars (micro-dollars, rounded up:
+// an upstream may report a cost more precisely), capped at max; anything
+// else is no usage (-1).
+func (u unit) usage(v string, max int64) (int64, bool) {
+	if u == unitUSD {
+		micros, err := price.ParseUSDUp(strings.TrimSpace(v))
+		if err != nil {
+			return -1, false
+		}
+		return min(micros, max), true
+	}
+	return parseUsage(v, max)
 }
 
 // parseUsage reads a usage value: a non-negative integer, capped at max;
@@ -465,10 +516,15 @@ func (aw *afterResponse) charges(err error) (reqs []bucketRequest, policies []*P
 		a := &res.after[k]
 		p, rq := res.parts[a.i].policy, res.parts[a.i].rq
 		delta := int64(0)
+		var w llm.Weights // a body's usage is weighed (priced) with
+		if p.Settle != nil {
+			w = p.Settle.w
+		}
 		switch {
 		case p.charging() == chargedIfMatched:
 			if a.charge {
-				continue // the reservation is the charge
+				p.spend("", rq.cost) // money.go
+				continue             // the reservation is the charge
 			}
 			delta = -rq.cost // a response that does not match owes nothing
 		default:
@@ -478,9 +534,15 @@ func (aw *afterResponse) charges(err error) (reqs []bucketRequest, policies []*P
 				if v == "" {
 					v = aw.Header().Get(p.Settle.Field)
 				}
-				a.usage, a.settled = parseUsage(v, p.after.maxUsage)
+				a.usage, a.settled = p.unit.usage(v, p.after.maxUsage)
 			case settleOpenAI, settleAnthropic:
-				if u, ok := aw.body.Usage(p.Settle.provider(), p.Settle.w); ok {
+				if p.unit == unitUSD { // priced as the model served (money.go)
+					var priced bool
+					if w, a.model, priced = p.settlePrice(aw.body.Model(), rs.body); !priced {
+						break // nothing to price it with: the reservation stands
+					}
+				}
+				if u, ok := aw.body.Usage(p.Settle.provider(), w); ok {
 					a.usage, a.settled = min(u, p.after.maxUsage), true
 				}
 			}
@@ -496,8 +558,9 @@ func (aw *afterResponse) charges(err error) (reqs []bucketRequest, policies []*P
 				// No usage: the charge is what the response delivered implies,
 				// never less than the reservation.
 				a.lost = aw.lostReason(p, gone)
-				delta = max(0, min(aw.estimate(p, rs), p.after.maxUsage)-rq.cost)
+				delta = max(0, min(aw.estimate(p, w, rs), p.after.maxUsage)-rq.cost)
 			}
+			p.spend(a.model, rq.cost+delta)
 			if delta == 0 && rq.record == 0 {
 				continue
 			}
@@ -561,11 +624,11 @@ func (w *afterResponse) lostReason(p *Policy, gone bool) int {
 // estimate is what a response without usage is charged at least (see
 // cutEstimate). Only body settles estimate, and only a body that could be
 // read (one that could not keeps its reservation); 0 for the others.
-func (w *afterResponse) estimate(p *Policy, rs *requestState) int64 {
+func (w *afterResponse) estimate(p *Policy, weights llm.Weights, rs *requestState) int64 {
 	if w.body == nil || !p.Settle.fromBody() || w.body.Unreadable() != nil {
 		return 0
 	}
-	return w.body.CutEstimate(p.Settle.provider(), p.Settle.w, rs.body)
+	return w.body.CutEstimate(p.Settle.provider(), weights, rs.body)
 }
 
 // lostLogInterval is how often, at most, a policy logs the settles it lost
@@ -615,6 +678,11 @@ func (w *afterResponse) chargeLost(p *Policy, reason int) {
 	switch p.Settle.From {
 	case settleOpenAI:
 		hint += `; OpenAI streams report usage only when the request sets "stream_options": {"include_usage": true}`
+		if p.Settle.IncludeUsage {
+			hint += ", which include_usage asked for: this upstream ignores it, or the request's path does not end in /chat/completions"
+		} else {
+			hint += ", which settle openai include_usage asks for the client"
+		}
 	case settleHeader, settleTrailer:
 		hint += "; the response had no " + p.Settle.Field + " holding a non-negative integer"
 	}
@@ -655,6 +723,18 @@ func (l limit) adjusted(v verdict, delta int64) (remaining, untilNext int64) {
 		untilNext = l.interval
 	}
 	return remaining, untilNext
+}
+
+// shape is what of a settle makes its policy's budget, which two
+// definitions of one name must agree on: a token policy's settle counts
+// what its format and weights say; a money policy's counts dollars,
+// whatever the format (one budget may settle OpenAI's responses on one
+// route and Anthropic's on another).
+func (s *Settle) shape() string {
+	if s.unit == unitUSD {
+		return "settled in dollars"
+	}
+	return s.describe()
 }
 
 // describe is the Caddyfile form of a settle, for messages.

@@ -56,7 +56,7 @@ func serveLLMError(t *testing.T, h *Handler, body string, upstream func(w http.R
 	w := httptest.NewRecorder()
 	next := caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
 		x.upstream, _ = io.ReadAll(r.Body)
-		r.Body = io.NopCloser(bytes.NewReader(x.upstream))
+		r.Body = io.NopCloser(bytes.NewReader(x.upstream)) // for the upstream to read
 		return upstream(w, r)
 	})
 	func() {

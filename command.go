@@ -9,6 +9,7 @@ import (
 	"net/url"
 	"os"
 	"strconv"
+	"strings"
 	"text/tabwriter"
 	"time"
 
@@ -25,7 +26,7 @@ import (
 func init() {
 	caddycmd.RegisterCommand(caddycmd.Command{
 		Name:  "rate-limit",
-		Usage: "inspect|reset|grant|top|format|fleet|check|override|overrides [--address <interface>] [--config <path> [--adapter <name>]] [--json]",
+		Usage: "inspect|reset|grant|top|format|fleet|check|override|overrides|apply|try|replay [--address <interface>] [--config <path> [--adapter <name>]] [--json]",
 		Short: "Inspects and resets the rate_limit buckets of a running Caddy",
 		Long: `
 Answers "why is this customer blocked, and can you unblock them?" through the
@@ -51,6 +52,15 @@ admin API of a running Caddy:
                                                          instance at once; for: it expires by itself
   caddy rate-limit override <policy> <identity> delete   back to its plan's limit
   caddy rate-limit overrides <policy>                    every override: hash, limit, expiry, note
+  caddy rate-limit apply <file> [--dry-run]              a limits file (YAML or JSON): the overrides of many
+                                                         identities, applied as a diff on every instance
+  caddy rate-limit try <url> [-H <header>]... [--method <m>] [--body <file>]
+                                                         what each policy would decide for that request
+                                                         now, read from the store, nothing charged
+  caddy rate-limit replay --config <file> <access log>...
+                                                         Caddy's JSON access logs run through the config's
+                                                         policies: what they would have denied, and when
+                                                         (no running Caddy, nothing sent anywhere)
 
 Inspect, reset and grant read the bucket under the policy's own limit, or
 under a plan's with --plan <name> (docs/plans-and-overrides.md); with
@@ -67,7 +77,7 @@ reads the config given with --config (and --adapter) instead.
 `,
 		CobraFunc: func(cmd *cobra.Command) {
 			cmd.PersistentFlags().String("address", "", "Address of the administration listener, if different from config")
-			cmd.PersistentFlags().StringP("config", "c", "", "Configuration file, to find the administration listener")
+			cmd.PersistentFlags().StringP("config", "c", "", "Configuration file, to find the administration listener (check, replay: the config to check or replay)")
 			cmd.PersistentFlags().StringP("adapter", "a", "", "Name of config adapter to apply")
 			cmd.PersistentFlags().Bool("json", false, "Print the admin API's JSON answer")
 			cmd.PersistentFlags().String("plan", "", "inspect, reset, grant: the plan whose limit to read the bucket under")
@@ -85,8 +95,9 @@ reads the config given with --config (and --adapter) instead.
 				&cobra.Command{Use: "format [v1|v2]", Short: "Shows or sets the format the fleet stores buckets in (see docs/redis.md, Upgrading)",
 					Args: cobra.RangeArgs(0, 1), RunE: rateLimitCommand("format")},
 			)
-			addOverrideCommands(cmd) // command_override.go
-			addFleetCommands(cmd)    // command_fleet.go
+			addOverrideCommands(cmd)                                      // command_override.go
+			addFleetCommands(cmd)                                         // command_fleet.go
+			cmd.AddCommand(applyCommand(), tryCommand(), replayCommand()) // command_apply.go, command_try.go, command_replay.go
 			for _, sub := range cmd.Commands() {
 				numbersAsArgs(sub) // command_cli.go
 			}
@@ -150,11 +161,14 @@ func rateLimitCommand(action string) func(*cobra.Command, []string) error {
 			raw, _ := json.Marshal(req)
 			body = bytes.NewReader(raw)
 		case "grant":
-			n, err := strconv.ParseInt(args[2], 10, 64)
-			if err != nil || n < 1 {
-				return fmt.Errorf("tokens: %q is not a positive integer", args[2])
+			// Tokens, or dollars for a money policy: the policy's unit, which
+			// the admin API reads the amount in.
+			if n, err := strconv.ParseInt(args[2], 10, 64); err == nil && n >= 1 {
+				req.Tokens = n
+			} else if _, err := strconv.ParseFloat(args[2], 64); err != nil || strings.HasPrefix(args[2], "-") {
+				return fmt.Errorf("tokens: %q is not a positive integer (or, for a policy with unit usd, an amount of dollars)", args[2])
 			}
-			req.Tokens = n
+			req.Amount = args[2]
 			fallthrough
 		case "reset":
 			method, uri = http.MethodPost, "/rate_limit/"+action
@@ -192,25 +206,39 @@ func printAnswer(w io.Writer, action string, raw []byte) error {
 			return nil
 		}
 		tw := tabwriter.NewWriter(w, 2, 4, 2, ' ', 0)
+		money := t.Currency != ""
 		shown := false // the raw identities, with --show-keys
 		for _, e := range t.Identities {
 			shown = shown || e.Identity != ""
 		}
-		if shown {
-			fmt.Fprintln(tw, "DENIALS\tAT MOST OVER BY\tFINGERPRINT\tIDENTITY")
-		} else {
-			fmt.Fprintln(tw, "DENIALS\tAT MOST OVER BY\tFINGERPRINT")
+		header := "DENIALS\tAT MOST OVER BY"
+		if money {
+			header += "\tLEFT NOW"
 		}
+		header += "\tFINGERPRINT"
+		if shown {
+			header += "\tIDENTITY"
+		}
+		fmt.Fprintln(tw, header)
 		for _, e := range t.Identities {
+			line := fmt.Sprintf("%d\t%d", e.Denials, e.Error)
+			if money {
+				left := "?"
+				if e.Limit != "" {
+					left = "$" + e.Left + " of $" + e.Limit
+				}
+				line += "\t" + left
+			}
+			line += "\t" + e.Fingerprint
 			if !shown {
-				fmt.Fprintf(tw, "%d\t%d\t%s\n", e.Denials, e.Error, e.Fingerprint)
+				fmt.Fprintln(tw, line)
 				continue
 			}
 			id := strconv.Quote(e.Identity)
 			if e.Truncated {
 				id += "..."
 			}
-			fmt.Fprintf(tw, "%d\t%d\t%s\t%s\n", e.Denials, e.Error, e.Fingerprint, id)
+			fmt.Fprintf(tw, "%s\t%s\n", line, id)
 		}
 		if err := tw.Flush(); err != nil {
 			return err
@@ -244,27 +272,31 @@ func printAnswer(w io.Writer, action string, raw []byte) error {
 	if st.Full > 0 {
 		full = fmt.Sprintf("next token in %s, full in %s", secondsString(st.NextToken), secondsString(st.Full))
 	}
+	n, tokens := st.amounts(), "tokens" // dollars for a money policy
+	if st.Currency != "" {
+		tokens, full = "left", strings.ReplaceAll(full, "next token", "next micro-dollar")
+	}
 	switch action {
 	case "reset":
-		fmt.Fprintf(w, "%s %q: reset; %d of %d tokens, %s.\n", st.Policy, st.Identity, st.Tokens, st.Burst, full)
+		fmt.Fprintf(w, "%s %q: reset; %s of %s %s, %s.\n", st.Policy, st.Identity, n(st.Tokens), n(st.Burst), tokens, full)
 	case "grant":
 		var granted int64
 		if st.Granted != nil {
 			granted = *st.Granted
 		}
-		fmt.Fprintf(w, "%s %q: granted %d tokens; %d of %d now, %s.\n", st.Policy, st.Identity, granted, st.Tokens, st.Burst, full)
+		fmt.Fprintf(w, "%s %q: granted %s; %s of %s now, %s.\n", st.Policy, st.Identity, unitsOf(st, granted, "tokens"), n(st.Tokens), n(st.Burst), full)
 	default:
 		tw := tabwriter.NewWriter(w, 2, 4, 2, ' ', 0)
-		fmt.Fprintf(tw, "policy\t%s (%s policy: rate %s, burst %d)\n", st.Policy, st.Kind, st.Rate, st.Burst)
+		fmt.Fprintf(tw, "policy\t%s (%s policy: rate %s, burst %s)\n", st.Policy, st.Kind, st.Rate, n(st.Burst))
 		fmt.Fprintf(tw, "identity\t%q\n", st.Identity)
 		fmt.Fprintf(tw, "key\t%s\n", st.Key)
 		fmt.Fprintf(tw, "store\t%s\n", st.Store)
-		fmt.Fprintf(tw, "tokens\t%d of %d; %s\n", st.Tokens, st.Burst, full)
+		fmt.Fprintf(tw, "%s\t%s of %s; %s\n", tokens, n(st.Tokens), n(st.Burst), full)
 		if st.BlocksHere != nil {
 			fmt.Fprintf(tw, "blocks here\t%d tokens in %d blocks, taken and not spent yet (a hot key on this instance)\n", st.BlocksHere.Tokens, st.BlocksHere.Blocks)
 		}
 		if st.Learned != nil && *st.Learned > 0 {
-			fmt.Fprintf(tw, "learned\t%d: its recent requests used up to this beyond their reservations; a request like them reserves what they used beyond (at most the burst)\n", *st.Learned)
+			fmt.Fprintf(tw, "learned\t%s: its recent requests used up to this beyond their reservations; a request like them reserves what they used beyond (at most the burst)\n", n(*st.Learned))
 		}
 		printPlanAndOverride(tw, st) // command_override.go
 		if err := tw.Flush(); err != nil {
@@ -309,22 +341,23 @@ func printQuota(w io.Writer, action string, st bucketState) error {
 	if st.Period != nil {
 		p = *st.Period
 	}
+	n := st.amounts() // dollars for a money policy
 	switch action {
 	case "reset":
-		fmt.Fprintf(w, "%s %q: reset; %d of %d used in the period that ends %s.\n", st.Policy, st.Identity, used, st.Quota, p.EndZone)
+		fmt.Fprintf(w, "%s %q: reset; %s of %s used in the period that ends %s.\n", st.Policy, st.Identity, n(used), n(st.Quota), p.EndZone)
 	case "grant":
 		var granted int64
 		if st.Granted != nil {
 			granted = *st.Granted
 		}
-		fmt.Fprintf(w, "%s %q: granted %d units; %d of %d used now, in the period that ends %s.\n", st.Policy, st.Identity, granted, used, st.Quota, p.EndZone)
+		fmt.Fprintf(w, "%s %q: granted %s; %s of %s used now, in the period that ends %s.\n", st.Policy, st.Identity, unitsOf(st, granted, "units"), n(used), n(st.Quota), p.EndZone)
 	default:
 		tw := tabwriter.NewWriter(w, 2, 4, 2, ' ', 0)
-		fmt.Fprintf(tw, "policy\t%s (%s: %d per %s, %s)\n", st.Policy, st.Kind, st.Quota, st.Unit, p.Zone)
+		fmt.Fprintf(tw, "policy\t%s (%s: %s per %s, %s)\n", st.Policy, st.Kind, n(st.Quota), st.Unit, p.Zone)
 		fmt.Fprintf(tw, "identity\t%q\n", st.Identity)
 		fmt.Fprintf(tw, "key\t%s\n", st.Key)
 		fmt.Fprintf(tw, "store\t%s\n", st.Store)
-		fmt.Fprintf(tw, "used\t%d of %d; %d left\n", used, st.Quota, max(st.Tokens, 0))
+		fmt.Fprintf(tw, "used\t%s of %s; %s left\n", n(used), n(st.Quota), n(max(st.Tokens, 0)))
 		fmt.Fprintf(tw, "period\t%s to %s (%s to %s)\n", p.StartZone, p.EndZone, p.Start, p.End)
 		printPlanAndOverride(tw, st) // command_override.go
 		if err := tw.Flush(); err != nil {

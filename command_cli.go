@@ -64,6 +64,9 @@ func (t adminTarget) call(stdout io.Writer, method, uri string, body io.Reader) 
 // process listens at the address (or the unix socket is not there).
 func notListening(err error) bool {
 	msg := err.Error()
+	if strings.Contains(msg, "caddy responded with error") {
+		return false // Caddy answered: whatever its error says (Redis refusing a connection) is its own
+	}
 	return strings.Contains(msg, "connection refused") || strings.Contains(msg, "no such file or directory")
 }
 

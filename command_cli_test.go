@@ -3,6 +3,8 @@ package ratelimit
 import (
 	"bytes"
 	"net"
+	"net/http"
+	"net/http/httptest"
 	"os"
 	"path/filepath"
 	"strings"
@@ -94,5 +96,45 @@ func TestCLIErrorsSayWhatToDo(t *testing.T) {
 	out, err := runCLI(t, "grant", "--help")
 	if err != nil || !strings.Contains(out, "grant <policy> <identity> <tokens>") {
 		t.Errorf("grant --help: %v, %q", err, out)
+	}
+}
+
+// TestCLICaddyAnswersAnError: an error of the admin API whose message
+// mentions a refused connection (Redis down) is Caddy's answer, printed as
+// it is, not taken for no Caddy at the address.
+func TestCLICaddyAnswersAnError(t *testing.T) {
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.WriteHeader(503)
+		w.Write([]byte(`{"error":"the rate-limit store did not answer (dial tcp 127.0.0.1:6379: connect: connection refused)"}`))
+	}))
+	defer srv.Close()
+	addr := strings.TrimPrefix(srv.URL, "http://")
+	for _, args := range [][]string{{"inspect", "p", "x"}, {"try", "http://example.com/"}} {
+		_, err := runCLI(t, append(args, "--address", addr)...)
+		if err == nil || strings.Contains(err.Error(), "no Caddy is answering") || !strings.Contains(err.Error(), "store did not answer") {
+			t.Errorf("%v: %v", args, err)
+		}
+	}
+	// apply, try and replay refuse what they cannot use, saying why.
+	dir := t.TempDir()
+	bad := filepath.Join(dir, "bad.yaml")
+	os.WriteFile(bad, []byte("overrides: {not: a list}"), 0o600)
+	noSource := filepath.Join(dir, "bad name!.yaml")
+	os.WriteFile(noSource, []byte("overrides: []"), 0o600)
+	for _, tc := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"apply", filepath.Join(dir, "none.yaml")}, "no such file"},
+		{[]string{"apply", bad}, "expected a list"},
+		{[]string{"apply", noSource}, "add source: <tag> to it, or give --source"},
+		{[]string{"apply", bad, "--source", "a b"}, "expected a list"},
+		{[]string{"try", "http://x/", "-H", "nocolon"}, "expected 'Name: value'"},
+		{[]string{"replay", "access.log"}, "give the config to replay with --config"},
+	} {
+		_, err := runCLI(t, append(tc.args, "--address", addr)...)
+		if err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%v: %v, want %q", tc.args, err, tc.want)
+		}
 	}
 }

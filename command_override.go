@@ -59,7 +59,7 @@ far in the period count against the new N.`,
 		if near := suggest.Nearest(args[0], names); near != "" {
 			return fmt.Errorf("unknown command %q for caddy rate-limit: did you mean %s? (caddy rate-limit --help)", args[0], near)
 		}
-		return fmt.Errorf("unknown command %q for caddy rate-limit: use inspect, reset, grant, top, format, fleet, check, override or overrides (caddy rate-limit --help)", args[0])
+		return fmt.Errorf("unknown command %q for caddy rate-limit: use inspect, reset, grant, top, format, fleet, check, override, overrides, apply, try or replay (caddy rate-limit --help)", args[0])
 	}
 }
 

@@ -1,9 +1,6 @@
 package ratelimit
 
-import (
-	"strconv"
-	"time"
-)
+import "time"
 
 // What a settle may owe. Usage above a request's reservation is charged as
 // debt: the bucket's TAT runs past a full refill, and the key is denied
@@ -27,16 +24,16 @@ const debtWindow = 24 * time.Hour
 // maxBucketSpan). A quota (interval 0) of burst units owes by default
 // twice its N within a period, which starts again from 0.
 func (s *Settle) settleLimits(burst, interval, room int64) (usageCap, debt int64, err error) {
-	debt = s.Debt
+	debt = s.debt
 	switch {
 	case debt > room:
-		return 0, 0, fieldErr("settle", "settle: debt %d takes too long to pay back: at most %d", debt, room)
+		return 0, 0, fieldErr("settle", "settle: debt %s takes too long to pay back: at most %s", s.unit.number(debt), s.unit.number(room))
 	case debt == 0 && interval == 0:
 		debt = min(2*burst, room)
 	case debt == 0:
 		debt = min(max(2*burst, int64(debtWindow/time.Microsecond)/interval), room)
 	}
-	usageCap = s.Max
+	usageCap = s.max
 	if usageCap == 0 {
 		usageCap = burst + debt // a usage beyond what empties a full bucket and owes all the debt changes nothing
 	}
@@ -47,8 +44,8 @@ func (s *Settle) settleLimits(burst, interval, room int64) (usageCap, debt int64
 // holds (a burst, a quota's N): a request charged max (a cost that does
 // not resolve, an LLM body that does not say or hides input) could never
 // pass, and would be denied without a Retry-After, for ever.
-func maxAboveCapacity(maxCost int64, what string, capacity int64) error {
-	return fieldErr("max_cost", "cost: max %d is more than the %s %s: a request charged max (a cost that does not resolve, "+
+func maxAboveCapacity(u unit, maxCost int64, what string, capacity int64) error {
+	return fieldErr("max_cost", "cost: max %s is more than the %s %s: a request charged max (a cost that does not resolve, "+
 		"an LLM request whose body does not say, or hides input) could never pass; lower max or raise the %s",
-		maxCost, what, strconv.FormatInt(capacity, 10), what)
+		u.number(maxCost), what, u.number(capacity), what)
 }

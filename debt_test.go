@@ -13,7 +13,7 @@ func TestDebtKept(t *testing.T) {
 	for _, tc := range []struct {
 		name       string
 		rate       string
-		burst      int64
+		burst      float64
 		settle     Settle
 		debt, ucap int64
 	}{

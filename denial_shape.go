@@ -84,15 +84,25 @@ func (h *Handler) writeDenial(w http.ResponseWriter, res *admission, violated []
 	if format == "" {
 		format = h.ErrorFormat
 	}
+	money, budgets := res.moneyDenial() // money.go
 	switch format {
 	case errorFormatOpenAI:
 		kind := "requests"
 		if tokens {
 			kind = "tokens"
 		}
-		return writeProviderError(w, http.StatusTooManyRequests, openAIError(denialMessage(violated, ra), kind, "rate_limit_exceeded"))
+		return writeProviderError(w, http.StatusTooManyRequests, openAIError(strings.TrimSpace(denialMessage(violated, ra)+" "+money), kind, "rate_limit_exceeded"))
 	case errorFormatAnthropic:
-		return writeProviderError(w, http.StatusTooManyRequests, anthropicError(denialMessage(violated, ra), "rate_limit_error"))
+		return writeProviderError(w, http.StatusTooManyRequests, anthropicError(strings.TrimSpace(denialMessage(violated, ra)+" "+money), "rate_limit_error"))
+	}
+	if budgets != nil {
+		pr := quotaExceeded(violated)
+		pr.Detail += " " + money
+		body, _ := json.Marshal(struct {
+			problem
+			Budgets []moneyBudget `json:"budgets"`
+		}{pr, budgets})
+		return writeProblemBody(w, http.StatusTooManyRequests, body)
 	}
 	if len(violated) == 1 {
 		return writeProblemBody(w, http.StatusTooManyRequests, denier.deniedBody)

@@ -148,7 +148,7 @@ func FuzzParseRate(f *testing.F) {
 func FuzzParseCost(f *testing.F) {
 	f.Add("1", "5", int64(10))
 	f.Fuzz(func(t *testing.T, spec, resolved string, maxCost int64) {
-		cost, fixed, err := parseCost(spec)
+		cost, fixed, err := unitTokens.parseCost(spec)
 		switch {
 		case err != nil:
 			if !fixed {
@@ -171,7 +171,7 @@ func FuzzParseCost(f *testing.F) {
 		if maxCost < 1 || maxCost > maxJSONInteger {
 			maxCost = 1 + (maxCost & math.MaxInt32)
 		}
-		p := &Policy{Name: "tokens", Key: "global", Rate: "10/1s", Cost: "{fuzz.cost}", MaxCost: maxCost, Burst: maxCost} // max above the burst is refused
+		p := &Policy{Name: "tokens", Key: "global", Rate: "10/1s", Cost: "{fuzz.cost}", MaxCost: float64(maxCost), Burst: float64(maxCost)} // max above the burst is refused
 		if err := p.check(); err != nil {
 			t.Fatal(err)
 		}
@@ -248,7 +248,7 @@ func FuzzRateLimitFields(f *testing.F) {
 		if name == "" {
 			return
 		}
-		p := &Policy{Name: name, Key: "k", Rate: rate, Burst: burst}
+		p := &Policy{Name: name, Key: "k", Rate: rate, Burst: float64(burst)}
 		if err := p.check(); err != nil {
 			return // a config the parser rejects
 		}
@@ -264,7 +264,7 @@ func FuzzRateLimitFields(f *testing.F) {
 			t.Fatalf("rate %q: RateLimit-Policy q=%d w=%d; both must be positive sf-Integers", rate, q, w)
 		}
 		const other = "other.policy-2"
-		pol := string(policyMember(nil, name, q, w)) + ", " + string(policyMember(nil, other, 1, 1))
+		pol := string(policyMember(nil, name, q, w, unitTokens)) + ", " + string(policyMember(nil, other, 1, 1, unitTokens))
 		lim := string(limitMember(nil, name, remaining, wait)) + ", " + string(limitMember(nil, other, 0, neverFits))
 
 		checkMembers(t, "RateLimit-Policy", pol, name, map[string]int64{"q": q, "w": w})

@@ -37,13 +37,20 @@ func fieldQuota(n int64, per time.Duration) (q, w int64) {
 	return min(q, maxSFInteger), min(w, maxSFInteger)
 }
 
-// policyMember is one member of RateLimit-Policy: "name";q=100;w=60.
-func policyMember(b []byte, name string, q, w int64) []byte {
+// policyMember is one member of RateLimit-Policy: "name";q=100;w=60, and
+// the quota unit of a policy that counts money ("name";q=5000000;w=3600;
+// qu="usd-micros").
+func policyMember(b []byte, name string, q, w int64, u unit) []byte {
 	b = appendSFString(b, name)
 	b = append(b, ";q="...)
 	b = strconv.AppendInt(b, q, 10)
 	b = append(b, ";w="...)
-	return strconv.AppendInt(b, w, 10)
+	b = strconv.AppendInt(b, w, 10)
+	if qu := u.fieldUnit(); qu != "" {
+		b = append(b, ";qu="...)
+		b = appendSFString(b, qu)
+	}
+	return b
 }
 
 // slotsMember is the RateLimit-Policy member of a concurrency policy:
@@ -242,7 +249,7 @@ func (q *quotaSpec) policyMember(n int64, p calendar.Period) []byte {
 	if m := q.member.Load(); m != nil && m.p == p && m.n == n {
 		return m.member
 	}
-	m := &quotaMember{n: n, p: p, member: policyMember(nil, q.name, min(n, maxSFInteger), min(p.Seconds(), maxSFInteger))}
+	m := &quotaMember{n: n, p: p, member: policyMember(nil, q.name, min(n, maxSFInteger), min(p.Seconds(), maxSFInteger), q.counts)}
 	q.member.Store(m)
 	return m.member
 }

@@ -20,10 +20,10 @@ import (
 // (TestSubdirectiveLists holds them to caddyfile.go).
 var (
 	handlerSubdirectives = []string{"redis", "key_secret", "on_error", "jitter", "headers", "shadow", "instances",
-		"ipv6_prefix", "ipv4_prefix", "policy", "require_redis", "error_format", "zone", "distributed", "storage", "sweep_interval", "log_key", "disable_metrics"}
+		"ipv6_prefix", "ipv4_prefix", "policy", "require_redis", "error_format", "prices", "zone", "distributed", "storage", "sweep_interval", "log_key", "disable_metrics"}
 	redisSubdirectives  = []string{"address", "cluster", "sentinel", "username", "password", "db", "tls", "timeout", "pool_size", "key_prefix"}
 	policySubdirectives = []string{"match", "key", "rate", "burst", "concurrent", "lease", "cost", "on_error", "shadow", "wait",
-		"charge_if", "settle", "ipv6_prefix", "ipv4_prefix", "quota", "timezone", "durable", "plan", "shed", "priority", "error_format", "hot_keys"}
+		"charge_if", "settle", "ipv6_prefix", "ipv4_prefix", "quota", "timezone", "durable", "plan", "shed", "priority", "error_format", "hot_keys", "unit"}
 )
 
 // The blocks, as unknownSubdirective names them.

@@ -289,7 +289,7 @@ func TestMonitorFindsUndeclaredKeys(t *testing.T) {
 }
 
 // TestScriptsDeclareEveryKey: across a workload of every kind of policy
-// (rates, waits, concurrency slots, quotas, settles that learn usage,
+// (rates, waits, concurrency slots, quotas, money budgets, settles that learn usage,
 // overrides of each kind, hot keys' blocks), the admin API's operations,
 // the leases' renewals and restores, and the fleet's records, every key a
 // script touched was declared in its call's KEYS.
@@ -301,6 +301,7 @@ func TestScriptsDeclareEveryKey(t *testing.T) {
 	m := watchMonitor(t, srv)
 	user := "{http.request.header.X-User}"
 	settle := &Settle{From: settleHeader, Field: "X-Used"}
+	usdSettle := &Settle{From: settleHeader, Field: "X-Used-USD"}
 	h := testHandler(t, &Handler{Redis: &RedisConfig{Addresses: []string{srv.Addr}}, Jitter: jitterOff(), Policies: []*Policy{
 		{Name: "kd_rate", Key: user, Rate: "100/1m"},
 		{Name: "kd_wait", Key: user, Rate: "100/1s", Burst: 1, Wait: caddy.Duration(100 * time.Millisecond)},
@@ -308,6 +309,10 @@ func TestScriptsDeclareEveryKey(t *testing.T) {
 		{Name: "kd_quota", Key: user, Quota: "1000/day"},
 		{Name: "kd_tokens", Key: user, Rate: "100000/1s", Burst: 50000, Cost: "{http.request.header.X-Cost}", Settle: settle},
 		{Name: "kd_spend", Key: user, Quota: "10000000/month", Cost: "{http.request.header.X-Cost}", Settle: settle},
+		// Money budgets (unit usd): the same buckets in micro-dollars,
+		// settled from a cost header in dollars, learning, overridden.
+		{Name: "kd_usd", Key: user, Unit: "usd", Rate: "1/1s", Burst: 5, Cost: "0.01", Settle: usdSettle},
+		{Name: "kd_usd_month", Key: user, Unit: "usd", Quota: "50/month", Cost: "0.01", Settle: usdSettle},
 	}}, nil)
 	hot := testHandler(t, &Handler{Redis: &RedisConfig{Addresses: []string{srv.Addr}}, Jitter: jitterOff(), Policies: []*Policy{
 		{Name: "kd_hot", Key: user, Rate: "100000/1s", Burst: 10000},
@@ -315,14 +320,17 @@ func TestScriptsDeclareEveryKey(t *testing.T) {
 	rs := h.store.(*redisStore)
 
 	// send sends n requests of user at once (the coalescer merges them
-	// into calls of many requests), the upstream using used.
+	// into calls of many requests), the upstream using used (tokens, and
+	// used/10,000 dollars).
 	send := func(user string, n int, used string) {
+		tokens, _ := strconv.ParseFloat(used, 64)
+		usd := strconv.FormatFloat(tokens/10_000, 'f', -1, 64)
 		var wg sync.WaitGroup
 		for range n {
 			wg.Add(1)
 			go func() {
 				defer wg.Done()
-				serveWith([]*Handler{h}, nil, upstreamAnswering(200, "X-Used", used), "X-User", user, "X-Cost", "100")
+				serveWith([]*Handler{h}, nil, upstreamAnswering(200, "X-Used", used, "X-Used-USD", usd), "X-User", user, "X-Cost", "100")
 			}()
 		}
 		wg.Wait()
@@ -340,6 +348,8 @@ func TestScriptsDeclareEveryKey(t *testing.T) {
 		`{"policy":"kd_quota","identity":"alice","quota":"5000/day"}`,
 		`{"policy":"kd_tokens","identity":"bob","rate":"200000/1s","burst":60000}`,
 		`{"policy":"kd_spend","identity":"bob","quota":"20000000/month"}`,
+		`{"policy":"kd_usd","identity":"bob","rate":"1/1s","burst":10}`,
+		`{"policy":"kd_usd_month","identity":"bob","quota":"100/month"}`,
 	} {
 		if status, answer := adminDo(t, "POST", "/rate_limit/override", body); status != 200 {
 			t.Fatalf("override %s: %d %s", body, status, answer)
@@ -359,7 +369,15 @@ func TestScriptsDeclareEveryKey(t *testing.T) {
 		{"POST", "/rate_limit/reset", `{"policy":"kd_tokens","identity":"bob"}`},
 		{"POST", "/rate_limit/reset", `{"policy":"kd_spend","identity":"bob"}`},
 		{"POST", "/rate_limit/reset", `{"policy":"kd_slots","identity":"alice"}`},
+		{"POST", "/rate_limit/inspect", `{"policy":"kd_usd","identity":"bob"}`},
+		{"POST", "/rate_limit/grant", `{"policy":"kd_usd","identity":"bob","amount":"0.5"}`},
+		{"POST", "/rate_limit/grant", `{"policy":"kd_usd_month","identity":"bob","amount":"0.5"}`},
+		{"POST", "/rate_limit/reset", `{"policy":"kd_usd","identity":"bob"}`},
 		{"DELETE", "/rate_limit/override", `{"policy":"kd_rate","identity":"bob"}`},
+		// A dry run reads (no script) and a limits file writes in
+		// pipelines; a script either ran would be checked below.
+		{"POST", "/rate_limit/dry_run", `{"url":"http://example.com/","headers":{"X-User":["bob"],"X-Cost":["100"]}}`},
+		{"POST", "/rate_limit/apply", `{"source":"kd","overrides":[{"line":1,"policy":"kd_rate","identity":"dave","rate":"500/1m"},{"line":2,"policy":"kd_tokens","identity":"dave","rate":"1000/1s","burst":900}]}`},
 	} {
 		if status, answer := adminDo(t, call[0], call[1], call[2]); status != 200 {
 			t.Fatalf("%s %s: %d %s", call[0], call[1], status, answer)
@@ -428,7 +446,8 @@ func TestScriptsDeclareEveryKey(t *testing.T) {
 		}
 	}
 	for _, want := range []string{"GET rl:kd_rate:{…}:override", "GET rl:kd_tokens:{…}:usage", "SET rl:kd_tokens:{…}:usage",
-		"GET rl:kd_quota:{…}", "ZADD rl:kd_slots:{…}", "SET rl:kd_rate:{…}:override", "HSET rate_limit:{…}", "HSET rate_limit:{…}:records"} {
+		"GET rl:kd_quota:{…}", "ZADD rl:kd_slots:{…}", "SET rl:kd_rate:{…}:override", "HSET rate_limit:{…}", "HSET rate_limit:{…}:records",
+		"GET rl:kd_usd:{…}:usage", "SET rl:kd_usd:{…}:usage", "GET rl:kd_usd:{…}:override", "GET rl:kd_usd_month:{…}:override"} {
 		if !seen[want] {
 			var all []string
 			for s := range seen {

@@ -107,6 +107,16 @@ func (l *learnedUsage) most() int64 {
 	return m
 }
 
+// of is what rq is decided with from what the key learned: for a take,
+// what it is raised by (raise, in its own class); otherwise the most
+// remembered, which inspect shows.
+func (l *learnedUsage) of(rq bucketRequest) int64 {
+	if rq.op == opTake {
+		return l.raise(reservationClass(rq.cost), rq.cost)
+	}
+	return l.most()
+}
+
 // nothing reports whether nothing is remembered worth keeping.
 func (l *learnedUsage) nothing() bool { return l.most() == 0 }
 

@@ -482,11 +482,11 @@ func TestLuaMatchesGoBucket(t *testing.T) {
 			if !setGet {
 				t.Skip("the server is older than Redis 7.0: SET takes no NX and GET together, and the script does not use them")
 			}
-			luaMatchesGoBucket(t, client, decideLua, format, false)
+			luaMatchesGoBucket(t, client, decideLua, format, tokenShapes)
 		})
 		client.FlushAll(context.Background())
 		t.Run("GET then SET, "+formatName(format), func(t *testing.T) {
-			luaMatchesGoBucket(t, client, getThenSet, format, false)
+			luaMatchesGoBucket(t, client, getThenSet, format, tokenShapes)
 		})
 		client.FlushAll(context.Background())
 	}
@@ -497,12 +497,58 @@ func TestLuaMatchesGoBucket(t *testing.T) {
 		if !setGet {
 			t.Skip("the server is older than Redis 7.0: SET takes no NX and GET together, and the script does not use them")
 		}
-		luaMatchesGoBucket(t, client, decideLua, formatV2, true)
+		luaMatchesGoBucket(t, client, decideLua, formatV2, loneShapes)
 	})
 	client.FlushAll(context.Background())
-	t.Run("lone calls, GET then SET, v1", func(t *testing.T) { luaMatchesGoBucket(t, client, getThenSet, formatV1, true) })
+	t.Run("lone calls, GET then SET, v1", func(t *testing.T) { luaMatchesGoBucket(t, client, getThenSet, formatV1, loneShapes) })
 	client.FlushAll(context.Background())
 }
+
+// TestLuaMatchesGoMoney is TestLuaMatchesGoBucket with money policies'
+// buckets (unit usd): micro-dollars, so intervals of a few µs to an hour,
+// bursts up to thousands of dollars, and costs, refunds and debts of up to
+// a dollar a request. The script decides them as Go does, to the
+// micro-dollar.
+func TestLuaMatchesGoMoney(t *testing.T) {
+	_, client, _ := newTestRedis(t)
+	for _, format := range []int{formatV1, formatV2} {
+		t.Run(formatName(format), func(t *testing.T) { luaMatchesGoBucket(t, client, decideLua, format, moneyShapes) })
+		client.FlushAll(context.Background())
+	}
+}
+
+// bucketShapes are what luaMatchesGoBucket's buckets are: each policy's
+// two limits (as two configs before and after a reload may give it), and
+// the largest cost and adjustment of a request.
+type bucketShapes struct {
+	limits       [][2]limit
+	costs, delta int64
+	steps        int  // script calls; 0: 3,000
+	lone         bool // every call one request of one bucket
+}
+
+// tokenShapes are token policies' buckets.
+var tokenShapes = bucketShapes{limits: [][2]limit{
+	{{interval: 1000, burst: 5}, {interval: 500, burst: 8}},                             // 1000/1s burst 5, then 2000/1s burst 8
+	{{interval: 20_000, burst: 3, slack: 60_000}, {interval: 20_000, burst: 2}},         // 50/1s with wait, then a lower burst
+	{{interval: 333_333, burst: 10, slack: 3_333_330}, {interval: 1_000_000, burst: 4}}, // 3/1s with debt, then 1/1s
+	{{interval: 600_000, burst: 100}, {interval: 10_000, burst: 100}},                   // 100/1m, then 100/1s
+	{{interval: 1, burst: 1_000_000}, {interval: 1, burst: 1_000_000}},                  // the fastest allowed
+	{{interval: 86_400_000_000, burst: 1}, {interval: 60_000_000, burst: 3}},            // 1/1d, then 1/1m burst 3
+}, costs: 3, delta: 4}
+
+// loneShapes are tokenShapes' buckets taken one request a call.
+var loneShapes = bucketShapes{limits: tokenShapes.limits, costs: tokenShapes.costs, delta: tokenShapes.delta, lone: true}
+
+// moneyShapes are money policies' buckets, in micro-dollars.
+var moneyShapes = bucketShapes{limits: [][2]limit{
+	{{interval: 720, burst: 5_000_000}, {interval: 1200, burst: 3_000_000}},                                  // $5/1h, then $3/1h
+	{{interval: 17_280, burst: 5_000_000, slack: 17_280 * 10_000_000}, {interval: 17_280, burst: 1_500_000}}, // $5/24h with $10 of debt, then a $1.50 burst
+	{{interval: 2400, burst: 1_500_000, slack: 2400 * 3_000_000}, {interval: 57_600, burst: 1_500_000}},      // $1.50/1h with debt, then $1.50/24h
+	{{interval: 1, burst: 1_000_000_000}, {interval: 1, burst: 1_000_000}},                                   // $1/s (the fastest) burst $1,000, then $1
+	{{interval: 3_600_000_000, burst: 1}, {interval: 8_640_000, burst: 100_000_000}},                         // $0.000001/1h, then $1/2400h burst $100
+	{{interval: 72, burst: 50_000_000}, {interval: 36, burst: 100_000_000}},                                  // $50/1h, then $100/1h
+}, costs: 1_000_000, delta: 1_000_000, steps: 1500}
 
 // parseStored reads a bucket as the script stores it, in any format, and
 // checks that it is written as encodeBucket writes it in format.
@@ -518,24 +564,18 @@ func parseStored(t *testing.T, v string, format int) storedBucket {
 	return storedBucket{tat, interval}
 }
 
-// luaMatchesGoBucket runs 3000 calls of random requests through script,
-// and checks each reply and what Redis holds after it against the Go
-// algorithm; lone: every call is one request of one bucket (the script
-// decides a lone take before its main loop).
-func luaMatchesGoBucket(t *testing.T, client *redis.Client, script string, format int, lone bool) {
+// luaMatchesGoBucket runs random calls through script, and checks each
+// reply and what Redis holds after it against the Go algorithm; with
+// shapes.lone every call is one request of one bucket (the script decides
+// a lone take before its main loop).
+func luaMatchesGoBucket(t *testing.T, client *redis.Client, script string, format int, shapes bucketShapes) {
+	lone := shapes.lone
 	ctx := context.Background()
 	rng := rand.New(rand.NewPCG(1, 2))
 
 	// Each policy has two limits, as two configs before and after a
 	// reload may give it.
-	limits := [][2]limit{
-		{{interval: 1000, burst: 5}, {interval: 500, burst: 8}},                             // 1000/1s burst 5, then 2000/1s burst 8
-		{{interval: 20_000, burst: 3, slack: 60_000}, {interval: 20_000, burst: 2}},         // 50/1s with wait, then a lower burst
-		{{interval: 333_333, burst: 10, slack: 3_333_330}, {interval: 1_000_000, burst: 4}}, // 3/1s with debt, then 1/1s
-		{{interval: 600_000, burst: 100}, {interval: 10_000, burst: 100}},                   // 100/1m, then 100/1s
-		{{interval: 1, burst: 1_000_000}, {interval: 1, burst: 1_000_000}},                  // the fastest allowed
-		{{interval: 86_400_000_000, burst: 1}, {interval: 60_000_000, burst: 3}},            // 1/1d, then 1/1m burst 3
-	}
+	limits := shapes.limits
 	ops := []bucketOp{opTake, opTake, opTake, opTake, opTake, opCheck, opAdjust, opAdjust, opInspect}
 	learns := func(li int) bool { return li == 2 || li == 3 } // settle policies
 	var lastNow int64                                         // Redis's clock in the last call
@@ -566,7 +606,7 @@ func luaMatchesGoBucket(t *testing.T, client *redis.Client, script string, forma
 			rq := bucketRequest{key: key, limit: l, op: op, learns: learns(li)}
 			switch op {
 			case opTake, opCheck:
-				rq.cost = 1 + rng.Int64N(3)
+				rq.cost = 1 + rng.Int64N(shapes.costs)
 				if rng.IntN(20) == 0 {
 					rq.cost = l.burst + 1 // can never pass
 				}
@@ -579,12 +619,18 @@ func luaMatchesGoBucket(t *testing.T, client *redis.Client, script string, forma
 					rq.op = opCheck
 				}
 			case opAdjust:
-				rq.delta = rng.Int64N(9) - 4 // a charge after the response, or a refund
+				rq.delta = rng.Int64N(2*shapes.delta+1) - shapes.delta // a charge after the response, or a refund
 				if rq.delta == 0 {
 					rq.delta = 3
 				}
 				if rq.learns {
 					rq.class = 1 + rng.Int64N(3) // the class of the settled request's reservation
+					if shapes.costs > 3 {
+						// Of a reservation as the takes draw them (money's
+						// are µ$: classes up to 20), or no take would be
+						// raised by what its class learned.
+						rq.class = reservationClass(1 + rng.Int64N(shapes.costs))
+					}
 					if rng.IntN(3) == 0 {
 						rq.record = 1 + rng.Int64N(2*l.burst) // a settle beyond its own reservation
 					}
@@ -619,7 +665,11 @@ func luaMatchesGoBucket(t *testing.T, client *redis.Client, script string, forma
 	callSlack := map[string]int64{}
 	var admitted, denied, requests, rebased, compact int
 	var loneTakes, loneHeld, loneDenied int // lone takes: all, of a key holding a TAT ahead, denied
-	for step := range 3000 {
+	steps := shapes.steps
+	if steps == 0 {
+		steps = 3000
+	}
+	for step := range steps {
 		batch := make([][]bucketRequest, 1+rng.IntN(4))
 		if lone {
 			batch = batch[:1]
@@ -803,8 +853,8 @@ func luaMatchesGoBucket(t *testing.T, client *redis.Client, script string, forma
 		t.Fatalf("sequence exercised too little: %d admitted, %d denied, %d rebased, %d stored compact, %d raised to a learned usage, %d usages remembered; %d lone takes, %d of a key holding a TAT ahead, %d denied",
 			admitted, denied, rebased, compact, raised, remembered, loneTakes, loneHeld, loneDenied)
 	}
-	t.Logf("%d requests in 3000 calls: %d admitted, %d denied, %d buckets read against a changed limit, %d stored in v2, %d takes raised to a learned usage, %d usages remembered; %d lone takes, %d of a key holding a TAT ahead, %d denied; identical in Lua and Go",
-		requests, admitted, denied, rebased, compact, raised, remembered, loneTakes, loneHeld, loneDenied)
+	t.Logf("%d requests in %d calls: %d admitted, %d denied, %d buckets read against a changed limit, %d stored in v2, %d takes raised to a learned usage, %d usages remembered; %d lone takes, %d of a key holding a TAT ahead, %d denied; identical in Lua and Go",
+		requests, steps, admitted, denied, rebased, compact, raised, remembered, loneTakes, loneHeld, loneDenied)
 }
 
 // TestLuaSlots: concurrency slots in lua/decide.lua, against the Go

@@ -63,6 +63,16 @@ var (
 		Namespace: "caddy", Subsystem: "rate_limit", Name: "fleet_disagreements",
 		Help: "Policies of this instance that another live instance of its fleet (the same Redis database and key_prefix) enforces with another limit, key or key_secret: they do not share one budget. 0 when the fleet agrees; caddy rate-limit fleet shows who differs and how.",
 	})
+	// spendUSD and unpricedModels: money policies' dollars charged and the
+	// models they found no price for (money.go).
+	spendUSD = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Namespace: "caddy", Subsystem: "rate_limit", Name: "spend_usd_total",
+		Help: "Dollars charged by money policies (unit usd), by policy and by the model priced (the listed name a request's or a response's model was priced as; empty for a policy that prices no model): settled usage, or what stood (the reservation, or the estimate of a response without usage). Never an identity.",
+	}, []string{"policy", "model"})
+	unpricedModels = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Namespace: "caddy", Subsystem: "rate_limit", Name: "unpriced_models_total",
+		Help: "Models the prices do not list, by policy and where they were named: request (refused under unknown deny, priced as the unknown model otherwise), response (a response naming a model the prices lack, priced as its request's model).",
+	}, []string{"policy", "at"})
 	// quotaUsed is the share of its quota a quota policy's request found
 	// used: a distribution over requests, never per identity.
 	quotaUsed = prometheus.NewHistogramVec(prometheus.HistogramOpts{
@@ -88,7 +98,7 @@ func registerMetrics(ctx caddy.Context) error {
 	if reg == nil {
 		return nil
 	}
-	for _, c := range []prometheus.Collector{decisionsTotal, chargesLost, inFlight, leasesExpired, releaseRetries, waiting, storeDuration, storeErrors, circuitOpen, fleetDisagreements, buckets, quotaUsed, slots, emptyKeys, hotTokensUnspent, hotBlocksTaken} {
+	for _, c := range []prometheus.Collector{decisionsTotal, chargesLost, inFlight, leasesExpired, releaseRetries, waiting, storeDuration, storeErrors, circuitOpen, fleetDisagreements, buckets, quotaUsed, slots, emptyKeys, hotTokensUnspent, hotBlocksTaken, spendUSD, unpricedModels} {
 		if err := reg.Register(c); err != nil {
 			var are prometheus.AlreadyRegisteredError
 			if !errors.As(err, &are) {

@@ -66,7 +66,7 @@ func unmarshalZone(d *caddyfile.Dispenser) (*Policy, error) {
 		p.Key = "static" // one bucket for the whole zone
 	}
 	p.Rate = strconv.FormatInt(events, 10) + "/" + window
-	p.Burst = events
+	p.Burst = float64(events)
 	if err := p.check(); err != nil {
 		// The rate and burst come from events and window.
 		s.seen["rate"], s.seen["burst"] = s.seen["events"], s.seen["events"]

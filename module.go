@@ -113,6 +113,11 @@ type Handler struct {
 	// way.
 	RequireRedis bool `json:"require_redis,omitempty"`
 
+	// The prices of the LLM models served, for the policies that budget in
+	// money (`unit usd`): lines, and a price list in LiteLLM's format. See
+	// docs/money.md.
+	Prices *Prices `json:"prices,omitempty"`
+
 	// The budgets. Every policy that matches a request takes part in its
 	// decision. A policy name is one budget: the same name in two handlers
 	// shares its buckets, and must be defined the same way in both.
@@ -191,6 +196,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		return emptySecretError(h.KeySecret)
 	}
 	h.hasher = newKeyHasher(secret)
+	h.Prices.logLoaded(h.logger)
 	for _, p := range h.Policies {
 		if err := p.provision(ctx, h); err != nil {
 			return fmt.Errorf("policy %q: %v", p.Name, err)
@@ -278,6 +284,14 @@ func (h *Handler) Validate() error {
 			return fmt.Errorf("policy %q: defined twice", p.Name)
 		}
 		seen[p.Name] = true
+	}
+	if err := h.checkPrices(); err != nil {
+		return err
+	}
+	if h.Prices != nil {
+		if err := h.Prices.load(); err != nil {
+			return err
+		}
 	}
 	return h.checkDurableStore()
 }

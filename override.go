@@ -238,7 +238,7 @@ func (pt *part) appendPolicyMember(b []byte) []byte {
 		return slotsMember(b, p.Name, l.burst)
 	}
 	_, w := fieldQuota(p.rate.n, p.rate.per)
-	b = policyMember(b, p.Name, min(w*1_000_000/l.interval, maxSFInteger), w)
+	b = policyMember(b, p.Name, min(w*1_000_000/l.interval, maxSFInteger), w, p.unit)
 	if l.burst != p.limit.burst {
 		b = append(b, ";burst="...)
 		b = strconv.AppendInt(b, min(l.burst, maxSFInteger), 10)

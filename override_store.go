@@ -111,6 +111,10 @@ type overrideEntry struct {
 	Expires int64  `json:"expires_ms,omitempty"`
 	Set     int64  `json:"set_ms,omitempty"`
 	Note    string `json:"note,omitempty"`
+	// Source is the limits file that set it (`caddy rate-limit apply`),
+	// which may remove it; empty: set by hand, which no file removes. A
+	// field the release before ignores.
+	Source string `json:"source,omitempty"`
 }
 
 // describe is the entry's limit as the command line writes it.

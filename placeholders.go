@@ -9,6 +9,7 @@ import (
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/ratelimit-caddy/caddy-ratelimit/internal/llm"
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/price"
 )
 
 // requestState is what the rate_limit handlers a request passes through
@@ -42,7 +43,19 @@ type requestState struct {
 	// body is what the request body asks for (`cost openai`), read once.
 	body     llm.Request
 	bodyRead bool
+	// dryRun: the request is a dry run's (dryrun.go) or a replay's, which
+	// counts nothing.
+	dryRun bool
+	// prices are the prices of the handler that read the body, for
+	// {http.rate_limit.model}; usageAsk is what asking a stream for its
+	// usage did to the body (money.go), once tried.
+	prices        *price.Table
+	usageAsk      *llm.UsageAsk
+	usageAskTried bool
 }
+
+// bodyWhole reports whether the request body read is the whole body.
+func (rs *requestState) bodyWhole() bool { return rs.bodyRead && !rs.body.Truncated() }
 
 // stateVar is where a request keeps its requestState.
 const stateVar = "\x00rate_limit"
@@ -74,6 +87,7 @@ func (rs *requestState) wasDecided(name string) bool { return slices.Contains(rs
 // `{http.rate_limit.retry_after}` | the Retry-After sent, in seconds (0 when none)
 // `{http.rate_limit.bearer}` | the token of an `Authorization: Bearer` request header, to key on: the scheme in any case, spaces around the token removed; empty without one
 // `{http.rate_limit.credential}` | the request's credential, to key on: the token of `Authorization: Bearer`, or `x-api-key`, `api-key` or `x-goog-api-key` (spaces around it removed); empty without one, or with two different ones
+// `{http.rate_limit.model}` | the model an LLM request's JSON body names, to key on (read when a policy's key uses it or a policy reads the body): with prices, the listed name it is priced as (a dated snapshot is its family's), empty for one with no price; without, as the body names it
 func (rs *requestState) placeholder(key string) (any, bool) {
 	switch key {
 	case bearerPlaceholder:
@@ -96,6 +110,8 @@ func (rs *requestState) placeholder(key string) (any, bool) {
 		return strconv.FormatInt(rs.remaining, 10), true
 	case "http.rate_limit.retry_after":
 		return strconv.FormatInt(rs.retryAfter, 10), true
+	case modelPlaceholder:
+		return rs.model(), true
 	}
 	return nil, false
 }

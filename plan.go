@@ -56,11 +56,11 @@ type PlanLimit struct {
 
 	// The bucket's capacity. Default: the plan's N when the plan sets a
 	// rate, the policy's burst otherwise.
-	Burst int64 `json:"burst,omitempty"`
+	Burst float64 `json:"burst,omitempty"`
 
 	// The most one request is charged (the policy's cost stays what a
 	// request costs). Default: the policy's max_cost, or the plan's burst.
-	MaxCost int64 `json:"max_cost,omitempty"`
+	MaxCost float64 `json:"max_cost,omitempty"`
 
 	// A concurrency policy's slots under this plan.
 	Concurrent int64 `json:"concurrent,omitempty"`
@@ -203,7 +203,7 @@ func (p *Policy) provisionPlans() error {
 			q.policyHdr = nil // a member per period: quotaSpec.policyMember
 		} else {
 			qq, w := fieldQuota(q.rate.n, q.rate.per)
-			q.policyHdr = policyMember(nil, q.Name, qq, w)
+			q.policyHdr = policyMember(nil, q.Name, qq, w, q.unit)
 		}
 		q.decisions = policyCounters(q.Name, "", name)
 		q.provisionHotKeys() // a plan's limit may be hot where the policy's is not, or the other way
@@ -263,7 +263,15 @@ func (p *Policy) planShapeOf(previous bool) string {
 			continue
 		}
 		if previous {
-			fmt.Fprintf(&b, " %s %+v;", name, *lim)
+			// v0.4.0's dump of its PlanLimit, whose burst and max were
+			// integers (a token policy's are whole: checked).
+			v04 := struct {
+				Rate           string
+				Burst, MaxCost int64
+				Concurrent     int64
+				Quota          string
+			}{lim.Rate, int64(lim.Burst), int64(lim.MaxCost), lim.Concurrent, lim.Quota}
+			fmt.Fprintf(&b, " %s %+v;", name, v04)
 			continue
 		}
 		fmt.Fprintf(&b, " %s %s;", name, fleet.PlanLimit(lim.Rate, lim.Burst, lim.MaxCost, lim.Concurrent, lim.Quota)) // as the Caddyfile writes it
@@ -333,7 +341,16 @@ func (s *section) planArg(d *caddyfile.Dispenser, p *Policy) error {
 					return s.errf(d, "plan %q: quota: a value is required, e.g. quota 5000", name)
 				}
 				lim.Quota = d.Val()
-			case "burst", "concurrent":
+			case "burst":
+				if !d.NextArg() {
+					return s.errf(d, "plan %q: %s: a value is required", name, word)
+				}
+				n, ok := positiveAmount(d.Val())
+				if !ok {
+					return s.errf(d, "plan %q: %s: %q must be a positive number", name, word, d.Val())
+				}
+				lim.Burst = n
+			case "concurrent":
 				if !d.NextArg() {
 					return s.errf(d, "plan %q: %s: a value is required", name, word)
 				}
@@ -341,18 +358,14 @@ func (s *section) planArg(d *caddyfile.Dispenser, p *Policy) error {
 				if !ok {
 					return s.errf(d, "plan %q: %s: %q must be a positive integer", name, word, d.Val())
 				}
-				if word == "burst" {
-					lim.Burst = n
-				} else {
-					lim.Concurrent = n
-				}
+				lim.Concurrent = n
 			case "cost":
 				if !d.NextArg() || d.Val() != "max" || !d.NextArg() {
 					return s.errf(d, "plan %q: cost: a plan sets the most a request is charged, as cost max <n> (what a request costs is the policy's cost)", name)
 				}
-				n, ok := positive(d.Val())
+				n, ok := positiveAmount(d.Val())
 				if !ok {
-					return s.errf(d, "plan %q: cost: max %q must be a positive integer", name, d.Val())
+					return s.errf(d, "plan %q: cost: max %q must be a positive number", name, d.Val())
 				}
 				lim.MaxCost = n
 			default:

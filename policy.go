@@ -15,6 +15,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/ratelimit-caddy/caddy-ratelimit/internal/clientaddr"
 	"github.com/ratelimit-caddy/caddy-ratelimit/internal/llm"
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/price"
 	"github.com/ratelimit-caddy/caddy-ratelimit/internal/shed"
 	"github.com/ratelimit-caddy/caddy-ratelimit/internal/topk"
 )
@@ -63,9 +64,19 @@ type Policy struct {
 	// At least 1s. Default 30s.
 	Lease caddy.Duration `json:"lease,omitempty"`
 
+	// What the policy's rate, burst, quota, cost, max_cost and settle's max
+	// and debt count: `tokens` (the default: requests, or an LLM's tokens)
+	// or `usd`, dollars with up to 6 decimals, kept exactly as integer
+	// micro-dollars. A money policy prices an LLM request with the
+	// handler's `prices` (`cost openai` reserves its model's price of the
+	// tokens it may use, `settle openai` charges the price of what it
+	// used), and takes no `weights`. Rate and quota policies only. See
+	// docs/money.md.
+	Unit string `json:"unit,omitempty"`
+
 	// The bucket's capacity: how many unit requests may pass at once after
-	// a quiet period. Default: the rate's N.
-	Burst int64 `json:"burst,omitempty"`
+	// a quiet period (in dollars, under `unit usd`). Default: the rate's N.
+	Burst float64 `json:"burst,omitempty"`
 
 	// The tokens one request takes: an integer (a JSON number or string), a
 	// placeholder such as `{http.request.header.X-Cost}`, or `openai`: what
@@ -82,7 +93,7 @@ type Policy struct {
 	Cost caddyhttp.WeakString `json:"cost,omitempty"`
 
 	// The most one request is charged. Default: burst.
-	MaxCost int64 `json:"max_cost,omitempty"`
+	MaxCost float64 `json:"max_cost,omitempty"`
 
 	// With `cost openai`, what a request whose answer the body does not
 	// bound does: one without `max_tokens`, `max_completion_tokens` or
@@ -215,7 +226,14 @@ type Policy struct {
 	Priority *Priority `json:"priority,omitempty"`
 
 	// Provisioned state, of every kind.
-	kind      policyKind // from the fields given (check)
+	kind policyKind // from the fields given (check)
+	unit unit       // what its amounts count (check)
+	// prices are the handler's (a money policy's LLM requests), nil without;
+	// money its counters (money.go).
+	prices *price.Table
+	money  moneyMetrics
+	// keyModel: the key uses {http.rate_limit.model}, read from the body.
+	keyModel  bool
 	matchers  caddyhttp.MatcherSet
 	limit     limit
 	onError   string
@@ -320,7 +338,30 @@ const (
 
 func validOnError(s string) bool { return s == failOpen || s == failClosed || s == failLocal }
 
-// parseRate parses `N/duration`.
+// parseRate parses `N/duration` in the unit: N, the duration, and the µs
+// per token (per micro-dollar) it refills at.
+func (u unit) parseRate(s string) (n int64, per time.Duration, interval int64, err error) {
+	if u == unitUSD {
+		text, d, ok := strings.Cut(s, "/")
+		if !ok {
+			return 0, 0, 0, fmt.Errorf("%q is not <dollars>/<duration>, e.g. 5/1h", s)
+		}
+		if n, err = u.amount(text); err != nil {
+			return 0, 0, 0, fmt.Errorf("%q: %v", s, err)
+		}
+		if per, err = caddy.ParseDuration(d); err != nil || per <= 0 {
+			return 0, 0, 0, fmt.Errorf("%q: bad duration %q", s, d)
+		}
+		interval, err = exactInterval(s, n, per.Microseconds())
+		return n, per, interval, err
+	}
+	if n, per, err = parseRate(s); err != nil {
+		return 0, 0, 0, err
+	}
+	return n, per, int64(per / time.Microsecond / time.Duration(n)), nil
+}
+
+// parseRate parses `N/duration`, N tokens.
 func parseRate(s string) (n int64, per time.Duration, err error) {
 	text, d, ok := strings.Cut(s, "/")
 	if !ok {
@@ -346,10 +387,15 @@ func parseRate(s string) (n int64, per time.Duration, err error) {
 	return n, per, nil
 }
 
-// parseCost parses a fixed cost; fixed is false for a placeholder.
-func parseCost(s string) (cost int64, fixed bool, err error) {
+// parseCost parses a fixed cost in the unit; fixed is false for a
+// placeholder.
+func (u unit) parseCost(s string) (cost int64, fixed bool, err error) {
 	if strings.Contains(s, "{") {
 		return 0, false, nil
+	}
+	if u == unitUSD {
+		cost, err = u.amount(s)
+		return cost, true, err
 	}
 	cost, err = strconv.ParseInt(s, 10, 64)
 	if err != nil || cost < 1 || strings.HasPrefix(s, "+") {
@@ -398,8 +444,15 @@ func (p *Policy) check() error {
 	}
 	p.quota = nil
 	p.kind = kindOf(p)
+	var err error
+	if p.unit, err = parseUnit(p.Unit); err != nil {
+		return err
+	}
 	if err := p.noHotKeys(); err != nil {
 		return err
+	}
+	if p.unit == unitUSD && (p.kind == kindShed || p.kind == kindConcurrent) {
+		return fieldErr("unit", "unit: usd is for rate and quota policies: a %s policy counts requests in flight", p.kindName())
 	}
 	if err := p.checkUnbounded(); err != nil {
 		return err
@@ -418,20 +471,19 @@ func (p *Policy) check() error {
 	if p.Rate == "" {
 		return fieldErr("rate", "rate: required (e.g. 100/1m), or concurrent <n>")
 	}
-	var err error
-	if p.rate.n, p.rate.per, err = parseRate(p.Rate); err != nil {
+	var interval int64
+	if p.rate.n, p.rate.per, interval, err = p.unit.parseRate(p.Rate); err != nil {
 		return fieldErr("rate", "rate: %v", err)
 	}
-	burst := p.Burst
+	burst, err := p.unit.count(p.Burst)
+	if err != nil {
+		return fieldErr("burst", "burst: %v", err)
+	}
 	if burst == 0 {
 		burst = p.rate.n
 	}
-	if burst < 1 {
-		return fieldErr("burst", "burst: %d must be at least 1", p.Burst)
-	}
-	interval := int64(p.rate.per / time.Microsecond / time.Duration(p.rate.n))
 	if burst > maxBucketSpan/interval {
-		return fieldErr("burst", "burst: %d tokens take too long to refill at %s", burst, p.Rate)
+		return fieldErr("burst", "burst: %s take too long to refill at %s", p.unit.quantity(burst), p.Rate)
 	}
 	if err := p.checkWait(); err != nil {
 		return err
@@ -449,7 +501,7 @@ func (p *Policy) check() error {
 			return fieldErr("wait", "wait: a charge_if policy gives back what a response does not owe, so it has no turn to reserve")
 		}
 	case p.Settle != nil:
-		if err := p.Settle.check(); err != nil {
+		if err := p.Settle.check(p.unit); err != nil {
 			return err
 		}
 		if p.after.maxUsage, p.after.debt, err = p.Settle.settleLimits(burst, interval, (maxBucketSpan-burst*interval-p.held.wait)/interval); err != nil {
@@ -457,32 +509,11 @@ func (p *Policy) check() error {
 		}
 	}
 	if p.after.debt > (maxBucketSpan-burst*interval-p.hot.reach)/interval {
-		return fieldErr("burst", "burst: %d tokens and a debt of %d take too long to refill at %s", burst, p.after.debt, p.Rate)
+		return fieldErr("burst", "burst: %s and a debt of %s take too long to refill at %s", p.unit.quantity(burst), p.unit.quantity(p.after.debt), p.Rate)
 	}
 	p.limit = limit{interval: interval, burst: burst, slack: p.hot.reach + p.after.debt*interval}
-	if p.MaxCost < 0 || p.MaxCost > maxJSONInteger {
-		return fieldErr("max_cost", "max_cost: %d must be from 1 to %d", p.MaxCost, int64(maxJSONInteger))
-	}
-	p.costs.max = p.MaxCost
-	if p.costs.max == 0 {
-		p.costs.max = burst
-	}
-	if p.costs.max > burst {
-		return maxAboveCapacity(p.costs.max, "burst", burst)
-	}
-	cost := string(p.Cost)
-	if cost == "" {
-		cost = "1"
-	}
-	var fixed bool
-	p.costs.fromBody = cost == costOpenAI
-	if p.costs.fromBody {
-		p.costs.fixed = 0
-	} else if p.costs.fixed, fixed, err = parseCost(cost); err != nil {
-		return fieldErr("cost", "cost: %v", err)
-	}
-	if fixed && p.costs.fixed > min(p.costs.max, burst) {
-		return fieldErr("cost", "cost: %d is more than max %d or burst %d: no request could ever pass", p.costs.fixed, p.costs.max, burst)
+	if err := p.checkCost(burst, "burst"); err != nil {
+		return err
 	}
 	if p.OnError != "" && !validOnError(p.OnError) {
 		return fieldErr("on_error", "on_error: %q is not fail_open, fail_closed or local", p.OnError)
@@ -492,6 +523,41 @@ func (p *Policy) check() error {
 		p.costs.tmpl = newTemplate(string(p.Cost))
 	}
 	return p.checkPlans()
+}
+
+// checkCost checks what a request costs under a rate or quota policy whose
+// buckets hold capacity (a burst, a quota's N, named what): a fixed cost,
+// a placeholder, or the body's (`openai`, `anthropic`), at most max_cost.
+func (p *Policy) checkCost(capacity int64, what string) error {
+	var err error
+	if p.costs.max, err = p.unit.count(p.MaxCost); err != nil {
+		return fieldErr("max_cost", "max_cost: %v", err)
+	}
+	if p.costs.max == 0 {
+		p.costs.max = capacity
+	}
+	if p.costs.max > capacity {
+		return maxAboveCapacity(p.unit, p.costs.max, what, capacity)
+	}
+	cost := string(p.Cost)
+	if cost == "" {
+		cost = "1"
+		if p.unit == unitUSD {
+			return fieldErr("cost", "cost: required with unit usd: what a request costs, in dollars (cost 0.01), or what an LLM request's body asks for at its model's price (cost openai or cost anthropic)")
+		}
+	}
+	var fixed bool
+	p.costs.fromBody = cost == costOpenAI || cost == costAnthropic
+	if p.costs.fromBody {
+		p.costs.fixed = 0
+	} else if p.costs.fixed, fixed, err = p.unit.parseCost(cost); err != nil {
+		return fieldErr("cost", "cost: %v", err)
+	}
+	if fixed && p.costs.fixed > min(p.costs.max, capacity) {
+		return fieldErr("cost", "cost: %s is more than max %s or %s %s: no request could ever pass",
+			p.unit.format(p.costs.fixed), p.unit.format(p.costs.max), what, p.unit.format(capacity))
+	}
+	return nil
 }
 
 // checkConcurrent checks a concurrency policy and derives its slots: a
@@ -556,6 +622,11 @@ func (p *Policy) provision(ctx caddy.Context, h *Handler) error {
 	}
 	p.shadow = p.Shadow || h.Shadow
 	p.keyPrefix = h.keyPrefix + p.Name + ":"
+	if h.Prices != nil {
+		p.prices = h.Prices.table
+	}
+	p.provisionMoney()
+	p.keyModel = readsModel(p.Key)
 	p.keys = &keyCache{ids: newBucketIDs()}
 	p.addrMask = clientaddr.MaskOf(p.IPv4Prefix, p.IPv6Prefix, h.IPv4Prefix, h.IPv6Prefix)
 	if p.keyTmpl.constant() { // e.g. `key global`: one bucket, one storage key
@@ -569,7 +640,7 @@ func (p *Policy) provision(ctx caddy.Context, h *Handler) error {
 		p.policyHdr = nil // a member per period: quotaSpec.policyMember
 	} else {
 		q, w := fieldQuota(p.rate.n, p.rate.per)
-		p.policyHdr = policyMember(nil, p.Name, q, w)
+		p.policyHdr = policyMember(nil, p.Name, q, w, p.unit)
 	}
 	var err error
 	if p.deniedBody, err = json.Marshal(quotaExceeded([]string{p.Name})); err != nil {
@@ -633,6 +704,9 @@ func (p *Policy) cost(r *http.Request, repl *caddy.Replacer) int64 {
 	}
 	if p.costs.fromBody {
 		rs, _ := caddyhttp.GetVar(r.Context(), stateVar).(*requestState)
+		if p.unit == unitUSD {
+			return p.moneyCost(requestBodyOf(r, rs))
+		}
 		return requestBodyOf(r, rs).Reservation(p.usageWeights(), p.costs.max)
 	}
 	v, err := strconv.ParseInt(p.costs.tmpl.resolve(r, repl, p.addrMask), 10, 64)

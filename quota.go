@@ -45,8 +45,10 @@ type quotaSpec struct {
 	durable durability
 	// member is the policy's RateLimit-Policy member for the period last
 	// shown: q is fixed, but w is the period's length, which months and
-	// days across a daylight-saving change do not share.
+	// days across a daylight-saving change do not share. counts is the
+	// policy's unit (its member's qu).
 	name   string
+	counts unit
 	member atomic.Pointer[quotaMember]
 	// used observes the share of the quota each decision found used
 	// (caddy_rate_limit_quota_used_ratio).

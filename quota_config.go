@@ -29,14 +29,23 @@ type Durable struct {
 // maxReplicas bounds durable replicas: beyond any deployment.
 const maxReplicas = 1000
 
-// parseQuota parses `N/<period>`.
-func parseQuota(s string) (n int64, unit calendar.Unit, err error) {
+// parseQuota parses `N/<period>`, N tokens.
+func parseQuota(s string) (n int64, unit calendar.Unit, err error) { return unitTokens.parseQuota(s) }
+
+// parseQuota parses `N/<period>`, N in the unit.
+func (u unit) parseQuota(s string) (n int64, unit calendar.Unit, err error) {
 	num, name, ok := strings.Cut(s, "/")
 	if !ok {
+		if u == unitUSD {
+			return 0, 0, fmt.Errorf("%q is not <dollars>/<minute|hour|day|week|month|year>, e.g. 500/month", s)
+		}
 		return 0, 0, fmt.Errorf("%q is not N/<minute|hour|day|week|month|year>, e.g. 1000000/month", s)
 	}
-	n, err = strconv.ParseInt(num, 10, 64)
-	if err != nil || n < 1 || n > maxJSONInteger || strings.HasPrefix(num, "+") {
+	if u == unitUSD {
+		if n, err = u.amount(num); err != nil {
+			return 0, 0, fmt.Errorf("%q: %v", s, err)
+		}
+	} else if n, err = strconv.ParseInt(num, 10, 64); err != nil || n < 1 || n > maxJSONInteger || strings.HasPrefix(num, "+") {
 		return 0, 0, fmt.Errorf("%q: N must be an integer from 1 to %d", s, int64(maxJSONInteger))
 	}
 	if unit, err = calendar.ParseUnit(name); err != nil {
@@ -66,7 +75,7 @@ func (p *Policy) checkQuota() error {
 	case p.Wait != 0:
 		return fieldErr("wait", "wait: a quota frees units only at its period's end: there is no slot to wait for")
 	}
-	n, unit, err := parseQuota(p.Quota)
+	n, unit, err := p.unit.parseQuota(p.Quota)
 	if err != nil {
 		return fieldErr("quota", "quota: %v", err)
 	}
@@ -89,7 +98,7 @@ func (p *Policy) checkQuota() error {
 	case p.ChargeIf != nil && p.Settle != nil:
 		return fieldErr("settle", "charge_if and settle exclude each other: charge_if charges the cost of matching responses, settle the usage of every response")
 	case p.Settle != nil:
-		if err = p.Settle.check(); err != nil {
+		if err = p.Settle.check(p.unit); err != nil {
 			return err
 		}
 		// Counts stay below 2^53.
@@ -97,34 +106,19 @@ func (p *Policy) checkQuota() error {
 			return err
 		}
 	}
-	if p.MaxCost < 0 || p.MaxCost > maxJSONInteger {
-		return fieldErr("max_cost", "max_cost: %d must be from 1 to %d", p.MaxCost, int64(maxJSONInteger))
-	}
-	p.costs.max = p.MaxCost
-	if p.costs.max == 0 {
-		p.costs.max = n
-	}
-	if p.costs.max > n {
-		return maxAboveCapacity(p.costs.max, "quota", n)
-	}
-	cost := string(p.Cost)
-	if cost == "" {
-		cost = "1"
-	}
-	var fixed bool
-	if p.costs.fixed, fixed, err = parseCost(cost); err != nil {
-		return fieldErr("cost", "cost: %v", err)
-	}
-	if fixed && p.costs.fixed > min(p.costs.max, n) {
-		return fieldErr("cost", "cost: %d is more than max %d or quota %d: no request could ever pass", p.costs.fixed, p.costs.max, n)
+	if err := p.checkCost(n, "quota"); err != nil {
+		return err
 	}
 	if p.OnError != "" && !validOnError(p.OnError) {
 		return fieldErr("on_error", "on_error: %q is not fail_open, fail_closed or local", p.OnError)
 	}
 	p.rate.n, p.rate.per, p.held.wait = 0, 0, 0
 	p.limit = limit{burst: n, slack: p.after.debt}
-	p.quota = &quotaSpec{periods: calendar.New(unit, loc), unit: unit, loc: loc, durable: d, name: p.Name, used: quotaUsed.WithLabelValues(p.Name)}
-	p.keyTmpl, p.costs.tmpl = newTemplate(p.Key), newTemplate(string(p.Cost))
+	p.quota = &quotaSpec{periods: calendar.New(unit, loc), unit: unit, loc: loc, durable: d, name: p.Name, counts: p.unit, used: quotaUsed.WithLabelValues(p.Name)}
+	p.keyTmpl, p.costs.tmpl = newTemplate(p.Key), newTemplate("")
+	if !p.costs.fromBody {
+		p.costs.tmpl = newTemplate(string(p.Cost))
+	}
 	return p.checkPlans()
 }
 
@@ -135,26 +129,33 @@ func (p *Policy) checkQuota() error {
 // monthly quota would have to become a daily one.
 func (p *Policy) quotaOf(s string) (int64, error) {
 	if !strings.Contains(s, "/") {
+		if p.unit == unitUSD {
+			n, err := p.unit.amount(s)
+			if err != nil {
+				return 0, fmt.Errorf("quota: %v", err)
+			}
+			return n, nil
+		}
 		n, err := strconv.ParseInt(s, 10, 64)
 		if err != nil || n < 1 || n > maxJSONInteger || strings.HasPrefix(s, "+") {
 			return 0, fmt.Errorf("quota: %q: N must be an integer from 1 to %d", s, int64(maxJSONInteger))
 		}
 		return n, nil
 	}
-	n, unit, err := parseQuota(s)
+	n, unit, err := p.unit.parseQuota(s)
 	if err != nil {
 		return 0, fmt.Errorf("quota: %v", err)
 	}
 	if unit != p.quota.unit {
-		return 0, fmt.Errorf("quota: %q: the period is the policy's (quota %s, timezone %s): a plan or an override sets N only, as quota %d or quota %d/%s",
-			s, p.Quota, p.quota.loc, n, n, p.quota.unit)
+		return 0, fmt.Errorf("quota: %q: the period is the policy's (quota %s, timezone %s): a plan or an override sets N only, as quota %s or quota %s/%s",
+			s, p.Quota, p.quota.loc, p.unit.number(n), p.unit.number(n), p.quota.unit)
 	}
 	return n, nil
 }
 
 // quotaWith is the policy's quota with n in place of its N: the same unit.
 func (p *Policy) quotaWith(n int64) string {
-	return strconv.FormatInt(n, 10) + "/" + p.quota.unit.String()
+	return p.unit.number(n) + "/" + p.quota.unit.String()
 }
 
 // unmarshalDurable reads `durable replicas <n> [aof]` or `durable aof
@@ -212,7 +213,7 @@ func (p *Policy) quotaKind() string {
 	case p.ChargeIf != nil:
 		return "quota, charged if the response matches"
 	case p.Settle != nil:
-		return "quota, " + p.Settle.describe()
+		return "quota, " + p.Settle.shape()
 	}
 	return "quota"
 }

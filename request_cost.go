@@ -9,8 +9,12 @@ import (
 // `cost openai`: the reservation of an LLM request, read from its JSON
 // body before it runs (llm.ReadRequest), once per request.
 
-// costOpenAI is the Cost that reserves from the request body.
-const costOpenAI = "openai"
+// costOpenAI and costAnthropic are the Costs that reserve from the request
+// body (the two read it alike: its model, max_tokens and prompt).
+const (
+	costOpenAI    = "openai"
+	costAnthropic = "anthropic"
+)
 
 // requestBodyOf reads the request body once for all the policies of all
 // the handlers a request passes through.
@@ -38,8 +42,8 @@ func (p *Policy) checkUnbounded() error {
 		return nil
 	case p.Unbounded != unboundedMax && p.Unbounded != unboundedRefuse:
 		return fieldErr("cost", "cost: unbounded %q is not max or refuse", p.Unbounded)
-	case string(p.Cost) != costOpenAI:
-		return fieldErr("cost", "cost: unbounded is for cost openai, which reads the answer's ceiling from the body")
+	case string(p.Cost) != costOpenAI && string(p.Cost) != costAnthropic:
+		return fieldErr("cost", "cost: unbounded is for cost openai or anthropic, which read the answer's ceiling from the body")
 	}
 	return nil
 }

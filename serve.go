@@ -33,6 +33,9 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 		}
 		return err
 	}
+	if res.unpriced != nil { // a model with no price (money.go)
+		return h.refuseUnpriced(w, rs, res)
+	}
 	if len(res.parts) == 0 && len(res.adaptive) == 0 {
 		return next.ServeHTTP(w, r)
 	}
@@ -49,10 +52,12 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 		return h.deny(w, r, rs, res)
 	}
 	h.report(w, rs, res, 0)
+	res.spendAtAdmission(rs) // money.go
 	if !res.holdUntilDue(r) {
 		return nil // the client went away; its turn stays consumed
 	}
 	res.passAdaptive()
+	res.askUsage(r, rs) // money.go
 	return h.serveWatched(w, r, next, rs, res)
 }
 
@@ -81,6 +86,16 @@ func (h *Handler) match(r *http.Request, repl *caddy.Replacer, rs *requestState,
 			}
 		}
 		p = p.planned(r, repl) // the policy as the request's plan limits it
+		if p.keyModel || p.pricesModels() {
+			// The model, in the key or priced: a money policy refuses a
+			// model with no price before anything is decided (money.go).
+			rs.prices = p.prices
+			if p.pricesModels() && p.unpricedModel(requestBodyOf(r, rs)) && !p.shadow {
+				res.unpriced = p
+				return nil
+			}
+			requestBodyOf(r, rs)
+		}
 		key, identity := p.fixedKey, p.keyTmpl.text
 		if key == "" && !p.shadow && p.keyTmpl.usesCredential() && twoCredentials(r.Header) != nil {
 			return twoCredentialsRefusal(p, r.Header) // one credential a request (credential.go)
@@ -91,7 +106,9 @@ func (h *Handler) match(r *http.Request, repl *caddy.Replacer, rs *requestState,
 		if key == "" {
 			identity = p.key(r, repl)
 			key = p.storageKey(h.hasher, identity)
-			p.emptyKey.note(p, identity, h.logger) // credential.go
+			if !rs.dryRun {
+				p.emptyKey.note(p, identity, h.logger) // credential.go
+			}
 		}
 		rq := bucketRequest{key: key, op: p.admissionOp(), limit: p.limit, cost: p.cost(r, repl), shadow: p.shadow, givesBack: p.givesBack(), learns: p.learns(), hot: p.hot.use}
 		rq.quota = p.quota // nil unless a quota

@@ -162,7 +162,7 @@ func jitterOff() *float64 { z := 0.0; return &z }
 // handlers and logs read (the placeholders).
 func TestServeHTTP(t *testing.T) {
 	perUser := func(rate string, burst int64) *Policy {
-		return &Policy{Name: "per_user", Key: "{http.request.header.X-User}", Rate: rate, Burst: burst}
+		return &Policy{Name: "per_user", Key: "{http.request.header.X-User}", Rate: rate, Burst: float64(burst)}
 	}
 	type step struct {
 		header  []string

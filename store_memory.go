@@ -159,11 +159,7 @@ func (m *memoryStore) decide(_ context.Context, reqs []bucketRequest) (decision,
 				learned = make([]int64, len(reqs))
 			}
 			l := m.shards[shards[i]].learnedOf(ids[i], now)
-			if rq.op == opTake {
-				learned[i] = l.raise(reservationClass(rq.cost), rq.cost)
-			} else {
-				learned[i] = l.most() // what inspect shows
-			}
+			learned[i] = l.of(rq)
 		}
 	}
 	if learned != nil {

@@ -269,7 +269,7 @@ func TestSettleAcrossInstances(t *testing.T) {
 // TestSettleDebt: usage above the reservation is charged as debt, which
 // later requests wait out; a response's usage is capped at settle max; and
 // the key, having used more than it reserved, reserves what it used (at
-// most the burst) on its next request.
+// most the burst) on its next request of the same size.
 func TestSettleDebt(t *testing.T) {
 	srv := testredis.Start(t)
 	up := startUsageUpstream(t)
@@ -294,12 +294,20 @@ func TestSettleDebt(t *testing.T) {
 	if r := send(1, 0); r.status != 429 {
 		t.Fatalf("in debt: %d, want 429", r.status)
 	}
-	// The debt refills at 100/s: 500 owed, then the 1,000 the key now
-	// reserves (it learned it uses 1,500; at most the burst): 15 s from the
+	// The debt refills at 100/s: 500 owed, then, for a request like the one
+	// that taught it (a reservation of 100), the 1,000 the key now reserves
+	// (it learned such requests use 1,500; at most the burst): 15 s from the
 	// first decision, which came after start; less what has passed since.
-	lim := parseFields(t, send(1, 0).header, "RateLimit")
+	lim := parseFields(t, send(100, 0).header, "RateLimit")
 	if least := leastWait(15, time.Since(start)); len(lim) != 1 || lim[0].params["t"] < least || lim[0].params["t"] > 16 {
 		t.Fatalf("RateLimit %+v, %v after the first request, want t of about 15 s (the debt's refill, then the learned reservation), at least %d",
+			lim, time.Since(start).Round(time.Millisecond), least)
+	}
+	// A request of another size (1 token, a smaller class) is not raised by
+	// what the 100s taught: it waits for the debt alone, about 5 s.
+	lim = parseFields(t, send(1, 0).header, "RateLimit")
+	if least := leastWait(5, time.Since(start)); len(lim) != 1 || lim[0].params["t"] < least || lim[0].params["t"] > 6 {
+		t.Fatalf("RateLimit %+v, %v after the first request, want t of about 5 s (the debt's refill alone), at least %d",
 			lim, time.Since(start).Round(time.Millisecond), least)
 	}
 }

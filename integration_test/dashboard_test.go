@@ -2,6 +2,7 @@ package integration_test
 
 import (
 	"encoding/json"
+	"io"
 	"net/http"
 	"net/url"
 	"os"
@@ -312,6 +313,15 @@ func dashboardRoutes(redisAddr, downAddr, upstream string) []any {
 				"shed":     map[string]any{"concurrent": 4, "latency": "50ms"},
 				"priority": map[string]any{"from": "{http.request.header.X-Priority}", "classes": []any{map[string]any{"name": "critical", "share": "100%"}, map[string]any{"name": "batch", "share": "50%"}}}}),
 			proxyTo(upstream)),
+		route("/money", // a money budget: spend, and requests for a model with no price
+			func() map[string]any {
+				h := shared(map[string]any{"name": "team_usd", "key": key, "unit": "usd", "rate": "100/1h", "cost": "openai", "max_cost": 0.01,
+					"settle": map[string]any{"from": "openai"}})
+				h["prices"] = map[string]any{"models": []any{map[string]any{"model": "gpt-4.1", "input": 2, "output": 8}}}
+				return h
+			}(),
+			map[string]any{"handler": "static_response", "status_code": 200, "headers": map[string]any{"Content-Type": []string{"application/json"}},
+				"body": `{"model":"gpt-4.1-2025-04-14","usage":{"prompt_tokens":100,"completion_tokens":20,"total_tokens":120}}`}),
 		route("/down/open",
 			redisLimiter(downAddr, "100ms", nil, map[string]any{"name": "down_open", "key": "global", "rate": "1000/1s"}),
 			respond()),
@@ -332,22 +342,27 @@ func dashboardLoad(t *testing.T, fleet []*instance, d time.Duration) map[string]
 		path    string
 		headers []string
 		pause   time.Duration
+		body    string // a POST's
 	}
 	var workers []worker
 	for range 4 {
-		workers = append(workers, worker{"/api", []string{"X-Api-Key", "shared-key"}, 5 * time.Millisecond})
+		workers = append(workers, worker{"/api", []string{"X-Api-Key", "shared-key"}, 5 * time.Millisecond, ""})
 	}
 	for i := range 2 {
-		workers = append(workers, worker{"/quota", []string{"X-Tenant", "tenant-" + strconv.Itoa(i)}, 10 * time.Millisecond})
+		workers = append(workers, worker{"/quota", []string{"X-Tenant", "tenant-" + strconv.Itoa(i)}, 10 * time.Millisecond, ""})
 	}
 	for range 4 {
-		workers = append(workers, worker{"/export", []string{"X-Hold", "200"}, 10 * time.Millisecond})
+		workers = append(workers, worker{"/export", []string{"X-Hold", "200"}, 10 * time.Millisecond, ""})
 	}
 	for i := range 8 {
-		workers = append(workers, worker{"/shed", []string{"X-Hold", "200", "X-Priority", []string{"critical", "batch"}[i%2]}, 10 * time.Millisecond})
+		workers = append(workers, worker{"/shed", []string{"X-Hold", "200", "X-Priority", []string{"critical", "batch"}[i%2]}, 10 * time.Millisecond, ""})
 	}
 	for _, p := range []string{"/llm", "/down/open", "/down/closed", "/down/local"} {
-		workers = append(workers, worker{p, []string{"X-Api-Key", "shared-key"}, 20 * time.Millisecond})
+		workers = append(workers, worker{p, []string{"X-Api-Key", "shared-key"}, 20 * time.Millisecond, ""})
+	}
+	for _, model := range []string{"gpt-4.1", "gpt-4.1-2025-04-14", "a-model-without-a-price"} {
+		workers = append(workers, worker{"/money", []string{"X-Api-Key", "money-key", "Content-Type", "application/json"}, 20 * time.Millisecond,
+			`{"model":"` + model + `","messages":[{"role":"user","content":"Say hi"}],"max_tokens":20}`})
 	}
 	counts := map[string]map[int]int{}
 	var mu sync.Mutex
@@ -359,7 +374,11 @@ func dashboardLoad(t *testing.T, fleet []*instance, d time.Duration) map[string]
 		go func() {
 			defer wg.Done()
 			for n := 0; time.Now().Before(stop); n++ {
-				req, _ := http.NewRequest("GET", fleet[(i+n)%len(fleet)].URL+w.path, nil)
+				method, body := "GET", io.Reader(nil)
+				if w.body != "" {
+					method, body = "POST", strings.NewReader(w.body)
+				}
+				req, _ := http.NewRequest(method, fleet[(i+n)%len(fleet)].URL+w.path, body)
 				for j := 0; j+1 < len(w.headers); j += 2 {
 					req.Header.Set(w.headers[j], w.headers[j+1])
 				}

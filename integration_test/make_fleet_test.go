@@ -105,7 +105,7 @@ func TestMakeFleetStopsByPid(t *testing.T) {
 			}
 			text := out.String()
 			var pids []int
-			for _, m := range regexp.MustCompile(`(?m)^  (?:redis-server|caddy-\d)\s.*\bpid (\d+)`).FindAllStringSubmatch(text, -1) {
+			for _, m := range regexp.MustCompile(`(?m)^  (?:redis-server|Redis|Valkey|Dragonfly|KeyDB|caddy-\d)\s.*\bpid (\d+)`).FindAllStringSubmatch(text, -1) {
 				pid, _ := strconv.Atoi(m[1])
 				pids = append(pids, pid)
 			}

@@ -177,7 +177,7 @@ func TestOperatorInspectAndGrant(t *testing.T) {
 			{"POST", "/rate_limit/grant", `{"policy":"per_user","identity":"eve","tokens":"3"}`, 400, "not {"},
 			{"POST", "/rate_limit/reset", `{"policy":"per_user"}`, 400, "identity: required"},
 			{"GET", "/rate_limit/reset", "", 405, "POST"},
-			{"GET", "/rate_limit/unblock", "", 404, "inspect, reset, grant, top, format, fleet, override or overrides"},
+			{"GET", "/rate_limit/unblock", "", 404, "inspect, reset, grant, top, format, fleet, override, overrides, apply or dry_run"},
 		} {
 			status, body := adminCall(t, in, tc.method, tc.path, tc.body)
 			if status != tc.status || !strings.Contains(body, tc.says) {

@@ -39,10 +39,16 @@ import (
 //
 // X-Cut: <bytes> stops a stream after that much text, and waits for the
 // client to go; X-Provider-Status: <4xx or 5xx> answers that error, without
-// usage.
+// usage. A streamed chat completion carries its usage only when the request
+// asks (stream_options.include_usage), as OpenAI's does: then every chunk
+// has "usage": null and a last chunk, with no choices, the usage; otherwise
+// no usage at all. Responses name the model served: served's dated
+// snapshot of the model asked for, or the model asked for.
 type sdkProvider struct {
 	addr string
-	mu   sync.Mutex
+	// served maps a model asked for to the one served (set before use).
+	served map[string]string
+	mu     sync.Mutex
 	// stored are the Responses API's stored responses: their context's tokens.
 	stored map[string]int64
 	// cached are the prompt prefixes in the providers' caches.
@@ -60,6 +66,14 @@ type providerCall struct {
 	text                                   int   // bytes of answer text sent
 	cut                                    bool  // the stream was cut before its usage
 	acceptEncoding, contentEncoding, model string
+	// served is the model the answer named; stream: it was streamed, with
+	// its usage asked for (askedUsage); org, team, user: the identity
+	// headers the gateway passed on (X-Org, X-Team, X-User); at: when the
+	// answer was written (recorded).
+	served             string
+	stream, askedUsage bool
+	org, team, user    string
+	at                 time.Time
 }
 
 // total is the usage as a policy without weights settles it: OpenAI's
@@ -69,7 +83,7 @@ func (c providerCall) total() int64 { return c.input + c.cacheWrite + c.output }
 
 func startProvider(t *testing.T) *sdkProvider {
 	t.Helper()
-	p := &sdkProvider{stored: map[string]int64{}, cached: map[[32]byte]bool{}}
+	p := &sdkProvider{stored: map[string]int64{}, cached: map[[32]byte]bool{}, served: map[string]string{}}
 	p.addr = serveLoopback(t, http.HandlerFunc(p.serve))
 	return p
 }
@@ -201,6 +215,15 @@ func (p *sdkProvider) serve(w http.ResponseWriter, r *http.Request) {
 	}
 	var c providerCall
 	c.path, c.model, c.acceptEncoding = path, fmt.Sprint(req["model"]), r.Header.Get("Accept-Encoding")
+	c.served = c.model
+	if s := p.servedModel(c.model); s != "" {
+		c.served = s
+	}
+	c.stream = stream
+	if so, ok := req["stream_options"].(map[string]any); ok {
+		c.askedUsage = so["include_usage"] == true
+	}
+	c.org, c.team, c.user = r.Header.Get("X-Org"), r.Header.Get("X-Team"), r.Header.Get("X-User")
 	c.credential = r.Header.Get("Authorization") + "|" + r.Header.Get("X-Api-Key") + "|" + r.Header.Get("Api-Key")
 	var all, prefix int64
 	for i, s := range pp.texts {
@@ -308,34 +331,40 @@ func (p *sdkProvider) serve(w http.ResponseWriter, r *http.Request) {
 	case strings.HasSuffix(path, "/chat/completions") && !stream:
 		c.text = len(text)
 		o.event(fmt.Sprintf(`{"id":"chatcmpl-%s","object":"chat.completion","created":1741569952,"model":%q,"choices":[{"index":0,"message":{"role":"assistant","content":%s,"refusal":null},"finish_reason":"stop"}],"usage":{"prompt_tokens":%d,"completion_tokens":%d,"total_tokens":%d,"prompt_tokens_details":{"cached_tokens":%d,"audio_tokens":0}}}`,
-			id, c.model, jsonString(text), in, out, in+out, c.cached))
+			id, c.served, jsonString(text), in, out, in+out, c.cached))
 	case strings.HasSuffix(path, "/chat/completions"):
-		chunk := `{"id":"chatcmpl-1","object":"chat.completion.chunk","created":1741569952,"model":"gpt-4o-mini","choices":[%s],"usage":%s}`
-		o.event("data: " + fmt.Sprintf(chunk, `{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}`, "null") + "\n\n")
-		if !deltas("data: " + fmt.Sprintf(chunk, `{"index":0,"delta":{"content":%s},"finish_reason":null}`, "null") + "\n\n") {
+		usageNull := "" // each chunk's usage, when the request asks for it
+		if c.askedUsage {
+			usageNull = `,"usage":null`
+		}
+		chunk := `{"id":"chatcmpl-1","object":"chat.completion.chunk","created":1741569952,"model":` + strconv.Quote(c.served) + `,"choices":[%s]%s}`
+		o.event("data: " + fmt.Sprintf(chunk, `{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}`, usageNull) + "\n\n")
+		if !deltas("data: " + fmt.Sprintf(chunk, `{"index":0,"delta":{"content":%s},"finish_reason":null}`, usageNull) + "\n\n") {
 			return
 		}
-		o.event("data: " + fmt.Sprintf(chunk, `{"index":0,"delta":{},"finish_reason":"stop"}`, "null") + "\n\n")
-		o.event("data: " + fmt.Sprintf(chunk, "", fmt.Sprintf(`{"prompt_tokens":%d,"completion_tokens":%d,"total_tokens":%d,"prompt_tokens_details":{"cached_tokens":%d}}`, in, out, in+out, c.cached)) + "\n\n")
+		o.event("data: " + fmt.Sprintf(chunk, `{"index":0,"delta":{},"finish_reason":"stop"}`, usageNull) + "\n\n")
+		if c.askedUsage {
+			o.event("data: " + fmt.Sprintf(chunk, "", fmt.Sprintf(`,"usage":{"prompt_tokens":%d,"completion_tokens":%d,"total_tokens":%d,"prompt_tokens_details":{"cached_tokens":%d}}`, in, out, in+out, c.cached)) + "\n\n")
+		}
 		o.event("data: [DONE]\n\n")
 	case path == "/v1/responses" && !stream:
 		c.text = len(text)
 		o.event(fmt.Sprintf(`{"id":%q,"object":"response","created_at":1741476542,"status":"completed","model":%q,"output":[{"type":"message","id":"msg_1","status":"completed","role":"assistant","content":[{"type":"output_text","text":%s,"annotations":[]}]}],"usage":{"input_tokens":%d,"input_tokens_details":{"cached_tokens":0},"output_tokens":%d,"output_tokens_details":{"reasoning_tokens":0},"total_tokens":%d}}`,
-			id, c.model, jsonString(text), in, out, in+out))
+			id, c.served, jsonString(text), in, out, in+out))
 	case path == "/v1/responses":
-		o.event(`event: response.created` + "\n" + fmt.Sprintf(`data: {"type":"response.created","sequence_number":0,"response":{"id":%q,"object":"response","status":"in_progress","model":"gpt-4.1","output":[],"usage":null}}`, id) + "\n\n")
+		o.event(`event: response.created` + "\n" + fmt.Sprintf(`data: {"type":"response.created","sequence_number":0,"response":{"id":%q,"object":"response","status":"in_progress","model":%q,"output":[],"usage":null}}`, id, c.served) + "\n\n")
 		if !deltas(`event: response.output_text.delta` + "\n" + `data: {"type":"response.output_text.delta","sequence_number":2,"item_id":"msg_1","output_index":0,"content_index":0,"delta":%s}` + "\n\n") {
 			return
 		}
-		o.event(`event: response.completed` + "\n" + fmt.Sprintf(`data: {"type":"response.completed","sequence_number":4,"response":{"id":%q,"object":"response","status":"completed","model":"gpt-4.1","output":[{"type":"message","id":"msg_1","role":"assistant","content":[{"type":"output_text","text":%s}]}],"usage":{"input_tokens":%d,"input_tokens_details":{"cached_tokens":0},"output_tokens":%d,"total_tokens":%d}}}`,
-			id, jsonString(text), in, out, in+out) + "\n\n")
+		o.event(`event: response.completed` + "\n" + fmt.Sprintf(`data: {"type":"response.completed","sequence_number":4,"response":{"id":%q,"object":"response","status":"completed","model":%q,"output":[{"type":"message","id":"msg_1","role":"assistant","content":[{"type":"output_text","text":%s}]}],"usage":{"input_tokens":%d,"input_tokens_details":{"cached_tokens":0},"output_tokens":%d,"total_tokens":%d}}}`,
+			id, c.served, jsonString(text), in, out, in+out) + "\n\n")
 	case !stream: // Anthropic Messages
 		c.text = len(text)
 		o.event(fmt.Sprintf(`{"id":"msg_%s","type":"message","role":"assistant","content":[{"type":"text","text":%s}],"model":%q,"stop_reason":"end_turn","stop_sequence":null,"usage":{"input_tokens":%d,"cache_creation_input_tokens":%d,"cache_read_input_tokens":%d,"output_tokens":%d}}`,
-			id, jsonString(text), c.model, c.input, c.cacheWrite, c.cacheRead, out))
+			id, jsonString(text), c.served, c.input, c.cacheWrite, c.cacheRead, out))
 	default:
 		o.event("event: message_start\n" + fmt.Sprintf(`data: {"type":"message_start","message":{"id":"msg_%s","type":"message","role":"assistant","content":[],"model":%q,"stop_reason":null,"stop_sequence":null,"usage":{"input_tokens":%d,"cache_creation_input_tokens":%d,"cache_read_input_tokens":%d,"output_tokens":1}}}`,
-			id, c.model, c.input, c.cacheWrite, c.cacheRead) + "\n\n")
+			id, c.served, c.input, c.cacheWrite, c.cacheRead) + "\n\n")
 		o.event("event: content_block_start\n" + `data: {"type":"content_block_start","index":0,"content_block":{"type":"text","text":""}}` + "\n\n")
 		if !deltas("event: content_block_delta\n" + `data: {"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":%s}}` + "\n\n") {
 			return
@@ -349,8 +378,16 @@ func (p *sdkProvider) serve(w http.ResponseWriter, r *http.Request) {
 
 func (p *sdkProvider) record(c providerCall) {
 	p.mu.Lock()
+	c.at = time.Now()
 	p.calls = append(p.calls, c)
 	p.mu.Unlock()
+}
+
+// servedModel is the model served for one asked for, or "".
+func (p *sdkProvider) servedModel(asked string) string {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.served[asked]
 }
 
 func asList(v any) []any { l, _ := v.([]any); return l }

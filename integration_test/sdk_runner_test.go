@@ -73,6 +73,8 @@ type sdkCall struct {
 	Headers map[string]any `json:"headers,omitempty"`
 	// AbortAfterText cuts the stream once that much text has come.
 	AbortAfterText int `json:"abortAfterText,omitempty"`
+	// BaseURL is the call's gateway, when not the plan's.
+	BaseURL string `json:"baseURL,omitempty"`
 
 	requests []sdkHTTP
 	done     *sdkEvent
@@ -102,6 +104,9 @@ type sdkEvent struct {
 	Message      string  `json:"message"`
 	Type         string  `json:"type"`
 	Code         string  `json:"code"`
+	// Usage is what the application was given of the usage: the last the
+	// stream carried (null when none), or the response's.
+	Usage json.RawMessage `json:"usage"`
 }
 
 // sdkPlan is what one driver run does.

@@ -25,23 +25,36 @@ import (
 // build would, whichever goes first; and once the fleet marker says v2,
 // both write and read the compact format.
 
-var previous struct {
+// releases are the Caddy binaries of earlier releases the tests run,
+// built once each, by commit.
+var releases sync.Map // commit -> *release
+
+type release struct {
 	once sync.Once
 	bin  string
 	err  error
 }
 
-// previousBin is the previous release's Caddy binary, built once.
+// releaseBin is the Caddy binary of an earlier release (its commit),
+// built once from the repository's history, named name.
+func releaseBin(t *testing.T, commit, name string) string {
+	t.Helper()
+	v, _ := releases.LoadOrStore(commit, new(release))
+	r := v.(*release)
+	r.once.Do(func() {
+		r.bin = filepath.Join(filepath.Dir(caddyBin), name)
+		r.err = testcaddy.BuildRelease(".", commit, r.bin)
+	})
+	if r.err != nil {
+		t.Fatalf("building %s (%s): %v", name, commit, r.err)
+	}
+	return r.bin
+}
+
+// previousBin is the previous release's Caddy binary.
 func previousBin(t *testing.T) string {
 	t.Helper()
-	previous.once.Do(func() {
-		previous.bin = filepath.Join(filepath.Dir(caddyBin), "caddy-previous")
-		previous.err = testcaddy.BuildRelease(".", testcaddy.PreviousRelease, previous.bin)
-	})
-	if previous.err != nil {
-		t.Fatalf("building the previous release %s: %v", testcaddy.PreviousRelease, previous.err)
-	}
-	return previous.bin
+	return releaseBin(t, testcaddy.PreviousRelease, "caddy-previous")
 }
 
 // startBinary is startCaddy with another Caddy binary.

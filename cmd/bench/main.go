@@ -1,12 +1,13 @@
 // Command bench measures what the limiter costs, side by side with plain
-// Caddy in one run: thirteen Caddy instances (plain `respond`; rate_limit with
+// Caddy in one run: fifteen Caddy instances (plain `respond`; rate_limit with
 // Redis and 10,000 identities, nothing denied; the same in-process; one
 // abusive identity, nearly everything denied; two policies per request; a
 // reservation settled after the response; a concurrency slot; the abusive
 // identity again with Retry-After pacing off; the 10,000 identities on
 // three plans, without overrides and with 1,000 of them overridden; a
 // monthly quota; one key at full speed, a hot key decided from blocks of
-// its tokens; (b)'s round trips on a Caddy whose script decides nothing)
+// its tokens; (b)'s round trips on a Caddy whose script decides nothing;
+// a chat completion settled from its response in tokens and in dollars)
 // are loaded in turn with wrk, round after round, each run of a limited one
 // paired with a run of plain Caddy next to it; the medians of the pairs'
 // ratios are the results. It also reads Redis's own cost per script call,
@@ -46,7 +47,7 @@ var (
 	duration    = flag.Duration("duration", 5*time.Second, "wrk run per scenario and round")
 	connections = flag.Int("connections", 32, "wrk connections")
 	threads     = flag.Int("threads", 2, "wrk threads")
-	only        = flag.String("only", "abcdefghijqkz", "scenarios to run (plain Caddy, (a), always runs); the latency and key-size parts need b and d, the decision's own cost b and z")
+	only        = flag.String("only", "abcdefghijqkzlm", "scenarios to run (plain Caddy, (a), always runs); the latency and key-size parts need b and d, the decision's own cost b and z")
 	previous    = flag.String("previous", testcaddy.PreviousRelease, "commit of the build to compare with, side by side, on (b), (c), (d), (f), (g) and (k) (empty: no comparison)")
 	overrides   = flag.Int("overrides", 1000, "overrides set, of as many of the 10,000 identities, in scenario (j)")
 	latency     = flag.Bool("latency", true, "with b: also measure latency one request at a time and open loop")
@@ -58,6 +59,7 @@ type scenario struct {
 	handler     map[string]any // nil: plain respond
 	redis       bool
 	usage       bool   // the response reports a usage (X-Usage-Tokens)
+	llm         bool   // the response is a chat completion with its usage
 	script      string // wrk Lua: how requests vary
 	in          *testcaddy.Instance
 	// noop: run on the Caddy whose script decides nothing (scenario (z)).
@@ -103,6 +105,22 @@ request = function()
   return wrk.format("GET", "/", {["X-User"] = "user-" .. (math.random(10000)), ["X-Max-Tokens"] = "10"})
 end
 `
+
+// chatLua is identitiesLua with each request a chat completion's JSON
+// body.
+const chatLua = `
+local body = '{"model":"gpt-4.1","messages":[{"role":"system","content":"You answer in one short sentence."},{"role":"user","content":"Say hello to the gateway"}],"max_tokens":100}'
+request = function()
+  return wrk.format("POST", "/v1/chat/completions", {["X-User"] = "user-" .. (math.random(10000)), ["Content-Type"] = "application/json"}, body)
+end
+`
+
+// chatAnswer is a chat completion's JSON, as OpenAI answers it: the dated
+// snapshot of the model asked for, and its usage with cached tokens.
+const chatAnswer = `{"id":"chatcmpl-B9MBs8CjcvOU2jLn4n570S5qMJKcT","object":"chat.completion","created":1741569952,"model":"gpt-4.1-2025-04-14",` +
+	`"choices":[{"index":0,"message":{"role":"assistant","content":"Hello, gateway! How can I help you today?","refusal":null,"annotations":[]},"logprobs":null,"finish_reason":"stop"}],` +
+	`"usage":{"prompt_tokens":24,"completion_tokens":11,"total_tokens":35,"prompt_tokens_details":{"cached_tokens":0,"audio_tokens":0},` +
+	`"completion_tokens_details":{"reasoning_tokens":0,"audio_tokens":0,"accepted_prediction_tokens":0,"rejected_prediction_tokens":0}},"service_tier":"default","system_fingerprint":"fp_ef015fa747"}`
 
 // plansLua is identitiesLua with each identity on one of three plans.
 const plansLua = `
@@ -159,6 +177,7 @@ func main() {
 		return p
 	}
 	identities, abuser, reserving := writeScript("identities.lua", identitiesLua), writeScript("abuser.lua", abuserLua), writeScript("reserving.lua", reservingLua)
+	chat := writeScript("chat.lua", chatLua)
 	oneKey := writeScript("one-key.lua", oneKeyLua)
 	planned := writeScript("plans.lua", plansLua)
 
@@ -208,6 +227,16 @@ func main() {
 		// identity in its calendar period, nothing denied.
 		{name: "q", label: "rate_limit, Redis, quota per month, 10,000 identities", redis: true, script: identities, handler: limiter(true,
 			map[string]any{"name": "monthly", "key": "{http.request.header.X-User}", "quota": "1000000000/month", "timezone": "America/New_York"})},
+		// A chat completion reserved from its body and settled from its
+		// response's usage, in tokens (l), then in dollars at the prices of
+		// the model the request and the response name (m): what pricing
+		// adds to a settle.
+		{name: "l", label: "rate_limit, Redis, settle openai in tokens, 10,000 identities", redis: true, script: chat, llm: true, handler: limiter(true,
+			map[string]any{"name": "llm_tokens", "key": "{http.request.header.X-User}", "rate": "1000000/1s", "burst": 1_000_000_000, "cost": "openai", "max_cost": 8000,
+				"settle": map[string]any{"from": "openai"}})},
+		{name: "m", label: "rate_limit, Redis, settle openai in dollars, 10,000 identities", redis: true, script: chat, llm: true, handler: withPrices(limiter(true,
+			map[string]any{"name": "llm_usd", "key": "{http.request.header.X-User}", "unit": "usd", "rate": "1/1s", "burst": 1000, "cost": "openai", "max_cost": 1,
+				"settle": map[string]any{"from": "openai"}}))},
 	}
 	byName := map[string]*scenario{}
 	kept := scenarios[:0]
@@ -221,10 +250,14 @@ func main() {
 	respond := map[string]any{"handler": "static_response", "status_code": 200, "body": "ok"}
 	reporting := map[string]any{"handler": "static_response", "status_code": 200, "body": "ok",
 		"headers": map[string]any{"X-Usage-Tokens": []string{"3"}}}
+	answering := map[string]any{"handler": "static_response", "status_code": 200, "body": chatAnswer,
+		"headers": map[string]any{"Content-Type": []string{"application/json"}}}
 	start := func(bin string, sc *scenario) *testcaddy.Instance {
 		switch {
 		case sc.handler == nil:
 			return testcaddy.Start(s, bin, nil, respond)
+		case sc.llm:
+			return testcaddy.Start(s, bin, nil, sc.handler, answering)
 		case sc.usage:
 			return testcaddy.Start(s, bin, nil, sc.handler, reporting)
 		default:
@@ -336,6 +369,8 @@ func main() {
 	}
 	tw.Flush()
 	decisionCost(plain, byName["b"], byName["z"])
+	moneyCost(byName["l"], byName["m"])
+	moneyAtOnce(s, wrk, redis, byName["l"], byName["m"])
 	if d := byName["d"]; d != nil {
 		deniedShare := median(pick(d.runs, func(w wrkRun) float64 { return w.non2xx / w.requests }))
 		fmt.Printf("\n(d): %.4f of requests denied; Redis calls per denied request %.4f\n", deniedShare, median(d.calls)/deniedShare)
@@ -799,6 +834,51 @@ func setOverrides(s *testcaddy.Session, sc *scenario, policy string, n int) {
 // add to plain Caddy's, against what (z) adds: the same coalesced round
 // trips, arguments and replies, with a script that decides nothing. Their
 // difference is what a decision costs Caddy beyond its round trip.
+// moneyCost prints what settling in dollars costs Caddy beside settling
+// in tokens: (m) against (l), Caddy CPU per request.
+func moneyCost(l, m *scenario) {
+	if l == nil || m == nil {
+		return
+	}
+	cpu := func(sc *scenario) float64 { return median(pick(sc.runs, func(w wrkRun) float64 { return w.caddyCPU })) }
+	var ratios []float64
+	for i := range min(len(l.runs), len(m.runs)) {
+		ratios = append(ratios, m.runs[i].caddyCPU/l.runs[i].caddyCPU)
+	}
+	fmt.Printf("\nA settle in dollars (m) against one in tokens (l), Caddy CPU per request (medians of this run): %.1f µs against %.1f, %.3f times "+
+		"(round by round %.3f-%.3f; target: at most 1.05).\n", cpu(m), cpu(l), cpu(m)/cpu(l), slices.Min(ratios), slices.Max(ratios))
+}
+
+// moneyAtOnce loads (l) and (m) at the same time, each with half the
+// connections, round after round, and compares their Caddy CPU per
+// request within each round: whatever else the machine runs weighs on both
+// alike, which runs seconds apart do not share.
+func moneyAtOnce(s *testcaddy.Session, wrk string, redis *testredis.Server, l, m *scenario) {
+	if l == nil || m == nil {
+		return
+	}
+	fmt.Printf("\n(l) and (m) loaded at once (wrk -t1 -c%d each), %d rounds of %s:\n", *connections/2, *rounds, *duration)
+	var ratios, ls, ms []float64
+	for r := range *rounds {
+		var runs [2]wrkRun
+		var wg sync.WaitGroup
+		for i, sc := range []*scenario{l, m} {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				runs[i] = runWrkWith(s, wrk, sc.in.URL, sc.script, 1, *connections/2, []int{sc.in.Pid(), redis.Pid()}, func() {})
+			}()
+		}
+		wg.Wait()
+		ratios = append(ratios, runs[1].caddyCPU/runs[0].caddyCPU)
+		ls, ms = append(ls, runs[0].caddyCPU), append(ms, runs[1].caddyCPU)
+		fmt.Printf("round %d: (l) %.0f req/s, Caddy %.1f µs a request; (m) %.0f req/s, Caddy %.1f µs a request; (m)/(l) %.3f\n",
+			r+1, runs[0].rps, runs[0].caddyCPU, runs[1].rps, runs[1].caddyCPU, ratios[r])
+	}
+	fmt.Printf("Caddy CPU per request at once: (m) %.1f µs, (l) %.1f µs (medians); (m)/(l) median %.3f, range %.3f-%.3f (target: at most 1.05).\n",
+		median(ms), median(ls), median(ratios), slices.Min(ratios), slices.Max(ratios))
+}
+
 func decisionCost(plain, b, z *scenario) {
 	if b == nil || z == nil {
 		return
@@ -809,4 +889,11 @@ func decisionCost(plain, b, z *scenario) {
 	fmt.Printf("\nWhat a decision adds (Caddy CPU per request, medians of this run): (b) %.1f µs over plain Caddy's %.1f; (z), the same round trips "+
 		"(%.3f calls per request, against (b)'s %.3f) with a script that decides nothing, %.1f: (b) adds %.2f times what (z) adds (target: at most 1.25).\n",
 		addB, cpu(plain), calls(z), calls(b), addZ, addB/addZ)
+}
+
+// withPrices gives a handler the prices of the money scenario: the model
+// the requests ask for (and its dated snapshot, the responses').
+func withPrices(h map[string]any) map[string]any {
+	h["prices"] = map[string]any{"models": []any{map[string]any{"model": "gpt-4.1", "input": 2, "output": 8, "cache_read": 0.5}}}
+	return h
 }

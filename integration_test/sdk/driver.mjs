@@ -5,7 +5,7 @@
 //
 //   {"sdk": "openai" | "azure" | "anthropic", "baseURL": ..., "maxRetries": n (SDK default when absent),
 //    "concurrency": n, "calls": [{"id", "apiKey", "kind": "chat" | "responses" | "messages" | "countTokens",
-//    "params": {...}, "headers": {...}, "abortAfterText": n}]}
+//    "params": {...}, "headers": {...}, "abortAfterText": n, "baseURL": (the plan's when absent)}]}
 //
 // and writes one JSON line per event, as it happens: "request" and
 // "response" for each HTTP request the SDK makes (its status and the
@@ -38,14 +38,14 @@ function observedFetch(id) {
 }
 
 function client(call) {
-  const opts = { apiKey: call.apiKey, baseURL: plan.baseURL, fetch: observedFetch(call.id) };
+  const opts = { apiKey: call.apiKey, baseURL: call.baseURL ?? plan.baseURL, fetch: observedFetch(call.id) };
   if (plan.maxRetries !== undefined) opts.maxRetries = plan.maxRetries;
   switch (plan.sdk) {
     case 'openai':
       return new OpenAI(opts);
     case 'azure':
       delete opts.baseURL;
-      return new AzureOpenAI({ ...opts, endpoint: plan.baseURL, apiVersion: '2024-10-21', deployment: 'gpt-4o-mini' });
+      return new AzureOpenAI({ ...opts, endpoint: call.baseURL ?? plan.baseURL, apiVersion: '2024-10-21', deployment: 'gpt-4o-mini' });
     case 'anthropic':
       return new Anthropic(opts);
   }

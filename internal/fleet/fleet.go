@@ -221,21 +221,22 @@ var planDumps = regexp.MustCompile(`\{Rate:(\S*) Burst:(\d+) MaxCost:(\d+) Concu
 func planOfDump(dump string) string {
 	m := planDumps.FindStringSubmatch(dump)
 	atoi := func(s string) int64 { n, _ := strconv.ParseInt(s, 10, 64); return n }
-	return PlanLimit(m[1], atoi(m[2]), atoi(m[3]), atoi(m[4]), m[5])
+	return PlanLimit(m[1], float64(atoi(m[2])), float64(atoi(m[3])), atoi(m[4]), m[5])
 }
 
 // PlanLimit is a plan's limit as the Caddyfile writes it: `rate <N>/<d>
-// burst <n> cost max <n>`, `concurrent <n>` or `quota <N>`, each part given.
-func PlanLimit(rate string, burst, maxCost, concurrent int64, quota string) string {
+// burst <n> cost max <n>`, `concurrent <n>` or `quota <N>`, each part given;
+// burst and max in the policy's unit (dollars for a money policy).
+func PlanLimit(rate string, burst, maxCost float64, concurrent int64, quota string) string {
 	var parts []string
 	if rate != "" {
 		parts = append(parts, "rate "+rate)
 	}
 	if burst != 0 {
-		parts = append(parts, "burst "+strconv.FormatInt(burst, 10))
+		parts = append(parts, "burst "+strconv.FormatFloat(burst, 'f', -1, 64))
 	}
 	if maxCost != 0 {
-		parts = append(parts, "cost max "+strconv.FormatInt(maxCost, 10))
+		parts = append(parts, "cost max "+strconv.FormatFloat(maxCost, 'f', -1, 64))
 	}
 	if concurrent != 0 {
 		parts = append(parts, "concurrent "+strconv.FormatInt(concurrent, 10))

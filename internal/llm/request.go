@@ -34,7 +34,8 @@ type Request struct {
 	// jsonScan.hiddenValue and hiddenType), or is longer than the prefix
 	// read, whose rest may, or asks for output the request cannot bound
 	// (background): the provider bills what the estimate cannot see, so
-	// the request reserves max.
+	// the request reserves max. So does a body that names two models (the
+	// provider reads one of them, maybe the dearer).
 	hides bool
 	// outputs is how many answers the ceiling bounds each: `n` choices
 	// (chat and legacy completions) or `best_of` completions generated,
@@ -43,7 +44,24 @@ type Request struct {
 	// background: `"background": true` (the Responses API answers at once,
 	// usage null, and bills as the work runs).
 	background bool
+	// model is the model the body names (`model`), decoded; empty when it
+	// names none (or one longer than maxModel, or only in the part of the
+	// body past the prefix read).
+	model      string
+	namesModel bool
+	truncated  bool
 }
+
+// Model is the model the request body names, or empty.
+func (rb Request) Model() string { return rb.model }
+
+// NamesModel reports whether the body names a model (a string), readable
+// or not (longer than any model's name, a broken escape): Model is then
+// empty.
+func (rb Request) NamesModel() bool { return rb.namesModel }
+
+// Truncated reports whether the body is longer than the prefix read.
+func (rb Request) Truncated() bool { return rb.truncated }
 
 // ReadRequest reads the request body's prefix and puts it back before
 // the rest: the upstream gets the body unchanged.
@@ -61,10 +79,11 @@ func ReadRequest(r *http.Request) Request {
 	buf := make([]byte, size)
 	n, err := io.ReadFull(r.Body, buf)
 	buf = buf[:n]
+	whole := r.ContentLength == int64(n)
 	if errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) {
-		err = nil // the body ended within the prefix: the rest reads its end again
+		err, whole = nil, true // the body ended within the prefix: the rest reads its end again
 	}
-	r.Body = &prefixedBody{prefix: buf, rest: r.Body, err: err}
+	r.Body = &prefixedBody{prefix: buf, rest: r.Body, err: err, whole: whole}
 	if err != nil {
 		return Request{} // the client's body failed: max
 	}
@@ -94,7 +113,8 @@ func scanRequest(body []byte, truncated bool, contentLength int64) Request {
 	rb.promptTokens, rb.promptBytes = TokensOf(f.strings)+f.tokenIDs, f.strings+f.tokenIDs
 	rb.outputs = outputs(&f)
 	rb.background = f.background
-	rb.hides = f.hides || truncated || f.background
+	rb.hides = f.hides || truncated || f.background || f.models > 1
+	rb.model, rb.namesModel, rb.truncated = f.model.String(), f.models > 0, truncated
 	if truncated {
 		rb.promptBytes = max(contentLength, int64(len(body)))
 		if contentLength < 0 {
@@ -154,6 +174,7 @@ type prefixedBody struct {
 	prefix []byte
 	rest   io.ReadCloser
 	err    error // the body failed while the prefix was read: the same again
+	whole  bool  // the prefix is the whole body
 }
 
 func (b *prefixedBody) Read(p []byte) (int, error) {

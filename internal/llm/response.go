@@ -62,6 +62,9 @@ func (b *Response) Unreadable() error {
 // weighed by w; false when it reported none.
 func (b *Response) Usage(p Provider, w Weights) (int64, bool) { return b.scan.found.usage(p, w) }
 
+// Model is the model the body named last (what was served), or empty.
+func (b *Response) Model() string { return b.scan.found.model.String() }
+
 // CutEstimate is what the response is charged when it ended before its
 // usage (see cutEstimate), for the request req, weighed by w.
 func (b *Response) CutEstimate(p Provider, w Weights, req Request) int64 {

@@ -9,6 +9,7 @@
 package llm
 
 import (
+	"encoding/json"
 	"math"
 	"math/bits"
 )
@@ -66,6 +67,37 @@ type scanFound struct {
 	// background: the request sets `"background": true` (the Responses
 	// API answers at once and bills as the work runs, after).
 	background bool
+
+	// model is the last model named (see jsonScan.modelPlace), as sent
+	// (escapes and all) up to maxModel bytes; models counts the names.
+	model  modelName
+	models int
+}
+
+// maxModel is the longest model name read: a longer one is no model's.
+const maxModel = 256
+
+// modelName is a model's name as a JSON string holds it.
+type modelName struct {
+	raw     [maxModel]byte
+	n       int  // bytes of the string (more than maxModel: too long)
+	escaped bool // it holds an escape
+}
+
+// String is the model's name, decoded; empty when none was read, or it is
+// too long or not a valid JSON string.
+func (m *modelName) String() string {
+	if m.n == 0 || m.n > maxModel {
+		return ""
+	}
+	if !m.escaped {
+		return string(m.raw[:m.n])
+	}
+	var s string
+	if json.Unmarshal(append(append([]byte{'"'}, m.raw[:m.n]...), '"'), &s) != nil || len(s) > maxModel {
+		return ""
+	}
+	return s
 }
 
 // The places a scan reads a whole number from: three usage objects
@@ -203,6 +235,7 @@ const (
 	keyWebSearchOptions
 	keyImageURL
 	keyFileID
+	keyModel
 	keyText // the first of the keys of text
 	keyContent
 	keyArguments
@@ -225,7 +258,7 @@ var knownKeys = map[string]uint8{
 	"prompt_tokens_details": keyTokenDetails, "input_tokens_details": keyTokenDetails,
 	"type": keyType, "previous_response_id": keyPreviousResponseID, "conversation": keyConversation, "prompt": keyPrompt,
 	"tools": keyTools, "mcp_servers": keyMCPServers, "container": keyContainer, "web_search_options": keyWebSearchOptions,
-	"image_url": keyImageURL, "file_id": keyFileID,
+	"image_url": keyImageURL, "file_id": keyFileID, "model": keyModel,
 	"n": keyN, "best_of": keyBestOf, "background": keyBackground,
 }
 
@@ -246,6 +279,7 @@ type jsonScan struct {
 	isKey    bool // the string is a key
 	isText   bool // the string's bytes count as text
 	capture  bool // the string is the value of a `type`, kept in str
+	naming   bool // the string is a model's name (modelPlace), kept in the scanFound
 	str      [32]byte
 	strLen   int // bytes of the key (or captured value) so far (longer than str: not one we know)
 
@@ -299,6 +333,7 @@ func (j *jsonScan) feed(b []byte, f *scanFound, text int) {
 					j.capture = false
 					f.hides = f.hides || j.hiddenType()
 				}
+				j.naming = false
 				continue
 			}
 			if j.capture {
@@ -306,6 +341,14 @@ func (j *jsonScan) feed(b []byte, f *scanFound, text int) {
 					j.str[j.strLen] = c
 				}
 				j.strLen++
+			}
+			if j.naming {
+				m := &f.model
+				if m.n < maxModel {
+					m.raw[m.n] = c
+				}
+				m.n++
+				m.escaped = m.escaped || c == '\\'
 			}
 			switch {
 			case j.isKey:
@@ -357,6 +400,10 @@ func (j *jsonScan) feed(b []byte, f *scanFound, text int) {
 			if !j.isKey {
 				j.capture = j.key() == keyType
 				f.hides = f.hides || j.hiddenValue(c) || j.multiplier() // `n: "128"` is no number read
+				if j.naming = j.modelPlace(); j.naming {
+					f.model = modelName{}
+					f.models++
+				}
 			}
 		case ':':
 			j.wantKey = false
@@ -404,6 +451,21 @@ func (j *jsonScan) feed(b []byte, f *scanFound, text int) {
 			}
 		}
 	}
+}
+
+// modelPlace reports whether the string value starting now names the
+// model: the top-level object's `model` (a request; a chat completion, its
+// chunks, a Responses API or Anthropic Messages response), or the `model`
+// of the top-level `response` (Responses API events) or `message`
+// (Anthropic's message_start event).
+func (j *jsonScan) modelPlace() bool {
+	switch {
+	case j.depth == 1:
+		return j.objects&1 == 1 && j.keys[1] == keyModel
+	case j.depth == 2:
+		return j.objects&3 == 3 && j.keys[2] == keyModel && (j.keys[1] == keyResponse || j.keys[1] == keyMessage)
+	}
+	return false
 }
 
 // hiddenTypes are the `type`s of the parts of a request that the provider
