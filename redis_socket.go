@@ -47,24 +47,7 @@ type redisSocket struct {
 	// nanoseconds since socketEpoch (atomic: a subscription's health check
 	// writes while its reader waits).
 	wrote atomic.Int64
-	// read is when the last read got bytes, on the same clock: a
-	// connection that answered in the last answeredFor needs no health
-	// check (SyscallConn).
-	read atomic.Int64
 }
-
-// answeredFor is how recently a connection must have answered to be taken
-// from the pool without go-redis's health check (a peek at the socket, a
-// system call and the poller's locks, for every call: about 2% of the
-// instance's CPU per decision at one request at a time). The check catches
-// a connection Redis closed while it sat idle in the pool: its idle
-// timeout (whole seconds of idleness, far longer than this), CLIENT KILL,
-// a restart. A connection that answered less than answeredFor ago was not
-// idle; one Redis closed in that instant fails its call as a call in
-// flight does then (a restarted Redis fails those anyway), and the next
-// one is dialed anew. A TLS connection, which go-redis never checks, is
-// unchanged.
-const answeredFor = 100 * time.Millisecond
 
 // socketEpoch is the origin of redisSocket.wrote's monotonic clock.
 var socketEpoch = time.Now()
@@ -96,11 +79,7 @@ func (s *redisSocket) readDeadline(t time.Time) time.Time {
 
 func (s *redisSocket) Read(b []byte) (int, error) {
 	n, err := s.Conn.Read(b)
-	if n > 0 {
-		s.read.Store(int64(time.Since(socketEpoch)))
-		return n, err
-	}
-	if !isDeadline(err) {
+	if n > 0 || !isDeadline(err) {
 		return n, err
 	}
 	if s.Conn.SetReadDeadline(time.Now().Add(lookAgain)) != nil {
@@ -110,7 +89,6 @@ func (s *redisSocket) Read(b []byte) (int, error) {
 	if m == 0 {
 		return n, err // nothing came: Redis is late
 	}
-	s.read.Store(int64(time.Since(socketEpoch)))
 	// Redis answered in time: the rest of its reply is on its way.
 	_ = s.Conn.SetReadDeadline(time.Now().Add(s.timeout))
 	return m, again
@@ -139,28 +117,13 @@ func (s *redisSocket) write(b []byte) (int, error) {
 }
 
 // SyscallConn lets go-redis check an idle connection's health as it does
-// a plain TCP one's, unless it answered in the last answeredFor.
+// a plain TCP one's.
 func (s *redisSocket) SyscallConn() (syscall.RawConn, error) {
-	sc, ok := s.Conn.(syscall.Conn)
-	if !ok {
-		return nil, errors.ErrUnsupported
+	if sc, ok := s.Conn.(syscall.Conn); ok {
+		return sc.SyscallConn()
 	}
-	if r := s.read.Load(); r != 0 && time.Duration(int64(time.Since(socketEpoch))-r) < answeredFor {
-		return answered, nil
-	}
-	return sc.SyscallConn()
+	return nil, errors.ErrUnsupported
 }
-
-// answered stands for the raw connection of a socket that answered in the
-// last answeredFor: a look at it (go-redis's health check, its one use)
-// finds nothing to report, without a system call or an allocation.
-var answered syscall.RawConn = answeredConn{}
-
-type answeredConn struct{}
-
-func (answeredConn) Read(func(fd uintptr) bool) error  { return nil }
-func (answeredConn) Write(func(fd uintptr) bool) error { return errors.ErrUnsupported }
-func (answeredConn) Control(func(fd uintptr)) error    { return errors.ErrUnsupported }
 
 func isDeadline(err error) bool { return errors.Is(err, os.ErrDeadlineExceeded) }
 
