@@ -7,6 +7,7 @@ import (
 	"math/rand/v2"
 	"slices"
 	"sort"
+	"strconv"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -475,6 +476,7 @@ func TestLuaMatchesGoBucket(t *testing.T) {
 	if !strings.Contains(decideLua, probe) {
 		t.Fatalf("decide.lua no longer chooses its path with %q", probe)
 	}
+	getThenSet := strings.Replace(decideLua, probe, "false", 1)
 	for _, format := range []int{formatV1, formatV2} {
 		t.Run("SET NX GET, "+formatName(format), func(t *testing.T) {
 			if !setGet {
@@ -484,10 +486,22 @@ func TestLuaMatchesGoBucket(t *testing.T) {
 		})
 		client.FlushAll(context.Background())
 		t.Run("GET then SET, "+formatName(format), func(t *testing.T) {
-			luaMatchesGoBucket(t, client, strings.Replace(decideLua, probe, "false", 1), format, tokenShapes)
+			luaMatchesGoBucket(t, client, getThenSet, format, tokenShapes)
 		})
 		client.FlushAll(context.Background())
 	}
+	// Calls of one request of one bucket, many of them lone takes, which
+	// the script decides before its main loop: in both formats and on both
+	// paths between them.
+	t.Run("lone calls, SET NX GET, v2", func(t *testing.T) {
+		if !setGet {
+			t.Skip("the server is older than Redis 7.0: SET takes no NX and GET together, and the script does not use them")
+		}
+		luaMatchesGoBucket(t, client, decideLua, formatV2, loneShapes)
+	})
+	client.FlushAll(context.Background())
+	t.Run("lone calls, GET then SET, v1", func(t *testing.T) { luaMatchesGoBucket(t, client, getThenSet, formatV1, loneShapes) })
+	client.FlushAll(context.Background())
 }
 
 // TestLuaMatchesGoMoney is TestLuaMatchesGoBucket with money policies'
@@ -509,7 +523,8 @@ func TestLuaMatchesGoMoney(t *testing.T) {
 type bucketShapes struct {
 	limits       [][2]limit
 	costs, delta int64
-	steps        int // script calls; 0: 3,000
+	steps        int  // script calls; 0: 3,000
+	lone         bool // every call one request of one bucket
 }
 
 // tokenShapes are token policies' buckets.
@@ -521,6 +536,9 @@ var tokenShapes = bucketShapes{limits: [][2]limit{
 	{{interval: 1, burst: 1_000_000}, {interval: 1, burst: 1_000_000}},                  // the fastest allowed
 	{{interval: 86_400_000_000, burst: 1}, {interval: 60_000_000, burst: 3}},            // 1/1d, then 1/1m burst 3
 }, costs: 3, delta: 4}
+
+// loneShapes are tokenShapes' buckets taken one request a call.
+var loneShapes = bucketShapes{limits: tokenShapes.limits, costs: tokenShapes.costs, delta: tokenShapes.delta, lone: true}
 
 // moneyShapes are money policies' buckets, in micro-dollars.
 var moneyShapes = bucketShapes{limits: [][2]limit{
@@ -546,7 +564,12 @@ func parseStored(t *testing.T, v string, format int) storedBucket {
 	return storedBucket{tat, interval}
 }
 
+// luaMatchesGoBucket runs random calls through script, and checks each
+// reply and what Redis holds after it against the Go algorithm; with
+// shapes.lone every call is one request of one bucket (the script decides
+// a lone take before its main loop).
 func luaMatchesGoBucket(t *testing.T, client *redis.Client, script string, format int, shapes bucketShapes) {
+	lone := shapes.lone
 	ctx := context.Background()
 	rng := rand.New(rand.NewPCG(1, 2))
 
@@ -564,7 +587,7 @@ func luaMatchesGoBucket(t *testing.T, client *redis.Client, script string, forma
 		}
 		op := ops[rng.IntN(len(ops))]
 		n := 1 + rng.IntN(3)
-		if !op.admits() {
+		if !op.admits() || lone {
 			n = 1 // adjustments and reads go alone, as after a response
 		}
 		var reqs []bucketRequest
@@ -641,21 +664,36 @@ func luaMatchesGoBucket(t *testing.T, client *redis.Client, script string, forma
 	// 2.2 ms).
 	callSlack := map[string]int64{}
 	var admitted, denied, requests, rebased, compact int
+	var loneTakes, loneHeld, loneDenied int // lone takes: all, of a key holding a TAT ahead, denied
 	steps := shapes.steps
 	if steps == 0 {
 		steps = 3000
 	}
 	for step := range steps {
 		batch := make([][]bucketRequest, 1+rng.IntN(4))
+		if lone {
+			batch = batch[:1]
+		}
 		for r := range batch {
 			batch[r] = randomRequest()
 		}
+		loneTake := lone && batch[0][0].op == opTake && !batch[0][0].learns
+		heldBefore := model[batch[0][0].key].tat
 		res, err := evalScriptFormat(ctx, client, script, format, batch...)
 		if err != nil {
 			t.Fatalf("step %d: script: %v", step, err)
 		}
 		now, off := res[0], 1
 		lastNow = now
+		if loneTake {
+			loneTakes++
+			if heldBefore > now {
+				loneHeld++
+			}
+			if res[1] != scriptAdmitted {
+				loneDenied++
+			}
+		}
 		pb := make([]*pending, len(batch))
 		for r, reqs := range batch {
 			pb[r] = &pending{reqs: reqs}
@@ -810,12 +848,13 @@ func luaMatchesGoBucket(t *testing.T, client *redis.Client, script string, forma
 			time.Sleep(time.Duration(rng.IntN(30)) * time.Millisecond) // let buckets refill
 		}
 	}
-	if admitted < 500 || denied < 500 || rebased < 100 || format == formatV2 && compact < 500 || raised < 100 || remembered < 100 {
-		t.Fatalf("sequence exercised too little: %d admitted, %d denied, %d rebased, %d stored compact, %d raised to a learned usage, %d usages remembered",
-			admitted, denied, rebased, compact, raised, remembered)
+	if admitted < 500 || denied < 500 || rebased < 100 || format == formatV2 && compact < 500 || raised < 100 || remembered < 100 ||
+		lone && (loneTakes < 500 || loneHeld < 200 || loneDenied < 100) {
+		t.Fatalf("sequence exercised too little: %d admitted, %d denied, %d rebased, %d stored compact, %d raised to a learned usage, %d usages remembered; %d lone takes, %d of a key holding a TAT ahead, %d denied",
+			admitted, denied, rebased, compact, raised, remembered, loneTakes, loneHeld, loneDenied)
 	}
-	t.Logf("%d requests in %d calls: %d admitted, %d denied, %d buckets read against a changed limit, %d stored in v2, %d takes raised to a learned usage, %d usages remembered, identical in Lua and Go",
-		requests, steps, admitted, denied, rebased, compact, raised, remembered)
+	t.Logf("%d requests in %d calls: %d admitted, %d denied, %d buckets read against a changed limit, %d stored in v2, %d takes raised to a learned usage, %d usages remembered; %d lone takes, %d of a key holding a TAT ahead, %d denied; identical in Lua and Go",
+		requests, steps, admitted, denied, rebased, compact, raised, remembered, loneTakes, loneHeld, loneDenied)
 }
 
 // TestLuaSlots: concurrency slots in lua/decide.lua, against the Go
@@ -1494,4 +1533,110 @@ func TestLuaOverrideAfterSlots(t *testing.T) {
 			t.Errorf("a slot, then %s (op %d): decided under %+v, want the override's %+v", rq.key, rq.op, got, want)
 		}
 	}
+}
+
+// TestLuaLoneTake: the script decides a lone take (one request of one
+// rate take) before its main loop; for every kind of value its key may
+// hold, on both paths between Redis versions, in both formats, shadow or
+// not, within burst or beyond, it replies and leaves in Redis what the
+// main loop does for the same call.
+func TestLuaLoneTake(t *testing.T) {
+	_, client, _ := newTestRedis(t)
+	ctx := context.Background()
+	const shortcut = "if #KEYS == 1 and #ARGV[2] == 56 then"
+	if !strings.Contains(decideLua, shortcut) {
+		t.Fatalf("decide.lua no longer takes its lone takes with %q", shortcut)
+	}
+	mainLoop := strings.Replace(decideLua, shortcut, "if false then", 1)
+	const probe = "redis.REDIS_VERSION_NUM ~= nil"
+	key := "rl:p:{lone}"
+	hour := int64(3_600_000_000)
+	wide := limit{interval: 1_000_000, burst: 100_000}               // a TAT an hour ahead is not capped
+	narrow := limit{interval: 1_000_000, burst: 5, slack: 2_000_000} // it is: denied
+	clock, err := client.Time(ctx).Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	base := clock.UnixMicro()
+	// Each state the key may hold, the same for both paths.
+	states := []struct {
+		name          string
+		set           func()
+		held, written int64 // the bucket it holds (0: none)
+	}{
+		{"missing", func() {}, 0, 0},
+		{"v0, ahead", func() { client.Set(ctx, key, strconv.FormatInt(base+hour, 10), 0) }, base + hour, 1_000_000},
+		{"v1, ahead", func() { client.Set(ctx, key, encodeBucket(base+hour, 1_000_000, formatV1), 0) }, base + hour, 1_000_000},
+		{"v2, ahead", func() { client.Set(ctx, key, encodeBucket(base+hour, 1_000_000, formatV2), 0) }, base + hour, 1_000_000},
+		{"v1, ahead, another interval", func() { client.Set(ctx, key, encodeBucket(base+hour, 3_000_000, formatV1), 0) }, base + hour, 3_000_000},
+		{"v1, past", func() { client.Set(ctx, key, encodeBucket(base-hour, 1_000_000, formatV1), 0) }, base - hour, 1_000_000},
+		{"a quota's count", func() { client.Set(ctx, key, "q:0:1:3", 0) }, 0, 0},
+		{"slots", func() { client.ZAdd(ctx, key, redis.Z{Score: float64(base + hour), Member: "lease"}) }, 0, 0},
+		{"a hash", func() { client.HSet(ctx, key, "debug", "1") }, 0, 0},
+		{"not a bucket", func() { client.Set(ctx, key, "not a bucket", 0) }, 0, 0},
+	}
+	// outcome is a call's reply and what the key holds after it.
+	type outcome struct {
+		now, rebased, status, allowed, before int64
+		typ, value                            string
+		tat, interval, pttl                   int64
+	}
+	run := func(t *testing.T, script string, format int, rq bucketRequest, set func(), held, written int64) outcome {
+		t.Helper()
+		client.Del(ctx, key)
+		set()
+		res, err := evalScriptFormat(ctx, client, script, format, []bucketRequest{rq})
+		if err != nil || len(res) != 4 {
+			t.Fatalf("reply %v, %v", res, err)
+		}
+		o := outcome{now: res[0], status: res[1], allowed: res[2], before: res[3], typ: client.Type(ctx, key).Val()}
+		if held != 0 {
+			o.rebased = rq.limit.rebase(held, written, o.now)
+		}
+		if o.typ == "string" {
+			o.value = client.Get(ctx, key).Val()
+			o.tat, o.interval, _ = decodeBucket(o.value, rq.limit.interval)
+			o.pttl = client.PTTL(ctx, key).Val().Milliseconds()
+		}
+		return o
+	}
+	// A TAT is the same when it is as held (the same in both calls), the
+	// same from each call's now (capped, or charged from now), or from each
+	// call's held TAT rebased at its now (Go's rebase); a TTL, within the
+	// calls' distance and rounding.
+	sameTAT := func(a, b outcome, ta, tb int64) bool {
+		return ta == tb || ta-a.now == tb-b.now || ta-a.rebased == tb-b.rebased
+	}
+	same := func(a, b outcome) bool {
+		apart := max(a.now-b.now, b.now-a.now)/1000 + 2
+		return a.status == b.status && a.allowed == b.allowed && sameTAT(a, b, a.before, b.before) && a.typ == b.typ &&
+			sameTAT(a, b, a.tat, b.tat) && a.interval == b.interval &&
+			strings.Contains(a.value, ":") == strings.Contains(b.value, ":") && (a.tat == 0) == (b.tat == 0) &&
+			max(a.pttl-b.pttl, b.pttl-a.pttl) <= apart
+	}
+	var n int
+	for _, getSet := range []bool{true, false} {
+		lone, main := decideLua, mainLoop
+		if !getSet {
+			lone, main = strings.Replace(lone, probe, "false", 1), strings.Replace(main, probe, "false", 1)
+		}
+		for _, format := range []int{formatV1, formatV2} {
+			for _, l := range []limit{wide, narrow} {
+				for _, shadow := range []bool{false, true} {
+					for _, cost := range []int64{1, l.burst + 1} {
+						for _, st := range states {
+							rq := bucketRequest{key: key, limit: l, op: opTake, cost: cost, shadow: shadow}
+							got, want := run(t, lone, format, rq, st.set, st.held, st.written), run(t, main, format, rq, st.set, st.held, st.written)
+							if !same(got, want) {
+								t.Fatalf("SET NX GET %v, %s, burst %d, shadow %v, cost %d, key %s: the lone take %+v, the main loop %+v",
+									getSet, formatName(format), l.burst, shadow, cost, st.name, got, want)
+							}
+							n++
+						}
+					}
+				}
+			}
+		}
+	}
+	t.Logf("%d lone takes decided as the main loop decides them", n)
 }

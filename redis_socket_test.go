@@ -1,6 +1,7 @@
 package ratelimit
 
 import (
+	"context"
 	"net"
 	"testing"
 	"time"
@@ -63,5 +64,30 @@ func TestRedisSocketReplyGetsTheTimeout(t *testing.T) {
 	}
 	if waited := time.Since(start); waited > 10*time.Second {
 		t.Fatalf("read with no request failed after %v", waited)
+	}
+}
+
+// A connection Redis closed while it sat idle in the pool (CLIENT KILL, an
+// idle timeout) is found closed before a call uses it, and the call goes
+// on a new one: the socket wrapper leaves go-redis's health check its view
+// of the socket.
+func TestRedisConnectionClosedWhileIdleIsRedialed(t *testing.T) {
+	_, client, rs := newTestRedis(t)
+	ctx := context.Background()
+	r := []bucketRequest{{key: "rl:p:{idle}", limit: limit{interval: 1000, burst: 1_000_000}, op: opTake, cost: 1}}
+	for round := range 3 {
+		for range 20 { // its connections answered just now
+			if _, err := rs.decide(ctx, r); err != nil {
+				t.Fatal(err)
+			}
+		}
+		time.Sleep(50 * time.Millisecond) // idle
+		killed, err := client.ClientKillByFilter(ctx, "TYPE", "normal", "SKIPME", "yes").Result()
+		if err != nil || killed == 0 {
+			t.Fatalf("round %d: CLIENT KILL: %d, %v", round, killed, err)
+		}
+		if d, err := rs.decide(ctx, r); err != nil || !d.admitted {
+			t.Fatalf("round %d: the first decision after Redis closed %d idle connections: %+v, %v", round, killed, d, err)
+		}
 	}
 }

@@ -48,7 +48,7 @@ var (
 	connections = flag.Int("connections", 32, "wrk connections")
 	threads     = flag.Int("threads", 2, "wrk threads")
 	only        = flag.String("only", "abcdefghijqkzlm", "scenarios to run (plain Caddy, (a), always runs); the latency and key-size parts need b and d, the decision's own cost b and z")
-	previous    = flag.String("previous", testcaddy.PreviousRelease, "commit of the build to compare with, side by side, on (b), (c), (d), (f) and (g) (empty: no comparison)")
+	previous    = flag.String("previous", testcaddy.PreviousRelease, "commit of the build to compare with, side by side, on (b), (c), (d), (f), (g) and (k) (empty: no comparison)")
 	overrides   = flag.Int("overrides", 1000, "overrides set, of as many of the 10,000 identities, in scenario (j)")
 	latency     = flag.Bool("latency", true, "with b: also measure latency one request at a time and open loop")
 )
@@ -705,7 +705,7 @@ func waitFormat(s *testcaddy.Session, in *testcaddy.Instance, format string) {
 	}
 }
 
-// beforeAfter runs (b), (c), (f) and (g) on the build compared with and on
+// beforeAfter runs (b), (c), (d), (f), (g) and (k) on the build compared with and on
 // this one, side by side: in each round, each scenario on both builds, each
 // run paired with a run of plain Caddy next to it, the order alternating;
 // then the medians of the ratios, of Caddy's and Redis's CPU per request,
@@ -717,7 +717,7 @@ func beforeAfter(s *testcaddy.Session, wrk string, redis *testredis.Server, prev
 		ratios []float64
 	}
 	var pairs [][2]*side
-	for _, name := range []string{"b", "c", "d", "f", "g"} {
+	for _, name := range []string{"b", "c", "d", "f", "g", "k"} {
 		cur := byName[name]
 		if cur == nil {
 			continue
