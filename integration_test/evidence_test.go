@@ -263,8 +263,11 @@ func sliceOf(from, d time.Duration) []accesslog.Entry {
 // status and the usage header the test sends it, at the time the request
 // ended (X-Replay-Until, Unix ns: the test and the upstream share a clock),
 // so that a request sent late still ends when its line says.
-func replayUpstream(t *testing.T) *httptest.Server {
+func replayUpstream(t *testing.T, arrived *sync.Map) *httptest.Server {
 	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if id := r.Header.Get("X-Replay-Id"); id != "" && arrived != nil {
+			arrived.Store(id, time.Now())
+		}
 		until, _ := strconv.ParseInt(r.Header.Get("X-Replay-Until"), 10, 64)
 		time.Sleep(time.Until(time.Unix(0, until)) - 500*time.Microsecond) // the answer's way back through Caddy
 		if u := r.Header.Get("X-Replay-Usage"); u != "" {
@@ -315,7 +318,16 @@ func agreementPolicies() []map[string]any {
 // a millisecond later, or decided a millisecond later by a loaded Caddy,
 // moves every later decision of that slot (4, 9 and 13 denied in three
 // runs of one machine, the replay of Caddy's own log equal to Caddy's
-// each time).
+// each time, then 8 against Caddy's 9 in 2 of 4 later runs: Caddy's log
+// gives a request's start, and requests of one key that reach Caddy within
+// a millisecond may be decided in another order than their starts, which
+// moves the slot just the same). The rate policies of the replay of
+// Caddy's own log are held to 2% when Caddy passed every admitted request
+// on within 5 ms of the start its log gives (0.7 to 1.5 ms in 7 runs
+// alone), reported otherwise: once, in a full run of the suite, the replay
+// of its log gave 7 more per_key denials and 9 fewer llm ones than Caddy
+// (314 and 50 against 307 and 59), as requests Caddy decided later than
+// their logged start do (a later decision finds more refilled).
 func TestReplayAgreesWithCaddy(t *testing.T) {
 	entries := sliceOf(accesslog.BurstAt, time.Minute)
 	// Requests still running a second after the minute end then (in the
@@ -325,7 +337,8 @@ func TestReplayAgreesWithCaddy(t *testing.T) {
 	for i := range entries {
 		entries[i].End = min(entries[i].End, until)
 	}
-	up := replayUpstream(t)
+	var arrived sync.Map // X-Replay-Id → when the upstream got it
+	up := replayUpstream(t, &arrived)
 	handler := limiter("", map[string]any{"key_secret": "evidence-secret", "jitter": 0}, agreementPolicies()...)
 	proxy := map[string]any{"handler": "reverse_proxy", "upstreams": []map[string]any{{"dial": strings.TrimPrefix(up.URL, "http://")}}}
 	dir := t.TempDir()
@@ -364,7 +377,7 @@ func TestReplayAgreesWithCaddy(t *testing.T) {
 	var late time.Duration
 	first := entries[0].Start
 	began := time.Now().Add(200 * time.Millisecond)
-	for _, e := range entries {
+	for i, e := range entries {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
@@ -378,6 +391,7 @@ func TestReplayAgreesWithCaddy(t *testing.T) {
 				}
 			}
 			req.Header.Set("X-Forwarded-For", e.ClientIP)
+			req.Header.Set("X-Replay-Id", strconv.Itoa(i))
 			req.Header.Set("X-Replay-Status", strconv.Itoa(e.Status))
 			req.Header.Set("X-Replay-Until", strconv.FormatInt(began.Add(time.Duration(e.End-first)*time.Microsecond).UnixNano(), 10))
 			if u := e.RespHeader["X-Usage-Tokens"]; len(u) > 0 {
@@ -435,6 +449,41 @@ func TestReplayAgreesWithCaddy(t *testing.T) {
 	if !onTime {
 		t.Logf("a request left %v late (a loaded machine): the replay of the minute as generated is reported, not held to 2%%", late.Round(100*time.Microsecond))
 	}
+	// Caddy's log says when each request began; the replay decides it
+	// then. A request Caddy decided later (its process held off the CPU
+	// between the two) may have found a token the replay does not give it:
+	// how late Caddy was is the time its upstream got the request less the
+	// start its log gives.
+	lag := decisionLag(t, accessLog, &arrived)
+	t.Logf("Caddy passed every admitted request on within %v of the start its log gives", lag.Round(100*time.Microsecond))
 	_, own := runReplay(t, config, accessLog, "--json")
-	compare("the replay of Caddy's own access log of the minute", own, func(string) bool { return true })
+	compare("the replay of Caddy's own access log of the minute", own, func(policy string) bool { return lag < 5*time.Millisecond && policy != "exports" })
+	if lag >= 5*time.Millisecond {
+		t.Logf("Caddy passed a request on %v after the start its log gives (a loaded machine): the replay of its log is reported, not held to 2%%", lag.Round(100*time.Microsecond))
+	}
+}
+
+// decisionLag is the longest time between a request's start in Caddy's
+// access log and its arrival upstream (arrived, by X-Replay-Id).
+func decisionLag(t *testing.T, accessLog string, arrived *sync.Map) time.Duration {
+	t.Helper()
+	raw, err := os.ReadFile(accessLog)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var lag time.Duration
+	for line := range bytes.Lines(raw) {
+		var e accesslog.Entry
+		if accesslog.Parse(line, &e) != nil {
+			continue
+		}
+		ids := e.Header["X-Replay-Id"]
+		if len(ids) == 0 {
+			continue
+		}
+		if at, ok := arrived.Load(ids[0]); ok {
+			lag = max(lag, at.(time.Time).Sub(time.UnixMicro(e.Start)))
+		}
+	}
+	return lag
 }
