@@ -323,7 +323,7 @@ func agreementPolicies() []map[string]any {
 // a millisecond may be decided in another order than their starts, which
 // moves the slot just the same). The rate policies of the replay of
 // Caddy's own log are held to 2% when Caddy passed every admitted request
-// on within 5 ms of the start its log gives (0.7 to 1.5 ms in 7 runs
+// on within 5 ms of the start its log gives (0.6 to 1.5 ms in 11 runs
 // alone), reported otherwise: once, in a full run of the suite, the replay
 // of its log gave 7 more per_key denials and 9 fewer llm ones than Caddy
 // (314 and 50 against 307 and 59), as requests Caddy decided later than
