@@ -1580,6 +1580,7 @@ func TestLuaLoneTake(t *testing.T) {
 		now, rebased, status, allowed, before int64
 		typ, value                            string
 		tat, interval, pttl                   int64
+		expires                               int64 // ms on Redis's clock (-1: none)
 	}
 	run := func(t *testing.T, script string, format int, rq bucketRequest, set func(), held, written int64) outcome {
 		t.Helper()
@@ -1596,23 +1597,34 @@ func TestLuaLoneTake(t *testing.T) {
 		if o.typ == "string" {
 			o.value = client.Get(ctx, key).Val()
 			o.tat, o.interval, _ = decodeBucket(o.value, rq.limit.interval)
-			o.pttl = client.PTTL(ctx, key).Val().Milliseconds()
+			// The TTL as of the call's own clock: read with Redis's clock
+			// at once, so that a read made later (a loaded machine) finds
+			// the same.
+			left, err := client.Eval(ctx, "local t = redis.call('TIME'); return {redis.call('PTTL', KEYS[1]), tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)}", []string{key}).Int64Slice()
+			if err != nil || len(left) != 2 {
+				t.Fatalf("PTTL: %v, %v", left, err)
+			}
+			o.pttl, o.expires = left[0], left[0] // -1: none
+			if left[0] >= 0 {
+				o.expires = left[0] + left[1]
+				o.pttl = o.expires - o.now/1000
+			}
 		}
 		return o
 	}
 	// A TAT is the same when it is as held (the same in both calls), the
 	// same from each call's now (capped, or charged from now), or from each
-	// call's held TAT rebased at its now (Go's rebase); a TTL, within the
-	// calls' distance and rounding.
+	// call's held TAT rebased at its now (Go's rebase); a key's expiry the
+	// same, or as far from each call's now, within rounding.
 	sameTAT := func(a, b outcome, ta, tb int64) bool {
 		return ta == tb || ta-a.now == tb-b.now || ta-a.rebased == tb-b.rebased
 	}
 	same := func(a, b outcome) bool {
-		apart := max(a.now-b.now, b.now-a.now)/1000 + 2
+		apart := int64(2) // ms: the TTL's rounding up, and each now's to the ms
 		return a.status == b.status && a.allowed == b.allowed && sameTAT(a, b, a.before, b.before) && a.typ == b.typ &&
 			sameTAT(a, b, a.tat, b.tat) && a.interval == b.interval &&
 			strings.Contains(a.value, ":") == strings.Contains(b.value, ":") && (a.tat == 0) == (b.tat == 0) &&
-			max(a.pttl-b.pttl, b.pttl-a.pttl) <= apart
+			(a.expires < 0) == (b.expires < 0) && (max(a.expires-b.expires, b.expires-a.expires) <= apart || max(a.pttl-b.pttl, b.pttl-a.pttl) <= apart)
 	}
 	var n int
 	for _, getSet := range []bool{true, false} {
