@@ -107,6 +107,12 @@ func TestObservability(t *testing.T) {
 	if got[0] != 200 || got[1] != 200 || got[2] != 429 {
 		t.Fatalf("statuses %v, want 200 200 429", got)
 	}
+	// The config's probe at start reports Redis as it finds it (an ERROR
+	// when it finds Redis away, by design): it is to find it up, as the
+	// requests did.
+	waitForLog(t, in, 10*time.Second, "the start's probe", func(e map[string]any) bool {
+		return e["level"] == "info" && strings.HasPrefix(e["msg"].(string), "Redis decides for ")
+	})
 	srv.Stop()
 	// Ten failed calls over more than the breaker's span of 250 ms.
 	for i := range 10 {
