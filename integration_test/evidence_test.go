@@ -467,16 +467,14 @@ func TestReplayAgreesWithCaddy(t *testing.T) {
 // access log and its arrival upstream (arrived, by X-Replay-Id).
 func decisionLag(t *testing.T, accessLog string, arrived *sync.Map) time.Duration {
 	t.Helper()
-	raw, err := os.ReadFile(accessLog)
+	log, err := accesslog.Open([]string{accessLog})
 	if err != nil {
 		t.Fatal(err)
 	}
+	defer log.Close()
 	var lag time.Duration
-	for line := range bytes.Lines(raw) {
-		var e accesslog.Entry
-		if accesslog.Parse(line, &e) != nil {
-			continue
-		}
+	var e accesslog.Entry
+	for log.Next(&e) {
 		ids := e.Header["X-Replay-Id"]
 		if len(ids) == 0 {
 			continue
@@ -484,6 +482,9 @@ func decisionLag(t *testing.T, accessLog string, arrived *sync.Map) time.Duratio
 		if at, ok := arrived.Load(ids[0]); ok {
 			lag = max(lag, at.(time.Time).Sub(time.UnixMicro(e.Start)))
 		}
+	}
+	if err := log.Err(); err != nil {
+		t.Fatal(err)
 	}
 	return lag
 }
