@@ -467,16 +467,15 @@ func TestLuaQuotaKeys(t *testing.T) {
 // keeps beside the bucket is the one the Go model keeps, as Go writes it.
 func TestLuaMatchesGoBucket(t *testing.T) {
 	_, client, _ := newTestRedis(t)
-	const probe = "redis.REDIS_VERSION_NUM ~= nil"
 	// Redis 6.2 (REDIS_SERVER) has no SET NX GET: only the other path runs.
-	setGet, err := client.Eval(context.Background(), "return "+probe, nil).Bool()
+	setGet, err := client.Eval(context.Background(), "return "+setGetProbe, nil).Bool()
 	if err != nil && err != redis.Nil {
 		t.Fatal(err)
 	}
-	if !strings.Contains(decideLua, probe) {
-		t.Fatalf("decide.lua no longer chooses its path with %q", probe)
+	if !strings.Contains(decideLua, setGetProbe) {
+		t.Fatalf("decide.lua no longer chooses its path with %q", setGetProbe)
 	}
-	getThenSet := strings.Replace(decideLua, probe, "false", 1)
+	getThenSet := strings.Replace(decideLua, setGetProbe, "false", 1)
 	for _, format := range []int{formatV1, formatV2} {
 		t.Run("SET NX GET, "+formatName(format), func(t *testing.T) {
 			if !setGet {
@@ -503,6 +502,11 @@ func TestLuaMatchesGoBucket(t *testing.T) {
 	t.Run("lone calls, GET then SET, v1", func(t *testing.T) { luaMatchesGoBucket(t, client, getThenSet, formatV1, loneShapes) })
 	client.FlushAll(context.Background())
 }
+
+// setGetProbe is how decide.lua chooses between SET ... NX GET (Redis
+// 7.0 and later) and GET then SET: a test replaces it with "false" to run
+// the other path on any server.
+const setGetProbe = "redis.REDIS_VERSION_NUM ~= nil"
 
 // TestLuaMatchesGoMoney is TestLuaMatchesGoBucket with money policies'
 // buckets (unit usd): micro-dollars, so intervals of a few µs to an hour,
@@ -1548,7 +1552,6 @@ func TestLuaLoneTake(t *testing.T) {
 		t.Fatalf("decide.lua no longer takes its lone takes with %q", shortcut)
 	}
 	mainLoop := strings.Replace(decideLua, shortcut, "if false then", 1)
-	const probe = "redis.REDIS_VERSION_NUM ~= nil"
 	key := "rl:p:{lone}"
 	hour := int64(3_600_000_000)
 	wide := limit{interval: 1_000_000, burst: 100_000}               // a TAT an hour ahead is not capped
@@ -1630,7 +1633,7 @@ func TestLuaLoneTake(t *testing.T) {
 	for _, getSet := range []bool{true, false} {
 		lone, main := decideLua, mainLoop
 		if !getSet {
-			lone, main = strings.Replace(lone, probe, "false", 1), strings.Replace(main, probe, "false", 1)
+			lone, main = strings.Replace(lone, setGetProbe, "false", 1), strings.Replace(main, setGetProbe, "false", 1)
 		}
 		for _, format := range []int{formatV1, formatV2} {
 			for _, l := range []limit{wide, narrow} {
