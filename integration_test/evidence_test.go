@@ -321,7 +321,8 @@ func agreementPolicies() []map[string]any {
 // each time, then 8 against Caddy's 9 in 2 of 4 later runs: Caddy's log
 // gives a request's start, and requests of one key that reach Caddy within
 // a millisecond may be decided in another order than their starts, which
-// moves the slot just the same). The rate policies of the replay of
+// moves the slot just the same; llm, whose charge follows per_key's
+// decision, the same way, see below). The other rate policies of the replay of
 // Caddy's own log are held to 2% when Caddy passed every admitted request
 // on within 5 ms of the start its log gives (0.6 to 1.5 ms in 11 runs
 // alone), reported otherwise: once, in a full run of the suite, the replay
@@ -457,7 +458,15 @@ func TestReplayAgreesWithCaddy(t *testing.T) {
 	lag := decisionLag(t, accessLog, &arrived)
 	t.Logf("Caddy passed every admitted request on within %v of the start its log gives", lag.Round(100*time.Microsecond))
 	_, own := runReplay(t, config, accessLog, "--json")
-	compare("the replay of Caddy's own access log of the minute", own, func(policy string) bool { return lag < 5*time.Millisecond && policy != "exports" })
+	// llm, like exports, is reported only: which of two requests of one key
+	// that began within a millisecond Caddy decided first is not in its log,
+	// and when per_key admits the other one, llm charges that one's tokens
+	// (thousands, of a budget of 8000) instead: one swap moved llm by 6 of 58
+	// in a full run of the suite, per_key by 2. A decision time in the access
+	// log, for the replay to decide by, would let both be held.
+	compare("the replay of Caddy's own access log of the minute", own, func(policy string) bool {
+		return lag < 5*time.Millisecond && policy != "exports" && policy != "llm"
+	})
 	if lag >= 5*time.Millisecond {
 		t.Logf("Caddy passed a request on %v after the start its log gives (a loaded machine): the replay of its log is reported, not held to 2%%", lag.Round(100*time.Microsecond))
 	}
