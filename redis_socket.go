@@ -136,6 +136,10 @@ func redisDialer(tlsConfig *tls.Config, dialTimeout, timeout time.Duration) func
 		if err != nil {
 			return nil, err
 		}
+		// Waits for Redis on the calling thread (redis_wait_linux.go).
+		if raw, err = blockingSocketOf(raw); err != nil {
+			return nil, err
+		}
 		conn := net.Conn(&redisSocket{Conn: raw, timeout: timeout})
 		if tlsConfig == nil {
 			return conn, nil

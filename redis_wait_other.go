@@ -1,0 +1,9 @@
+//go:build !linux
+
+package ratelimit
+
+import "net"
+
+// blockingSocketOf leaves c in Go's network poller: the blocking socket
+// of redis_wait_linux.go is Linux's.
+func blockingSocketOf(c net.Conn) (net.Conn, error) { return c, nil }
