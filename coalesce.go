@@ -60,6 +60,9 @@ type pending struct {
 	// never). Its Err is read, not its Done, which a context makes on
 	// first use: one allocation per request saved.
 	ctx context.Context
+	// alone: the request is the only one the instance serves (lone in
+	// store_redis.go).
+	alone bool
 
 	// The outcome, with the monotonic µs just before the call was sent and
 	// just after its reply (what the deny cache learns from).

@@ -186,6 +186,25 @@ func (c RedisConfig) poolSize() int {
 }
 
 func (c RedisConfig) newClient() (redis.UniversalClient, error) {
+	return c.connect(false, c.poolSize(), 2)
+}
+
+// newLoneClient connects to Redis for the calls an instance makes while it
+// serves one request alone, which wait for Redis in a blocking system call
+// (redis_wait_linux.go); nil in cluster mode, which calls without the
+// coalescer, and where sockets cannot block so.
+func (c RedisConfig) newLoneClient() (redis.UniversalClient, error) {
+	if c.Cluster || !blockingWaits {
+		return nil, nil
+	}
+	// One lone call at a time per coalescer (coalesce.go): a few
+	// connections, one kept open.
+	return c.connect(true, 2, 1)
+}
+
+// connect makes a client of pool connections, minIdle of them kept open,
+// whose sockets block (see redisDialer).
+func (c RedisConfig) connect(blocking bool, pool, minIdle int) (redis.UniversalClient, error) {
 	var tlsConfig *tls.Config
 	if c.TLS != nil {
 		tlsConfig = &tls.Config{InsecureSkipVerify: c.TLS.InsecureSkipVerify, ServerName: c.TLS.ServerName, MinVersion: tls.VersionTLS12}
@@ -206,31 +225,31 @@ func (c RedisConfig) newClient() (redis.UniversalClient, error) {
 	// whose reply was lost (a timeout, a connection Redis closed) may have
 	// charged the buckets, and running it again would charge them twice.
 	// The failure mode answers instead, and the circuit breaker keeps a dead
-	// Redis from costing a timeout per request. Two connections are kept
-	// open, so that the first requests after a start or an idle spell do
-	// not pay for connecting.
-	dial, pool := c.dialTimeout(), c.poolSize()
+	// Redis from costing a timeout per request. minIdle connections are
+	// kept open, so that the first requests after a start or an idle spell
+	// do not pay for connecting.
+	dial := c.dialTimeout()
 	// The timeout counts Redis's time, not this process's (redis_socket.go).
-	dialer := redisDialer(tlsConfig, dial, timeout)
+	dialer := redisDialer(tlsConfig, dial, timeout, blocking)
 	switch {
 	case c.Cluster:
 		return redis.NewClusterClient(&redis.ClusterOptions{
 			Addrs: c.Addresses, Username: c.Username, Password: c.Password, TLSConfig: tlsConfig, Dialer: dialer,
 			DialTimeout: dial, ReadTimeout: timeout, WriteTimeout: timeout, PoolTimeout: dial,
-			ContextTimeoutEnabled: true, PoolSize: pool, MinIdleConns: 2, MaxRetries: -1, DialerRetries: 1,
+			ContextTimeoutEnabled: true, PoolSize: pool, MinIdleConns: minIdle, MaxRetries: -1, DialerRetries: 1,
 		}), nil
 	case c.Sentinel != "":
 		return redis.NewFailoverClient(&redis.FailoverOptions{
 			MasterName: c.Sentinel, SentinelAddrs: c.Addresses, Username: c.Username, Password: c.Password,
 			DB: c.DB, TLSConfig: tlsConfig, Dialer: dialer,
 			DialTimeout: dial, ReadTimeout: timeout, WriteTimeout: timeout, PoolTimeout: dial,
-			ContextTimeoutEnabled: true, PoolSize: pool, MinIdleConns: 2, MaxRetries: -1, DialerRetries: 1,
+			ContextTimeoutEnabled: true, PoolSize: pool, MinIdleConns: minIdle, MaxRetries: -1, DialerRetries: 1,
 		}), nil
 	default:
 		return redis.NewClient(&redis.Options{
 			Addr: c.Addresses[0], Username: c.Username, Password: c.Password, DB: c.DB, TLSConfig: tlsConfig, Dialer: dialer,
 			DialTimeout: dial, ReadTimeout: timeout, WriteTimeout: timeout, PoolTimeout: dial,
-			ContextTimeoutEnabled: true, PoolSize: pool, MinIdleConns: 2, MaxRetries: -1, DialerRetries: 1,
+			ContextTimeoutEnabled: true, PoolSize: pool, MinIdleConns: minIdle, MaxRetries: -1, DialerRetries: 1,
 		}), nil
 	}
 }

@@ -128,17 +128,19 @@ func (s *redisSocket) SyscallConn() (syscall.RawConn, error) {
 func isDeadline(err error) bool { return errors.Is(err, os.ErrDeadlineExceeded) }
 
 // redisDialer connects to Redis as go-redis's own dialer does (TCP
-// keep-alives, TLS when configured), through a redisSocket.
-func redisDialer(tlsConfig *tls.Config, dialTimeout, timeout time.Duration) func(ctx context.Context, network, addr string) (net.Conn, error) {
+// keep-alives, TLS when configured), through a redisSocket; blocking: its
+// socket waits for Redis in blocking system calls (redis_wait_linux.go).
+func redisDialer(tlsConfig *tls.Config, dialTimeout, timeout time.Duration, blocking bool) func(ctx context.Context, network, addr string) (net.Conn, error) {
 	return func(ctx context.Context, network, addr string) (net.Conn, error) {
 		d := &net.Dialer{Timeout: dialTimeout, KeepAliveConfig: net.KeepAliveConfig{Enable: true, Idle: 30 * time.Second, Interval: 5 * time.Second, Count: 3}}
 		raw, err := d.DialContext(ctx, network, addr)
 		if err != nil {
 			return nil, err
 		}
-		// Waits for Redis on the calling thread (redis_wait_linux.go).
-		if raw, err = blockingSocketOf(raw); err != nil {
-			return nil, err
+		if blocking {
+			if raw, err = blockingSocketOf(raw); err != nil {
+				return nil, err
+			}
 		}
 		conn := net.Conn(&redisSocket{Conn: raw, timeout: timeout})
 		if tlsConfig == nil {

@@ -12,6 +12,14 @@ import (
 // waited long for a connection); a server that does not answer still
 // fails the read within the timeout.
 func TestRedisSocketReplyGetsTheTimeout(t *testing.T) {
+	for _, blocking := range []bool{false, true} {
+		t.Run(map[bool]string{false: "poller", true: "blocking"}[blocking], func(t *testing.T) {
+			testReplyGetsTheTimeout(t, blocking)
+		})
+	}
+}
+
+func testReplyGetsTheTimeout(t *testing.T, blocking bool) {
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
@@ -35,12 +43,15 @@ func TestRedisSocketReplyGetsTheTimeout(t *testing.T) {
 			}
 		}
 	}()
-	dial := redisDialer(nil, time.Second, 500*time.Millisecond)
+	dial := redisDialer(nil, time.Second, 500*time.Millisecond, blocking)
 	conn, err := dial(t.Context(), "tcp", l.Addr().String())
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer conn.Close()
+	if _, ok := conn.(*redisSocket).Conn.(*net.TCPConn); ok == (blocking && blockingWaits) {
+		t.Fatalf("blocking %v: the socket under redisSocket is a %T", blocking, conn.(*redisSocket).Conn)
+	}
 
 	if _, err := conn.Write([]byte("ping")); err != nil {
 		t.Fatal(err)

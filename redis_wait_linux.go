@@ -301,3 +301,6 @@ func (r rawBlocking) wait(op string, events int16, f func(fd uintptr) bool) erro
 
 // ppoll's events: readable, writable.
 const pollIn, pollOut = 0x1, 0x4
+
+// blockingWaits: sockets to Redis can wait in blocking system calls here.
+const blockingWaits = true

@@ -7,3 +7,6 @@ import "net"
 // blockingSocketOf leaves c in Go's network poller: the blocking socket
 // of redis_wait_linux.go is Linux's.
 func blockingSocketOf(c net.Conn) (net.Conn, error) { return c, nil }
+
+// blockingWaits: sockets to Redis can wait in blocking system calls here.
+const blockingWaits = false

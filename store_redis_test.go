@@ -55,3 +55,35 @@ func TestRedisStoreReloadsFlushedScript(t *testing.T) {
 		}
 	}
 }
+
+// A request the instance serves alone is decided on a connection that
+// waits for Redis in a blocking system call (the lone client); requests
+// served together go on the pool's, coalesced; both decide the same
+// bucket alike.
+func TestLoneRequestDecidesOnTheLoneConnection(t *testing.T) {
+	if !blockingWaits {
+		t.Skip("sockets to Redis wait in blocking calls only on Linux")
+	}
+	_, _, rs := newTestRedis(t)
+	if rs.lone == nil {
+		t.Fatal("a single Redis has no lone client")
+	}
+	used := func() uint32 { st := rs.lone.PoolStats(); return st.Hits + st.Misses }
+	r := []bucketRequest{{key: "rl:p:{lone}", limit: limit{interval: 1_000_000, burst: 3}, op: opTake, cost: 1}}
+	for _, tc := range []struct {
+		serving int64
+		lone    bool
+		left    int64
+	}{{1, true, 2}, {5, false, 1}, {1, true, 0}} {
+		serving.Add(tc.serving)
+		before := used()
+		d, err := rs.decide(context.Background(), r)
+		serving.Add(-tc.serving)
+		if err != nil || !d.admitted || d.verdicts[0].remaining != tc.left {
+			t.Fatalf("serving %d: %+v, %v; want admitted, %d left", tc.serving, d, err, tc.left)
+		}
+		if onLone := used() > before; onLone != tc.lone {
+			t.Fatalf("serving %d: decided on the lone connection %v, want %v", tc.serving, onLone, tc.lone)
+		}
+	}
+}

@@ -20,10 +20,20 @@ type storeUse struct {
 	err     error
 }
 
+// serving counts the requests every rate_limit handler of this process
+// is serving. One alone is an instance at low load, whose Redis call has
+// nothing to share a round trip with and waits in a blocking system call
+// (store_redis.go's lone).
+var serving atomic.Int64
+
 // enter and leave bracket each request the handler serves.
-func (u *storeUse) enter() { u.serving.Add(1) }
+func (u *storeUse) enter() {
+	u.serving.Add(1)
+	serving.Add(1)
+}
 
 func (u *storeUse) leave() {
+	serving.Add(-1)
 	if u.serving.Add(-1) == 0 && u.cleaned.Load() {
 		// Not in the request: closing a connection waits for the work after
 		// the last responses.
