@@ -182,7 +182,9 @@ func BenchmarkRedisDecide(b *testing.B) {
 // BenchmarkRedisDecideAlone measures one decision at a time through the
 // Redis store (one caller, 10,000 identities, nothing denied): what an
 // instance at one request at a time pays, where there is nothing to
-// coalesce. It reports this process's CPU per decision (getrusage: user and
+// coalesce; blocking, waiting for Redis in a blocking system call as such
+// a decision does on Linux, and poller, in Go's network poller, side by
+// side. It reports this process's CPU per decision (getrusage: user and
 // system, syscalls and wake-ups included), Redis's own µs per script call
 // (INFO commandstats) and the wall time per decision; allocations included.
 //
@@ -198,26 +200,40 @@ func BenchmarkRedisDecideAlone(b *testing.B) {
 	defer conn.Destruct()
 	keys := benchKeys(10_000)
 	l := limit{interval: 1000, burst: 1_000_000}
-	for i := range 200 { // the connection dialed, the script loaded
-		if _, err := conn.decide(context.Background(), []bucketRequest{{key: keys[i], limit: l, op: opTake, cost: 1}}); err != nil {
-			b.Fatal(err)
-		}
-	}
-	client.ConfigResetStat(context.Background())
-	cpu0 := processCPU()
-	b.ReportAllocs()
-	b.ResetTimer()
-	for i := range b.N {
-		if _, err := conn.decide(context.Background(), []bucketRequest{{key: keys[i%len(keys)], limit: l, op: opTake, cost: 1}}); err != nil {
-			b.Fatal(err)
-		}
-	}
-	b.StopTimer()
-	b.ReportMetric(float64((processCPU()-cpu0).Nanoseconds())/1000/float64(b.N), "cpu-µs/op")
-	info, _ := client.Info(context.Background(), "commandstats").Result()
-	if m := regexp.MustCompile(`cmdstat_evalsha:calls=\d+,usec=(\d+)`).FindStringSubmatch(info); m != nil {
-		usec, _ := strconv.ParseFloat(m[1], 64)
-		b.ReportMetric(usec/float64(b.N), "redis-µs/decision")
+	lone := conn.lone
+	for _, way := range []string{"poller", "blocking"} {
+		// A decision alone waits for Redis in a blocking call (store_redis.go's
+		// lone); poller: as it would in Go's network poller.
+		b.Run(way, func(b *testing.B) {
+			conn.lone = lone
+			if way == "poller" {
+				conn.lone = nil
+			} else if lone == nil {
+				b.Skip("sockets to Redis wait in blocking calls only on Linux")
+			}
+			defer func() { conn.lone = lone }()
+			for i := range 200 { // the connection dialed, the script loaded
+				if _, err := conn.decide(context.Background(), []bucketRequest{{key: keys[i], limit: l, op: opTake, cost: 1}}); err != nil {
+					b.Fatal(err)
+				}
+			}
+			client.ConfigResetStat(context.Background())
+			cpu0 := processCPU()
+			b.ReportAllocs()
+			b.ResetTimer()
+			for i := range b.N {
+				if _, err := conn.decide(context.Background(), []bucketRequest{{key: keys[i%len(keys)], limit: l, op: opTake, cost: 1}}); err != nil {
+					b.Fatal(err)
+				}
+			}
+			b.StopTimer()
+			b.ReportMetric(float64((processCPU()-cpu0).Nanoseconds())/1000/float64(b.N), "cpu-µs/op")
+			info, _ := client.Info(context.Background(), "commandstats").Result()
+			if m := regexp.MustCompile(`cmdstat_evalsha:calls=\d+,usec=(\d+)`).FindStringSubmatch(info); m != nil {
+				usec, _ := strconv.ParseFloat(m[1], 64)
+				b.ReportMetric(usec/float64(b.N), "redis-µs/decision")
+			}
+		})
 	}
 }
 
