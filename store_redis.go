@@ -60,19 +60,9 @@ func (e *badBucketError) Error() string {
 // durable calls, overrides, the fleet and hot keys.
 type redisStore struct {
 	client redis.UniversalClient
-	// lone makes the calls of a request the instance serves alone: its
-	// sockets wait for Redis in a blocking system call, which at one
-	// connection costs this process a third less than Go's network poller
-	// (redis_wait_linux.go); under concurrency the poller serves the
-	// coalesced calls better. Nil where sockets cannot block so, and in
-	// cluster mode.
-	lone redis.UniversalClient
-	// loneDown: a call on lone failed (Redis was away, or full at
-	// maxclients): the pool's connections make the lone calls too, until
-	// lone answers a PING again (loneBack). Its pool of two would
-	// otherwise keep failing calls for a second after Redis is back
-	// (go-redis stops dialing a pool whose dials failed as often as its
-	// size, and retries once a second) while the main pool succeeds.
+	// lone and loneDown make the calls of a request the instance serves
+	// alone (store_lone.go).
+	lone     redis.UniversalClient
 	loneDown atomic.Bool
 	name     string // the addresses, for logs
 	// coalescer merges concurrent requests into one script call (see
@@ -366,10 +356,7 @@ func (c *redisStore) eval(batch []*pending) breaker.Result {
 	}
 	ctx := &callContext{Context: context.Background(), deadline: time.Now().Add(c.callTimeout)}
 	args := encodeCall(batch, c.format.current())
-	client, lone := c.client, len(batch) == 1 && batch[0].alone && c.lone != nil && !c.loneDown.Load()
-	if lone {
-		client = c.lone // the only request the instance serves
-	}
+	client, lone := c.clientFor(batch) // store_lone.go
 	sent := monotonicMicros()
 	cmd := redis.NewIntSliceCmd(ctx, args...)
 	_ = client.Process(ctx, cmd)
@@ -382,8 +369,8 @@ func (c *redisStore) eval(batch []*pending) breaker.Result {
 	}
 	received := monotonicMicros()
 	res, err := cmd.Result()
-	if lone && (resultOf(err) == breaker.Failed || isConnectionRefused(err)) && c.loneDown.CompareAndSwap(false, true) {
-		go c.loneBack()
+	if lone {
+		c.loneAnswered(err)
 	}
 	if err == nil {
 		err = decodeReply(res, batch)
@@ -409,33 +396,6 @@ func (c *redisStore) eval(batch []*pending) breaker.Result {
 	storeErrors.WithLabelValues(kind).Inc()
 	c.report(kind, err)
 	return resultOf(err)
-}
-
-// loneBack waits for the lone connections to answer a PING again, once a
-// second, and lets them make the lone calls again (loneDown).
-func (c *redisStore) loneBack() {
-	t := time.NewTicker(time.Second)
-	defer t.Stop()
-	for {
-		select {
-		case <-c.closed:
-			return
-		case <-t.C:
-		}
-		ctx, cancel := context.WithTimeout(context.Background(), c.callTimeout)
-		err := c.lone.Ping(ctx).Err()
-		cancel()
-		if err == nil {
-			c.loneDown.Store(false)
-			return
-		}
-	}
-}
-
-// isConnectionRefused: Redis turned a new connection away (maxclients),
-// an error reply that says nothing of the script.
-func isConnectionRefused(err error) bool {
-	return err != nil && strings.Contains(err.Error(), "max number of clients")
 }
 
 // callContext bounds a script call by its deadline alone, which go-redis

@@ -1,0 +1,77 @@
+package ratelimit
+
+import (
+	"context"
+	"testing"
+	"time"
+)
+
+// A request the instance serves alone is decided on a connection that
+// waits for Redis in a blocking system call (the lone client); requests
+// served together go on the pool's, coalesced; both decide the same
+// bucket alike.
+func TestLoneRequestDecidesOnTheLoneConnection(t *testing.T) {
+	if !blockingWaits {
+		t.Skip("sockets to Redis wait in blocking calls only on Linux")
+	}
+	_, _, rs := newTestRedis(t)
+	if rs.lone == nil {
+		t.Fatal("a single Redis has no lone client")
+	}
+	used := func() uint32 { st := rs.lone.PoolStats(); return st.Hits + st.Misses }
+	r := []bucketRequest{{key: "rl:p:{lone}", limit: limit{interval: 1_000_000, burst: 3}, op: opTake, cost: 1}}
+	for _, tc := range []struct {
+		serving int64
+		lone    bool
+		left    int64
+	}{{1, true, 2}, {5, false, 1}, {1, true, 0}} {
+		serving.Add(tc.serving)
+		before := used()
+		d, err := rs.decide(context.Background(), r)
+		serving.Add(-tc.serving)
+		if err != nil || !d.admitted || d.verdicts[0].remaining != tc.left {
+			t.Fatalf("serving %d: %+v, %v; want admitted, %d left", tc.serving, d, err, tc.left)
+		}
+		if onLone := used() > before; onLone != tc.lone {
+			t.Fatalf("serving %d: decided on the lone connection %v, want %v", tc.serving, onLone, tc.lone)
+		}
+	}
+}
+
+// Once Redis is back from an outage, the next request served alone is
+// decided at once, on the pool's connections, while the lone connections
+// (whose pool go-redis stops dialing for a second after as many failed
+// dials as its size) come back behind it.
+func TestLoneRequestAfterAnOutage(t *testing.T) {
+	if !blockingWaits {
+		t.Skip("sockets to Redis wait in blocking calls only on Linux")
+	}
+	srv, _, rs := newTestRedis(t)
+	ctx := context.Background()
+	r := []bucketRequest{{key: "rl:p:{outage}", limit: limit{interval: 1000, burst: 1_000_000}, op: opTake, cost: 1}}
+	if _, err := rs.decide(ctx, r); err != nil {
+		t.Fatal(err)
+	}
+	srv.Stop()
+	for range 3 {
+		if _, err := rs.decide(ctx, r); err == nil {
+			t.Fatal("decided with Redis stopped")
+		}
+	}
+	srv.Restart(t)
+	if d, err := rs.decide(ctx, r); err != nil || !d.admitted {
+		t.Fatalf("the first decision once Redis is back: %+v, %v", d, err)
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for rs.loneDown.Load() {
+		if time.Now().After(deadline) {
+			t.Fatal("the lone connections did not come back within 10 s of Redis")
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	used := func() uint32 { st := rs.lone.PoolStats(); return st.Hits + st.Misses }
+	before := used()
+	if _, err := rs.decide(ctx, r); err != nil || used() == before {
+		t.Fatalf("once back, a request alone: %v, on the lone connection %v", err, used() > before)
+	}
+}
