@@ -2,10 +2,8 @@ package ratelimit
 
 import (
 	"context"
-	"strings"
 	"time"
 
-	"github.com/ratelimit-caddy/caddy-ratelimit/internal/breaker"
 	"github.com/redis/go-redis/v9"
 )
 
@@ -19,9 +17,10 @@ import (
 // the pool's connections. lone is nil where sockets cannot block so, and
 // in cluster mode.
 //
-// When a call on lone fails (Redis was away, or full at maxclients), the
-// pool's connections make the lone calls too (loneDown), until lone
-// answers a PING again: its pool of two would otherwise keep failing calls
+// When a call on lone fails, whatever the error (Redis was away, full at
+// maxclients, or turning new connections away: a password or an ACL
+// changed since the pool's were made), the pool's connections make the
+// lone calls too (loneDown), until lone answers a PING again: its pool of two would otherwise keep failing calls
 // for a second after Redis is back (go-redis stops dialing a pool whose
 // dials failed as often as its size, and retries once a second) while the
 // main pool succeeds.
@@ -35,9 +34,11 @@ func (c *redisStore) clientFor(batch []*pending) (redis.UniversalClient, bool) {
 }
 
 // loneAnswered hands the lone calls to the pool's connections when a call
-// on lone failed with err.
+// on lone failed with err. Any error does: one that says nothing of
+// lone's connections (a script's error reply) costs only a second of lone
+// calls on the pool.
 func (c *redisStore) loneAnswered(err error) {
-	if (resultOf(err) == breaker.Failed || isConnectionRefused(err)) && c.loneDown.CompareAndSwap(false, true) {
+	if err != nil && c.loneDown.CompareAndSwap(false, true) {
 		go c.loneBack()
 	}
 }
@@ -61,10 +62,4 @@ func (c *redisStore) loneBack() {
 			return
 		}
 	}
-}
-
-// isConnectionRefused: Redis turned a new connection away (maxclients),
-// an error reply that says nothing of the script.
-func isConnectionRefused(err error) bool {
-	return err != nil && strings.Contains(err.Error(), "max number of clients")
 }

@@ -2,6 +2,7 @@ package ratelimit
 
 import (
 	"context"
+	"errors"
 	"testing"
 	"time"
 )
@@ -73,5 +74,34 @@ func TestLoneRequestAfterAnOutage(t *testing.T) {
 	before := used()
 	if _, err := rs.decide(ctx, r); err != nil || used() == before {
 		t.Fatalf("once back, a request alone: %v, on the lone connection %v", err, used() > before)
+	}
+}
+
+// Whatever error a lone call fails with (here the refusal of a new
+// connection after a password change), the pool's connections take the
+// lone calls, until the lone connections answer again.
+func TestLoneCallsGoToThePoolAfterAnyError(t *testing.T) {
+	if !blockingWaits {
+		t.Skip("sockets to Redis wait in blocking calls only on Linux")
+	}
+	_, _, rs := newTestRedis(t)
+	ctx := context.Background()
+	r := []bucketRequest{{key: "rl:p:{refused}", limit: limit{interval: 1000, burst: 1_000_000}, op: opTake, cost: 1}}
+	used := func() uint32 { st := rs.lone.PoolStats(); return st.Hits + st.Misses }
+	rs.loneAnswered(errors.New("WRONGPASS invalid username-password pair or user is disabled."))
+	before := used()
+	if _, err := rs.decide(ctx, r); err != nil || used() != before {
+		t.Fatalf("after a refused lone connection: %v, on the lone connection %v", err, used() != before)
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for rs.loneDown.Load() {
+		if time.Now().After(deadline) {
+			t.Fatal("the lone connections did not come back within 10 s")
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	before = used()
+	if _, err := rs.decide(ctx, r); err != nil || used() == before {
+		t.Fatalf("once back: %v, on the lone connection %v", err, used() != before)
 	}
 }
