@@ -60,8 +60,8 @@ type pending struct {
 	// never). Its Err is read, not its Done, which a context makes on
 	// first use: one allocation per request saved.
 	ctx context.Context
-	// alone: the request is the only one the instance serves (lone in
-	// store_redis.go).
+	// alone: the request is the only one the instance serves
+	// (store_lone.go).
 	alone bool
 
 	// The outcome, with the monotonic µs just before the call was sent and

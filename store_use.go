@@ -23,7 +23,7 @@ type storeUse struct {
 // serving counts the requests every rate_limit handler of this process
 // is serving. One alone is an instance at low load, whose Redis call has
 // nothing to share a round trip with and waits in a blocking system call
-// (store_redis.go's lone).
+// (store_lone.go).
 var serving atomic.Int64
 
 // enter and leave bracket each request the handler serves.
