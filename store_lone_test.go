@@ -5,6 +5,8 @@ import (
 	"errors"
 	"testing"
 	"time"
+
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/testredis"
 )
 
 // A request the instance serves alone is decided on a connection that
@@ -44,12 +46,8 @@ func TestLoneRequestDecidesOnTheLoneConnection(t *testing.T) {
 // (whose pool go-redis stops dialing for a second after as many failed
 // dials as its size) come back behind it.
 func TestLoneRequestAfterAnOutage(t *testing.T) {
-	if !blockingWaits {
-		t.Skip("sockets to Redis wait in blocking calls only on Linux")
-	}
-	srv, _, rs := newTestRedis(t)
+	srv, rs, r := loneStore(t, "outage")
 	ctx := context.Background()
-	r := []bucketRequest{{key: "rl:p:{outage}", limit: limit{interval: 1000, burst: 1_000_000}, op: opTake, cost: 1}}
 	if _, err := rs.decide(ctx, r); err != nil {
 		t.Fatal(err)
 	}
@@ -63,36 +61,27 @@ func TestLoneRequestAfterAnOutage(t *testing.T) {
 	if d, err := rs.decide(ctx, r); err != nil || !d.admitted {
 		t.Fatalf("the first decision once Redis is back: %+v, %v", d, err)
 	}
-	deadline := time.Now().Add(10 * time.Second)
-	for rs.loneDown.Load() {
-		if time.Now().After(deadline) {
-			t.Fatal("the lone connections did not come back within 10 s of Redis")
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-	used := func() uint32 { st := rs.lone.PoolStats(); return st.Hits + st.Misses }
-	before := used()
-	if _, err := rs.decide(ctx, r); err != nil || used() == before {
-		t.Fatalf("once back, a request alone: %v, on the lone connection %v", err, used() > before)
-	}
+	decidesOnLoneOnceBack(t, rs, r)
 }
 
 // Whatever error a lone call fails with (here the refusal of a new
 // connection after a password change), the pool's connections take the
 // lone calls, until the lone connections answer again.
 func TestLoneCallsGoToThePoolAfterAnyError(t *testing.T) {
-	if !blockingWaits {
-		t.Skip("sockets to Redis wait in blocking calls only on Linux")
-	}
-	_, _, rs := newTestRedis(t)
+	_, rs, r := loneStore(t, "refused")
 	ctx := context.Background()
-	r := []bucketRequest{{key: "rl:p:{refused}", limit: limit{interval: 1000, burst: 1_000_000}, op: opTake, cost: 1}}
-	used := func() uint32 { st := rs.lone.PoolStats(); return st.Hits + st.Misses }
 	rs.loneAnswered(errors.New("WRONGPASS invalid username-password pair or user is disabled."))
-	before := used()
-	if _, err := rs.decide(ctx, r); err != nil || used() != before {
-		t.Fatalf("after a refused lone connection: %v, on the lone connection %v", err, used() != before)
+	before := loneUsed(rs)
+	if _, err := rs.decide(ctx, r); err != nil || loneUsed(rs) != before {
+		t.Fatalf("after a refused lone connection: %v, on the lone connection %v", err, loneUsed(rs) != before)
 	}
+	decidesOnLoneOnceBack(t, rs, r)
+}
+
+// decidesOnLoneOnceBack waits (10 s at most) for the lone connections to
+// answer again, and checks a request alone is then decided on them.
+func decidesOnLoneOnceBack(t *testing.T, rs *redisStore, r []bucketRequest) {
+	t.Helper()
 	deadline := time.Now().Add(10 * time.Second)
 	for rs.loneDown.Load() {
 		if time.Now().After(deadline) {
@@ -100,8 +89,22 @@ func TestLoneCallsGoToThePoolAfterAnyError(t *testing.T) {
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
-	before = used()
-	if _, err := rs.decide(ctx, r); err != nil || used() == before {
-		t.Fatalf("once back: %v, on the lone connection %v", err, used() != before)
+	before := loneUsed(rs)
+	if _, err := rs.decide(context.Background(), r); err != nil || loneUsed(rs) == before {
+		t.Fatalf("once back, a request alone: %v, on the lone connection %v", err, loneUsed(rs) != before)
 	}
+}
+
+// loneUsed counts the connections the lone client handed out.
+func loneUsed(rs *redisStore) uint32 { st := rs.lone.PoolStats(); return st.Hits + st.Misses }
+
+// loneStore is a store on a Redis of its own, and a wide bucket's request
+// under name; it skips where sockets cannot block.
+func loneStore(t *testing.T, name string) (*testredis.Server, *redisStore, []bucketRequest) {
+	t.Helper()
+	if !blockingWaits {
+		t.Skip("sockets to Redis wait in blocking calls only on Linux")
+	}
+	srv, _, rs := newTestRedis(t)
+	return srv, rs, []bucketRequest{{key: "rl:p:{" + name + "}", limit: limit{interval: 1000, burst: 1_000_000}, op: opTake, cost: 1}}
 }
