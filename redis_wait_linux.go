@@ -14,16 +14,15 @@ import (
 	"unsafe"
 )
 
-// On Linux a Redis connection waits for Redis in a blocking system call on
-// the calling thread, outside Go's network poller. A call made while no
-// other is in flight, every call of an instance at low load, would
+// On Linux the connections of the lone client (store_lone.go) wait for
+// Redis in a blocking system call on the calling thread, outside Go's
+// network poller. The call of a request the instance serves alone would
 // otherwise park its goroutine: the scheduler then spins a thread looking
 // for work, blocks it in the poller, and wakes it and hands the goroutine
 // over when the reply comes. In a blocking read the kernel wakes the one
-// thread that waits, and nothing else; at one connection that is about a
-// third of what a decision costs this process (docs/evidence.md). Calls in
-// flight stay few (the coalescer sends at most one per connection of the
-// pool, one at low load), so few threads wait at once.
+// thread that waits, and nothing else: a third less CPU for a decision
+// made alone (docs/evidence.md). At most one such call is in flight per
+// coalescer, so few threads wait at once.
 //
 // Deadlines become the socket's own timeouts (SO_RCVTIMEO, SO_SNDTIMEO),
 // set only when they must change: go-redis arms the same timeout for
@@ -51,16 +50,12 @@ type blockingSocket struct {
 // closed and its connection goes on, blocking, in the socket returned.
 // Anything but a TCP or Unix connection is returned as it is.
 func blockingSocketOf(c net.Conn) (net.Conn, error) {
-	sc, ok := c.(syscall.Conn)
-	if !ok {
-		return c, nil
-	}
 	switch c.(type) {
 	case *net.TCPConn, *net.UnixConn:
 	default:
 		return c, nil
 	}
-	rc, err := sc.SyscallConn()
+	rc, err := c.(syscall.Conn).SyscallConn()
 	if err != nil {
 		return c, nil
 	}
