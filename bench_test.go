@@ -202,8 +202,9 @@ func BenchmarkRedisDecideAlone(b *testing.B) {
 	l := limit{interval: 1000, burst: 1_000_000}
 	lone := conn.lone
 	for _, way := range []string{"poller", "blocking"} {
-		// A decision alone waits for Redis in a blocking call (store_redis.go's
-		// lone); poller: as it would in Go's network poller.
+		// A decision alone is made on the lone connection, which waits for
+		// Redis in a blocking call (store_lone.go); poller: on the pool, as
+		// it would in Go's network poller.
 		b.Run(way, func(b *testing.B) {
 			conn.lone = lone
 			if way == "poller" {
@@ -212,6 +213,11 @@ func BenchmarkRedisDecideAlone(b *testing.B) {
 				b.Skip("sockets to Redis wait in blocking calls only on Linux")
 			}
 			defer func() { conn.lone = lone }()
+			for deadline := time.Now().Add(10 * time.Second); lone != nil && conn.loneDown.Load(); time.Sleep(time.Millisecond) {
+				if time.Now().After(deadline) {
+					b.Fatal("the lone connection did not open within 10 s")
+				}
+			}
 			for i := range 200 { // the connection dialed, the script loaded
 				if _, err := conn.decide(context.Background(), []bucketRequest{{key: keys[i], limit: l, op: opTake, cost: 1}}); err != nil {
 					b.Fatal(err)

@@ -186,38 +186,51 @@ func (c RedisConfig) poolSize() int {
 }
 
 func (c RedisConfig) newClient() (redis.UniversalClient, error) {
-	return c.connect(false, c.poolSize(), 2)
+	return c.connect(c.poolSize(), 2)
 }
 
-// newLoneClient connects to Redis for the calls an instance makes while it
-// serves one request alone, which wait for Redis in a blocking system call
-// (redis_wait_linux.go); nil in cluster mode, which calls without the
-// coalescer, and where sockets cannot block so.
-func (c RedisConfig) newLoneClient() (redis.UniversalClient, error) {
-	if c.Cluster || !blockingWaits {
+// newLone is the connection for the calls an instance makes while it
+// serves one request alone, which waits for Redis in a blocking system
+// call (store_lone.go, lone_conn.go); nil in cluster mode, which calls
+// without the coalescer, with Sentinel, which names the server to call
+// through go-redis, and where sockets cannot block so. It connects later.
+func (c RedisConfig) newLone() (*loneConn, error) {
+	if c.Cluster || c.Sentinel != "" || !blockingWaits {
 		return nil, nil
 	}
-	// One lone call at a time per coalescer (coalesce.go): a few
-	// connections, one kept open.
-	return c.connect(true, 2, 1)
+	tlsConfig, err := c.tlsConfig()
+	if err != nil {
+		return nil, err
+	}
+	dial := c.dialTimeout()
+	return &loneConn{dial: redisDialer(tlsConfig, dial, time.Duration(c.Timeout), true), addr: c.Addresses[0],
+		username: c.Username, password: c.Password, db: c.DB, dialTimeout: dial}, nil
 }
 
-// connect makes a client of pool connections, minIdle of them kept open,
-// whose sockets block (see redisDialer).
-func (c RedisConfig) connect(blocking bool, pool, minIdle int) (redis.UniversalClient, error) {
-	var tlsConfig *tls.Config
-	if c.TLS != nil {
-		tlsConfig = &tls.Config{InsecureSkipVerify: c.TLS.InsecureSkipVerify, ServerName: c.TLS.ServerName, MinVersion: tls.VersionTLS12}
-		if c.TLS.CA != "" {
-			pem, err := os.ReadFile(c.TLS.CA)
-			if err != nil {
-				return nil, fmt.Errorf("tls: ca: %v", err)
-			}
-			tlsConfig.RootCAs = x509.NewCertPool()
-			if !tlsConfig.RootCAs.AppendCertsFromPEM(pem) {
-				return nil, fmt.Errorf("tls: ca: no PEM certificate in %s", c.TLS.CA)
-			}
+// tlsConfig is the tls block's configuration, or nil.
+func (c RedisConfig) tlsConfig() (*tls.Config, error) {
+	if c.TLS == nil {
+		return nil, nil
+	}
+	tlsConfig := &tls.Config{InsecureSkipVerify: c.TLS.InsecureSkipVerify, ServerName: c.TLS.ServerName, MinVersion: tls.VersionTLS12}
+	if c.TLS.CA != "" {
+		pem, err := os.ReadFile(c.TLS.CA)
+		if err != nil {
+			return nil, fmt.Errorf("tls: ca: %v", err)
 		}
+		tlsConfig.RootCAs = x509.NewCertPool()
+		if !tlsConfig.RootCAs.AppendCertsFromPEM(pem) {
+			return nil, fmt.Errorf("tls: ca: no PEM certificate in %s", c.TLS.CA)
+		}
+	}
+	return tlsConfig, nil
+}
+
+// connect makes a client of pool connections, minIdle of them kept open.
+func (c RedisConfig) connect(pool, minIdle int) (redis.UniversalClient, error) {
+	tlsConfig, err := c.tlsConfig()
+	if err != nil {
+		return nil, err
 	}
 	timeout := time.Duration(c.Timeout)
 	// The timeout bounds each command's write and the read of its reply;
@@ -230,7 +243,7 @@ func (c RedisConfig) connect(blocking bool, pool, minIdle int) (redis.UniversalC
 	// do not pay for connecting.
 	dial := c.dialTimeout()
 	// The timeout counts Redis's time, not this process's (redis_socket.go).
-	dialer := redisDialer(tlsConfig, dial, timeout, blocking)
+	dialer := redisDialer(tlsConfig, dial, timeout, false)
 	switch {
 	case c.Cluster:
 		return redis.NewClusterClient(&redis.ClusterOptions{

@@ -19,9 +19,10 @@ func TestLoneRequestDecidesOnTheLoneConnection(t *testing.T) {
 	}
 	_, _, rs := newTestRedis(t)
 	if rs.lone == nil {
-		t.Fatal("a single Redis has no lone client")
+		t.Fatal("a single Redis has no lone connection")
 	}
-	used := func() uint32 { st := rs.lone.PoolStats(); return st.Hits + st.Misses }
+	loneUp(t, rs)
+	used := func() uint64 { return loneUsed(rs) }
 	r := []bucketRequest{{key: "rl:p:{lone}", limit: limit{interval: 1_000_000, burst: 3}, op: opTake, cost: 1}}
 	for _, tc := range []struct {
 		serving int64
@@ -82,21 +83,27 @@ func TestLoneCallsGoToThePoolAfterAnyError(t *testing.T) {
 // answer again, and checks a request alone is then decided on them.
 func decidesOnLoneOnceBack(t *testing.T, rs *redisStore, r []bucketRequest) {
 	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for rs.loneDown.Load() {
-		if time.Now().After(deadline) {
-			t.Fatal("the lone connections did not come back within 10 s")
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
+	loneUp(t, rs)
 	before := loneUsed(rs)
 	if _, err := rs.decide(context.Background(), r); err != nil || loneUsed(rs) == before {
 		t.Fatalf("once back, a request alone: %v, on the lone connection %v", err, loneUsed(rs) != before)
 	}
 }
 
-// loneUsed counts the connections the lone client handed out.
-func loneUsed(rs *redisStore) uint32 { st := rs.lone.PoolStats(); return st.Hits + st.Misses }
+// loneUsed counts the calls made on the lone connection.
+func loneUsed(rs *redisStore) uint64 { return rs.lone.calls.Load() }
+
+// loneUp waits (10 s at most) for the lone connection to be open.
+func loneUp(t *testing.T, rs *redisStore) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for rs.loneDown.Load() {
+		if time.Now().After(deadline) {
+			t.Fatal("the lone connection did not open within 10 s")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
 
 // loneStore is a store on a Redis of its own, and a wide bucket's request
 // under name; it skips where sockets cannot block.
@@ -106,5 +113,6 @@ func loneStore(t *testing.T, name string) (*testredis.Server, *redisStore, []buc
 		t.Skip("sockets to Redis wait in blocking calls only on Linux")
 	}
 	srv, _, rs := newTestRedis(t)
+	loneUp(t, rs)
 	return srv, rs, []bucketRequest{{key: "rl:p:{" + name + "}", limit: limit{interval: 1000, burst: 1_000_000}, op: opTake, cost: 1}}
 }

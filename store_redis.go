@@ -62,7 +62,7 @@ type redisStore struct {
 	client redis.UniversalClient
 	// lone and loneDown make the calls of a request the instance serves
 	// alone (store_lone.go).
-	lone     redis.UniversalClient
+	lone     *loneConn
 	loneDown atomic.Bool
 	name     string // the addresses, for logs
 	// coalescer merges concurrent requests into one script call (see
@@ -116,7 +116,7 @@ func newRedisStore(c RedisConfig, logger *zap.Logger) (*redisStore, error) {
 	if err != nil {
 		return nil, err
 	}
-	lone, err := c.newLoneClient()
+	lone, err := c.newLone()
 	if err != nil {
 		_ = client.Close()
 		return nil, err
@@ -164,6 +164,10 @@ func newRedisStore(c RedisConfig, logger *zap.Logger) (*redisStore, error) {
 	go conn.checkEviction()
 	go conn.format.followFormat()
 	go conn.fleet.followFleet()
+	if lone != nil {
+		conn.loneDown.Store(true) // until it is open (store_lone.go)
+		go conn.loneBack()
+	}
 	return conn, nil
 }
 
@@ -356,22 +360,30 @@ func (c *redisStore) eval(batch []*pending) breaker.Result {
 	}
 	ctx := &callContext{Context: context.Background(), deadline: time.Now().Add(c.callTimeout)}
 	args := encodeCall(batch, c.format.current())
-	client, lone := c.clientFor(batch) // store_lone.go
 	sent := monotonicMicros()
-	cmd := redis.NewIntSliceCmd(ctx, args...)
-	_ = client.Process(ctx, cmd)
-	if cmd.Err() != nil && redis.HasErrorPrefix(cmd.Err(), "NOSCRIPT") {
-		// A restarted or flushed Redis: EVAL loads the script again. The
-		// script did not run, so nothing was charged twice.
-		args[0], args[1] = "eval", decideLua
-		cmd = redis.NewIntSliceCmd(ctx, args...)
-		_ = client.Process(ctx, cmd)
+	var res []int64
+	var err error
+	if lone := c.loneFor(batch); lone != nil { // store_lone.go
+		res, err = lone.call(ctx.deadline, args)
+		if redis.HasErrorPrefix(err, "NOSCRIPT") {
+			args[0], args[1] = "eval", decideLua // as below
+			res, err = lone.call(ctx.deadline, args)
+		}
+		lone.mu.Unlock()
+		c.loneAnswered(err)
+	} else {
+		cmd := redis.NewIntSliceCmd(ctx, args...)
+		_ = c.client.Process(ctx, cmd)
+		if cmd.Err() != nil && redis.HasErrorPrefix(cmd.Err(), "NOSCRIPT") {
+			// A restarted or flushed Redis: EVAL loads the script again. The
+			// script did not run, so nothing was charged twice.
+			args[0], args[1] = "eval", decideLua
+			cmd = redis.NewIntSliceCmd(ctx, args...)
+			_ = c.client.Process(ctx, cmd)
+		}
+		res, err = cmd.Result()
 	}
 	received := monotonicMicros()
-	res, err := cmd.Result()
-	if lone {
-		c.loneAnswered(err)
-	}
 	if err == nil {
 		err = decodeReply(res, batch)
 	}

@@ -238,9 +238,8 @@ func TestReloadsKeepConnections(t *testing.T) {
 	// use, and the background reads of overrides and of the storage
 	// format). pool_size bounds it whatever the timing: a pool kept per
 	// reload would hold connections of its own beside it. A request served
-	// alone has up to two connections of its own beside the pool
-	// (docs/redis.md).
-	const poolSize, lone = 4, 2
+	// alone has one connection of its own beside the pool (docs/redis.md).
+	const poolSize, lone = 4, 1
 	limiter := func(extra map[string]any) map[string]any {
 		h := redisLimiter(srv.Addr, "1s", extra, policy)
 		h["redis"].(map[string]any)["pool_size"] = poolSize

@@ -1,0 +1,332 @@
+package ratelimit
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+)
+
+// loneConn is the connection a request the instance serves alone is
+// decided on (store_lone.go): one socket that waits for Redis in a
+// blocking system call (redis_wait_linux.go), on which the script's call
+// is written and its reply read here, in RESP2, rather than through
+// go-redis. At one connection go-redis's handling of a command (its pool,
+// hooks, command and reply values) cost Caddy about what the blocking
+// wait saves (docs/evidence.md); a call has nothing else to do here: one
+// command, one array of integers back. Calls made together still go on
+// go-redis's pool, coalesced.
+type loneConn struct {
+	dial               func(ctx context.Context, network, addr string) (net.Conn, error)
+	addr               string
+	username, password string
+	db                 int
+	dialTimeout        time.Duration
+
+	// mu is held by the one call on the connection; a call that finds it
+	// held goes on the pool.
+	mu  sync.Mutex
+	rd  *bufio.Reader
+	buf []byte // the command being written
+	// conn is the socket (nil: none); held under cmu, so that closing
+	// the store ends a call waiting on it.
+	cmu    sync.Mutex
+	conn   net.Conn
+	closed bool
+	// calls counts the calls made on the connection (tests).
+	calls atomic.Uint64
+}
+
+// errLoneGone stands for a lone connection that is not there: never
+// made, closed, or found closed by Redis while idle.
+var errLoneGone = errors.New("rate_limit: the lone connection to Redis is not open")
+
+// loneReplyError is an error reply from Redis. go-redis's redis.Error
+// interface (RedisError) makes it read as go-redis's own: the NOSCRIPT
+// retry, errorKind and the breaker treat it alike.
+type loneReplyError string
+
+func (e loneReplyError) Error() string { return string(e) }
+func (loneReplyError) RedisError()     {}
+
+// open connects (dial, AUTH, SELECT) and checks the connection with a PING,
+// replacing the connection there was; the caller holds mu.
+func (l *loneConn) open(timeout time.Duration) error {
+	l.drop()
+	ctx, cancel := context.WithTimeout(context.Background(), l.dialTimeout)
+	conn, err := l.dial(ctx, "tcp", l.addr)
+	cancel()
+	if err != nil {
+		return err
+	}
+	l.cmu.Lock()
+	if l.closed {
+		l.cmu.Unlock()
+		_ = conn.Close()
+		return errLoneGone
+	}
+	l.conn = conn
+	l.cmu.Unlock()
+	if l.rd == nil {
+		l.rd = bufio.NewReaderSize(conn, 4096) // an error reply's line fits
+	} else {
+		l.rd.Reset(conn)
+	}
+	deadline := time.Now().Add(l.dialTimeout + timeout)
+	var hello [][]any
+	if l.password != "" {
+		if l.username != "" {
+			hello = append(hello, []any{"auth", l.username, l.password})
+		} else {
+			hello = append(hello, []any{"auth", l.password})
+		}
+	}
+	if l.db != 0 {
+		hello = append(hello, []any{"select", l.db})
+	}
+	hello = append(hello, []any{"ping"})
+	for _, cmd := range hello {
+		if err := l.roundTrip(conn, deadline, cmd, nil); err != nil {
+			l.drop()
+			return err
+		}
+	}
+	return nil
+}
+
+// ready reports whether the connection is open and Redis has not closed
+// it while it sat idle: a look at the socket that does not wait, as
+// go-redis's pool takes before handing a connection out (a TLS
+// connection's socket holds records, not replies: not looked at, as
+// go-redis does not). A closed one is dropped. The caller holds mu.
+func (l *loneConn) ready() bool {
+	l.cmu.Lock()
+	conn := l.conn
+	l.cmu.Unlock()
+	if conn == nil {
+		return false
+	}
+	if l.rd.Buffered() > 0 {
+		l.drop() // a reply nobody asked for: the connection is out of step
+		return false
+	}
+	sc, ok := conn.(syscall.Conn)
+	if !ok {
+		return true
+	}
+	rc, err := sc.SyscallConn()
+	if err != nil {
+		return true
+	}
+	healthy := true
+	err = rc.Read(func(fd uintptr) bool {
+		var b [1]byte
+		n, _, err := syscall.Recvfrom(int(fd), b[:], syscall.MSG_PEEK|syscall.MSG_DONTWAIT)
+		healthy = n < 0 && (err == syscall.EAGAIN || err == syscall.EWOULDBLOCK)
+		return true
+	})
+	if err != nil || !healthy {
+		l.drop()
+		return false
+	}
+	return true
+}
+
+// call runs args (a script's EVALSHA or EVAL) and reads its reply, an
+// array of integers, by deadline. A connection that failed in any way but
+// an error reply is dropped: what it holds next is unknown. The caller
+// holds mu, and checked ready.
+func (l *loneConn) call(deadline time.Time, args []any) ([]int64, error) {
+	l.calls.Add(1)
+	l.cmu.Lock()
+	conn := l.conn
+	l.cmu.Unlock()
+	if conn == nil {
+		return nil, errLoneGone
+	}
+	var out []int64
+	if err := l.roundTrip(conn, deadline, args, &out); err != nil {
+		var reply loneReplyError
+		if !errors.As(err, &reply) {
+			l.drop()
+		}
+		return nil, err
+	}
+	return out, nil
+}
+
+// roundTrip writes one command and reads its reply: an array of integers
+// into *out, or (out nil) anything but an error.
+func (l *loneConn) roundTrip(conn net.Conn, deadline time.Time, args []any, out *[]int64) error {
+	b, err := appendCommand(l.buf[:0], args)
+	if err != nil {
+		return err
+	}
+	l.buf = b
+	if err := conn.SetWriteDeadline(deadline); err != nil {
+		return err
+	}
+	if _, err := conn.Write(b); err != nil {
+		return err
+	}
+	// After the write: the socket gives the reply the whole timeout from
+	// when the command reached it (redis_socket.go).
+	if err := conn.SetReadDeadline(deadline); err != nil {
+		return err
+	}
+	if out == nil {
+		return skipReply(l.rd)
+	}
+	*out, err = readIntegers(l.rd, (*out)[:0])
+	return err
+}
+
+// drop closes the connection, if there is one.
+func (l *loneConn) drop() {
+	l.cmu.Lock()
+	conn := l.conn
+	l.conn = nil
+	l.cmu.Unlock()
+	if conn != nil {
+		_ = conn.Close()
+	}
+}
+
+// Close closes the connection for good; a call waiting on it ends.
+func (l *loneConn) Close() error {
+	l.cmu.Lock()
+	l.closed = true
+	l.cmu.Unlock()
+	l.drop()
+	return nil
+}
+
+// appendCommand appends args as a RESP array of bulk strings. The call's
+// arguments are strings, byte strings and integers (wire.go, encodeCall).
+func appendCommand(b []byte, args []any) ([]byte, error) {
+	b = append(b, '*')
+	b = strconv.AppendInt(b, int64(len(args)), 10)
+	b = append(b, '\r', '\n')
+	var digits [20]byte
+	for _, a := range args {
+		switch v := a.(type) {
+		case string:
+			b = appendBulk(b, v)
+		case []byte:
+			b = appendBulk(b, v)
+		case int:
+			b = appendBulk(b, strconv.AppendInt(digits[:0], int64(v), 10))
+		case int64:
+			b = appendBulk(b, strconv.AppendInt(digits[:0], v, 10))
+		default:
+			return b, fmt.Errorf("rate_limit: a Redis argument of type %T", a)
+		}
+	}
+	return b, nil
+}
+
+func appendBulk[S string | []byte](b []byte, s S) []byte {
+	b = append(b, '$')
+	b = strconv.AppendInt(b, int64(len(s)), 10)
+	b = append(b, '\r', '\n')
+	b = append(b, s...)
+	return append(b, '\r', '\n')
+}
+
+// errLoneProtocol is a reply this connection cannot read as one.
+var errLoneProtocol = errors.New("rate_limit: Redis's reply on the lone connection is not RESP2 of the kind expected")
+
+// readIntegers reads one reply: an array of integers (appended to out),
+// or an error reply (a loneReplyError).
+func readIntegers(rd *bufio.Reader, out []int64) ([]int64, error) {
+	kind, line, err := readLine(rd)
+	if err != nil {
+		return nil, err
+	}
+	switch kind {
+	case '-':
+		return nil, loneReplyError(line)
+	case '*':
+	default:
+		return nil, errLoneProtocol
+	}
+	n, err := strconv.Atoi(string(line))
+	if err != nil || n < 0 || n > 1<<16 {
+		return nil, errLoneProtocol
+	}
+	for range n {
+		kind, line, err := readLine(rd)
+		if err != nil {
+			return nil, err
+		}
+		switch kind {
+		case ':', '+': // an integer; a status that is one, as go-redis reads it
+		case '$': // a bulk string that is one, as go-redis reads it
+			if line, err = readBulk(rd, line); err != nil {
+				return nil, err
+			}
+		default:
+			return nil, errLoneProtocol
+		}
+		v, err := strconv.ParseInt(string(line), 10, 64)
+		if err != nil {
+			return nil, errLoneProtocol
+		}
+		out = append(out, v)
+	}
+	return out, nil
+}
+
+// readBulk reads the body of a bulk string of the length given (a short
+// one: a number's digits).
+func readBulk(rd *bufio.Reader, length []byte) ([]byte, error) {
+	n, err := strconv.Atoi(string(length))
+	if err != nil || n < 0 || n > 64 {
+		return nil, errLoneProtocol
+	}
+	var b [66]byte
+	if _, err := io.ReadFull(rd, b[:n+2]); err != nil {
+		return nil, err
+	}
+	if b[n] != '\r' || b[n+1] != '\n' {
+		return nil, errLoneProtocol
+	}
+	return b[:n], nil
+}
+
+// skipReply reads a reply to AUTH, SELECT or PING: a simple string, or an
+// error reply.
+func skipReply(rd *bufio.Reader) error {
+	kind, line, err := readLine(rd)
+	switch {
+	case err != nil:
+		return err
+	case kind == '-':
+		return loneReplyError(line)
+	case kind != '+':
+		return errLoneProtocol
+	}
+	return nil
+}
+
+// readLine reads one RESP line: its type byte and the rest, without CRLF.
+func readLine(rd *bufio.Reader) (byte, []byte, error) {
+	line, err := rd.ReadSlice('\n')
+	if err != nil {
+		if errors.Is(err, bufio.ErrBufferFull) {
+			return 0, nil, errLoneProtocol
+		}
+		return 0, nil, err
+	}
+	if len(line) < 3 || line[len(line)-2] != '\r' {
+		return 0, nil, errLoneProtocol
+	}
+	return line[0], line[1 : len(line)-2], nil
+}

@@ -1,0 +1,166 @@
+package ratelimit
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"io"
+	"reflect"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/redis/go-redis/v9"
+	"go.uber.org/zap"
+
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/testredis"
+)
+
+// The lone connection writes a call as RESP2 and reads what Redis answers
+// a script: an array of integers or an error reply; anything else is out
+// of step, and the connection is dropped rather than misread.
+func TestLoneConnReadsReplies(t *testing.T) {
+	for _, tc := range []struct {
+		reply string
+		want  []int64
+		err   error // errors.Is; a loneReplyError: that text
+	}{
+		{"*4\r\n:1796587142603864\r\n:1\r\n:1\r\n:0\r\n", []int64{1796587142603864, 1, 1, 0}, nil},
+		{"*0\r\n", nil, nil},
+		{"*2\r\n:-3\r\n:-1\r\n", []int64{-3, -1}, nil},
+		{"*3\r\n$2\r\n12\r\n+7\r\n:0\r\n", []int64{12, 7, 0}, nil}, // as go-redis reads them
+		{"*1\r\n$2\r\n12xx", nil, errLoneProtocol},
+		{"*1\r\n$-1\r\n", nil, errLoneProtocol},
+		{"*1\r\n$1\r\nx\r\n", nil, errLoneProtocol},
+		{"-NOSCRIPT No matching script. Please use EVAL.\r\n", nil, loneReplyError("NOSCRIPT No matching script. Please use EVAL.")},
+		{"-ERR Error running script (call to f_x): @user_script:1: boom\r\n", nil, loneReplyError("ERR Error running script (call to f_x): @user_script:1: boom")},
+		{"+OK\r\n", nil, errLoneProtocol},
+		{"*1\r\n:1x\r\n", nil, errLoneProtocol},
+		{"*-1\r\n", nil, errLoneProtocol},
+		{"*99999999\r\n", nil, errLoneProtocol},
+		{"*2\r\n:1\n", nil, errLoneProtocol},
+		{"*2\r\n:1\r\n", nil, io.EOF},
+		{"", nil, io.EOF},
+		{"-" + strings.Repeat("x", 5000) + "\r\n", nil, errLoneProtocol},
+	} {
+		got, err := readIntegers(bufio.NewReaderSize(strings.NewReader(tc.reply), 4096), nil)
+		var reply loneReplyError
+		switch {
+		case errors.As(tc.err, &reply):
+			var asRedis redis.Error
+			if err == nil || err.Error() != string(reply) || !errors.As(err, &asRedis) {
+				t.Errorf("%q: %v, want the error reply %q, read as go-redis's", tc.reply, err, reply)
+			}
+		case !errors.Is(err, tc.err) || (tc.err == nil && !reflect.DeepEqual(got, tc.want)):
+			t.Errorf("%q: %v, %v; want %v, %v", tc.reply, got, err, tc.want, tc.err)
+		}
+	}
+}
+
+func TestLoneConnWritesCommands(t *testing.T) {
+	got, err := appendCommand(nil, []any{"evalsha", "abc", 1, "rl:p:{k}", int64(-2), []byte{0, '\r', '\n'}})
+	want := "*6\r\n$7\r\nevalsha\r\n$3\r\nabc\r\n$1\r\n1\r\n$8\r\nrl:p:{k}\r\n$2\r\n-2\r\n$3\r\n\x00\r\n\r\n"
+	if err != nil || string(got) != want {
+		t.Fatalf("%q, %v; want %q", got, err, want)
+	}
+	if _, err := appendCommand(nil, []any{"get", 1.5}); err == nil {
+		t.Fatal("a float argument written")
+	}
+}
+
+// The lone connection connects as the pool does: with the redis block's
+// username and password (an ACL user) and in its database.
+func TestLoneConnectionAuthenticatesInItsDatabase(t *testing.T) {
+	if !blockingWaits {
+		t.Skip("the lone connection is made only where sockets to Redis wait in blocking calls (Linux)")
+	}
+	srv := testredis.Start(t)
+	admin := redis.NewClient(&redis.Options{Addr: srv.Addr})
+	t.Cleanup(func() { admin.Close() })
+	ctx := context.Background()
+	if err := admin.Do(ctx, "ACL", "SETUSER", "limiter", "on", ">pa55", "~*", "&*", "+@all").Err(); err != nil {
+		t.Fatal(err)
+	}
+	if err := admin.Do(ctx, "ACL", "SETUSER", "default", "off").Err(); err != nil {
+		t.Fatal(err)
+	}
+	rs, err := newRedisStore(RedisConfig{Addresses: []string{srv.Addr}, Username: "limiter", Password: "pa55", DB: 3,
+		Timeout: caddy.Duration(testTimeout)}.resolved(), zap.NewNop())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { rs.Destruct() })
+	loneUp(t, rs)
+	r := []bucketRequest{{key: "rl:p:{in-db-3}", limit: limit{interval: 1_000_000, burst: 5}, op: opTake, cost: 1}}
+	before := loneUsed(rs)
+	if d, err := rs.decide(ctx, r); err != nil || !d.admitted || loneUsed(rs) == before {
+		t.Fatalf("a request alone: %+v, %v; on the lone connection %v", d, err, loneUsed(rs) != before)
+	}
+	user := redis.NewClient(&redis.Options{Addr: srv.Addr, Username: "limiter", Password: "pa55", DB: 3})
+	t.Cleanup(func() { user.Close() })
+	if n, err := user.Exists(ctx, "rl:p:{in-db-3}").Result(); err != nil || n != 1 {
+		t.Fatalf("the bucket in database 3: %d, %v", n, err)
+	}
+}
+
+// A Redis that lost the script (restarted, or SCRIPT FLUSH) gets it again
+// on the lone connection, and an error reply leaves the connection open.
+func TestLoneConnectionLoadsTheScriptAgain(t *testing.T) {
+	_, client, rs := newTestRedis(t)
+	loneUp(t, rs)
+	ctx := context.Background()
+	r := []bucketRequest{{key: "rl:p:{flushed}", limit: limit{interval: 1_000_000, burst: 5}, op: opTake, cost: 1}}
+	for round := range 3 {
+		if err := client.ScriptFlush(ctx).Err(); err != nil {
+			t.Fatal(err)
+		}
+		before := loneUsed(rs)
+		d, err := rs.decide(ctx, r)
+		if err != nil || !d.admitted || d.verdicts[0].remaining != int64(4-round) {
+			t.Fatalf("round %d, after SCRIPT FLUSH: %+v, %v", round, d, err)
+		}
+		if got := loneUsed(rs) - before; got != 2 || rs.loneDown.Load() {
+			t.Fatalf("round %d: %d calls on the lone connection (want EVALSHA then EVAL), down %v", round, got, rs.loneDown.Load())
+		}
+	}
+}
+
+// Closing the lone connection (as the store's Destruct does) ends a call
+// waiting on it for a Redis that stopped answering, at once rather than
+// at its timeout.
+func TestLoneConnectionClosedWhileWaiting(t *testing.T) {
+	if !blockingWaits {
+		t.Skip("the lone connection is made only where sockets to Redis wait in blocking calls (Linux)")
+	}
+	srv := testredis.Start(t)
+	rs := storeOn(t, srv.Addr, 10*time.Second)
+	loneUp(t, rs)
+	r := []bucketRequest{{key: "rl:p:{frozen}", limit: limit{interval: 1000, burst: 1_000_000}, op: opTake, cost: 1}}
+	if err := srv.Pause(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = srv.Resume() }) // before the store's Destruct
+	done := make(chan error, 1)
+	go func() {
+		_, err := rs.decide(context.Background(), r)
+		done <- err
+	}()
+	for rs.lone.calls.Load() == 0 {
+		time.Sleep(time.Millisecond)
+	}
+	time.Sleep(20 * time.Millisecond) // in its read, most likely
+	start := time.Now()
+	_ = rs.lone.Close()
+	select {
+	case err := <-done:
+		if err == nil {
+			t.Fatal("decided with Redis stopped")
+		}
+		if waited := time.Since(start); waited > 5*time.Second {
+			t.Fatalf("the call ended %v after the close", waited)
+		}
+	case <-time.After(8 * time.Second):
+		t.Fatal("the call on the lone connection did not end when it was closed")
+	}
+}
