@@ -29,6 +29,7 @@ type loneConn struct {
 	username, password string
 	db                 int
 	dialTimeout        time.Duration
+	timeout            time.Duration // the redis block's: each write, and each reply
 
 	// mu is held by the one call on the connection; a call that finds it
 	// held goes on the pool.
@@ -58,7 +59,7 @@ func (loneReplyError) RedisError()     {}
 
 // open connects (dial, AUTH, SELECT) and checks the connection with a PING,
 // replacing the connection there was; the caller holds mu.
-func (l *loneConn) open(timeout time.Duration) error {
+func (l *loneConn) open() error {
 	l.drop()
 	ctx, cancel := context.WithTimeout(context.Background(), l.dialTimeout)
 	conn, err := l.dial(ctx, "tcp", l.addr)
@@ -79,7 +80,7 @@ func (l *loneConn) open(timeout time.Duration) error {
 	} else {
 		l.rd.Reset(conn)
 	}
-	deadline := time.Now().Add(l.dialTimeout + timeout)
+	deadline := time.Now().Add(l.dialTimeout + l.timeout)
 	var hello [][]any
 	if l.password != "" {
 		if l.username != "" {
@@ -163,22 +164,29 @@ func (l *loneConn) call(deadline time.Time, args []any) ([]int64, error) {
 }
 
 // roundTrip writes one command and reads its reply: an array of integers
-// into *out, or (out nil) anything but an error.
+// into *out, or (out nil) anything but an error. The write, then the
+// reply, each get the timeout, within deadline, as go-redis gives its
+// commands (and the socket gives the reply the whole timeout from when the
+// command reached it: redis_socket.go).
 func (l *loneConn) roundTrip(conn net.Conn, deadline time.Time, args []any, out *[]int64) error {
 	b, err := appendCommand(l.buf[:0], args)
 	if err != nil {
 		return err
 	}
 	l.buf = b
-	if err := conn.SetWriteDeadline(deadline); err != nil {
+	within := func() time.Time {
+		if t := time.Now().Add(l.timeout); l.timeout > 0 && t.Before(deadline) {
+			return t
+		}
+		return deadline
+	}
+	if err := conn.SetWriteDeadline(within()); err != nil {
 		return err
 	}
 	if _, err := conn.Write(b); err != nil {
 		return err
 	}
-	// After the write: the socket gives the reply the whole timeout from
-	// when the command reached it (redis_socket.go).
-	if err := conn.SetReadDeadline(deadline); err != nil {
+	if err := conn.SetReadDeadline(within()); err != nil {
 		return err
 	}
 	if out == nil {

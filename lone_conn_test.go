@@ -164,3 +164,33 @@ func TestLoneConnectionClosedWhileWaiting(t *testing.T) {
 		t.Fatal("the call on the lone connection did not end when it was closed")
 	}
 }
+
+// A call on the lone connection to a Redis that stopped answering fails
+// after the redis block's timeout, as a call on the pool does, not after
+// the longer bound of the whole call (dial timeout and three timeouts).
+func TestLoneCallTimesOutAtTheTimeout(t *testing.T) {
+	if !blockingWaits {
+		t.Skip("the lone connection is made only where sockets to Redis wait in blocking calls (Linux)")
+	}
+	srv := testredis.Start(t)
+	const timeout = 200 * time.Millisecond
+	rs := storeOn(t, srv.Addr, timeout)
+	loneUp(t, rs)
+	r := []bucketRequest{{key: "rl:p:{stalled}", limit: limit{interval: 1000, burst: 1_000_000}, op: opTake, cost: 1}}
+	if err := srv.Pause(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = srv.Resume() }) // before the store's Destruct
+	before := loneUsed(rs)
+	start := time.Now()
+	_, err := rs.decide(context.Background(), r)
+	took := time.Since(start)
+	if err == nil || loneUsed(rs) == before {
+		t.Fatalf("a request alone with Redis stopped: %v, on the lone connection %v", err, loneUsed(rs) != before)
+	}
+	// The call's whole bound is 1 s + 3 × 200 ms; the timeout, plus the
+	// second look (lookAgain) and the kernel timer's lateness, is far below.
+	if took < timeout || took > timeout+500*time.Millisecond {
+		t.Fatalf("the call failed after %v, want about the timeout, %v", took, timeout)
+	}
+}

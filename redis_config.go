@@ -204,7 +204,7 @@ func (c RedisConfig) newLone() (*loneConn, error) {
 	}
 	dial := c.dialTimeout()
 	return &loneConn{dial: redisDialer(tlsConfig, dial, time.Duration(c.Timeout), true), addr: c.Addresses[0],
-		username: c.Username, password: c.Password, db: c.DB, dialTimeout: dial}, nil
+		username: c.Username, password: c.Password, db: c.DB, dialTimeout: dial, timeout: time.Duration(c.Timeout)}, nil
 }
 
 // tlsConfig is the tls block's configuration, or nil.

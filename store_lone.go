@@ -55,7 +55,7 @@ func (c *redisStore) loneBack() {
 	defer t.Stop()
 	for {
 		c.lone.mu.Lock()
-		err := c.lone.open(c.timeout)
+		err := c.lone.open()
 		c.lone.mu.Unlock()
 		if err == nil {
 			c.loneDown.Store(false)
