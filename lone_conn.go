@@ -3,6 +3,7 @@ package ratelimit
 import (
 	"bufio"
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"io"
@@ -57,7 +58,7 @@ type loneReplyError string
 func (e loneReplyError) Error() string { return string(e) }
 func (loneReplyError) RedisError()     {}
 
-// open connects (dial, AUTH, SELECT) and checks the connection with a PING,
+// open connects (dial, AUTH, SELECT) and checks the connection with a TIME,
 // replacing the connection there was; the caller holds mu.
 func (l *loneConn) open() error {
 	l.drop()
@@ -81,18 +82,24 @@ func (l *loneConn) open() error {
 		l.rd.Reset(conn)
 	}
 	deadline := time.Now().Add(l.dialTimeout + l.timeout)
+	// AUTH in its two-argument form ("default" without a username), which
+	// a Redis whose default user has no password accepts too, as go-redis's
+	// HELLO does; then TIME, which every limiter's ACL grants (the script
+	// calls it), where PING may be refused: an answer proves the
+	// connection, which Redis may also refuse (maxclients) after accepting
+	// it.
 	var hello [][]any
 	if l.password != "" {
-		if l.username != "" {
-			hello = append(hello, []any{"auth", l.username, l.password})
-		} else {
-			hello = append(hello, []any{"auth", l.password})
+		user := l.username
+		if user == "" {
+			user = "default"
 		}
+		hello = append(hello, []any{"auth", user, l.password})
 	}
 	if l.db != 0 {
 		hello = append(hello, []any{"select", l.db})
 	}
-	hello = append(hello, []any{"ping"})
+	hello = append(hello, []any{"time"})
 	for _, cmd := range hello {
 		if err := l.roundTrip(conn, deadline, cmd, nil); err != nil {
 			l.drop()
@@ -104,9 +111,11 @@ func (l *loneConn) open() error {
 
 // ready reports whether the connection is open and Redis has not closed
 // it while it sat idle: a look at the socket that does not wait, as
-// go-redis's pool takes before handing a connection out (a TLS
-// connection's socket holds records, not replies: not looked at, as
-// go-redis does not). A closed one is dropped. The caller holds mu.
+// go-redis's pool takes before handing a connection out. Under TLS the
+// look is at the TCP socket below, which holds nothing while the
+// connection is idle unless Redis closed it (its close_notify) or sent
+// something unasked: either way it is not used. A closed one is dropped.
+// The caller holds mu.
 func (l *loneConn) ready() bool {
 	l.cmu.Lock()
 	conn := l.conn
@@ -118,7 +127,11 @@ func (l *loneConn) ready() bool {
 		l.drop() // a reply nobody asked for: the connection is out of step
 		return false
 	}
-	sc, ok := conn.(syscall.Conn)
+	var socket net.Conn = conn
+	if tc, ok := conn.(*tls.Conn); ok {
+		socket = tc.NetConn()
+	}
+	sc, ok := socket.(syscall.Conn)
 	if !ok {
 		return true
 	}
@@ -309,8 +322,8 @@ func readBulk(rd *bufio.Reader, length []byte) ([]byte, error) {
 	return b[:n], nil
 }
 
-// skipReply reads a reply to AUTH, SELECT or PING: a simple string, or an
-// error reply.
+// skipReply reads a reply to AUTH, SELECT or TIME: a simple string, or an
+// array of bulk strings; or an error reply.
 func skipReply(rd *bufio.Reader) error {
 	kind, line, err := readLine(rd)
 	switch {
@@ -318,8 +331,26 @@ func skipReply(rd *bufio.Reader) error {
 		return err
 	case kind == '-':
 		return loneReplyError(line)
-	case kind != '+':
+	case kind == '+':
+		return nil
+	case kind != '*':
 		return errLoneProtocol
+	}
+	n, err := strconv.Atoi(string(line))
+	if err != nil || n < 0 || n > 16 {
+		return errLoneProtocol
+	}
+	for range n {
+		kind, line, err := readLine(rd)
+		if err != nil {
+			return err
+		}
+		if kind != '$' {
+			return errLoneProtocol
+		}
+		if _, err := readBulk(rd, line); err != nil {
+			return err
+		}
 	}
 	return nil
 }

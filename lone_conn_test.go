@@ -5,7 +5,10 @@ import (
 	"context"
 	"errors"
 	"io"
+	"os"
 	"reflect"
+	"regexp"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -192,5 +195,98 @@ func TestLoneCallTimesOutAtTheTimeout(t *testing.T) {
 	// second look (lookAgain) and the kernel timer's lateness, is far below.
 	if took < timeout || took > timeout+500*time.Millisecond {
 		t.Fatalf("the call failed after %v, want about the timeout, %v", took, timeout)
+	}
+}
+
+// The lone connection opens with the ACL docs/redis.md gives the limiter
+// (no PING, no HELLO), and with a password configured for a Redis whose
+// default user has none, as go-redis's connections do.
+func TestLoneConnectionOpensWhereThePoolDoes(t *testing.T) {
+	if !blockingWaits {
+		t.Skip("the lone connection is made only where sockets to Redis wait in blocking calls (Linux)")
+	}
+	docs, err := os.ReadFile("docs/redis.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	acl := regexp.MustCompile(`ACL SETUSER <user> on ><password> ([^\n]+)`).FindSubmatch(docs)
+	if acl == nil {
+		t.Fatal("no ACL SETUSER line in docs/redis.md")
+	}
+	for _, tc := range []struct {
+		name, username, password string
+		setup                    [][]any
+	}{
+		{"the documented ACL", "limiter", "pa55", [][]any{append([]any{"ACL", "SETUSER", "limiter", "on", ">pa55"}, stringsAsAny(strings.Fields(string(acl[1])))...)}},
+		{"a password Redis does not ask for", "", "unasked", nil},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			srv := testredis.Start(t)
+			admin := redis.NewClient(&redis.Options{Addr: srv.Addr})
+			t.Cleanup(func() { admin.Close() })
+			for _, cmd := range tc.setup {
+				if err := admin.Do(context.Background(), cmd...).Err(); err != nil {
+					t.Fatal(err)
+				}
+			}
+			rs, err := newRedisStore(RedisConfig{Addresses: []string{srv.Addr}, Username: tc.username, Password: tc.password,
+				Timeout: caddy.Duration(testTimeout)}.resolved(), zap.NewNop())
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { rs.Destruct() })
+			loneUp(t, rs)
+			r := []bucketRequest{{key: "rl:p:{acl}", limit: limit{interval: 1_000_000, burst: 5}, op: opTake, cost: 1}}
+			before := loneUsed(rs)
+			if d, err := rs.decide(context.Background(), r); err != nil || !d.admitted || loneUsed(rs) == before {
+				t.Fatalf("a request alone: %+v, %v; on the lone connection %v", d, err, loneUsed(rs) != before)
+			}
+		})
+	}
+}
+
+func stringsAsAny(s []string) []any {
+	a := make([]any, len(s))
+	for i, v := range s {
+		a[i] = v
+	}
+	return a
+}
+
+// Redis's error reply to a lone call (here out of memory) leaves the
+// lone connection as it was: no new connection per request.
+func TestLoneErrorReplyKeepsTheConnection(t *testing.T) {
+	_, client, rs := newTestRedis(t)
+	loneUp(t, rs)
+	ctx := context.Background()
+	r := []bucketRequest{{key: "rl:p:{oom}", limit: limit{interval: 1_000_000, burst: 5}, op: opTake, cost: 1}}
+	if _, err := rs.decide(ctx, r); err != nil { // the script loaded
+		t.Fatal(err)
+	}
+	connections := func() int64 {
+		info, err := client.Info(ctx, "stats").Result()
+		if err != nil {
+			t.Fatal(err)
+		}
+		m := regexp.MustCompile(`total_connections_received:(\d+)`).FindStringSubmatch(info)
+		n, _ := strconv.ParseInt(m[1], 10, 64)
+		return n
+	}
+	if err := client.ConfigSet(ctx, "maxmemory-policy", "noeviction").Err(); err != nil {
+		t.Fatal(err)
+	}
+	if err := client.ConfigSet(ctx, "maxmemory", "1").Err(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { client.ConfigSet(ctx, "maxmemory", "0") })
+	before, calls := connections(), loneUsed(rs)
+	r[0].key = "rl:p:{oom-new}" // a write Redis refuses
+	for i := range 20 {
+		if _, err := rs.decide(ctx, r); err == nil || !strings.Contains(err.Error(), "OOM") {
+			t.Fatalf("call %d with Redis out of memory: %v, want its OOM reply", i, err)
+		}
+	}
+	if got := connections() - before; got != 0 || loneUsed(rs)-calls != 20 || rs.loneDown.Load() {
+		t.Fatalf("20 OOM replies alone: %d new connections, %d lone calls, down %v; want 0, 20, false", got, loneUsed(rs)-calls, rs.loneDown.Load())
 	}
 }

@@ -1,7 +1,10 @@
 package ratelimit
 
 import (
+	"errors"
 	"time"
+
+	"go.uber.org/zap"
 )
 
 // A request the instance serves alone (no other in its rate_limit
@@ -17,11 +20,12 @@ import (
 //
 // The pool's connections make the lone calls while lone is down
 // (loneDown): from the start until it first answers, and after a call on
-// it failed, whatever the error (Redis was away, full at maxclients, or
-// turning new connections away: a password or an ACL changed since the
-// pool's were made), until it answers a PING again, tried at once and
-// then once a second. A call that finds lone busy (another coalescer's
-// call alone) goes on the pool too.
+// it failed other than by Redis's error reply (Redis was away, or closed
+// the connection), until it opens again, tried at once and then once a
+// second; Redis may refuse the new one (full at maxclients, or a password
+// or an ACL changed since the pool's were made) while the pool's go on.
+// A call that finds lone busy (another coalescer's call alone), or its
+// connection closed by Redis while idle, goes on the pool too.
 
 // loneFor is the lone connection, held for batch's call, or nil when the
 // call goes on the pool.
@@ -38,21 +42,26 @@ func (c *redisStore) loneFor(batch []*pending) *loneConn {
 }
 
 // loneAnswered hands the lone calls to the pool's connections when a call
-// on lone failed with err. Any error does: one that says nothing of
-// lone's connection (a script's error reply) costs only a second of lone
-// calls on the pool.
+// on lone failed with err, unless err is Redis's error reply (out of
+// memory, a read-only replica, a script's error): the connection is sound,
+// and the pool would get the same reply.
 func (c *redisStore) loneAnswered(err error) {
-	if err != nil && c.loneDown.CompareAndSwap(false, true) {
+	var reply loneReplyError
+	if err != nil && !errors.As(err, &reply) && c.loneDown.CompareAndSwap(false, true) {
 		go c.loneBack()
 	}
 }
 
-// loneBack opens the lone connection again (connected, and answering a
-// PING), at once and then once a second until it is, and lets it make
-// the lone calls again (loneDown).
+// loneBack opens the lone connection again (connected, and answering),
+// at once and then once a second until it is, and lets it make the lone
+// calls again (loneDown). When Redis answers but refuses it (a password,
+// an ACL, maxclients), that is logged once: the pool's connections,
+// opened before, may go on working meanwhile, and nothing else would say
+// why requests served alone cost more.
 func (c *redisStore) loneBack() {
 	t := time.NewTicker(time.Second)
 	defer t.Stop()
+	logged := false
 	for {
 		c.lone.mu.Lock()
 		err := c.lone.open()
@@ -60,6 +69,12 @@ func (c *redisStore) loneBack() {
 		if err == nil {
 			c.loneDown.Store(false)
 			return
+		}
+		var reply loneReplyError
+		if !logged && errors.As(err, &reply) {
+			logged = true
+			c.logger.Warn("Redis refused the connection for requests served alone; they go on the pool's connections, and it is tried again once a second",
+				zap.String("redis", c.name), zap.Error(err))
 		}
 		select {
 		case <-c.closed:

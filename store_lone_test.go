@@ -65,10 +65,11 @@ func TestLoneRequestAfterAnOutage(t *testing.T) {
 	decidesOnLoneOnceBack(t, rs, r)
 }
 
-// Whatever error a lone call fails with (here the refusal of a new
-// connection after a password change), the pool's connections take the
-// lone calls, until the lone connections answer again.
-func TestLoneCallsGoToThePoolAfterAnyError(t *testing.T) {
+// Whatever failure a lone call ends in, but Redis's error reply (here the
+// refusal of a new connection after a password change), the pool's
+// connections take the lone calls, until the lone connection answers
+// again.
+func TestLoneCallsGoToThePoolAfterAFailure(t *testing.T) {
 	_, rs, r := loneStore(t, "refused")
 	ctx := context.Background()
 	rs.loneAnswered(errors.New("WRONGPASS invalid username-password pair or user is disabled."))
