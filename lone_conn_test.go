@@ -3,9 +3,19 @@ package ratelimit
 import (
 	"bufio"
 	"context"
+	"crypto/ecdsa"
+	"crypto/elliptic"
+	"crypto/rand"
+	"crypto/tls"
+	"crypto/x509"
+	"crypto/x509/pkix"
+	"encoding/pem"
 	"errors"
 	"io"
+	"math/big"
+	"net"
 	"os"
+	"path/filepath"
 	"reflect"
 	"regexp"
 	"strconv"
@@ -288,5 +298,54 @@ func TestLoneErrorReplyKeepsTheConnection(t *testing.T) {
 	}
 	if got := connections() - before; got != 0 || loneUsed(rs)-calls != 20 || rs.loneDown.Load() {
 		t.Fatalf("20 OOM replies alone: %d new connections, %d lone calls, down %v; want 0, 20, false", got, loneUsed(rs)-calls, rs.loneDown.Load())
+	}
+}
+
+// Under TLS, a lone connection Redis closed while it sat idle is found
+// closed before a call is written on it (its TCP socket holds Redis's
+// close_notify or end), and the call goes on the pool instead of failing.
+func TestLoneConnectionClosedWhileIdleUnderTLS(t *testing.T) {
+	if !blockingWaits {
+		t.Skip("the lone connection is made only where sockets to Redis wait in blocking calls (Linux)")
+	}
+	dir := t.TempDir()
+	key, _ := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	tmpl := &x509.Certificate{SerialNumber: big.NewInt(1), Subject: pkix.Name{CommonName: "redis"},
+		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour),
+		IPAddresses: []net.IP{net.ParseIP("127.0.0.1")}, KeyUsage: x509.KeyUsageDigitalSignature,
+		ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth}}
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	keyDER, _ := x509.MarshalECPrivateKey(key)
+	certFile, keyFile := filepath.Join(dir, "redis.pem"), filepath.Join(dir, "redis.key")
+	_ = os.WriteFile(certFile, pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}), 0o600)
+	_ = os.WriteFile(keyFile, pem.EncodeToMemory(&pem.Block{Type: "EC PRIVATE KEY", Bytes: keyDER}), 0o600)
+	srv := testredis.StartTLS(t, certFile, keyFile, &tls.Config{InsecureSkipVerify: true})
+	rs, err := newRedisStore(RedisConfig{Addresses: []string{srv.Addr}, TLS: &RedisTLS{InsecureSkipVerify: true},
+		Timeout: caddy.Duration(testTimeout)}.resolved(), zap.NewNop())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { rs.Destruct() })
+	loneUp(t, rs)
+	r := []bucketRequest{{key: "rl:p:{tls-idle}", limit: limit{interval: 1000, burst: 1_000_000}, op: opTake, cost: 1}}
+	for round := range 3 {
+		before := loneUsed(rs)
+		if _, err := rs.decide(context.Background(), r); err != nil || loneUsed(rs) == before {
+			t.Fatalf("round %d, a request alone: %v, on the lone connection %v", round, err, loneUsed(rs) != before)
+		}
+		rs.lone.cmu.Lock()
+		local := rs.lone.conn.LocalAddr().String()
+		rs.lone.cmu.Unlock()
+		if _, err := srv.Do("CLIENT", "KILL", "ADDR", local); err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(50 * time.Millisecond) // idle; Redis's close reaches the socket
+		if d, err := rs.decide(context.Background(), r); err != nil || !d.admitted {
+			t.Fatalf("round %d, the first request alone after Redis closed the idle lone connection: %+v, %v", round, d, err)
+		}
+		loneUp(t, rs)
 	}
 }
