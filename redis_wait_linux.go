@@ -14,20 +14,19 @@ import (
 	"unsafe"
 )
 
-// On Linux the connections of the lone client (store_lone.go) wait for
+// On Linux the lone connection (lone_conn.go, store_lone.go) waits for
 // Redis in a blocking system call on the calling thread, outside Go's
 // network poller. The call of a request the instance serves alone would
 // otherwise park its goroutine: the scheduler then spins a thread looking
 // for work, blocks it in the poller, and wakes it and hands the goroutine
 // over when the reply comes. In a blocking read the kernel wakes the one
 // thread that waits, and nothing else: a third less CPU for a decision
-// made alone (docs/evidence.md). At most one such call is in flight per
-// coalescer, so few threads wait at once.
+// made alone (docs/evidence.md). There is one lone connection, so at most
+// one thread waits so.
 //
 // Deadlines become the socket's own timeouts (SO_RCVTIMEO, SO_SNDTIMEO),
-// set only when they must change: go-redis arms the same timeout for
-// every call, and a system call a call would add what the blocking read
-// saves.
+// set only when they must change: each call arms the same timeout, and a
+// system call a call would add what the blocking read saves.
 
 // blockingSocket is a connected socket read and written in blocking
 // system calls. It sits where a *net.TCPConn would: below redisSocket.
