@@ -361,27 +361,17 @@ func (c *redisStore) eval(batch []*pending) breaker.Result {
 	ctx := &callContext{Context: context.Background(), deadline: time.Now().Add(c.callTimeout)}
 	args := encodeCall(batch, c.format.current())
 	sent := monotonicMicros()
-	var res []int64
-	var err error
-	if lone := c.loneFor(batch); lone != nil { // store_lone.go
-		res, err = lone.call(ctx.deadline, args)
-		if redis.HasErrorPrefix(err, "NOSCRIPT") {
-			args[0], args[1] = "eval", decideLua // as below
-			res, err = lone.call(ctx.deadline, args)
-		}
+	lone := c.loneFor(batch) // store_lone.go; nil: the pool
+	res, err := c.callOn(lone, ctx, args)
+	if err != nil && redis.HasErrorPrefix(err, "NOSCRIPT") { // HasErrorPrefix allocates
+		// A restarted or flushed Redis: EVAL loads the script again. The
+		// script did not run, so nothing was charged twice.
+		args[0], args[1] = "eval", decideLua
+		res, err = c.callOn(lone, ctx, args)
+	}
+	if lone != nil {
 		lone.mu.Unlock()
 		c.loneAnswered(err)
-	} else {
-		cmd := redis.NewIntSliceCmd(ctx, args...)
-		_ = c.client.Process(ctx, cmd)
-		if cmd.Err() != nil && redis.HasErrorPrefix(cmd.Err(), "NOSCRIPT") {
-			// A restarted or flushed Redis: EVAL loads the script again. The
-			// script did not run, so nothing was charged twice.
-			args[0], args[1] = "eval", decideLua
-			cmd = redis.NewIntSliceCmd(ctx, args...)
-			_ = c.client.Process(ctx, cmd)
-		}
-		res, err = cmd.Result()
 	}
 	received := monotonicMicros()
 	if err == nil {
@@ -408,6 +398,17 @@ func (c *redisStore) eval(batch []*pending) breaker.Result {
 	storeErrors.WithLabelValues(kind).Inc()
 	c.report(kind, err)
 	return resultOf(err)
+}
+
+// callOn makes a script call on the lone connection, or on the pool when
+// lone is nil.
+func (c *redisStore) callOn(lone *loneConn, ctx *callContext, args []any) ([]int64, error) {
+	if lone != nil {
+		return lone.call(ctx.deadline, args)
+	}
+	cmd := redis.NewIntSliceCmd(ctx, args...)
+	_ = c.client.Process(ctx, cmd)
+	return cmd.Result()
 }
 
 // callContext bounds a script call by its deadline alone, which go-redis
