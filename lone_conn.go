@@ -278,9 +278,9 @@ func readIntegers(rd *bufio.Reader, out []int64) ([]int64, error) {
 	default:
 		return nil, errLoneProtocol
 	}
-	n, err := strconv.Atoi(string(line))
-	if err != nil || n < 0 || n > 1<<16 {
-		return nil, errLoneProtocol
+	n, err := respLen(line, 1<<16)
+	if err != nil {
+		return nil, err
 	}
 	for range n {
 		kind, line, err := readLine(rd)
@@ -308,9 +308,9 @@ func readIntegers(rd *bufio.Reader, out []int64) ([]int64, error) {
 // readBulk reads the body of a bulk string of the length given (a short
 // one: a number's digits).
 func readBulk(rd *bufio.Reader, length []byte) ([]byte, error) {
-	n, err := strconv.Atoi(string(length))
-	if err != nil || n < 0 || n > 64 {
-		return nil, errLoneProtocol
+	n, err := respLen(length, 64)
+	if err != nil {
+		return nil, err
 	}
 	var b [66]byte
 	if _, err := io.ReadFull(rd, b[:n+2]); err != nil {
@@ -336,9 +336,9 @@ func skipReply(rd *bufio.Reader) error {
 	case kind != '*':
 		return errLoneProtocol
 	}
-	n, err := strconv.Atoi(string(line))
-	if err != nil || n < 0 || n > 16 {
-		return errLoneProtocol
+	n, err := respLen(line, 16)
+	if err != nil {
+		return err
 	}
 	for range n {
 		kind, line, err := readLine(rd)
@@ -353,6 +353,15 @@ func skipReply(rd *bufio.Reader) error {
 		}
 	}
 	return nil
+}
+
+// respLen reads an array's or a bulk string's length, from 0 to most.
+func respLen(line []byte, most int) (int, error) {
+	n, err := strconv.Atoi(string(line))
+	if err != nil || n < 0 || n > most {
+		return 0, errLoneProtocol
+	}
+	return n, nil
 }
 
 // readLine reads one RESP line: its type byte and the rest, without CRLF.
