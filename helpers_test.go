@@ -36,7 +36,16 @@ func newTestRedis(t *testing.T) (*testredis.Server, *redis.Client, *redisStore) 
 // storeOn is a Redis store on addr with the given timeout.
 func storeOn(t *testing.T, addr string, timeout time.Duration) *redisStore {
 	t.Helper()
-	conn, err := newRedisStore(RedisConfig{Addresses: []string{addr}, Timeout: caddy.Duration(timeout)}.resolved(), zap.NewNop())
+	return storeWith(t, RedisConfig{Addresses: []string{addr}, Timeout: caddy.Duration(timeout)}, zap.NewNop())
+}
+
+// storeWith is a Redis store made from cfg, logging to logger from the
+// start: its goroutines (store_lone.go's loneBack among them) log from
+// the moment it is made, so a test that reads the logs cannot swap the
+// logger in afterwards.
+func storeWith(t *testing.T, cfg RedisConfig, logger *zap.Logger) *redisStore {
+	t.Helper()
+	conn, err := newRedisStore(cfg.resolved(), logger)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -98,12 +98,8 @@ func TestLoneConnectionAuthenticatesInItsDatabase(t *testing.T) {
 	if err := admin.Do(ctx, "ACL", "SETUSER", "default", "off").Err(); err != nil {
 		t.Fatal(err)
 	}
-	rs, err := newRedisStore(RedisConfig{Addresses: []string{srv.Addr}, Username: "limiter", Password: "pa55", DB: 3,
-		Timeout: caddy.Duration(testTimeout)}.resolved(), zap.NewNop())
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { rs.Destruct() })
+	rs := storeWith(t, RedisConfig{Addresses: []string{srv.Addr}, Username: "limiter", Password: "pa55", DB: 3,
+		Timeout: caddy.Duration(testTimeout)}, zap.NewNop())
 	loneUp(t, rs)
 	r := []bucketRequest{{key: "rl:p:{in-db-3}", limit: limit{interval: 1_000_000, burst: 5}, op: opTake, cost: 1}}
 	before := loneUsed(rs)
@@ -239,12 +235,8 @@ func TestLoneConnectionOpensWhereThePoolDoes(t *testing.T) {
 					t.Fatal(err)
 				}
 			}
-			rs, err := newRedisStore(RedisConfig{Addresses: []string{srv.Addr}, Username: tc.username, Password: tc.password,
-				Timeout: caddy.Duration(testTimeout)}.resolved(), zap.NewNop())
-			if err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(func() { rs.Destruct() })
+			rs := storeWith(t, RedisConfig{Addresses: []string{srv.Addr}, Username: tc.username, Password: tc.password,
+				Timeout: caddy.Duration(testTimeout)}, zap.NewNop())
 			loneUp(t, rs)
 			r := []bucketRequest{{key: "rl:p:{acl}", limit: limit{interval: 1_000_000, burst: 5}, op: opTake, cost: 1}}
 			before := loneUsed(rs)
@@ -323,12 +315,8 @@ func TestLoneConnectionClosedWhileIdleUnderTLS(t *testing.T) {
 	_ = os.WriteFile(certFile, pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}), 0o600)
 	_ = os.WriteFile(keyFile, pem.EncodeToMemory(&pem.Block{Type: "EC PRIVATE KEY", Bytes: keyDER}), 0o600)
 	srv := testredis.StartTLS(t, certFile, keyFile, &tls.Config{InsecureSkipVerify: true})
-	rs, err := newRedisStore(RedisConfig{Addresses: []string{srv.Addr}, TLS: &RedisTLS{InsecureSkipVerify: true},
-		Timeout: caddy.Duration(testTimeout)}.resolved(), zap.NewNop())
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { rs.Destruct() })
+	rs := storeWith(t, RedisConfig{Addresses: []string{srv.Addr}, TLS: &RedisTLS{InsecureSkipVerify: true},
+		Timeout: caddy.Duration(testTimeout)}, zap.NewNop())
 	loneUp(t, rs)
 	r := []bucketRequest{{key: "rl:p:{tls-idle}", limit: limit{interval: 1000, burst: 1_000_000}, op: opTake, cost: 1}}
 	for round := range 3 {

@@ -34,9 +34,8 @@ func TestServerNamed(t *testing.T) {
 			cfg.Username, cfg.Password = user, "pw"
 		}
 		h := probeHandler(t, &cfg, "")
-		c := h.store.(*redisStore)
 		core, logs := observer.New(zap.InfoLevel)
-		c.logger = zap.New(core)
+		c := storeWith(t, cfg, zap.New(core))
 		got, ok := c.identify([]*Policy{h.Policies[0]})
 		if !ok || got.Name != want.Name || got.Version != want.Version {
 			t.Errorf("user %q: the module named %+v (%v), the server says %+v", user, got, ok, want)
@@ -65,9 +64,8 @@ func TestServerTooOld(t *testing.T) {
 	addr := fakeServer(t, "# Server\r\nredis_version:6.0.20\r\nredis_mode:standalone\r\n")
 	cfg := RedisConfig{Addresses: []string{addr}}
 	h := probeHandler(t, &cfg, failClosed)
-	c := h.store.(*redisStore)
 	core, logs := observer.New(zap.InfoLevel)
-	c.logger = zap.New(core)
+	c := storeWith(t, cfg, zap.New(core))
 	c.probeStarted([]*Handler{h})
 	var errs []string
 	for _, e := range logs.All() {

@@ -385,7 +385,12 @@ func TestQuotaDurableFailover(t *testing.T) {
 	}
 	t.Logf("40 durable requests confirmed by the replica and 40 plain ones, the slowest in %v", slowest.Round(time.Millisecond))
 
-	// The replica stops receiving.
+	// Every admission above reached the replica (the plain ones are
+	// replicated after their answers), then the replica stops receiving.
+	waitFor(t, "the replica has caught up", func() bool {
+		ok, err := testredis.CaughtUp(primary, replica)
+		return ok && err == nil
+	})
 	if info, _ := replica.Do("INFO", "replication"); !strings.Contains(info, "master_port:"+link.Addr[strings.LastIndex(link.Addr, ":")+1:]) {
 		t.Fatalf("the replica no longer replicates through the link the test partitions:\n%s", info)
 	}

@@ -92,6 +92,31 @@ func (s *Server) Role() (string, error) {
 	return "", fmt.Errorf("no role in %q", info)
 }
 
+// CaughtUp says whether replica has received every write master had
+// taken when asked: replication is asynchronous, and a test that cuts or
+// kills the master counts on what the replica holds.
+func CaughtUp(master, replica *Server) (bool, error) {
+	sent, err := replicationOffset(master, "master_repl_offset:")
+	if err != nil {
+		return false, err
+	}
+	got, err := replicationOffset(replica, "slave_repl_offset:")
+	return err == nil && got >= sent, err
+}
+
+func replicationOffset(s *Server, field string) (int64, error) {
+	info, err := s.Do("INFO", "replication")
+	if err != nil {
+		return 0, err
+	}
+	for _, line := range strings.Split(info, "\r\n") {
+		if v, ok := strings.CutPrefix(line, field); ok {
+			return strconv.ParseInt(v, 10, 64)
+		}
+	}
+	return 0, fmt.Errorf("no %s in %q", field, info)
+}
+
 // Sentinels is a master, a replica and three sentinels watching them
 // under the master name "limiter".
 type Sentinels struct {
