@@ -193,9 +193,10 @@ func (e *redisEvents) close() {
 // "override <instance> <storage key>" on <key_prefix>events; each instance
 // adds the key to its policy's set, forgets what it remembered of the
 // bucket, and confirms with "seen <storage key>" on <key_prefix>events:<instance>, the
-// announcer's own channel; the announcer answers once as many confirmations
-// came as the events channel has subscribers (PUBSUB NUMSUB: every
-// instance, itself included), or after a second. So when the admin API
+// announcer's own channel; the announcer applies it to itself at once,
+// and answers once as many confirmations came as the events channel has
+// subscribers (PUBSUB NUMSUB: every instance, itself included once its
+// subscription is up), or after a second. So when the admin API
 // answers, the override applies to the next request on every instance,
 // not only once each has read the message.
 
@@ -251,7 +252,10 @@ func (c *redisStore) announceOverride(ctx context.Context, prefix, key string) e
 }
 
 // subscribers is how many connections listen to the events channel ch:
-// one per instance (and Redis store) of the fleet; at least this one.
+// one per instance (and Redis store) of the fleet, this one included once
+// its subscription is up; 0 when none is. When Redis does not say, 1: at
+// least this one, whose confirmation then shows the announcement went
+// round.
 func (c *redisStore) subscribers(ctx context.Context, ch string) int64 {
 	var cmd *redis.MapStringIntCmd
 	if cc, ok := c.client.(*redis.ClusterClient); ok {
@@ -265,7 +269,7 @@ func (c *redisStore) subscribers(ctx context.Context, ch string) int64 {
 		cmd = c.client.PubSubNumSub(ctx, ch)
 	}
 	n, err := cmd.Result()
-	if err != nil || n[ch] < 1 {
+	if err != nil {
 		return 1
 	}
 	return n[ch]

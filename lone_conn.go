@@ -3,7 +3,6 @@ package ratelimit
 import (
 	"bufio"
 	"context"
-	"crypto/tls"
 	"errors"
 	"fmt"
 	"io"
@@ -128,7 +127,7 @@ func (l *loneConn) ready() bool {
 		return false
 	}
 	var socket net.Conn = conn
-	if tc, ok := conn.(*tls.Conn); ok {
+	if tc, ok := conn.(tlsSocket); ok {
 		socket = tc.NetConn()
 	}
 	sc, ok := socket.(syscall.Conn)
@@ -139,14 +138,7 @@ func (l *loneConn) ready() bool {
 	if err != nil {
 		return true
 	}
-	healthy := true
-	err = rc.Read(func(fd uintptr) bool {
-		var b [1]byte
-		n, _, err := syscall.Recvfrom(int(fd), b[:], syscall.MSG_PEEK|syscall.MSG_DONTWAIT)
-		healthy = n < 0 && (err == syscall.EAGAIN || err == syscall.EWOULDBLOCK)
-		return true
-	})
-	if err != nil || !healthy {
+	if !idleSound(rc) {
 		l.drop()
 		return false
 	}

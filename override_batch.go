@@ -113,6 +113,10 @@ func (c *redisStore) announceOverrides(ctx context.Context, prefix string, keys 
 	waits := make([]*ackWait, len(keys))
 	for i, key := range keys {
 		waits[i] = c.overrides.expect(key)
+		// This instance applies it at once, as it would on the event: its
+		// own subscription may not be up yet (it just started, or is
+		// subscribing again), and its next request must see the override.
+		c.receive(eventOverride, key)
 	}
 	defer func() {
 		for i, key := range keys {

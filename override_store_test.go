@@ -64,3 +64,24 @@ func TestOverrideAnnouncement(t *testing.T) {
 		t.Fatalf("with a subscriber that does not confirm: %v after %v, want errUnconfirmed after 1s", err, time.Since(start))
 	}
 }
+
+// TestOverrideAnnouncedBeforeSubscribing: an instance whose own
+// subscription to the events is not up yet (it just started) applies the
+// override it announces at once, and with no instance listening the
+// announcement is not left waiting a second for a confirmation that
+// cannot come.
+func TestOverrideAnnouncedBeforeSubscribing(t *testing.T) {
+	_, _, a := newTestRedis(t)
+	set := a.overrides.overrideSet("rl:p:")
+	ctx := context.Background()
+	if _, err := a.overrides.setOverride(ctx, "rl:p:{h}", override{kind: overrideRate, interval: 3, burst: 300}, overrideEntry{}, 0); err != nil {
+		t.Fatalf("storing the override: %v", err)
+	}
+	start := time.Now()
+	if err := a.announceOverride(ctx, "rl:", "rl:p:{h}"); err != nil || time.Since(start) >= time.Second {
+		t.Fatalf("announcing with nobody subscribed: %v after %v, want nil at once", err, time.Since(start))
+	}
+	if !set.may("rl:p:{h}") {
+		t.Fatal("the instance that announced the override does not apply it")
+	}
+}

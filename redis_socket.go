@@ -158,6 +158,59 @@ func redisDialer(tlsConfig *tls.Config, dialTimeout, timeout time.Duration, bloc
 			_ = raw.Close()
 			return nil, err
 		}
-		return tc, nil
+		return tlsSocket{tc}, nil
 	}
+}
+
+// tlsSocket is a TLS connection to Redis whose health go-redis's pool can
+// check before it hands the connection out after it sat idle. go-redis
+// looks only at a connection that is a syscall.Conn, which crypto/tls's is
+// not: without this, a connection Redis closed while idle (its timeout
+// setting, a restart) failed the next call made on it.
+type tlsSocket struct{ *tls.Conn }
+
+// SyscallConn is the TCP socket's below TLS, for the look only (idleLook).
+func (s tlsSocket) SyscallConn() (syscall.RawConn, error) {
+	sc, ok := s.NetConn().(syscall.Conn)
+	if !ok {
+		return nil, errors.ErrUnsupported
+	}
+	rc, err := sc.SyscallConn()
+	if err != nil {
+		return nil, err
+	}
+	return idleLook{rc}, nil
+}
+
+// idleLook is the socket go-redis's health check reads through. Where the
+// check would peek at the socket itself and, finding bytes there, read
+// them through TLS (which can wait forever for a record that does not
+// come, go-redis's own comment says), Read takes idleSound's look and
+// answers a socket that is not sound with an error, which go-redis takes
+// as unhealthy: it closes the connection and makes another one.
+type idleLook struct{ syscall.RawConn }
+
+// errIdleUnsound: Redis closed the connection while it sat idle, or sent
+// it bytes nobody asked for.
+var errIdleUnsound = errors.New("rate_limit: the idle connection to Redis was closed, or holds bytes nobody asked for")
+
+func (r idleLook) Read(func(fd uintptr) bool) error {
+	if !idleSound(r.RawConn) {
+		return errIdleUnsound
+	}
+	return nil
+}
+
+// idleSound takes a look at an idle connection's socket that does not
+// wait: sound when it holds nothing to read (not closed by Redis, no
+// reply nobody asked for), or when it cannot be looked at.
+func idleSound(rc syscall.RawConn) bool {
+	sound := true
+	err := rc.Read(func(fd uintptr) bool {
+		var b [1]byte
+		n, _, err := syscall.Recvfrom(int(fd), b[:], syscall.MSG_PEEK|syscall.MSG_DONTWAIT)
+		sound = n < 0 && (err == syscall.EAGAIN || err == syscall.EWOULDBLOCK)
+		return true
+	})
+	return err == nil && sound
 }

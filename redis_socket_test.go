@@ -5,6 +5,9 @@ import (
 	"net"
 	"testing"
 	"time"
+
+	"github.com/ratelimit-caddy/caddy-ratelimit/internal/testredis"
+	"go.uber.org/zap"
 )
 
 // A reply gets the whole timeout from when its request reached the socket,
@@ -83,7 +86,23 @@ func testReplyGetsTheTimeout(t *testing.T, blocking bool) {
 // on a new one: the socket wrapper leaves go-redis's health check its view
 // of the socket.
 func TestRedisConnectionClosedWhileIdleIsRedialed(t *testing.T) {
-	_, client, rs := newTestRedis(t)
+	t.Run("tcp", func(t *testing.T) {
+		srv := testredis.Start(t)
+		closedWhileIdle(t, srv, storeOn(t, srv.Addr, time.Duration(testTimeout)))
+	})
+	// go-redis looks only at a connection that is a syscall.Conn, which a
+	// crypto/tls one is not (tlsSocket).
+	t.Run("tls", func(t *testing.T) {
+		srv := tlsRedis(t)
+		closedWhileIdle(t, srv, storeWith(t, RedisConfig{Addresses: []string{srv.Addr}, TLS: &RedisTLS{InsecureSkipVerify: true},
+			Timeout: testTimeout}, zap.NewNop()))
+	})
+}
+
+// closedWhileIdle: every connection of rs's Redis, the lone one and the
+// pool's, closed by Redis while idle; the next decision is made all the
+// same, in three rounds.
+func closedWhileIdle(t *testing.T, srv *testredis.Server, rs *redisStore) {
 	ctx := context.Background()
 	r := []bucketRequest{{key: "rl:p:{idle}", limit: limit{interval: 1000, burst: 1_000_000}, op: opTake, cost: 1}}
 	for round := range 3 {
@@ -93,12 +112,12 @@ func TestRedisConnectionClosedWhileIdleIsRedialed(t *testing.T) {
 			}
 		}
 		time.Sleep(50 * time.Millisecond) // idle
-		killed, err := client.ClientKillByFilter(ctx, "TYPE", "normal", "SKIPME", "yes").Result()
-		if err != nil || killed == 0 {
-			t.Fatalf("round %d: CLIENT KILL: %d, %v", round, killed, err)
+		killed, err := srv.Do("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")
+		if err != nil || killed == "0" {
+			t.Fatalf("round %d: CLIENT KILL: %s, %v", round, killed, err)
 		}
 		if d, err := rs.decide(ctx, r); err != nil || !d.admitted {
-			t.Fatalf("round %d: the first decision after Redis closed %d idle connections: %+v, %v", round, killed, d, err)
+			t.Fatalf("round %d: the first decision after Redis closed %s idle connections: %+v, %v", round, killed, d, err)
 		}
 	}
 }
