@@ -185,17 +185,30 @@ func (s tlsSocket) SyscallConn() (syscall.RawConn, error) {
 // idleLook is the socket go-redis's health check reads through. Where the
 // check would peek at the socket itself and, finding bytes there, read
 // them through TLS (which can wait forever for a record that does not
-// come, go-redis's own comment says), Read takes idleSound's look and
-// answers a socket that is not sound with an error, which go-redis takes
-// as unhealthy: it closes the connection and makes another one.
+// come, go-redis's own comment says), Read takes its own look and answers
+// a socket that is not sound with an error, which go-redis takes as
+// unhealthy: it closes the connection and makes another one. Bytes on a
+// connection Redis has not closed are TLS's own records, left for the
+// connection's first read: the session tickets a TLS 1.3 server sends
+// after the handshake sit there on the connections go-redis opens ahead
+// of use (MinIdleConns), which are sound.
 type idleLook struct{ syscall.RawConn }
 
-// errIdleUnsound: Redis closed the connection while it sat idle, or sent
-// it bytes nobody asked for.
-var errIdleUnsound = errors.New("rate_limit: the idle connection to Redis was closed, or holds bytes nobody asked for")
+// errIdleUnsound: Redis closed the connection while it sat idle.
+var errIdleUnsound = errors.New("rate_limit: Redis closed the idle connection")
 
 func (r idleLook) Read(func(fd uintptr) bool) error {
-	if !idleSound(r.RawConn) {
+	closed := false
+	err := r.RawConn.Read(func(fd uintptr) bool {
+		switch peekSocket(fd) {
+		case socketHolds:
+			closed = closedByPeer(fd)
+		case socketClosed:
+			closed = true
+		}
+		return true
+	})
+	if err != nil || closed {
 		return errIdleUnsound
 	}
 	return nil
@@ -205,12 +218,19 @@ func (r idleLook) Read(func(fd uintptr) bool) error {
 // wait: sound when it holds nothing to read (not closed by Redis, no
 // reply nobody asked for), or when it cannot be looked at.
 func idleSound(rc syscall.RawConn) bool {
-	sound := true
+	state := socketEmpty
 	err := rc.Read(func(fd uintptr) bool {
-		var b [1]byte
-		n, _, err := syscall.Recvfrom(int(fd), b[:], syscall.MSG_PEEK|syscall.MSG_DONTWAIT)
-		sound = n < 0 && (err == syscall.EAGAIN || err == syscall.EWOULDBLOCK)
+		state = peekSocket(fd)
 		return true
 	})
-	return err == nil && sound
+	return err == nil && state == socketEmpty
 }
+
+// What a look at a socket that does not wait finds (peekSocket).
+type socketState int
+
+const (
+	socketEmpty  socketState = iota // nothing to read, or no look possible here
+	socketHolds                     // bytes to read
+	socketClosed                    // closed by the other end, or failed
+)

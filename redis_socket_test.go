@@ -121,3 +121,32 @@ func closedWhileIdle(t *testing.T, srv *testredis.Server, rs *redisStore) {
 		}
 	}
 }
+
+// TestTLSConnectionsOpenedAheadAreKept: the connections go-redis opens
+// ahead of use hold, under TLS 1.3, the session tickets Redis sent after
+// the handshake until their first read; the look before use keeps them
+// (tlsSocket), where it throws away the ones Redis closed
+// (TestRedisConnectionClosedWhileIdleIsRedialed).
+func TestTLSConnectionsOpenedAheadAreKept(t *testing.T) {
+	srv := tlsRedis(t)
+	client, err := RedisConfig{Addresses: []string{srv.Addr}, TLS: &RedisTLS{InsecureSkipVerify: true}, Timeout: testTimeout}.resolved().connect(4, 2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { client.Close() })
+	deadline := time.Now().Add(10 * time.Second)
+	for client.PoolStats().IdleConns < 2 {
+		if time.Now().After(deadline) {
+			t.Fatalf("go-redis did not open connections ahead of use within 10 s: %+v", *client.PoolStats())
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	for i := range 3 {
+		if err := client.Do(context.Background(), "TIME").Err(); err != nil {
+			t.Fatalf("call %d: %v", i, err)
+		}
+	}
+	if st := client.PoolStats(); st.StaleConns != 0 || st.Hits == 0 {
+		t.Fatalf("sound connections opened ahead were thrown away as closed: %+v", *st)
+	}
+}

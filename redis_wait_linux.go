@@ -298,3 +298,15 @@ const pollIn, pollOut = 0x1, 0x4
 
 // blockingWaits: sockets to Redis can wait in blocking system calls here.
 const blockingWaits = true
+
+// closedByPeer says whether the TCP connection on fd is no longer open
+// both ways (Redis closed it: its FIN came), from TCP_INFO's state, its
+// first byte; true when that cannot be read.
+func closedByPeer(fd uintptr) bool {
+	info, err := syscall.GetsockoptInt(int(fd), syscall.IPPROTO_TCP, syscall.TCP_INFO)
+	return err != nil || (*[4]byte)(unsafe.Pointer(&info))[0] != tcpEstablished
+}
+
+// tcpEstablished is TCP_ESTABLISHED, the state of a connection open both
+// ways (include/net/tcp_states.h).
+const tcpEstablished = 1

@@ -10,3 +10,7 @@ func blockingSocketOf(c net.Conn) (net.Conn, error) { return c, nil }
 
 // blockingWaits: sockets to Redis can wait in blocking system calls here.
 const blockingWaits = false
+
+// closedByPeer cannot tell here whether Redis closed the connection: it
+// is taken as closed, and another one made.
+func closedByPeer(uintptr) bool { return true }
