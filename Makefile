@@ -68,6 +68,8 @@ bench: redis-server wrk
 check:
 	@unformatted="$$(gofmt -l .)"; if [ -n "$$unformatted" ]; then echo "gofmt needed: $$unformatted"; exit 1; fi
 	$(GO) vet ./...
+	@# Caddy is built for Windows too: the module must compile there.
+	GOOS=windows $(GO) build .
 
 # The tests start their own redis-server processes; install the binary
 # from Debian's packages when it is missing (root only). The server is a
