@@ -412,10 +412,12 @@ func (c *redisStore) callOn(lone *loneConn, ctx *callContext, args []any) ([]int
 }
 
 // callContext bounds a script call by its deadline alone, which go-redis
-// puts on the socket's reads and writes (ContextTimeoutEnabled), on the wait
-// for a connection and on dialing. Nobody cancels a call, so it needs no
-// Done channel: context.WithTimeout would cost a timer, a channel and six
-// allocations per call for a cancellation nobody makes.
+// puts on the socket's reads and writes (ContextTimeoutEnabled). Nobody
+// cancels a call, so it needs no Done channel: context.WithTimeout would
+// cost a timer, a channel and six allocations per call for a cancellation
+// nobody makes. Without one, the wait for a free connection and for a new
+// one being dialled keep their own bounds (PoolTimeout, DialTimeout):
+// connecting may take up to max(timeout, 1 s), as docs/redis.md says.
 type callContext struct {
 	context.Context // Background: never done
 	deadline        time.Time
