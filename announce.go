@@ -196,9 +196,9 @@ func (e *redisEvents) close() {
 // announcer's own channel; the announcer applies it to itself at once,
 // and answers once as many confirmations came as the events channel has
 // subscribers (PUBSUB NUMSUB: every instance, itself included once its
-// subscription is up), or after a second. So when the admin API
-// answers, the override applies to the next request on every instance,
-// not only once each has read the message.
+// subscription is up, which it waits for), or after a second in all. So
+// when the admin API answers, the override applies to the next request on
+// every instance, not only once each has read the message.
 
 // eventSeen confirms an override's announcement.
 const eventSeen = "seen"
@@ -253,7 +253,7 @@ func (c *redisStore) announceOverride(ctx context.Context, prefix, key string) e
 
 // subscribers is how many connections listen to the events channel ch:
 // one per instance (and Redis store) of the fleet, this one included once
-// its subscription is up; 0 when none is. When Redis does not say, 1: at
+// its subscription is up; 0 while none is. When Redis does not say, 1: at
 // least this one, whose confirmation then shows the announcement went
 // round.
 func (c *redisStore) subscribers(ctx context.Context, ch string) int64 {

@@ -106,10 +106,11 @@ func (t *overrideTable) applyOverrides(_ context.Context, sets []overrideWrite, 
 
 // announceOverrides announces the overrides of the buckets under keys, in
 // pipelines, and waits for every instance to confirm each: a second, and
-// a millisecond more per key.
+// a millisecond more per key, in all.
 func (c *redisStore) announceOverrides(ctx context.Context, prefix string, keys []string) error {
 	ch := eventsChannel(prefix)
-	want := c.subscribers(ctx, ch)
+	deadline := time.NewTimer(time.Second + time.Duration(len(keys))*time.Millisecond)
+	defer deadline.Stop()
 	waits := make([]*ackWait, len(keys))
 	for i, key := range keys {
 		waits[i] = c.overrides.expect(key)
@@ -123,6 +124,20 @@ func (c *redisStore) announceOverrides(ctx context.Context, prefix string, keys 
 			c.overrides.unexpect(key, waits[i])
 		}
 	}()
+	// Nobody listens yet: this instance's own subscription is being made.
+	// It is waited for, within the same bound: an announcement nobody
+	// heard is not confirmed.
+	want := c.subscribers(ctx, ch)
+	for want == 0 {
+		select {
+		case <-time.After(5 * time.Millisecond):
+		case <-deadline.C:
+			return errUnconfirmed
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+		want = c.subscribers(ctx, ch)
+	}
 	for from := 0; from < len(keys); from += applyBatch {
 		p := c.client.Pipeline()
 		for _, key := range keys[from:min(len(keys), from+applyBatch)] {
@@ -132,8 +147,6 @@ func (c *redisStore) announceOverrides(ctx context.Context, prefix string, keys 
 			return err
 		}
 	}
-	deadline := time.NewTimer(time.Second + time.Duration(len(keys))*time.Millisecond)
-	defer deadline.Stop()
 	for _, w := range waits {
 		for w.n.Load() < want {
 			select {
