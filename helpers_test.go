@@ -1,20 +1,10 @@
 package ratelimit
 
 import (
-	"crypto/ecdsa"
-	"crypto/elliptic"
-	"crypto/rand"
 	"crypto/tls"
-	"crypto/x509"
-	"crypto/x509/pkix"
 	"encoding/json"
-	"encoding/pem"
 	"errors"
-	"math/big"
-	"net"
 	"net/http/httptest"
-	"os"
-	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -124,22 +114,9 @@ func rateLimitHandlers(t *testing.T, config []byte) []map[string]any {
 }
 
 // tlsRedis is a redis-server that takes connections under TLS only, with
-// a self-signed certificate for 127.0.0.1 (clients skip its check).
+// a certificate for 127.0.0.1 (testredis.CA; clients skip its check).
 func tlsRedis(t *testing.T) *testredis.Server {
 	t.Helper()
-	dir := t.TempDir()
-	key, _ := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	tmpl := &x509.Certificate{SerialNumber: big.NewInt(1), Subject: pkix.Name{CommonName: "redis"},
-		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour),
-		IPAddresses: []net.IP{net.ParseIP("127.0.0.1")}, KeyUsage: x509.KeyUsageDigitalSignature,
-		ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth}}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
-	if err != nil {
-		t.Fatal(err)
-	}
-	keyDER, _ := x509.MarshalECPrivateKey(key)
-	certFile, keyFile := filepath.Join(dir, "redis.pem"), filepath.Join(dir, "redis.key")
-	_ = os.WriteFile(certFile, pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}), 0o600)
-	_ = os.WriteFile(keyFile, pem.EncodeToMemory(&pem.Block{Type: "EC PRIVATE KEY", Bytes: keyDER}), 0o600)
-	return testredis.StartTLS(t, certFile, keyFile, &tls.Config{InsecureSkipVerify: true})
+	_, certFile, keyFile, pool := testredis.CA(t)
+	return testredis.StartTLS(t, certFile, keyFile, &tls.Config{RootCAs: pool})
 }

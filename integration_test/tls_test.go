@@ -1,63 +1,13 @@
 package integration_test
 
 import (
-	"crypto/ecdsa"
-	"crypto/elliptic"
-	"crypto/rand"
 	"crypto/tls"
-	"crypto/x509"
-	"crypto/x509/pkix"
-	"encoding/pem"
-	"math/big"
-	"net"
-	"os"
-	"path/filepath"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/ratelimit-caddy/caddy-ratelimit/internal/testredis"
 )
-
-// testCA writes a CA and a server certificate for 127.0.0.1 signed by it,
-// as PEM files; it returns their paths and a pool holding the CA.
-func testCA(t *testing.T) (caFile, certFile, keyFile string, pool *x509.CertPool) {
-	t.Helper()
-	dir := t.TempDir()
-	write := func(name, typ string, der []byte) string {
-		p := filepath.Join(dir, name)
-		if err := os.WriteFile(p, pem.EncodeToMemory(&pem.Block{Type: typ, Bytes: der}), 0o600); err != nil {
-			t.Fatal(err)
-		}
-		return p
-	}
-	caKey, _ := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	caTmpl := &x509.Certificate{
-		SerialNumber: big.NewInt(1), Subject: pkix.Name{CommonName: "rate_limit test CA"},
-		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour),
-		IsCA: true, BasicConstraintsValid: true, KeyUsage: x509.KeyUsageCertSign,
-	}
-	caDER, err := x509.CreateCertificate(rand.Reader, caTmpl, caTmpl, &caKey.PublicKey, caKey)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ca, _ := x509.ParseCertificate(caDER)
-	srvKey, _ := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	srvTmpl := &x509.Certificate{
-		SerialNumber: big.NewInt(2), Subject: pkix.Name{CommonName: "redis"},
-		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour),
-		IPAddresses: []net.IP{net.ParseIP("127.0.0.1")}, DNSNames: []string{"redis.test"},
-		KeyUsage: x509.KeyUsageDigitalSignature, ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth},
-	}
-	srvDER, err := x509.CreateCertificate(rand.Reader, srvTmpl, ca, &srvKey.PublicKey, caKey)
-	if err != nil {
-		t.Fatal(err)
-	}
-	keyDER, _ := x509.MarshalECPrivateKey(srvKey)
-	pool = x509.NewCertPool()
-	pool.AddCert(ca)
-	return write("ca.pem", "CERTIFICATE", caDER), write("redis.pem", "CERTIFICATE", srvDER), write("redis.key", "EC PRIVATE KEY", keyDER), pool
-}
 
 // limiterACL is the ACL docs/redis.md gives the limiter's Redis user.
 const limiterACL = "~rl:* ~rate_limit:{fleet}* resetchannels &rl:* +evalsha +eval +time +get +set +del +type +publish +subscribe +zadd +zrem +zcard +zremrangebyscore +pexpire +hset +hdel +hget +hgetall +hkeys +hscan +pubsub|numsub"
@@ -67,7 +17,7 @@ const limiterACL = "~rl:* ~rate_limit:{fleet}* resetchannels &rl:* +evalsha +eva
 // with a CA that did not sign Redis's certificate, or a wrong password, the
 // decisions follow on_error.
 func TestRedisTLSAndACL(t *testing.T) {
-	caFile, certFile, keyFile, pool := testCA(t)
+	caFile, certFile, keyFile, pool := testredis.CA(t)
 	srv := testredis.StartTLS(t, certFile, keyFile, &tls.Config{RootCAs: pool, MinVersion: tls.VersionTLS12})
 	// The ACL the docs give the limiter: its keys and the commands of its
 	// script, nothing else.
@@ -121,7 +71,7 @@ func TestRedisTLSAndACL(t *testing.T) {
 		t.Error("with the documented ACL, the instance cannot announce itself to the fleet")
 	}
 
-	otherCA, _, _, _ := testCA(t)
+	otherCA, _, _, _ := testredis.CA(t)
 	if r := get(t, startCaddy(t, withRedis("s3cret", otherCA), echo()).URL, "X-User", "x"); r.status != 503 {
 		t.Errorf("with a CA that did not sign Redis's certificate: %d, want 503 (fail_closed)", r.status)
 	}
