@@ -138,7 +138,7 @@ func (l *loneConn) ready() bool {
 	if err != nil {
 		return true
 	}
-	if !idleSound(rc) {
+	if !idleSound(rc, false) { // the handshake's records were read with its replies
 		l.drop()
 		return false
 	}

@@ -198,17 +198,7 @@ type idleLook struct{ syscall.RawConn }
 var errIdleUnsound = errors.New("rate_limit: Redis closed the idle connection")
 
 func (r idleLook) Read(func(fd uintptr) bool) error {
-	closed := false
-	err := r.RawConn.Read(func(fd uintptr) bool {
-		switch peekSocket(fd) {
-		case socketHolds:
-			closed = closedByPeer(fd)
-		case socketClosed:
-			closed = true
-		}
-		return true
-	})
-	if err != nil || closed {
+	if !idleSound(r.RawConn, true) {
 		return errIdleUnsound
 	}
 	return nil
@@ -216,14 +206,21 @@ func (r idleLook) Read(func(fd uintptr) bool) error {
 
 // idleSound takes a look at an idle connection's socket that does not
 // wait: sound when it holds nothing to read (not closed by Redis, no
-// reply nobody asked for), or when it cannot be looked at.
-func idleSound(rc syscall.RawConn) bool {
-	state := socketEmpty
+// reply nobody asked for), or when it cannot be looked at. With
+// tlsRecords, bytes on a connection Redis has not closed are sound too:
+// TLS's own records, left for its first read (idleLook).
+func idleSound(rc syscall.RawConn, tlsRecords bool) bool {
+	sound := true
 	err := rc.Read(func(fd uintptr) bool {
-		state = peekSocket(fd)
+		switch peekSocket(fd) {
+		case socketHolds:
+			sound = tlsRecords && !closedByPeer(fd)
+		case socketClosed:
+			sound = false
+		}
 		return true
 	})
-	return err == nil && state == socketEmpty
+	return err == nil && sound
 }
 
 // What a look at a socket that does not wait finds (peekSocket).
