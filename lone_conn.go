@@ -36,6 +36,11 @@ type loneConn struct {
 	mu  sync.Mutex
 	rd  *bufio.Reader
 	buf []byte // the command being written
+	// answered is when a call on conn last had its reply
+	// (monotonicMicros; 0: none yet), and unlooked whether ready took it
+	// as sound for that without its look at the socket.
+	answered int64
+	unlooked bool
 	// conn is the socket (nil: none); held under cmu, so that closing
 	// the store ends a call waiting on it.
 	cmu    sync.Mutex
@@ -49,6 +54,26 @@ type loneConn struct {
 // made, closed, or found closed by Redis while idle.
 var errLoneGone = errors.New("rate_limit: the lone connection to Redis is not open")
 
+// loneFresh is how recently the connection must have answered for a call
+// to be made on it without a look at its socket first. Redis closes a
+// connection idle for its timeout, a second at least, so one that
+// answered within the second is sound unless Redis was told to close it
+// (CLIENT KILL, a restart); the call then reads that it was closed before
+// any reply came (errLoneClosed) and is made on the pool instead. What
+// is saved is the look's system call, on every decision made one request
+// at a time.
+const loneFresh = 1_000_000 // µs
+
+// errLoneClosed is a call, on a connection not looked at (loneFresh), that
+// found the connection closed before any of its reply came: Redis closed
+// it before the call reached it, so the script did not run.
+type errLoneClosed struct{ err error }
+
+func (e *errLoneClosed) Error() string {
+	return "rate_limit: Redis had closed the lone connection: " + e.err.Error()
+}
+func (e *errLoneClosed) Unwrap() error { return e.err }
+
 // loneReplyError is an error reply from Redis. go-redis's redis.Error
 // interface (RedisError) makes it read as go-redis's own: the NOSCRIPT
 // retry, errorKind and the breaker treat it alike.
@@ -61,6 +86,7 @@ func (loneReplyError) RedisError()     {}
 // replacing the connection there was; the caller holds mu.
 func (l *loneConn) open() error {
 	l.drop()
+	l.answered, l.unlooked = 0, false
 	ctx, cancel := context.WithTimeout(context.Background(), l.dialTimeout)
 	conn, err := l.dial(ctx, "tcp", l.addr)
 	cancel()
@@ -110,7 +136,8 @@ func (l *loneConn) open() error {
 
 // ready reports whether the connection is open and Redis has not closed
 // it while it sat idle: a look at the socket that does not wait, as
-// go-redis's pool takes before handing a connection out. Under TLS the
+// go-redis's pool takes before handing a connection out, unless it
+// answered within loneFresh (unlooked). Under TLS the
 // look is at the TCP socket below, which holds nothing while the
 // connection is idle unless Redis closed it (its close_notify) or sent
 // something unasked: either way it is not used. A closed one is dropped.
@@ -126,6 +153,11 @@ func (l *loneConn) ready() bool {
 		l.drop() // a reply nobody asked for: the connection is out of step
 		return false
 	}
+	if l.answered != 0 && monotonicMicros()-l.answered < loneFresh {
+		l.unlooked = true
+		return true
+	}
+	l.unlooked = false
 	var socket net.Conn = conn
 	if tc, ok := conn.(tlsSocket); ok {
 		socket = tc.NetConn()
@@ -146,10 +178,10 @@ func (l *loneConn) ready() bool {
 }
 
 // call runs args (a script's EVALSHA or EVAL) and reads its reply, an
-// array of integers, by deadline. A connection that failed in any way but
-// an error reply is dropped: what it holds next is unknown. The caller
-// holds mu, and checked ready.
-func (l *loneConn) call(deadline time.Time, args []any) ([]int64, error) {
+// array of integers, by deadline, into out. A connection that failed in
+// any way but an error reply is dropped: what it holds next is unknown.
+// The caller holds mu, and checked ready.
+func (l *loneConn) call(deadline time.Time, args []any, out []int64) ([]int64, error) {
 	l.calls.Add(1)
 	l.cmu.Lock()
 	conn := l.conn
@@ -157,14 +189,14 @@ func (l *loneConn) call(deadline time.Time, args []any) ([]int64, error) {
 	if conn == nil {
 		return nil, errLoneGone
 	}
-	var out []int64
+	out = out[:0]
 	if err := l.roundTrip(conn, deadline, args, &out); err != nil {
-		var reply loneReplyError
-		if !errors.As(err, &reply) {
+		if _, reply := err.(loneReplyError); !reply {
 			l.drop()
 		}
 		return nil, err
 	}
+	l.answered = monotonicMicros()
 	return out, nil
 }
 
@@ -189,15 +221,30 @@ func (l *loneConn) roundTrip(conn net.Conn, deadline time.Time, args []any, out 
 		return err
 	}
 	if _, err := conn.Write(b); err != nil {
-		return err
+		return l.closedBefore(err)
 	}
 	if err := conn.SetReadDeadline(within()); err != nil {
 		return err
+	}
+	if _, err := l.rd.Peek(1); err != nil { // nothing of the reply came
+		return l.closedBefore(err)
 	}
 	if out == nil {
 		return skipReply(l.rd)
 	}
 	*out, err = readIntegers(l.rd, (*out)[:0])
+	return err
+}
+
+// closedBefore is err, a call's write or the wait for its reply's first
+// byte, as errLoneClosed when it says Redis had closed a connection the
+// call took without a look (a reset, or the end of it): what the look
+// would have found. Redis closes a connection without reading what is on
+// its way, and runs no command it has not read whole.
+func (l *loneConn) closedBefore(err error) error {
+	if l.unlooked && (errors.Is(err, io.EOF) || errors.Is(err, syscall.ECONNRESET) || errors.Is(err, syscall.EPIPE)) {
+		return &errLoneClosed{err}
+	}
 	return err
 }
 

@@ -25,7 +25,10 @@ import (
 // second; Redis may refuse the new one (full at maxclients, or a password
 // or an ACL changed since the pool's were made) while the pool's go on.
 // A call that finds lone busy (another coalescer's call alone), or its
-// connection closed by Redis while idle, goes on the pool too.
+// connection closed by Redis while idle, goes on the pool too: found
+// closed by the look before the call, or, when the connection answered
+// too recently to be looked at (loneFresh), by the call itself before any
+// reply (errLoneClosed, eval).
 
 // loneFor is the lone connection, held for batch's call, or nil when the
 // call goes on the pool.
@@ -46,8 +49,10 @@ func (c *redisStore) loneFor(batch []*pending) *loneConn {
 // memory, a read-only replica, a script's error): the connection is sound,
 // and the pool would get the same reply.
 func (c *redisStore) loneAnswered(err error) {
-	var reply loneReplyError
-	if err != nil && !errors.As(err, &reply) && c.loneDown.CompareAndSwap(false, true) {
+	if err == nil {
+		return
+	}
+	if _, reply := err.(loneReplyError); !reply && c.loneDown.CompareAndSwap(false, true) {
 		go c.loneBack()
 	}
 }

@@ -117,3 +117,35 @@ func loneStore(t *testing.T, name string) (*testredis.Server, *redisStore, []buc
 	loneUp(t, rs)
 	return srv, rs, []bucketRequest{{key: "rl:p:{" + name + "}", limit: limit{interval: 1000, burst: 1_000_000}, op: opTake, cost: 1}}
 }
+
+// A lone connection that answered within the last second is used without
+// a look at its socket (loneFresh). When Redis closed it meanwhile (here
+// CLIENT KILL), the call finds it closed before any reply, and is made on
+// the pool: the request is decided, and charged once.
+func TestLoneCallOnAClosedConnectionIsMadeOnThePool(t *testing.T) {
+	srv, rs, _ := loneStore(t, "closed")
+	ctx := context.Background()
+	r := []bucketRequest{{key: "rl:p:{closed}", limit: limit{interval: 1_000_000_000, burst: 100}, op: opTake, cost: 1}}
+	for round := range 3 {
+		loneUp(t, rs)
+		for range 5 {
+			if _, err := rs.decide(ctx, r); err != nil {
+				t.Fatal(err)
+			}
+		}
+		before := loneUsed(rs)
+		if killed, err := srv.Do("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes"); err != nil || killed == "0" {
+			t.Fatalf("CLIENT KILL: %s, %v", killed, err)
+		}
+		d, err := rs.decide(ctx, r)
+		if err != nil || !d.admitted {
+			t.Fatalf("round %d: the decision after Redis closed the lone connection: %+v, %v", round, d, err)
+		}
+		if loneUsed(rs) != before+1 {
+			t.Fatalf("round %d: %d calls tried on the lone connection, want 1 (taken without a look)", round, loneUsed(rs)-before)
+		}
+		if want := int64(100 - 6*(round+1)); d.verdicts[0].remaining != want {
+			t.Fatalf("round %d: %d left, want %d: the request was charged %d times", round, d.verdicts[0].remaining, want, 100-int(d.verdicts[0].remaining)-6*round-5)
+		}
+	}
+}

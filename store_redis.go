@@ -358,16 +358,27 @@ func (c *redisStore) eval(batch []*pending) breaker.Result {
 	if want := batchConfirmation(batch); want.wanted() {
 		return c.evalDurable(batch, want) // with its WAIT or WAITAOF
 	}
-	ctx := &callContext{Context: context.Background(), deadline: time.Now().Add(c.callTimeout)}
+	deadline := time.Now().Add(c.callTimeout)
 	args := encodeCall(batch, c.format.current())
 	sent := monotonicMicros()
 	lone := c.loneFor(batch) // store_lone.go; nil: the pool
-	res, err := c.callOn(lone, ctx, args)
+	var reply [8]int64       // a lone call's reply: one request's
+	res, err := c.callOn(lone, deadline, args, reply[:0])
+	if lone != nil && err != nil {
+		if _, closed := err.(*errLoneClosed); closed {
+			// Redis had closed the lone connection: the call did not
+			// reach it, and is made on the pool.
+			lone.mu.Unlock()
+			c.loneAnswered(err)
+			lone = nil
+			res, err = c.callOn(nil, deadline, args, nil)
+		}
+	}
 	if err != nil && redis.HasErrorPrefix(err, "NOSCRIPT") { // HasErrorPrefix allocates
 		// A restarted or flushed Redis: EVAL loads the script again. The
 		// script did not run, so nothing was charged twice.
 		args[0], args[1] = "eval", decideLua
-		res, err = c.callOn(lone, ctx, args)
+		res, err = c.callOn(lone, deadline, args, reply[:0])
 	}
 	if lone != nil {
 		lone.mu.Unlock()
@@ -402,10 +413,11 @@ func (c *redisStore) eval(batch []*pending) breaker.Result {
 
 // callOn makes a script call on the lone connection, or on the pool when
 // lone is nil.
-func (c *redisStore) callOn(lone *loneConn, ctx *callContext, args []any) ([]int64, error) {
+func (c *redisStore) callOn(lone *loneConn, deadline time.Time, args []any, out []int64) ([]int64, error) {
 	if lone != nil {
-		return lone.call(ctx.deadline, args)
+		return lone.call(deadline, args, out)
 	}
+	ctx := &callContext{Context: context.Background(), deadline: deadline}
 	cmd := redis.NewIntSliceCmd(ctx, args...)
 	_ = c.client.Process(ctx, cmd)
 	return cmd.Result()
