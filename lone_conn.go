@@ -58,15 +58,15 @@ var errLoneGone = errors.New("rate_limit: the lone connection to Redis is not op
 // to be made on it without a look at its socket first. Redis closes a
 // connection idle for its timeout, a second at least, so one that
 // answered within the second is sound unless Redis was told to close it
-// (CLIENT KILL, a restart); the call then reads that it was closed before
-// any reply came (errLoneClosed) and is made on the pool instead. What
+// (CLIENT KILL, a restart); the call then finds that it was closed before
+// the call reached Redis (errLoneClosed) and is made on the pool instead. What
 // is saved is the look's system call, on every decision made one request
 // at a time.
 const loneFresh = 1_000_000 // µs
 
 // errLoneClosed is a call, on a connection not looked at (loneFresh), that
-// found the connection closed before any of its reply came: Redis closed
-// it before the call reached it, so the script did not run.
+// found the connection closed by Redis before the call reached it
+// (closedBefore), so the script did not run.
 type errLoneClosed struct{ err error }
 
 func (e *errLoneClosed) Error() string {
@@ -131,6 +131,7 @@ func (l *loneConn) open() error {
 			return err
 		}
 	}
+	l.answered = monotonicMicros()
 	return nil
 }
 
@@ -221,13 +222,13 @@ func (l *loneConn) roundTrip(conn net.Conn, deadline time.Time, args []any, out 
 		return err
 	}
 	if _, err := conn.Write(b); err != nil {
-		return l.closedBefore(err)
+		return l.closedBefore(err, nil) // not written whole: not run
 	}
 	if err := conn.SetReadDeadline(within()); err != nil {
 		return err
 	}
 	if _, err := l.rd.Peek(1); err != nil { // nothing of the reply came
-		return l.closedBefore(err)
+		return l.closedBefore(err, conn)
 	}
 	if out == nil {
 		return skipReply(l.rd)
@@ -238,14 +239,33 @@ func (l *loneConn) roundTrip(conn net.Conn, deadline time.Time, args []any, out 
 
 // closedBefore is err, a call's write or the wait for its reply's first
 // byte, as errLoneClosed when it says Redis had closed a connection the
-// call took without a look (a reset, or the end of it): what the look
-// would have found. Redis closes a connection without reading what is on
-// its way, and runs no command it has not read whole.
-func (l *loneConn) closedBefore(err error) error {
-	if l.unlooked && (errors.Is(err, io.EOF) || errors.Is(err, syscall.ECONNRESET) || errors.Is(err, syscall.EPIPE)) {
-		return &errLoneClosed{err}
+// call took without a look (a reset, or the end of it) before the call
+// reached it: what the look would have found. Redis runs no command it
+// has not read whole, and reads none once it closed the connection. A
+// write that failed was not made whole. After a whole write (conn), the
+// call reached Redis unless Redis's kernel never acknowledged it
+// (unacknowledged): one Redis closed after reading it, whose script may
+// have run (a CLIENT KILL between running it and answering), stays a
+// failure, never charged twice.
+func (l *loneConn) closedBefore(err error, conn net.Conn) error {
+	if !l.unlooked || !(errors.Is(err, io.EOF) || errors.Is(err, syscall.ECONNRESET) || errors.Is(err, syscall.EPIPE)) {
+		return err
 	}
-	return err
+	if conn != nil {
+		if tc, ok := conn.(tlsSocket); ok {
+			conn = tc.NetConn()
+		}
+		sc, ok := conn.(syscall.Conn)
+		if !ok {
+			return err
+		}
+		rc, rerr := sc.SyscallConn()
+		unacked := false
+		if rerr != nil || rc.Control(func(fd uintptr) { unacked = unacknowledged(fd) }) != nil || !unacked {
+			return err
+		}
+	}
+	return &errLoneClosed{err}
 }
 
 // drop closes the connection, if there is one.

@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"io"
+	"net"
 	"os"
 	"reflect"
 	"regexp"
@@ -311,5 +312,71 @@ func TestLoneConnectionClosedWhileIdleUnderTLS(t *testing.T) {
 			t.Fatalf("round %d, the first request alone after Redis closed the idle lone connection: %+v, %v", round, d, err)
 		}
 		loneUp(t, rs)
+	}
+}
+
+// A call on a lone connection taken without a look (it answered just
+// now) is made again on the pool only when Redis had closed the
+// connection before the call reached it: then Redis's kernel never
+// acknowledged the call. A Redis that read the call and closed the
+// connection without answering (a CLIENT KILL between running the script
+// and answering) may have run it: that call fails, as a call whose
+// connection broke always did, and is not made twice.
+func TestLoneCallIsMadeAgainOnlyWhenRedisNeverReadIt(t *testing.T) {
+	if !blockingWaits {
+		t.Skip("the lone connection is made only where sockets to Redis wait in blocking calls (Linux)")
+	}
+	for _, tc := range []struct {
+		name      string
+		readFirst bool // the server reads the call whole before it closes
+		again     bool
+	}{{"closed before the call", false, true}, {"closed after reading the call", true, false}} {
+		t.Run(tc.name, func(t *testing.T) {
+			ln, err := net.Listen("tcp", "127.0.0.1:0")
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { ln.Close() })
+			closed := make(chan struct{})
+			go func() {
+				c, err := ln.Accept()
+				if err != nil {
+					return
+				}
+				defer close(closed)
+				rd := bufio.NewReader(c)
+				if _, err := readCommand(rd); err != nil { // TIME
+					c.Close()
+					return
+				}
+				_, _ = io.WriteString(c, "*2\r\n$10\r\n1700000000\r\n$1\r\n0\r\n")
+				if tc.readFirst {
+					_, _ = readCommand(rd)
+				}
+				c.Close()
+			}()
+			l, err := RedisConfig{Addresses: []string{ln.Addr().String()}, Timeout: caddy.Duration(2 * time.Second)}.resolved().newLone()
+			if err != nil || l == nil {
+				t.Fatal(l, err)
+			}
+			t.Cleanup(func() { l.Close() })
+			l.mu.Lock()
+			defer l.mu.Unlock()
+			if err := l.open(); err != nil {
+				t.Fatal(err)
+			}
+			if !tc.readFirst {
+				<-closed
+				time.Sleep(20 * time.Millisecond) // the FIN is in
+			}
+			if !l.ready() || !l.unlooked {
+				t.Fatalf("a connection that answered just now: ready %v, taken without a look %v", l.ready(), l.unlooked)
+			}
+			_, err = l.call(time.Now().Add(2*time.Second), []any{"evalsha", "0123456789012345678901234567890123456789", 1, "rl:p:{k}", 2, []byte("x")}, nil)
+			var again *errLoneClosed
+			if err == nil || errors.As(err, &again) != tc.again {
+				t.Fatalf("the call: %v; made again on the pool %v, want %v", err, errors.As(err, &again), tc.again)
+			}
+		})
 	}
 }

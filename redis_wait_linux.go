@@ -3,6 +3,7 @@
 package ratelimit
 
 import (
+	"encoding/binary"
 	"io"
 	"math"
 	"net"
@@ -306,6 +307,30 @@ func closedByPeer(fd uintptr) bool {
 	info, err := syscall.GetsockoptInt(int(fd), syscall.IPPROTO_TCP, syscall.TCP_INFO)
 	return err != nil || (*[4]byte)(unsafe.Pointer(&info))[0] != tcpEstablished
 }
+
+// unacknowledged says whether some of the bytes sent on the TCP
+// connection on fd were never acknowledged by the other end: from
+// TCP_INFO's counters (Linux 4.19 on), the bytes sent, less those sent
+// again, beyond the bytes acknowledged. Once the connection has ended,
+// that is what it sent after the other end's kernel stopped taking it
+// in; a FIN acknowledges everything taken in before it. False when the
+// counters cannot be read.
+func unacknowledged(fd uintptr) bool {
+	var info [tcpInfoLen]byte
+	n := uint32(len(info))
+	_, _, e := syscall.Syscall6(syscall.SYS_GETSOCKOPT, fd, syscall.IPPROTO_TCP, syscall.TCP_INFO,
+		uintptr(unsafe.Pointer(&info[0])), uintptr(unsafe.Pointer(&n)), 0)
+	if e != 0 || n < tcpInfoLen {
+		return false
+	}
+	u64 := func(off int) uint64 { return binary.NativeEndian.Uint64(info[off:]) }
+	acked, sent, resent := u64(120), u64(200), u64(208) // tcpi_bytes_acked, _sent, _retrans
+	return sent-resent > acked
+}
+
+// tcpInfoLen is struct tcp_info's length up to tcpi_bytes_retrans
+// (include/uapi/linux/tcp.h).
+const tcpInfoLen = 216
 
 // tcpEstablished is TCP_ESTABLISHED, the state of a connection open both
 // ways (include/net/tcp_states.h).

@@ -14,3 +14,7 @@ const blockingWaits = false
 // closedByPeer cannot tell here whether Redis closed the connection: it
 // is taken as closed, and another one made.
 func closedByPeer(uintptr) bool { return true }
+
+// unacknowledged cannot tell here what the other end took in: nothing
+// is taken as unacknowledged, so nothing is sent again.
+func unacknowledged(uintptr) bool { return false }
