@@ -159,16 +159,8 @@ func (l *loneConn) ready() bool {
 		return true
 	}
 	l.unlooked = false
-	var socket net.Conn = conn
-	if tc, ok := conn.(tlsSocket); ok {
-		socket = tc.NetConn()
-	}
-	sc, ok := socket.(syscall.Conn)
-	if !ok {
-		return true
-	}
-	rc, err := sc.SyscallConn()
-	if err != nil {
+	rc := rawSocket(conn)
+	if rc == nil {
 		return true
 	}
 	if !idleSound(rc, false) { // the handshake's records were read with its replies
@@ -252,20 +244,29 @@ func (l *loneConn) closedBefore(err error, conn net.Conn) error {
 		return err
 	}
 	if conn != nil {
-		if tc, ok := conn.(tlsSocket); ok {
-			conn = tc.NetConn()
-		}
-		sc, ok := conn.(syscall.Conn)
-		if !ok {
-			return err
-		}
-		rc, rerr := sc.SyscallConn()
-		unacked := false
-		if rerr != nil || rc.Control(func(fd uintptr) { unacked = unacknowledged(fd) }) != nil || !unacked {
+		rc, unacked := rawSocket(conn), false
+		if rc == nil || rc.Control(func(fd uintptr) { unacked = unacknowledged(fd) }) != nil || !unacked {
 			return err
 		}
 	}
 	return &errLoneClosed{err}
+}
+
+// rawSocket is conn's TCP socket, below TLS, or nil when it cannot be
+// looked at.
+func rawSocket(conn net.Conn) syscall.RawConn {
+	if tc, ok := conn.(tlsSocket); ok {
+		conn = tc.NetConn()
+	}
+	sc, ok := conn.(syscall.Conn)
+	if !ok {
+		return nil
+	}
+	rc, err := sc.SyscallConn()
+	if err != nil {
+		return nil
+	}
+	return rc
 }
 
 // drop closes the connection, if there is one.
