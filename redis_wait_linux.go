@@ -310,22 +310,22 @@ func closedByPeer(fd uintptr) bool {
 
 // unacknowledged says whether some of the bytes sent on the TCP
 // connection on fd were never acknowledged by the other end: from
-// TCP_INFO's counters (Linux 4.19 on), the bytes sent, less those sent
-// again, beyond the bytes acknowledged. Once the connection has ended,
-// that is what it sent after the other end's kernel stopped taking it
-// in; a FIN acknowledges everything taken in before it. False when the
-// counters cannot be read.
-func unacknowledged(fd uintptr) bool {
+// TCP_INFO's counters, the bytes sent, less those sent again, beyond the
+// bytes acknowledged. Once the connection has ended, that is what it sent
+// after the other end's kernel stopped taking it in; a FIN acknowledges
+// everything taken in before it. known is false where the counters
+// cannot be read (kernels before 4.19).
+func unacknowledged(fd uintptr) (unacked, known bool) {
 	var info [tcpInfoLen]byte
 	n := uint32(len(info))
 	_, _, e := syscall.Syscall6(syscall.SYS_GETSOCKOPT, fd, syscall.IPPROTO_TCP, syscall.TCP_INFO,
 		uintptr(unsafe.Pointer(&info[0])), uintptr(unsafe.Pointer(&n)), 0)
 	if e != 0 || n < tcpInfoLen {
-		return false
+		return false, false
 	}
 	u64 := func(off int) uint64 { return binary.NativeEndian.Uint64(info[off:]) }
 	acked, sent, resent := u64(120), u64(200), u64(208) // tcpi_bytes_acked, _sent, _retrans
-	return sent-resent > acked
+	return sent-resent > acked, true
 }
 
 // tcpInfoLen is struct tcp_info's length up to tcpi_bytes_retrans

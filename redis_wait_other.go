@@ -15,6 +15,5 @@ const blockingWaits = false
 // is taken as closed, and another one made.
 func closedByPeer(uintptr) bool { return true }
 
-// unacknowledged cannot tell here what the other end took in: nothing
-// is taken as unacknowledged, so nothing is sent again.
-func unacknowledged(uintptr) bool { return false }
+// unacknowledged cannot tell here what the other end took in.
+func unacknowledged(uintptr) (unacked, known bool) { return false, false }
