@@ -304,8 +304,8 @@ const blockingWaits = true
 // both ways (Redis closed it: its FIN came), from TCP_INFO's state, its
 // first byte; true when that cannot be read.
 func closedByPeer(fd uintptr) bool {
-	info, err := syscall.GetsockoptInt(int(fd), syscall.IPPROTO_TCP, syscall.TCP_INFO)
-	return err != nil || (*[4]byte)(unsafe.Pointer(&info))[0] != tcpEstablished
+	var info [1]byte
+	return tcpInfo(fd, info[:]) < len(info) || info[0] != tcpEstablished
 }
 
 // unacknowledged says whether some of the bytes sent on the TCP
@@ -317,15 +317,25 @@ func closedByPeer(fd uintptr) bool {
 // cannot be read (kernels before 4.19).
 func unacknowledged(fd uintptr) (unacked, known bool) {
 	var info [tcpInfoLen]byte
-	n := uint32(len(info))
-	_, _, e := syscall.Syscall6(syscall.SYS_GETSOCKOPT, fd, syscall.IPPROTO_TCP, syscall.TCP_INFO,
-		uintptr(unsafe.Pointer(&info[0])), uintptr(unsafe.Pointer(&n)), 0)
-	if e != 0 || n < tcpInfoLen {
+	if tcpInfo(fd, info[:]) < len(info) {
 		return false, false
 	}
 	u64 := func(off int) uint64 { return binary.NativeEndian.Uint64(info[off:]) }
 	acked, sent, resent := u64(120), u64(200), u64(208) // tcpi_bytes_acked, _sent, _retrans
 	return sent-resent > acked, true
+}
+
+// tcpInfo reads the TCP connection on fd's struct tcp_info, as much of
+// it as info holds and the kernel has, into info; it returns how many
+// bytes it read, 0 when it could not.
+func tcpInfo(fd uintptr, info []byte) int {
+	n := uint32(len(info))
+	_, _, e := syscall.Syscall6(syscall.SYS_GETSOCKOPT, fd, syscall.IPPROTO_TCP, syscall.TCP_INFO,
+		uintptr(unsafe.Pointer(&info[0])), uintptr(unsafe.Pointer(&n)), 0)
+	if e != 0 {
+		return 0
+	}
+	return int(n)
 }
 
 // tcpInfoLen is struct tcp_info's length up to tcpi_bytes_retrans
